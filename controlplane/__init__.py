@@ -1,0 +1,1 @@
+"""kvroute control plane: residency map, membership, routing config (etcd), admin API, gRPC."""

@@ -1,0 +1,1 @@
+"""kvroute data-plane proxy: OpenAI-compatible, scores replicas locally, streams responses."""

@@ -1,0 +1,177 @@
+from kvcore.pb import events_pb2 as _events_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ReplicaStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REPLICA_STATUS_UNSPECIFIED: _ClassVar[ReplicaStatus]
+    REPLICA_STATUS_HEALTHY: _ClassVar[ReplicaStatus]
+    REPLICA_STATUS_DRAINING: _ClassVar[ReplicaStatus]
+    REPLICA_STATUS_UNHEALTHY: _ClassVar[ReplicaStatus]
+REPLICA_STATUS_UNSPECIFIED: ReplicaStatus
+REPLICA_STATUS_HEALTHY: ReplicaStatus
+REPLICA_STATUS_DRAINING: ReplicaStatus
+REPLICA_STATUS_UNHEALTHY: ReplicaStatus
+
+class WatchRequest(_message.Message):
+    __slots__ = ("proxy_id", "pools", "have_epoch", "have_version")
+    PROXY_ID_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    HAVE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    proxy_id: str
+    pools: _containers.RepeatedScalarFieldContainer[str]
+    have_epoch: int
+    have_version: int
+    def __init__(self, proxy_id: _Optional[str] = ..., pools: _Optional[_Iterable[str]] = ..., have_epoch: _Optional[int] = ..., have_version: _Optional[int] = ...) -> None: ...
+
+class Workload(_message.Message):
+    __slots__ = ("name", "policy_json", "mod_revision")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    POLICY_JSON_FIELD_NUMBER: _ClassVar[int]
+    MOD_REVISION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    policy_json: str
+    mod_revision: int
+    def __init__(self, name: _Optional[str] = ..., policy_json: _Optional[str] = ..., mod_revision: _Optional[int] = ...) -> None: ...
+
+class ApiKey(_message.Message):
+    __slots__ = ("key_sha256", "tenant", "default_workload", "scopes")
+    KEY_SHA256_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_WORKLOAD_FIELD_NUMBER: _ClassVar[int]
+    SCOPES_FIELD_NUMBER: _ClassVar[int]
+    key_sha256: str
+    tenant: str
+    default_workload: str
+    scopes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, key_sha256: _Optional[str] = ..., tenant: _Optional[str] = ..., default_workload: _Optional[str] = ..., scopes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RoutingConfig(_message.Message):
+    __slots__ = ("revision", "workloads", "api_keys")
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    WORKLOADS_FIELD_NUMBER: _ClassVar[int]
+    API_KEYS_FIELD_NUMBER: _ClassVar[int]
+    revision: int
+    workloads: _containers.RepeatedCompositeFieldContainer[Workload]
+    api_keys: _containers.RepeatedCompositeFieldContainer[ApiKey]
+    def __init__(self, revision: _Optional[int] = ..., workloads: _Optional[_Iterable[_Union[Workload, _Mapping]]] = ..., api_keys: _Optional[_Iterable[_Union[ApiKey, _Mapping]]] = ...) -> None: ...
+
+class Replica(_message.Message):
+    __slots__ = ("ordinal", "replica_id", "pool", "base_url", "model", "served_names", "engine_kind", "block_size", "status", "load", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ORDINAL_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    BASE_URL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SERVED_NAMES_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    ordinal: int
+    replica_id: str
+    pool: str
+    base_url: str
+    model: str
+    served_names: _containers.RepeatedScalarFieldContainer[str]
+    engine_kind: _events_pb2.EngineKind
+    block_size: int
+    status: ReplicaStatus
+    load: _events_pb2.LoadReport
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, ordinal: _Optional[int] = ..., replica_id: _Optional[str] = ..., pool: _Optional[str] = ..., base_url: _Optional[str] = ..., model: _Optional[str] = ..., served_names: _Optional[_Iterable[str]] = ..., engine_kind: _Optional[_Union[_events_pb2.EngineKind, str]] = ..., block_size: _Optional[int] = ..., status: _Optional[_Union[ReplicaStatus, str]] = ..., load: _Optional[_Union[_events_pb2.LoadReport, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class ReplicaBlocks(_message.Message):
+    __slots__ = ("ordinal", "keys")
+    ORDINAL_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    ordinal: int
+    keys: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ordinal: _Optional[int] = ..., keys: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ResidencyChange(_message.Message):
+    __slots__ = ("ordinal", "cleared", "added", "removed")
+    ORDINAL_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    ordinal: int
+    cleared: bool
+    added: _containers.RepeatedScalarFieldContainer[int]
+    removed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ordinal: _Optional[int] = ..., cleared: _Optional[bool] = ..., added: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PoolShard(_message.Message):
+    __slots__ = ("pool", "shard", "leader_instance")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    LEADER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    shard: str
+    leader_instance: str
+    def __init__(self, pool: _Optional[str] = ..., shard: _Optional[str] = ..., leader_instance: _Optional[str] = ...) -> None: ...
+
+class SnapshotChunk(_message.Message):
+    __slots__ = ("chunk_index", "last_chunk", "config", "replicas", "shards", "residency")
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENCY_FIELD_NUMBER: _ClassVar[int]
+    chunk_index: int
+    last_chunk: bool
+    config: RoutingConfig
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    shards: _containers.RepeatedCompositeFieldContainer[PoolShard]
+    residency: _containers.RepeatedCompositeFieldContainer[ReplicaBlocks]
+    def __init__(self, chunk_index: _Optional[int] = ..., last_chunk: _Optional[bool] = ..., config: _Optional[_Union[RoutingConfig, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[PoolShard, _Mapping]]] = ..., residency: _Optional[_Iterable[_Union[ReplicaBlocks, _Mapping]]] = ...) -> None: ...
+
+class Delta(_message.Message):
+    __slots__ = ("config", "replicas_upserted", "replicas_removed", "residency", "loads")
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_UPSERTED_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    RESIDENCY_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    config: RoutingConfig
+    replicas_upserted: _containers.RepeatedCompositeFieldContainer[Replica]
+    replicas_removed: _containers.RepeatedScalarFieldContainer[int]
+    residency: _containers.RepeatedCompositeFieldContainer[ResidencyChange]
+    loads: _containers.RepeatedCompositeFieldContainer[LoadUpdate]
+    def __init__(self, config: _Optional[_Union[RoutingConfig, _Mapping]] = ..., replicas_upserted: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., replicas_removed: _Optional[_Iterable[int]] = ..., residency: _Optional[_Iterable[_Union[ResidencyChange, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[LoadUpdate, _Mapping]]] = ...) -> None: ...
+
+class LoadUpdate(_message.Message):
+    __slots__ = ("ordinal", "load")
+    ORDINAL_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    ordinal: int
+    load: _events_pb2.LoadReport
+    def __init__(self, ordinal: _Optional[int] = ..., load: _Optional[_Union[_events_pb2.LoadReport, _Mapping]] = ...) -> None: ...
+
+class StateUpdate(_message.Message):
+    __slots__ = ("epoch", "version", "snapshot", "delta")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    version: int
+    snapshot: SnapshotChunk
+    delta: Delta
+    def __init__(self, epoch: _Optional[int] = ..., version: _Optional[int] = ..., snapshot: _Optional[_Union[SnapshotChunk, _Mapping]] = ..., delta: _Optional[_Union[Delta, _Mapping]] = ...) -> None: ...

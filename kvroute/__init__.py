@@ -1,0 +1,1 @@
+"""The `kvroute` command: a local fleet (`up`), benchmarks and explain."""

@@ -1,0 +1,1 @@
+"""kvroute sidecar: engine KV events and load, translated to router keys, published on NATS."""
