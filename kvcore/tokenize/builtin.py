@@ -1,0 +1,140 @@
+"""A tokenizer that needs no model files, for demos, tests and ``enginesim``.
+
+Both the simulated engine and the proxy use it (``--tokenizer builtin``), so it must be
+deterministic and fully specified; the rule is in :class:`BuiltinTokenizer`'s docstring
+and anyone can reimplement it from there.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import xxhash
+
+from kvcore.tokenize.base import ChatTemplateError
+
+VOCAB_SIZE = 32_000
+FIRST_ORDINARY_ID = 256
+PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+SPECIAL_TOKENS: dict[str, int] = {
+    PAD: 0,
+    BOS: 1,
+    EOS: 2,
+    "<|system|>": 3,
+    "<|user|>": 4,
+    "<|assistant|>": 5,
+    "<|tool|>": 6,
+    "<|end|>": 7,
+}
+ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
+ROLE_TOKENS["tool"] = "<|tool|>"
+
+_SPECIAL_RE = re.compile("|".join(re.escape(s) for s in SPECIAL_TOKENS))
+_PIECE_RE = re.compile(r"\s*(?:\w{1,8}|[^\w\s])|\s+")
+_hash = xxhash.xxh3_64_intdigest
+
+
+def piece_id(piece: str) -> int:
+    """The id of one ordinary piece: ``256 + xxh3_64(UTF-8) % (32000 - 256)``."""
+    return FIRST_ORDINARY_ID + _hash(piece.encode("utf-8")) % (VOCAB_SIZE - FIRST_ORDINARY_ID)
+
+
+class BuiltinTokenizer:
+    """Deterministic word-level tokenizer with a fixed vocabulary of 32,000 ids.
+
+    Splitting, in order:
+
+    1. The special tokens ``<pad>`` (0), ``<s>`` (1, BOS), ``</s>`` (2, EOS),
+       ``<|system|>`` (3), ``<|user|>`` (4), ``<|assistant|>`` (5), ``<|tool|>`` (6) and
+       ``<|end|>`` (7) are cut out wherever they appear, leftmost first, and get their id.
+       Ids 8-255 are reserved and never produced.
+    2. The text between them is cut into pieces by the Python regular expression
+       ``\\s*(?:\\w{1,8}|[^\\w\\s])|\\s+`` (``re.findall``, Unicode ``\\w``/``\\s``): a piece
+       is any leading whitespace followed by up to 8 word characters or by one other
+       character; whitespace at the very end is a piece of its own. So a short word
+       with its leading space is one token, a long word one token per 8 characters, and
+       each punctuation mark one token.
+    3. A piece's id is ``256 + xxh3_64(piece as UTF-8, seed=0) % 31744``.
+
+    ``encode(text, add_special_tokens=True)`` prepends BOS (1); EOS is never added.
+
+    The chat template renders, with ``<|role|>`` for roles system, user, assistant and
+    tool::
+
+        <s>[<|system|>\\nTools:\\n{one JSON line per tool}<|end|>\\n]
+        <|role|>\\n{content}<|end|>\\n   (once per message, in order)
+        [<|assistant|>\\n]               (when add_generation_prompt)
+
+    A message's content is a string or a list of ``{"type": "text", "text": ...}`` parts
+    (joined with nothing); an assistant message's ``tool_calls`` follow its content, one
+    JSON line each. JSON here is ``json.dumps(obj, sort_keys=True, separators=(",", ":"))``.
+    """
+
+    name = "builtin"
+    eos_token_id: int | None = SPECIAL_TOKENS[EOS]
+    bos_token_id = SPECIAL_TOKENS[BOS]
+    vocab_size = VOCAB_SIZE
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        ids = [self.bos_token_id] if add_special_tokens else []
+        ids.extend(_encode_text(text))
+        return ids
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        parts = [BOS]
+        if tools:
+            lines = "".join(_json(tool) + "\n" for tool in tools)
+            parts.append(f"<|system|>\nTools:\n{lines}<|end|>\n")
+        parts.extend(_render_message(i, message) for i, message in enumerate(messages))
+        if add_generation_prompt:
+            parts.append("<|assistant|>\n")
+        return "".join(parts)
+
+
+def _encode_text(text: str) -> Iterator[int]:
+    start = 0
+    for match in _SPECIAL_RE.finditer(text):
+        yield from map(piece_id, _PIECE_RE.findall(text, start, match.start()))
+        yield SPECIAL_TOKENS[match.group()]
+        start = match.end()
+    yield from map(piece_id, _PIECE_RE.findall(text, start))
+
+
+def _render_message(index: int, message: Mapping[str, Any]) -> str:
+    role = message.get("role")
+    if role not in ROLE_TOKENS:
+        raise ChatTemplateError(f"messages[{index}].role must be one of {sorted(ROLE_TOKENS)}")
+    text = _content_text(index, message.get("content"))
+    calls = message.get("tool_calls") or []
+    text += "".join("\n" + _json(call) for call in calls)
+    return f"{ROLE_TOKENS[role]}\n{text}<|end|>\n"
+
+
+def _content_text(index: int, content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(_is_text_part(p) for p in content):
+        return "".join(str(part["text"]) for part in content)
+    raise ChatTemplateError(f"messages[{index}].content must be a string or a list of text parts")
+
+
+def _is_text_part(part: Any) -> bool:
+    return isinstance(part, Mapping) and part.get("type") == "text" and "text" in part
+
+
+def _json(value: Any) -> str:
+    try:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise ChatTemplateError(f"not JSON-serialisable: {exc}") from exc

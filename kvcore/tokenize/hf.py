@@ -1,0 +1,140 @@
+"""A model's own tokenizer: HF ``tokenizer.json`` plus the chat template of its config.
+
+This is what vLLM and SGLang run, minus ``transformers`` and torch: the fast tokenizer
+from ``tokenizer.json`` and the Jinja chat template from ``tokenizer_config.json`` (or
+``chat_template.jinja`` beside it, as newer models ship it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as FastTokenizer
+
+from kvcore.tokenize.base import ChatTemplateError, TokenizerError
+from kvcore.tokenize.chat_template import Renderer, compile_chat_template
+
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+TEMPLATE_FILE = "chat_template.jinja"
+_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class HFTokenizer:
+    """The tokenizer and chat template found in a model directory.
+
+    ``directory`` must hold ``tokenizer.json``; ``tokenizer_config.json`` is read for
+    ``chat_template`` (a string, or HF's list of ``{"name", "template"}`` where
+    ``"default"`` is used, and ``"tool_use"`` when tools are passed) and for the special
+    tokens ``bos_token``/``eos_token``/``unk_token``/``pad_token`` (strings or
+    AddedToken-like dicts with ``"content"``). The template sees ``messages``,
+    ``add_generation_prompt``, ``tools`` and those special tokens, as in ``transformers``.
+    """
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self.name = self.directory.name
+        self._fast = _load_fast_tokenizer(self.directory / TOKENIZER_FILE)
+        config = _load_config(self.directory / CONFIG_FILE)
+        self.special_tokens = _special_tokens(config)
+        self.eos_token_id: int | None = self._token_id(self.special_tokens.get("eos_token"))
+        self.bos_token_id: int | None = self._token_id(self.special_tokens.get("bos_token"))
+        self._templates = _templates(config, self.directory / TEMPLATE_FILE)
+        self._renderers = {name: compile_chat_template(src) for name, src in self._templates}
+
+    @property
+    def fast(self) -> FastTokenizer:
+        """The underlying HF ``tokenizers.Tokenizer``."""
+        return self._fast
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self._fast.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, without special tokens, encoded in parallel."""
+        encodings = self._fast.encode_batch(texts, add_special_tokens=False)
+        return [list(encoding.ids) for encoding in encodings]
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        render = self._renderer(use_tools=bool(tools))
+        variables: dict[str, Any] = dict(self.special_tokens)
+        variables.update(
+            messages=[dict(m) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            tools=[dict(t) for t in tools] if tools else None,
+        )
+        return render(variables)
+
+    def _renderer(self, *, use_tools: bool) -> Renderer:
+        if not self._renderers:
+            raise ChatTemplateError(f"tokenizer {self.name!r} has no chat template")
+        if use_tools and "tool_use" in self._renderers:
+            return self._renderers["tool_use"]
+        return self._renderers.get("default") or next(iter(self._renderers.values()))
+
+    def _token_id(self, token: str | None) -> int | None:
+        return None if token is None else self._fast.token_to_id(token)
+
+
+def _load_fast_tokenizer(path: Path) -> FastTokenizer:
+    if not path.is_file():
+        raise TokenizerError(f"{path} not found: a model tokenizer needs {TOKENIZER_FILE}")
+    try:
+        return FastTokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception for bad files
+        raise TokenizerError(f"{path} is not a valid tokenizer.json: {exc}") from exc
+
+
+def _load_config(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TokenizerError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise TokenizerError(f"{path} must hold a JSON object")
+    return config
+
+
+def _special_tokens(config: Mapping[str, Any]) -> dict[str, str]:
+    tokens: dict[str, str] = {}
+    for name in _SPECIAL_NAMES:
+        value = config.get(name)
+        if isinstance(value, Mapping):
+            value = value.get("content")
+        if value is not None and not isinstance(value, str):
+            raise TokenizerError(f"{CONFIG_FILE}: {name} must be a string or have 'content'")
+        if value is not None:
+            tokens[name] = value
+    return tokens
+
+
+def _templates(config: Mapping[str, Any], template_file: Path) -> list[tuple[str, str]]:
+    source = config.get("chat_template")
+    if source is None and template_file.is_file():
+        source = template_file.read_text(encoding="utf-8")
+    if source is None:
+        return []
+    if isinstance(source, str):
+        return [("default", source)]
+    if isinstance(source, list) and all(_is_named_template(t) for t in source):
+        return [(t["name"], t["template"]) for t in source]
+    raise TokenizerError(f"{CONFIG_FILE}: chat_template must be a string or named templates")
+
+
+def _is_named_template(entry: Any) -> bool:
+    return (
+        isinstance(entry, Mapping)
+        and isinstance(entry.get("name"), str)
+        and isinstance(entry.get("template"), str)
+    )
