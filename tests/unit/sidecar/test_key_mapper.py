@@ -1,0 +1,186 @@
+"""Key mapper: published router keys equal what a proxy computes for the same prompt."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcore.engine_events import MEDIUM_CPU, AllBlocksCleared, BlockRemoved, BlockStored
+from kvcore.keys import block_keys, root_key
+from sidecar.key_mapper import KeyMapper, RouterCleared, RouterRemoved, RouterStored
+
+MODEL = "m"
+
+
+def held_keys(mapper: KeyMapper, medium: str = "GPU") -> set[int]:
+    return {key for m, key, _ in mapper.held() if m == medium}
+
+
+def store_prompt(
+    mapper: KeyMapper,
+    tokens: list[int],
+    engine_bs: int,
+    *,
+    splits: list[int] | None = None,
+    salt: str = "",
+    base: int = 0,
+    group: int = 0,
+) -> list[int]:
+    """Store ``tokens`` as an engine would: engine blocks, hashed by prefix, in runs."""
+    n_full = len(tokens) // engine_bs
+    hashes = [base + hash(tuple(tokens[: (i + 1) * engine_bs])) % (1 << 62) for i in range(n_full)]
+    cuts = [0, *(splits or []), n_full]
+    for lo, hi in itertools.pairwise(cuts):
+        if lo == hi:
+            continue
+        parent = hashes[lo - 1] if lo else None
+        run = BlockStored(
+            tuple(hashes[lo:hi]),
+            parent,
+            tuple(tokens[lo * engine_bs : hi * engine_bs]),
+            engine_bs,
+            group=group,
+            namespace=salt if lo == 0 else "",
+        )
+        mapper.apply(run)
+    return hashes
+
+
+def test_same_block_size_publishes_the_proxys_keys_with_parents() -> None:
+    mapper = KeyMapper(MODEL, 16)
+    tokens = list(range(100, 164))
+    first = BlockStored((1, 2), None, tuple(tokens[:32]), 16)
+    second = BlockStored((3, 4), 2, tuple(tokens[32:]), 16)
+    expected = block_keys(tokens, model=MODEL)
+    assert mapper.apply(first) == [RouterStored(tuple(expected[:2]), None)]
+    assert mapper.apply(second) == [RouterStored(tuple(expected[2:]), expected[1])]
+
+
+def test_cache_salt_and_lora_select_the_key_root() -> None:
+    mapper = KeyMapper(MODEL, 16)
+    tokens = tuple(range(32))
+    (stored,) = mapper.apply(BlockStored((1, 2), None, tokens, 16, lora_name="a", namespace="t"))
+    assert isinstance(stored, RouterStored)
+    assert list(stored.keys) == block_keys(list(tokens), model=MODEL, lora_name="a", namespace="t")
+
+
+@pytest.mark.parametrize(
+    ("engine_bs", "router_bs"), [(1, 16), (4, 16), (32, 16), (16, 32), (12, 16)]
+)
+def test_engine_blocks_are_grouped_into_router_blocks(engine_bs: int, router_bs: int) -> None:
+    rng = random.Random(engine_bs * 100 + router_bs)
+    tokens = [rng.randrange(50_000) for _ in range(200)]
+    mapper = KeyMapper(MODEL, router_bs)
+    n_blocks = len(tokens) // engine_bs
+    store_prompt(mapper, tokens, engine_bs, splits=sorted(rng.sample(range(1, n_blocks), 5)))
+    covered = tokens[: n_blocks * engine_bs]
+    assert held_keys(mapper) == set(block_keys(covered, model=MODEL, block_size=router_bs))
+
+
+def test_sglang_partial_last_page_carries_its_tokens_to_the_child() -> None:
+    mapper = KeyMapper(MODEL, 4)
+    tokens = tuple(range(10))
+    mapper.apply(BlockStored((1, 2), None, tokens[:3], 2))  # pages [0,1] and [2]
+    mapper.apply(BlockStored((3, 4, 5), 2, tokens[3:], 3))  # continues after the short page
+    assert held_keys(mapper) == set(block_keys(list(tokens), model=MODEL, block_size=4))
+
+
+def test_removing_the_engine_block_that_completed_a_router_block_removes_its_key() -> None:
+    mapper = KeyMapper(MODEL, 4)
+    tokens = list(range(8))
+    hashes = store_prompt(mapper, tokens, 1)
+    keys = block_keys(tokens, model=MODEL, block_size=4)
+    assert mapper.apply(BlockRemoved((hashes[7],))) == [RouterRemoved((keys[1],))]
+    assert mapper.apply(BlockRemoved((hashes[6], hashes[5], hashes[4]))) == []
+    assert mapper.apply(BlockRemoved((hashes[3],))) == [RouterRemoved((keys[0],))]
+    assert mapper.engine_blocks == 3 and mapper.router_keys == 0
+
+
+def test_a_key_held_by_two_engine_blocks_leaves_with_the_last() -> None:
+    mapper = KeyMapper(MODEL, 16)
+    tokens = list(range(16))
+    key = block_keys(tokens, model=MODEL)[0]
+    assert mapper.apply(BlockStored((1,), None, tuple(tokens), 16, group=0))
+    assert mapper.apply(BlockStored((1,), None, tuple(tokens), 16, group=1)) == []
+    assert mapper.apply(BlockRemoved((1,), group=0)) == []
+    assert mapper.apply(BlockRemoved((1,), group=1)) == [RouterRemoved((key,))]
+
+
+def test_a_re_reported_block_is_not_counted_twice() -> None:
+    mapper = KeyMapper(MODEL, 16)
+    event = BlockStored((1,), None, tuple(range(16)), 16)
+    mapper.apply(event)
+    assert mapper.apply(event) == []
+    assert mapper.apply(BlockRemoved((1,))) != []
+
+
+def test_media_are_separate() -> None:
+    mapper = KeyMapper(MODEL, 16)
+    mapper.apply(BlockStored((1,), None, tuple(range(16)), 16))
+    mapper.apply(BlockStored((1,), None, tuple(range(16)), 16, medium=MEDIUM_CPU))
+    mapper.apply(BlockRemoved((1,)))
+    assert held_keys(mapper, MEDIUM_CPU) == set(block_keys(list(range(16)), model=MODEL))
+    assert held_keys(mapper) == set()
+
+
+def test_unknown_parent_is_counted_and_nothing_is_keyed() -> None:
+    mapper = KeyMapper(MODEL, 16)
+    assert mapper.apply(BlockStored((5,), 999, tuple(range(16)), 16)) == []
+    assert mapper.stats.unknown_parents == 1
+    assert mapper.router_keys == 0 and mapper.engine_blocks == 0
+
+
+def test_unknown_removal_is_counted() -> None:
+    mapper = KeyMapper(MODEL, 16)
+    assert mapper.apply(BlockRemoved((5,))) == []
+    assert mapper.stats.unknown_removals == 1
+
+
+def test_cleared_forgets_everything() -> None:
+    mapper = KeyMapper(MODEL, 16)
+    store_prompt(mapper, list(range(64)), 16)
+    assert mapper.apply(AllBlocksCleared()) == [RouterCleared()]
+    assert mapper.router_keys == 0 and mapper.engine_blocks == 0
+    assert mapper.apply(BlockStored((9,), 1234, tuple(range(16)), 16)) == []
+
+
+def test_held_lists_parents_before_children() -> None:
+    mapper = KeyMapper(MODEL, 16)
+    store_prompt(mapper, list(range(48)), 16, splits=[1, 2])
+    keys = block_keys(list(range(48)), model=MODEL)
+    assert list(mapper.held()) == [
+        ("GPU", keys[0], None),
+        ("GPU", keys[1], keys[0]),
+        ("GPU", keys[2], keys[1]),
+    ]
+    assert root_key(model=MODEL) not in held_keys(mapper)
+
+
+prompts = st.lists(st.lists(st.integers(0, 7), min_size=0, max_size=40), min_size=1, max_size=6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompts=prompts,
+    engine_bs=st.sampled_from([1, 2, 4, 8]),
+    router_bs=st.sampled_from([2, 4, 8]),
+    seed=st.integers(0, 1000),
+)
+def test_held_keys_are_the_union_of_the_prompts_keys(
+    prompts: list[list[int]], engine_bs: int, router_bs: int, seed: int
+) -> None:
+    """Prompts sharing prefixes, stored in random runs: held == union of their keys."""
+    rng = random.Random(seed)
+    mapper = KeyMapper(MODEL, router_bs)
+    expected: set[int] = set()
+    for tokens in prompts:
+        n = len(tokens) // engine_bs
+        splits = sorted(rng.sample(range(1, n), min(2, n - 1))) if n > 1 else []
+        store_prompt(mapper, tokens, engine_bs, splits=splits)
+        full = tokens[: n * engine_bs]
+        expected |= set(block_keys(full, model=MODEL, block_size=router_bs))
+    assert held_keys(mapper) == expected
