@@ -1,0 +1,312 @@
+"""KV event payloads, byte for byte as vLLM and SGLang encode them.
+
+Every format is msgpack (msgspec); the outer batch is always a positional array
+``[ts, events, rank]``. Only the events differ:
+
+``vllm`` (vLLM ≥0.24, modelled on 0.33): each event a map tagged under ``"type"``,
+fields in declaration order, fields equal to their ``None`` default omitted; fields
+without a default (``parent_block_hash``, ``lora_id``, ``medium``, ``lora_name``) always
+present::
+
+    {"type": "BlockStored", "block_hashes": [u64...], "parent_block_hash": u64|nil,
+     "token_ids": [...], "block_size": 16, "lora_id": nil, "medium": "GPU",
+     "lora_name": nil, ["extra_keys": [[salt] | nil, ...],] "group_idx": 0,
+     "kv_cache_spec_kind": "full_attention"}
+    {"type": "BlockRemoved", "block_hashes": [u64], "medium": "GPU", "group_idx": 0}
+    {"type": "AllBlocksCleared"}
+
+``vllm-0.23`` (vLLM 0.23.0): every event a positional array, tag first, every field
+always present (``array_like`` ignores ``omit_defaults``)::
+
+    ["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium, lora_name,
+     extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window]   # 12
+    ["BlockRemoved", hashes, medium, group_idx]                                 # 4
+    ["AllBlocksCleared"]
+
+``sglang`` (SGLang 0.5.23): maps tagged under ``"type"``, ``omit_defaults``; hashes are
+signed int64; ``block_size`` is the page size; the salt travels as ``cache_salt``;
+consecutive removals are coalesced into one event, as SGLang's recorder does::
+
+    {"type": "BlockStored", "block_hashes": [i64...], "parent_block_hash": i64|nil,
+     "token_ids": [...], "block_size": P, "lora_id": nil, "medium": "GPU",
+     ["cache_salt": salt]}
+    {"type": "BlockRemoved", "block_hashes": [i64...], "medium": "GPU"}
+    {"type": "AllBlocksCleared"}
+
+vLLM publishes one removal per evicted block; the batch's rank is 0 (one engine core).
+
+The payloads are encoded from msgspec structs declared like the engines' own (same
+field order, defaults and options), so the bytes are the engines' bytes down to
+msgspec's map-header width: vLLM 0.33's ``BlockStored`` has 16 possible keys, so its map
+always carries a map16 header even when defaults are omitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol
+
+import msgspec
+
+from enginesim.blockpool import BlockEvicted, BlocksStored, PoolEvent
+from enginesim.hashing import BlockHasher, SglangSha256Hasher, VllmSha256CborHasher
+
+EventFormatName = Literal["vllm", "vllm-0.23", "sglang"]
+EVENT_FORMATS: tuple[EventFormatName, ...] = ("vllm", "vllm-0.23", "sglang")
+MEDIUM = "GPU"
+SPEC_KIND = "full_attention"
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+class EventFormat(Protocol):
+    name: EventFormatName
+    hasher: BlockHasher
+
+    def encode_batch(self, ts: float, events: Sequence[PoolEvent]) -> bytes: ...
+
+
+# -- vLLM >= 0.24, as declared in 0.33 --------------------------------------------------
+
+
+class _VllmEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    pass
+
+
+class _VllmBlockStored(_VllmEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[list[str] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class _VllmBlockRemoved(_VllmEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class _VllmAllBlocksCleared(_VllmEvent, tag="AllBlocksCleared"):
+    pass
+
+
+# -- vLLM 0.23 ------------------------------------------------------------------------
+
+
+class _V023Event(msgspec.Struct, array_like=True, tag=True, omit_defaults=True, gc=False):
+    pass
+
+
+class _V023BlockStored(_V023Event, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[list[str] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class _V023BlockRemoved(_V023Event, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class _V023AllBlocksCleared(_V023Event, tag="AllBlocksCleared"):
+    pass
+
+
+# -- SGLang 0.5.23 --------------------------------------------------------------------
+
+
+class _SgEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    pass
+
+
+class _SgBlockStored(_SgEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+    cache_salt: str | None = None
+    session_id: str | None = None
+    lora_name: str | None = None
+
+
+class _SgBlockRemoved(_SgEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class _SgAllBlocksCleared(_SgEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class _Batch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    rank: int | None = None
+
+
+def _extra_keys(event: BlocksStored) -> list[list[str] | None] | None:
+    if event.salt is None:
+        return None
+    return [[event.salt]] + [None] * (len(event.digests) - 1)
+
+
+class _Base:
+    name: EventFormatName
+
+    def __init__(self, hasher: BlockHasher, block_size: int) -> None:
+        self.hasher = hasher
+        self.block_size = block_size
+
+    def _ids(self, digests: Sequence[bytes]) -> list[int]:
+        return [self.hasher.event_id(d) for d in digests]
+
+    def _parent(self, event: BlocksStored) -> int | None:
+        return None if event.parent is None else self.hasher.event_id(event.parent)
+
+    def encode_batch(self, ts: float, events: Sequence[PoolEvent]) -> bytes:
+        return _encoder.encode(_Batch(ts, self.encode_events(events), 0))
+
+    def encode_events(self, events: Sequence[PoolEvent]) -> list[Any]:
+        out: list[Any] = []
+        for event in events:
+            if isinstance(event, BlocksStored):
+                out.append(self.stored(event))
+            elif isinstance(event, BlockEvicted):
+                out.append(self.removed([event.digest]))
+            else:
+                out.append(self.cleared())
+        return out
+
+    def stored(self, event: BlocksStored) -> Any:
+        raise NotImplementedError
+
+    def removed(self, digests: Sequence[bytes]) -> Any:
+        raise NotImplementedError
+
+    def cleared(self) -> Any:
+        raise NotImplementedError
+
+
+class VllmMapFormat(_Base):
+    """vLLM >=0.24: events are maps (see the module docstring)."""
+
+    name: EventFormatName = "vllm"
+
+    def stored(self, event: BlocksStored) -> _VllmBlockStored:
+        return _VllmBlockStored(
+            block_hashes=self._ids(event.digests),
+            parent_block_hash=self._parent(event),
+            token_ids=list(event.token_ids),
+            block_size=self.block_size,
+            lora_id=None,
+            medium=MEDIUM,
+            lora_name=None,
+            extra_keys=_extra_keys(event),
+            group_idx=0,
+            kv_cache_spec_kind=SPEC_KIND,
+        )
+
+    def removed(self, digests: Sequence[bytes]) -> _VllmBlockRemoved:
+        return _VllmBlockRemoved(block_hashes=self._ids(digests), medium=MEDIUM, group_idx=0)
+
+    def cleared(self) -> _VllmAllBlocksCleared:
+        return _VllmAllBlocksCleared()
+
+
+class Vllm023Format(_Base):
+    """vLLM 0.23: events are positional arrays (see the module docstring)."""
+
+    name: EventFormatName = "vllm-0.23"
+
+    def stored(self, event: BlocksStored) -> _V023BlockStored:
+        return _V023BlockStored(
+            block_hashes=self._ids(event.digests),
+            parent_block_hash=self._parent(event),
+            token_ids=list(event.token_ids),
+            block_size=self.block_size,
+            lora_id=None,
+            medium=MEDIUM,
+            lora_name=None,
+            extra_keys=_extra_keys(event),
+            group_idx=0,
+            kv_cache_spec_kind=SPEC_KIND,
+        )
+
+    def removed(self, digests: Sequence[bytes]) -> _V023BlockRemoved:
+        return _V023BlockRemoved(block_hashes=self._ids(digests), medium=MEDIUM, group_idx=0)
+
+    def cleared(self) -> _V023AllBlocksCleared:
+        return _V023AllBlocksCleared()
+
+
+class SglangFormat(_Base):
+    """SGLang 0.5.23: maps, signed hashes, coalesced removals (see the module docstring)."""
+
+    name: EventFormatName = "sglang"
+
+    def encode_events(self, events: Sequence[PoolEvent]) -> list[Any]:
+        out: list[Any] = []
+        pending: list[bytes] = []
+        for event in events:
+            if isinstance(event, BlockEvicted):
+                pending.append(event.digest)
+                continue
+            if pending:
+                out.append(self.removed(pending))
+                pending = []
+            out.append(self.stored(event) if isinstance(event, BlocksStored) else self.cleared())
+        if pending:
+            out.append(self.removed(pending))
+        return out
+
+    def stored(self, event: BlocksStored) -> _SgBlockStored:
+        return _SgBlockStored(
+            block_hashes=self._ids(event.digests),
+            parent_block_hash=self._parent(event),
+            token_ids=list(event.token_ids),
+            block_size=self.block_size,
+            lora_id=None,
+            medium=MEDIUM,
+            cache_salt=event.salt,
+        )
+
+    def removed(self, digests: Sequence[bytes]) -> _SgBlockRemoved:
+        return _SgBlockRemoved(block_hashes=self._ids(digests), medium=MEDIUM)
+
+    def cleared(self) -> _SgAllBlocksCleared:
+        return _SgAllBlocksCleared()
+
+
+def make_format(name: EventFormatName, block_size: int) -> EventFormat:
+    """The event format ``name`` with the hash chain that engine uses."""
+    if name == "vllm":
+        return VllmMapFormat(VllmSha256CborHasher(tagged_salt=True), block_size)
+    if name == "vllm-0.23":
+        return Vllm023Format(VllmSha256CborHasher(tagged_salt=False), block_size)
+    if name == "sglang":
+        return SglangFormat(SglangSha256Hasher(), block_size)
+    raise ValueError(f"unknown event format {name!r}; choose from {EVENT_FORMATS}")
