@@ -113,12 +113,12 @@ _COMMANDS = frozenset({"pause", "resume", "restart", "drop_replay"})
 class _Worker:
     """The thread's side: sockets, sequence numbers and the replay ring."""
 
-    def __init__(self, ctx: zmq.Context, cfg: PublisherConfig, pipe: str):
+    def __init__(self, ctx: "zmq.Context[zmq.Socket[bytes]]", cfg: PublisherConfig, pipe: str):
         self.cfg = cfg
         self.topic = cfg.topic.encode("utf-8")
         self.pull = ctx.socket(zmq.PULL)
         self.pub = ctx.socket(zmq.PUB)
-        self.router: zmq.Socket | None = None
+        self.router: zmq.Socket[bytes] | None = None
         try:
             self.pull.connect(pipe)
             self.pub.set_hwm(cfg.hwm)
