@@ -113,7 +113,7 @@ _COMMANDS = frozenset({"pause", "resume", "restart", "drop_replay"})
 class _Worker:
     """The thread's side: sockets, sequence numbers and the replay ring."""
 
-    def __init__(self, ctx: "zmq.Context[zmq.Socket[bytes]]", cfg: PublisherConfig, pipe: str):
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], cfg: PublisherConfig, pipe: str):
         self.cfg = cfg
         self.topic = cfg.topic.encode("utf-8")
         self.pull = ctx.socket(zmq.PULL)
