@@ -1,24 +1,34 @@
 """Tokenization as the engines do it: a ``Tokenizer`` protocol and two implementations.
 
 - :class:`BuiltinTokenizer`: deterministic, no model files (demos, tests, ``enginesim``);
-- :class:`HFTokenizer`: a model's ``tokenizer.json`` and its Jinja chat template.
+- :class:`HFTokenizer`: a model's ``tokenizer.json`` and its Jinja chat template;
+- :class:`PrefixTokenCache`: either of them, re-tokenizing only a prompt's new tail.
 
 ``load_tokenizer("builtin")`` or ``load_tokenizer("/path/to/model")`` picks one.
 """
 
 from __future__ import annotations
 
-from kvcore.tokenize.base import ChatTemplateError, Tokenizer, TokenizerError
+from kvcore.tokenize.base import (
+    ChatTemplateError,
+    SegmentableTokenizer,
+    Tokenizer,
+    TokenizerError,
+)
 from kvcore.tokenize.builtin import BuiltinTokenizer
 from kvcore.tokenize.hf import HFTokenizer
+from kvcore.tokenize.prefix_cache import CacheStats, PrefixTokenCache
 
 BUILTIN = "builtin"
 
 __all__ = [
     "BUILTIN",
     "BuiltinTokenizer",
+    "CacheStats",
     "ChatTemplateError",
     "HFTokenizer",
+    "PrefixTokenCache",
+    "SegmentableTokenizer",
     "Tokenizer",
     "TokenizerError",
     "load_tokenizer",

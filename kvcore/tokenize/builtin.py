@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import xxhash
 
-from kvcore.tokenize.base import ChatTemplateError
+from kvcore.tokenize.base import ChatTemplateError, thinned_cuts
 
 VOCAB_SIZE = 32_000
 FIRST_ORDINARY_ID = 256
@@ -34,6 +34,9 @@ ROLE_TOKENS["tool"] = "<|tool|>"
 
 _SPECIAL_RE = re.compile("|".join(re.escape(s) for s in SPECIAL_TOKENS))
 _PIECE_RE = re.compile(r"\s*(?:\w{1,8}|[^\w\s])|\s+")
+# Pieces start with their whitespace and special tokens hold none, so tokenization is
+# local at every switch from non-whitespace to whitespace.
+_CUT_RE = re.compile(r"(?<=\S)(?=\s)")
 _hash = xxhash.xxh3_64_intdigest
 
 
@@ -74,14 +77,17 @@ class BuiltinTokenizer:
     """
 
     name = "builtin"
+    _ids_memo_limit = 1 << 20
     eos_token_id: int | None = SPECIAL_TOKENS[EOS]
     bos_token_id = SPECIAL_TOKENS[BOS]
     vocab_size = VOCAB_SIZE
 
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}  # memo of piece_id: ids repeat, hashing is slower
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         ids = [self.bos_token_id] if add_special_tokens else []
-        ids.extend(_encode_text(text))
-        return ids
+        return ids + self._encode_text(text)
 
     def apply_chat_template(
         self,
@@ -99,14 +105,37 @@ class BuiltinTokenizer:
             parts.append("<|assistant|>\n")
         return "".join(parts)
 
+    def _encode_text(self, text: str) -> list[int]:
+        ids: list[int] = []
+        start = 0
+        for match in _SPECIAL_RE.finditer(text):
+            ids += self._piece_ids(_PIECE_RE.findall(text, start, match.start()))
+            ids.append(SPECIAL_TOKENS[match.group()])
+            start = match.end()
+        ids += self._piece_ids(_PIECE_RE.findall(text, start))
+        return ids
 
-def _encode_text(text: str) -> Iterator[int]:
-    start = 0
-    for match in _SPECIAL_RE.finditer(text):
-        yield from map(piece_id, _PIECE_RE.findall(text, start, match.start()))
-        yield SPECIAL_TOKENS[match.group()]
-        start = match.end()
-    yield from map(piece_id, _PIECE_RE.findall(text, start))
+    def _piece_ids(self, pieces: list[str]) -> list[int]:
+        memo = self._ids
+        try:
+            return list(map(memo.__getitem__, pieces))
+        except KeyError:
+            if len(memo) > self._ids_memo_limit:
+                memo.clear()
+            for piece in pieces:
+                if piece not in memo:
+                    memo[piece] = piece_id(piece)
+            return list(map(memo.__getitem__, pieces))
+
+    def cut_points(self, text: str, min_gap: int) -> list[int]:
+        """Every offset between a non-whitespace and a whitespace character is a cut."""
+        return thinned_cuts(_CUT_RE, text, min_gap)
+
+    def encode_segments(self, segments: list[str], *, at_start: bool) -> list[list[int]] | None:
+        return [self._encode_text(segment) for segment in segments]
+
+    def special_wrap(self) -> tuple[list[int], list[int]] | None:
+        return [self.bos_token_id], []
 
 
 def _render_message(index: int, message: Mapping[str, Any]) -> str:

@@ -8,19 +8,27 @@ from ``tokenizer.json`` and the Jinja chat template from ``tokenizer_config.json
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as FastTokenizer
 
-from kvcore.tokenize.base import ChatTemplateError, TokenizerError
+from kvcore.tokenize.base import ChatTemplateError, TokenizerError, thinned_cuts
 from kvcore.tokenize.chat_template import Renderer, compile_chat_template
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+# A newline between two non-space characters: the byte-level regexes of GPT-2, Llama 3,
+# Qwen and DeepSeek, and whitespace splitters, all end a pre-token there.
+_CUT_RE = re.compile(r"(?<=\S\n)(?=\S)")
+_ANCHOR = "a\n"
+_CUTTING_PRE_TOKENIZERS = {"Split", "Whitespace", "WhitespaceSplit", "BertPreTokenizer"}
+_LOCAL_PRE_TOKENIZERS = _CUTTING_PRE_TOKENIZERS | {"ByteLevel", "Digits", "Punctuation"}
+_LOCAL_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase"}
 
 
 class HFTokenizer:
@@ -44,6 +52,8 @@ class HFTokenizer:
         self.bos_token_id: int | None = self._token_id(self.special_tokens.get("bos_token"))
         self._templates = _templates(config, self.directory / TEMPLATE_FILE)
         self._renderers = {name: compile_chat_template(src) for name, src in self._templates}
+        self._lstrip_tokens, self.segmentable = _segmentation_facts(self._fast)
+        self._anchor_ids = self._fast.encode(_ANCHOR, add_special_tokens=False).ids
 
     @property
     def fast(self) -> FastTokenizer:
@@ -51,12 +61,13 @@ class HFTokenizer:
         return self._fast
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        return list(self._fast.encode(text, add_special_tokens=add_special_tokens).ids)
+        return self._fast.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Token ids of each text, without special tokens, encoded in parallel."""
-        encodings = self._fast.encode_batch(texts, add_special_tokens=False)
-        return [list(encoding.ids) for encoding in encodings]
+        """Token ids of each text, without special tokens, encoded in parallel (ids only:
+        ``encode_batch_fast`` skips the offsets this router never uses)."""
+        encodings = self._fast.encode_batch_fast(texts, add_special_tokens=False)
+        return [encoding.ids for encoding in encodings]
 
     def apply_chat_template(
         self,
@@ -74,6 +85,36 @@ class HFTokenizer:
         )
         return render(variables)
 
+    def cut_points(self, text: str, min_gap: int) -> list[int]:
+        """Offsets after a newline between two non-space characters (none when the
+        tokenizer's pre-tokenizer or normalizer is not known to cut there)."""
+        if not self.segmentable:
+            return []
+        return thinned_cuts(_CUT_RE, text, min_gap, self._before_lstrip_token(text))
+
+    def encode_segments(self, segments: list[str], *, at_start: bool) -> list[list[int]] | None:
+        """Encodes a segment after a cut as ``"a\\n" + segment`` minus the anchor's ids,
+        so that prefix-space rules see it mid-text, as it is."""
+        first = segments[:1] if at_start else []
+        rest = segments[len(first) :]
+        encoded = self.encode_batch(first + [_ANCHOR + segment for segment in rest])
+        anchor, width = self._anchor_ids, len(self._anchor_ids)
+        if any(ids[:width] != anchor for ids in encoded[len(first) :]):
+            return None
+        return encoded[: len(first)] + [ids[width:] for ids in encoded[len(first) :]]
+
+    def special_wrap(self) -> tuple[list[int], list[int]] | None:
+        bare = self.encode("a", add_special_tokens=False)
+        wrapped = self.encode("a", add_special_tokens=True)
+        for start in range(len(wrapped) - len(bare) + 1):
+            if wrapped[start : start + len(bare)] == bare:
+                return wrapped[:start], wrapped[start + len(bare) :]
+        return None
+
+    def _before_lstrip_token(self, text: str) -> Callable[[int], bool]:
+        tokens = self._lstrip_tokens
+        return lambda cut: any(text.startswith(token, cut) for token in tokens)
+
     def _renderer(self, *, use_tools: bool) -> Renderer:
         if not self._renderers:
             raise ChatTemplateError(f"tokenizer {self.name!r} has no chat template")
@@ -83,6 +124,41 @@ class HFTokenizer:
 
     def _token_id(self, token: str | None) -> int | None:
         return None if token is None else self._fast.token_to_id(token)
+
+
+def _segmentation_facts(fast: FastTokenizer) -> tuple[tuple[str, ...], bool]:
+    """Added tokens that swallow the whitespace before them, and whether newline cuts
+    are exact for this tokenizer's pipeline."""
+    spec = json.loads(fast.to_str())
+    pre = _component_types(spec.get("pre_tokenizer"), "pretokenizers")
+    normalizers = _component_types(spec.get("normalizer"), "normalizers")
+    added = fast.get_added_tokens_decoder().values()
+    spanning = any(re.search(r"\n\S", token.content) for token in added)
+    byte_level_regex = any(
+        p.get("type") == "ByteLevel" and p.get("use_regex", True) for p in _components(spec)
+    )
+    segmentable = (
+        bool(pre & _CUTTING_PRE_TOKENIZERS or byte_level_regex)
+        and pre <= _LOCAL_PRE_TOKENIZERS
+        and normalizers <= _LOCAL_NORMALIZERS
+        and not spanning
+    )
+    return tuple(t.content for t in added if t.lstrip), segmentable
+
+
+def _component_types(component: Any, nested: str) -> set[str]:
+    if not isinstance(component, Mapping):
+        return set()
+    if component.get("type") == "Sequence":
+        return {t for c in component.get(nested, []) for t in _component_types(c, nested)}
+    return {str(component.get("type"))}
+
+
+def _components(spec: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    pre = spec.get("pre_tokenizer")
+    if not isinstance(pre, Mapping):
+        return []
+    return list(pre.get("pretokenizers", [])) if pre.get("type") == "Sequence" else [pre]
 
 
 def _load_fast_tokenizer(path: Path) -> FastTokenizer:

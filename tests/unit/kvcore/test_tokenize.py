@@ -11,6 +11,7 @@ import pytest
 import xxhash
 from tokenizers import Tokenizer as FastTokenizer
 
+from bench.micro.model_files import train_tiny_bpe, write_config
 from kvcore.tokenize import (
     BuiltinTokenizer,
     ChatTemplateError,
@@ -19,7 +20,7 @@ from kvcore.tokenize import (
     TokenizerError,
     load_tokenizer,
 )
-from tests.unit.kvcore.conftest import TOOLS_TEMPLATE, train_tiny_bpe, write_config
+from tests.unit.kvcore.conftest import TOOLS_TEMPLATE
 
 CHAT = [
     {"role": "system", "content": "You are terse."},

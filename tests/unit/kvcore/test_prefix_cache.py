@@ -1,0 +1,161 @@
+"""The prefix tokenization cache: exactly the tokenizer's output, with the prefix reused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bench.micro.model_files import train_tiny_bpe, write_config
+from kvcore.tokenize import (
+    BuiltinTokenizer,
+    HFTokenizer,
+    PrefixTokenCache,
+    SegmentableTokenizer,
+    Tokenizer,
+)
+
+FRAGMENTS = [
+    "the",
+    " quick",
+    " fox",
+    "\n",
+    "\n\n",
+    "  ",
+    "\t",
+    ".",
+    ",",
+    "'s",
+    "!?",
+    "12345",
+    " 678",
+    "über",
+    " café",
+    "日本",
+    "<s>",
+    "</s>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|user|>",
+    "<|end|>",
+    "a\n",
+    "x\nY",
+    " \n ",
+    "\r\n",
+    "def f():\n    return 1\n",
+]
+ALPHABET = "ab yz.,'!?0123\n\t\r-éü日"
+texts = st.lists(
+    st.sampled_from(FRAGMENTS) | st.text(alphabet=ALPHABET, max_size=6), max_size=24
+).map("".join)
+
+
+@pytest.fixture(scope="module", params=["gpt2", "gpt2-prefix-space", "llama3"])
+def hf_tokenizer(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> HFTokenizer:
+    directory = tmp_path_factory.mktemp(f"bpe-{request.param}")
+    train_tiny_bpe(directory, style=request.param)
+    write_config(directory, bos_token="<s>", eos_token="</s>")
+    return HFTokenizer(directory)
+
+
+def _check_same_as_whole(
+    tokenizer: Tokenizer, shared: str, tails: list[str], min_gap: int, specials: bool
+) -> None:
+    cache = PrefixTokenCache(tokenizer, min_gap=min_gap, max_prompts=3)
+    for text in [shared + tails[0], *(shared + tail for tail in tails[1:]), shared, *tails]:
+        expected = tokenizer.encode(text, add_special_tokens=specials)
+        assert cache.encode(text, add_special_tokens=specials) == expected, repr(text)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    shared=texts,
+    tails=st.lists(texts, min_size=1, max_size=3),
+    gap=st.integers(1, 12),
+    specials=st.booleans(),
+)
+def test_builtin_cache_is_token_for_token_identical(
+    shared: str, tails: list[str], gap: int, specials: bool
+) -> None:
+    _check_same_as_whole(BuiltinTokenizer(), shared, tails, gap, specials)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    shared=texts,
+    tails=st.lists(texts, min_size=1, max_size=3),
+    gap=st.integers(1, 12),
+    specials=st.booleans(),
+)
+def test_hf_cache_is_token_for_token_identical(
+    hf_tokenizer: HFTokenizer, shared: str, tails: list[str], gap: int, specials: bool
+) -> None:
+    _check_same_as_whole(hf_tokenizer, shared, tails, gap, specials)
+
+
+def _conversation(turns: int) -> str:
+    body = "".join(f"Turn {i}: the user asks about replica {i % 7}.\n" for i in range(turns))
+    return "<s><|system|>\nYou route requests.\n" + body
+
+
+@pytest.mark.parametrize("make", [BuiltinTokenizer, "hf"])
+def test_a_growing_conversation_reuses_its_prefix(make: object, hf_model_dir: Path) -> None:
+    tokenizer: Tokenizer = (
+        BuiltinTokenizer() if make is BuiltinTokenizer else HFTokenizer(hf_model_dir)
+    )
+    cache = PrefixTokenCache(tokenizer, min_gap=64)
+    cache.encode(_conversation(100), add_special_tokens=False)
+    longer = _conversation(110)
+    assert cache.encode(longer, add_special_tokens=False) == tokenizer.encode(
+        longer, add_special_tokens=False
+    )
+    assert cache.stats.hits == 1
+    assert cache.stats.reused_tokens > 0.85 * len(tokenizer.encode(_conversation(100)))
+
+
+def test_memory_is_bounded_by_max_prompts() -> None:
+    cache = PrefixTokenCache(BuiltinTokenizer(), max_prompts=4, min_gap=8)
+    for i in range(20):
+        cache.encode(f"prompt{i:04d} with some words in it")
+    assert len(cache) == 4
+    cache.encode("prompt0000 with some words in it and more")
+    assert cache.stats.hits == 0  # the first prompts were forgotten
+    cache.encode("prompt0019 with some words in it and more")
+    assert cache.stats.hits == 1
+
+
+def test_tokenizers_that_cannot_be_cut_are_called_whole(tmp_path: Path) -> None:
+    train_tiny_bpe(tmp_path, style="metaspace")
+    tokenizer = HFTokenizer(tmp_path)
+    assert not tokenizer.segmentable and isinstance(tokenizer, SegmentableTokenizer)
+    cache = PrefixTokenCache(tokenizer, min_gap=4)
+    text = "the quick fox\njumps over\nthe lazy dog"
+    for _ in range(2):
+        assert cache.encode(text) == tokenizer.encode(text)
+    assert cache.stats.hits == 0
+
+
+def test_added_tokens_that_strip_whitespace_before_them_stay_exact(tmp_path: Path) -> None:
+    fast = train_tiny_bpe(tmp_path)
+    from tokenizers import AddedToken
+
+    fast.add_special_tokens([AddedToken("<|eot|>", lstrip=True)])
+    fast.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = HFTokenizer(tmp_path)
+    cache = PrefixTokenCache(tokenizer, min_gap=1)
+    first, second = "abc\n<|eot|>the fox", "abc\n<|eot|>the dog\nx"
+    for text in (first, second):
+        assert cache.encode(text, add_special_tokens=False) == tokenizer.encode(
+            text, add_special_tokens=False
+        )
+
+
+def test_invalid_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="max_prompts"):
+        PrefixTokenCache(BuiltinTokenizer(), max_prompts=0)
