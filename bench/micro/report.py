@@ -28,16 +28,20 @@ class Figure:
         return "ok" if self.value <= self.target else "MISSED"
 
 
-def median_us(run: Callable[[], object], *, repeat: int, warmup: int = 3) -> float:
-    """Median wall time of ``run()`` in microseconds over ``repeat`` calls."""
+def median_us(run: Callable[[], object], *, repeat: int, rounds: int = 5, warmup: int = 3) -> float:
+    """Median wall time of ``run()`` in microseconds over ``repeat`` calls; the lowest
+    such median of ``rounds`` rounds, so that a burst of other work does not count."""
     for _ in range(warmup):
         run()
-    samples = []
-    for _ in range(repeat):
-        start = time.perf_counter_ns()
-        run()
-        samples.append((time.perf_counter_ns() - start) / 1000)
-    return statistics.median(samples)
+    medians = []
+    for _ in range(rounds):
+        samples = []
+        for _ in range(repeat):
+            start = time.perf_counter_ns()
+            run()
+            samples.append((time.perf_counter_ns() - start) / 1000)
+        medians.append(statistics.median(samples))
+    return min(medians)
 
 
 def median_us_each(runs: Iterable[Callable[[], object]]) -> float:

@@ -1,0 +1,65 @@
+"""The residency index contract: which replicas hold which router block keys.
+
+Both the control plane (the global map) and each proxy (its local replica of it) keep
+one. Replicas are small non-negative ordinals (stable within a control-plane epoch), so
+a key's holders fit a bitmask. Entries are *confirmed* (an engine reported the block)
+or *speculative* (a proxy just routed a prompt there; they expire). Time is passed in
+(``now``, seconds on any monotonic clock), never read, so the benchmark simulator can
+run the same code in virtual time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+MAX_REPLICA_ORDINAL = 4095
+
+
+class ResidencyIndex(Protocol):
+    """Block key -> replicas holding it; every implementation passes one conformance suite."""
+
+    def add(self, replica: int, keys: Iterable[int]) -> None:
+        """Record that ``replica`` holds ``keys`` (confirmed)."""
+        ...
+
+    def remove(self, replica: int, keys: Iterable[int]) -> None:
+        """Record that ``replica`` no longer holds ``keys``; unknown keys are ignored."""
+        ...
+
+    def clear_replica(self, replica: int) -> int:
+        """Forget everything about ``replica`` (confirmed and speculative); returns the
+        number of confirmed keys it held."""
+        ...
+
+    def add_speculative(self, replica: int, keys: Iterable[int], *, expires_at: float) -> None:
+        """Record that ``replica`` probably holds ``keys`` until ``expires_at``."""
+        ...
+
+    def expire(self, now: float) -> int:
+        """Drop speculative entries that expired at or before ``now``; returns how many."""
+        ...
+
+    def replicas_of(self, key: int) -> frozenset[int]:
+        """The replicas confirmed to hold ``key``."""
+        ...
+
+    def leading_runs(self, keys: Sequence[int], *, now: float | None = None) -> dict[int, int]:
+        """For a prompt's keys (in order): each replica's number of leading keys held.
+
+        Replicas holding not even the first key are absent. With ``now``, unexpired
+        speculative entries count as held. One pass, stopping at the first key no
+        replica still in the run holds.
+        """
+        ...
+
+    def key_count(self, replica: int | None = None) -> int:
+        """Confirmed keys held by ``replica``, or distinct confirmed keys overall."""
+        ...
+
+
+def check_replica(replica: int) -> int:
+    """``replica`` if it is a valid ordinal, else ``ValueError`` naming it."""
+    if not 0 <= replica <= MAX_REPLICA_ORDINAL or isinstance(replica, bool):
+        raise ValueError(f"replica ordinal must be in [0, {MAX_REPLICA_ORDINAL}], got {replica!r}")
+    return replica

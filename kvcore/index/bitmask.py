@@ -1,0 +1,163 @@
+"""The production residency index: one dict from key to an integer bitmask of replicas.
+
+Why this shape: a Python dict lookup is the fastest membership test Python has, and an
+``int`` bitmask holds any number of replicas in one object, so a prompt lookup is one
+dict probe and two bit operations per block. A 64-bit key costs about 100 bytes in all
+(dict slot, key object, mask object; masks of replicas 0-7 alone are shared small ints).
+
+Speculative entries live apart: ``_spec_mask`` (key -> mask, only unexpired entries
+after :meth:`expire`) and, per replica, each key's expiry, with one expiry record per
+:meth:`add_speculative` call so that recording a 512-key prompt is cheap.
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_left
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import accumulate, count, repeat, takewhile
+from operator import and_, or_
+
+from kvcore.index.base import check_replica
+
+_NOTHING: dict[int, int] = {}
+
+
+@dataclass(order=True, slots=True)
+class _Expiry:
+    expires_at: float
+    seq: int
+    replica: int = field(compare=False)
+    keys: tuple[int, ...] = field(compare=False)
+
+
+class BitmaskResidencyIndex:
+    """Residency as ``dict[key, int]``; see the module docstring. Not thread-safe."""
+
+    def __init__(self) -> None:
+        self._masks: dict[int, int] = {}
+        self._counts: dict[int, int] = {}
+        self._spec_mask: dict[int, int] = {}
+        self._spec_until: dict[int, dict[int, float]] = {}
+        self._expiries: list[_Expiry] = []
+        self._seq = count()
+
+    def add(self, replica: int, keys: Iterable[int]) -> None:
+        bit = 1 << check_replica(replica)
+        masks, added = self._masks, 0
+        for key in keys:
+            mask = masks.get(key, 0)
+            if not mask & bit:
+                masks[key] = mask | bit
+                added += 1
+        self._counts[replica] = self._counts.get(replica, 0) + added
+
+    def remove(self, replica: int, keys: Iterable[int]) -> None:
+        bit = 1 << check_replica(replica)
+        masks, removed = self._masks, 0
+        for key in keys:
+            mask = masks.get(key, 0)
+            if mask & bit:
+                removed += 1
+                if mask == bit:
+                    del masks[key]
+                else:
+                    masks[key] = mask & ~bit
+        if removed:
+            self._counts[replica] -= removed
+
+    def clear_replica(self, replica: int) -> int:
+        """O(resident keys): replicas are cleared rarely (death, new epoch)."""
+        bit = 1 << check_replica(replica)
+        held = self._counts.pop(replica, 0)
+        masks = self._masks
+        for key in [k for k, m in masks.items() if m & bit] if held else ():
+            mask = masks[key] & ~bit
+            if mask:
+                masks[key] = mask
+            else:
+                del masks[key]
+        for key in self._spec_until.pop(replica, {}):
+            self._drop_spec_bit(key, bit)
+        return held
+
+    def add_speculative(self, replica: int, keys: Iterable[int], *, expires_at: float) -> None:
+        bit = 1 << check_replica(replica)
+        keys = tuple(keys)
+        until = self._spec_until.setdefault(replica, {})
+        spec = self._spec_mask
+        for key in keys:
+            until[key] = expires_at
+            spec[key] = spec.get(key, 0) | bit
+        heapq.heappush(self._expiries, _Expiry(expires_at, next(self._seq), replica, keys))
+
+    def expire(self, now: float) -> int:
+        expired = 0
+        while self._expiries and self._expiries[0].expires_at <= now:
+            record = heapq.heappop(self._expiries)
+            expired += self._expire_record(record)
+        return expired
+
+    def replicas_of(self, key: int) -> frozenset[int]:
+        return frozenset(_bits(self._masks.get(key, 0)))
+
+    def leading_runs(self, keys: Sequence[int], *, now: float | None = None) -> dict[int, int]:
+        if now is None:
+            return _runs(keys, self._masks, _NOTHING)
+        self.expire(now)
+        return _runs(keys, self._masks, self._spec_mask)
+
+    def key_count(self, replica: int | None = None) -> int:
+        return len(self._masks) if replica is None else self._counts.get(replica, 0)
+
+    def _expire_record(self, record: _Expiry) -> int:
+        until = self._spec_until.get(record.replica, {})
+        bit, expired = 1 << record.replica, 0
+        for key in record.keys:
+            if until.get(key) == record.expires_at:
+                del until[key]
+                self._drop_spec_bit(key, bit)
+                expired += 1
+        return expired
+
+    def _drop_spec_bit(self, key: int, bit: int) -> None:
+        mask = self._spec_mask.get(key, 0) & ~bit
+        if mask:
+            self._spec_mask[key] = mask
+        else:
+            self._spec_mask.pop(key, None)
+
+
+def _runs(keys: Sequence[int], masks: dict[int, int], spec: dict[int, int]) -> dict[int, int]:
+    """Each replica's leading run, in one lazy pass that runs at C speed.
+
+    ``live[i]`` (the AND of the first ``i + 1`` keys' holder masks) is consumed only
+    while non-zero, so the pass stops at the first key no replica still in the run
+    holds. Holder sets only shrink along ``live``, so its values never increase: where
+    each value ends is a binary search in the reversed list (at most one per replica).
+    """
+    held = map(masks.get, keys, repeat(0))
+    if spec:
+        held = map(or_, held, map(spec.get, keys, repeat(0)))
+    live = list(takewhile(bool, accumulate(held, and_)))
+    rising, total = live[::-1], len(live)
+    runs: dict[int, int] = {}
+    end = 0
+    while end < total:
+        mask = live[end]
+        end = total - bisect_left(rising, mask)
+        following = live[end] if end < total else 0
+        for replica in _bits(mask & ~following):
+            runs[replica] = end
+    return runs
+
+
+def _bits(mask: int) -> list[int]:
+    """Ordinals of the set bits of a non-negative ``mask``, lowest first."""
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out

@@ -1,0 +1,163 @@
+"""Residency index conformance: every implementation behaves the same, checked here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcore.index import (
+    MAX_REPLICA_ORDINAL,
+    BitmaskResidencyIndex,
+    ReferenceResidencyIndex,
+    ResidencyIndex,
+)
+
+IMPLEMENTATIONS: list[Callable[[], ResidencyIndex]] = [
+    BitmaskResidencyIndex,
+    ReferenceResidencyIndex,
+]
+BIG = 2**64 - 1  # keys are unsigned 64-bit
+
+
+@pytest.fixture(params=IMPLEMENTATIONS, ids=lambda f: f.__name__)
+def index(request: pytest.FixtureRequest) -> ResidencyIndex:
+    return request.param()  # type: ignore[no-any-return]
+
+
+def test_add_and_lookup_holders(index: ResidencyIndex) -> None:
+    index.add(0, [1, 2, BIG])
+    index.add(5, [2])
+    assert index.replicas_of(2) == {0, 5}
+    assert index.replicas_of(BIG) == {0}
+    assert index.replicas_of(99) == frozenset()
+    assert (index.key_count(), index.key_count(0), index.key_count(5)) == (3, 3, 1)
+
+
+def test_adding_twice_counts_once(index: ResidencyIndex) -> None:
+    index.add(1, [7, 7, 8])
+    index.add(1, [7])
+    assert index.key_count(1) == 2
+
+
+def test_remove_drops_only_that_replica(index: ResidencyIndex) -> None:
+    index.add(0, [1, 2])
+    index.add(1, [1])
+    index.remove(0, [1, 404])
+    assert index.replicas_of(1) == {1}
+    assert index.replicas_of(2) == {0}
+    index.remove(1, [1])
+    assert index.replicas_of(1) == frozenset()
+    assert index.key_count() == 1 and index.key_count(0) == 1 and index.key_count(1) == 0
+
+
+def test_clear_replica_forgets_confirmed_and_speculative(index: ResidencyIndex) -> None:
+    index.add(0, [1, 2, 3])
+    index.add(1, [1, 2])
+    index.add_speculative(0, [9], expires_at=100.0)
+    assert index.clear_replica(0) == 3
+    assert index.replicas_of(1) == {1}
+    assert index.key_count() == 2
+    assert index.leading_runs([9], now=0.0) == {}
+    assert index.clear_replica(7) == 0
+
+
+def test_leading_runs_count_each_replicas_prefix(index: ResidencyIndex) -> None:
+    index.add(0, [10, 11, 12, 13])
+    index.add(1, [10, 11])
+    index.add(2, [11, 12, 13])  # holds later blocks but not the first: no run
+    index.add(3, [10, 12, 13])  # a gap ends the run
+    assert index.leading_runs([10, 11, 12, 13, 14]) == {0: 4, 1: 2, 3: 1}
+    assert index.leading_runs([99, 10]) == {}
+    assert index.leading_runs([]) == {}
+
+
+def test_leading_runs_cover_the_whole_prompt(index: ResidencyIndex) -> None:
+    keys = list(range(512))
+    index.add(63, keys)
+    index.add(2, keys[:100])
+    assert index.leading_runs(keys) == {63: 512, 2: 100}
+
+
+def test_ordinals_beyond_64_work(index: ResidencyIndex) -> None:
+    index.add(MAX_REPLICA_ORDINAL, [1, 2])
+    index.add(64, [1])
+    assert index.leading_runs([1, 2]) == {MAX_REPLICA_ORDINAL: 2, 64: 1}
+
+
+@pytest.mark.parametrize("bad", [-1, MAX_REPLICA_ORDINAL + 1])
+def test_invalid_ordinals_are_refused(index: ResidencyIndex, bad: int) -> None:
+    with pytest.raises(ValueError, match="replica ordinal"):
+        index.add(bad, [1])
+    with pytest.raises(ValueError, match="replica ordinal"):
+        index.add_speculative(bad, [1], expires_at=1.0)
+
+
+def test_speculative_entries_count_only_when_asked_and_until_expiry(
+    index: ResidencyIndex,
+) -> None:
+    index.add(0, [1])
+    index.add_speculative(1, [1, 2, 3], expires_at=10.0)
+    assert index.leading_runs([1, 2, 3]) == {0: 1}  # confirmed only
+    assert index.leading_runs([1, 2, 3], now=5.0) == {0: 1, 1: 3}
+    assert index.replicas_of(2) == frozenset()  # speculative is kept apart
+    assert index.key_count() == 1
+    assert index.leading_runs([1, 2, 3], now=10.0) == {0: 1}
+
+
+def test_speculative_refresh_extends_expiry(index: ResidencyIndex) -> None:
+    index.add_speculative(1, [1, 2], expires_at=10.0)
+    index.add_speculative(1, [1], expires_at=20.0)
+    assert index.expire(15.0) == 1
+    assert index.leading_runs([1, 2], now=15.0) == {1: 1}
+    assert index.expire(20.0) == 1
+    assert index.leading_runs([1], now=20.0) == {}
+
+
+def test_speculative_and_confirmed_combine_into_one_run(index: ResidencyIndex) -> None:
+    index.add(4, [1, 2])
+    index.add_speculative(4, [3], expires_at=5.0)
+    assert index.leading_runs([1, 2, 3, 4], now=1.0) == {4: 3}
+
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["add", "remove", "spec", "clear", "expire"]),
+        st.integers(0, 70),
+        st.lists(st.integers(0, 12), max_size=8),
+        st.integers(0, 20),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=OPS, probe=st.lists(st.integers(0, 12), max_size=10), now=st.integers(0, 20))
+def test_bitmask_index_agrees_with_the_reference(
+    ops: list[tuple[str, int, list[int], int]], probe: list[int], now: int
+) -> None:
+    fast, oracle = BitmaskResidencyIndex(), ReferenceResidencyIndex()
+    for impl in (fast, oracle):
+        for op, replica, keys, when in ops:
+            _apply(impl, op, replica, keys, when)
+    assert fast.leading_runs(probe) == oracle.leading_runs(probe)
+    assert fast.leading_runs(probe, now=now) == oracle.leading_runs(probe, now=now)
+    assert fast.key_count() == oracle.key_count()
+    for replica in range(71):
+        assert fast.key_count(replica) == oracle.key_count(replica)
+    assert all(fast.replicas_of(k) == oracle.replicas_of(k) for k in range(13))
+
+
+def _apply(index: ResidencyIndex, op: str, replica: int, keys: list[int], when: int) -> None:
+    if op == "add":
+        index.add(replica, keys)
+    elif op == "remove":
+        index.remove(replica, keys)
+    elif op == "spec":
+        index.add_speculative(replica, keys, expires_at=float(when))
+    elif op == "clear":
+        index.clear_replica(replica)
+    else:
+        index.expire(float(when))
