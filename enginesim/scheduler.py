@@ -28,13 +28,7 @@ from enginesim.blockpool import BlockPool, KVBlock
 from enginesim.hashing import BlockHasher, prompt_digests
 from enginesim.timing import TimingModel
 
-FILLER_BASE_TOKEN = 1000
-FILLER_PERIOD = 64
-
-
-def filler_token(index: int) -> int:
-    """The deterministic token sampled at output position ``index``."""
-    return FILLER_BASE_TOKEN + index % FILLER_PERIOD
+DEFAULT_FILLER = tuple(range(1000, 1064))
 
 
 class RequestRejected(ValueError):
@@ -79,7 +73,18 @@ class CoreLimits:
 
 
 class EngineCore:
-    def __init__(self, limits: CoreLimits, hasher: BlockHasher, timing: TimingModel) -> None:
+    def __init__(
+        self,
+        limits: CoreLimits,
+        hasher: BlockHasher,
+        timing: TimingModel,
+        filler: Sequence[int] = DEFAULT_FILLER,
+    ) -> None:
+        """``filler``: the token ids sampled in turn (output position i gets
+        ``filler[i % len(filler)]``)."""
+        if not filler:
+            raise ValueError("filler needs at least one token id")
+        self.filler = tuple(filler)
         self.limits = limits
         self.hasher = hasher
         self.timing = timing
@@ -171,7 +176,8 @@ class EngineCore:
         return len(req.prompt), req.num_cached_tokens
 
     def _sample(self, req: SimRequest, out: StepOutput) -> None:
-        req.output.append(filler_token(len(req.output)))
+        filler = self.filler
+        req.output.append(filler[len(req.output) % len(filler)])
         self._cache_full_blocks(req)
         out.sampled.append(req)
 

@@ -1,0 +1,195 @@
+"""The running engine: drives the core in wall-clock time and publishes what it does.
+
+``Engine`` owns the core (``scheduler.py``), the event publisher thread, the metrics and
+the fault state. One asyncio task runs steps back to back while there is work: it
+computes a step, sleeps for the step's modelled duration (``timing.py``; no sleep with
+``--instant``), then delivers the step's tokens to the waiting HTTP handlers and
+publishes the step's KV events as one batch (as vLLM's scheduler does per step).
+HTTP handlers only ``submit`` requests and await their ``RequestHandle``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+from enginesim.faults import FaultInjector, FaultUpdate
+from enginesim.metrics import CacheConfig, EngineMetrics, LoadSnapshot, make_metrics
+from enginesim.publisher import EventPublisher, PublisherConfig
+from enginesim.scheduler import CoreLimits, EngineCore, SimRequest, StepOutput
+from enginesim.settings import SimSettings
+from enginesim.wire import make_format
+
+log = logging.getLogger(__name__)
+_HASH_ALGO = {"vllm": "sha256_cbor", "vllm-0.23": "sha256_cbor", "sglang": "sha256"}
+
+
+class EngineRestarted(Exception):
+    """The request was dropped by an (injected) engine restart."""
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    """What an HTTP handler awaits: progress of one request."""
+
+    req: SimRequest
+    stream: bool
+    arrival: float
+    error: str | None = None
+    _progress: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def done(self) -> bool:
+        return self.req.finished or self.error is not None
+
+    def notify(self) -> None:
+        self._progress.set()
+
+    async def wait(self) -> None:
+        """Until there is something new (tokens when streaming, else the end)."""
+        await self._progress.wait()
+        self._progress.clear()
+        if self.error is not None:
+            raise EngineRestarted(self.error)
+
+
+class Engine:
+    def __init__(self, settings: SimSettings, filler: list[int]) -> None:
+        self.settings = settings
+        self.format = make_format(settings.event_format, settings.block_size)
+        limits = CoreLimits(
+            settings.block_size, settings.num_blocks, settings.max_num_seqs, settings.model_len
+        )
+        self.core = EngineCore(limits, self.format.hasher, settings.timing(), filler)
+        self.publisher = EventPublisher(
+            PublisherConfig(
+                endpoint=settings.kv_events_endpoint,
+                replay_endpoint=settings.replay_endpoint or None,
+                topic=settings.topic,
+                buffer_steps=settings.replay_buffer_steps,
+            )
+        )
+        self.metrics: EngineMetrics = make_metrics(
+            settings.event_format,
+            CacheConfig(
+                settings.model,
+                settings.block_size,
+                settings.num_blocks,
+                _HASH_ALGO[settings.event_format],
+            ),
+        )
+        self.faults = FaultInjector()
+        self._handles: dict[SimRequest, RequestHandle] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._ids = itertools.count()
+
+    async def start(self) -> None:
+        self.publisher.start()
+        self._task = asyncio.create_task(self._run(), name="enginesim-steps")
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self.publisher.close()
+
+    # -- requests ------------------------------------------------------------------
+
+    def new_request_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids):x}{time.monotonic_ns() & 0xFFFFFF:06x}"
+
+    def submit(self, req: SimRequest, *, stream: bool) -> RequestHandle:
+        """Queue ``req``; raises ``RequestRejected`` if it can never run."""
+        handle = RequestHandle(req, stream, time.perf_counter())
+        self.core.add(req)
+        self._handles[req] = handle
+        self._wake.set()
+        return handle
+
+    def abort(self, handle: RequestHandle) -> None:
+        self.core.abort(handle.req)
+        self._handles.pop(handle.req, None)
+        self._flush_events()
+
+    def load(self) -> LoadSnapshot:
+        core = self.core
+        used_blocks = core.pool.num_blocks - core.pool.num_free
+        return LoadSnapshot(
+            running=len(core.running),
+            waiting=len(core.waiting),
+            kv_usage=core.pool.usage,
+            used_tokens=used_blocks * core.limits.block_size,
+        )
+
+    # -- admin -----------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        done = self.core.pool.clear_cache()
+        self._flush_events()
+        return done
+
+    def apply_faults(self, update: FaultUpdate) -> None:
+        self.faults.state.apply(update)
+        if update.pause_events is not None:
+            self.publisher.command("pause" if update.pause_events else "resume")
+        if update.drop_replay:
+            self.publisher.command("drop_replay")
+        if update.restart:
+            self._restart()
+
+    def _restart(self) -> None:
+        for req in self.core.restart():
+            handle = self._handles.pop(req, None)
+            if handle is not None:
+                handle.error = "engine restarted"
+                handle.notify()
+        self.publisher.command("restart")
+
+    # -- the step loop -----------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            if not self.core.has_work:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            out = self.core.step(time.time())
+            delay = self._wall_seconds(out.duration)
+            await asyncio.sleep(delay)
+            self._deliver(out)
+            self._flush_events()
+
+    def _wall_seconds(self, modelled: float) -> float:
+        state = self.faults.state
+        scale = 0.0 if self.settings.instant else self.settings.time_scale
+        return modelled * scale * state.slowdown + state.delay_ms / 1000
+
+    def _deliver(self, out: StepOutput) -> None:
+        now = time.perf_counter()
+        metrics = self.metrics
+        handles = self._handles
+        for req in out.admitted:
+            metrics.on_admitted(len(req.prompt), req.num_cached_tokens)
+            handle = handles.get(req)
+            if handle is not None:
+                metrics.on_first_token(now - handle.arrival)
+        for req in out.sampled:
+            handle = handles.get(req)
+            if handle is not None and handle.stream:
+                handle.notify()
+        for req in out.finished:
+            handle = handles.pop(req, None)
+            if handle is not None:
+                metrics.on_finished(now - handle.arrival, len(req.output))
+                handle.notify()
+
+    def _flush_events(self) -> None:
+        events = self.core.pool.take_events()
+        if events:
+            self.publisher.publish(self.format.encode_batch(time.time(), events))

@@ -1,0 +1,505 @@
+"""The HTTP face of the engine: a raw ASGI app with vLLM's and SGLang's routes.
+
+Raw ASGI on uvicorn + httptools because one ``--instant`` process must serve thousands
+of requests a second on a small machine (see ``bench/enginesim_capacity.py``). Routes:
+
+| method | path | what |
+|---|---|---|
+| POST | ``/v1/completions``, ``/v1/chat/completions`` | OpenAI API, SSE when ``stream`` |
+| GET | ``/v1/models`` | the one served model |
+| GET | ``/health``, ``/ping`` | 200 while serving |
+| POST | ``/tokenize`` | ``{prompt}`` or ``{messages}`` → ``{tokens, count, max_model_len}`` |
+| POST | ``/reset_prefix_cache`` | drop the cache (``AllBlocksCleared``); 409 while in use |
+| GET | ``/metrics`` | Prometheus, engine names (``metrics.py``) |
+| GET | ``/server_info``, ``/model_info`` (and ``/get_`` aliases) | SGLang router probes |
+| GET | ``/get_load``, ``/load`` | queue load (SGLang, vLLM) |
+| POST | ``/v1/completions/render``, ``/v1/chat/completions/render`` | token ids of a request |
+| GET | ``/version`` | simulator version |
+| GET POST DELETE | ``/sim/faults`` | fault injection (``faults.py``), loopback clients only |
+| GET | ``/sim/state`` | cached block ids and load, loopback clients only |
+
+Every error is answered in OpenAI's shape (``protocol.py``); an unexpected exception in a
+handler is logged and answered 500 without touching the engine's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from enginesim import protocol as p
+from enginesim.engine import Engine, EngineRestarted, RequestHandle
+from enginesim.faults import CRASH_EXIT_CODE, FaultUpdate
+from enginesim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from enginesim.scheduler import RequestRejected, SimRequest
+from enginesim.settings import SimSettings
+from enginesim.tokens import PromptTokenizer
+from kvcore.tokenize import TokenizerError
+
+log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 64 * 1024 * 1024
+THREAD_TOKENIZE_CHARS = 8192
+VERSION = "kvroute-sim 0.1.0"
+JSON = b"application/json"
+_encode = msgspec.json.encode
+_LOOPBACK = ("127.", "::1", "::ffff:127.")
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    body: bytes
+    client_host: str
+
+
+@dataclass
+class Response:
+    status: int
+    body: bytes
+    content_type: bytes = JSON
+    after: Callable[[], None] | None = None
+
+
+@dataclass
+class EventStream:
+    chunks: AsyncIterator[bytes]
+    handle: RequestHandle
+
+
+Result = Response | EventStream
+Handler = Callable[[Request], Awaitable[Result]]
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    return Response(status, _encode(obj))
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + _encode(obj) + b"\n\n"
+
+
+class SimApp:
+    def __init__(self, settings: SimSettings, engine: Engine, tokenizer: PromptTokenizer):
+        self.settings = settings
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.routes: dict[str, dict[str, Handler]] = {}
+        self._register()
+
+    def _register(self) -> None:
+        info: dict[str, Handler] = {"GET": self.server_info}
+        table: dict[str, dict[str, Handler]] = {
+            "/v1/completions": {"POST": self.completions},
+            "/v1/chat/completions": {"POST": self.chat_completions},
+            "/v1/models": {"GET": self.models},
+            "/health": {"GET": self.health},
+            "/ping": {"GET": self.health},
+            "/tokenize": {"POST": self.tokenize},
+            "/reset_prefix_cache": {"POST": self.reset_prefix_cache},
+            "/metrics": {"GET": self.metrics},
+            "/server_info": info,
+            "/get_server_info": info,
+            "/model_info": {"GET": self.model_info},
+            "/get_model_info": {"GET": self.model_info},
+            "/get_load": {"GET": self.get_load},
+            "/load": {"GET": self.vllm_load},
+            "/v1/completions/render": {"POST": self.render_completion},
+            "/v1/chat/completions/render": {"POST": self.render_chat},
+            "/version": {"GET": self.version},
+            "/sim/faults": {"GET": self.faults, "POST": self.faults, "DELETE": self.faults},
+            "/sim/state": {"GET": self.state},
+        }
+        self.routes.update(table)
+
+    # -- ASGI ----------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        try:
+            handler = self._route(scope)
+            client = scope.get("client") or ("", 0)
+            body = await _read_body(receive)
+            result = await handler(Request(scope["method"], scope["path"], body, client[0]))
+        except p.ApiError as exc:
+            result = json_response(exc.body(), exc.status)
+        except Exception:
+            log.exception("unexpected error answering %s %s", scope["method"], scope["path"])
+            result = json_response(p.ApiError("internal error").body(), 500)
+        if isinstance(result, EventStream):
+            await self._stream(result, receive, send)
+        else:
+            await _send_response(result, send)
+
+    def _route(self, scope: Scope) -> Handler:
+        methods = self.routes.get(scope["path"])
+        if methods is None:
+            raise p.NotFound(f"No route {scope['path']}")
+        handler = methods.get(scope["method"])
+        if handler is None:
+            raise p.MethodNotAllowed(f"{scope['method']} is not allowed on {scope['path']}")
+        return handler
+
+    async def _stream(self, stream: EventStream, receive: Receive, send: Send) -> None:
+        headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        watcher = asyncio.create_task(self._watch_disconnect(stream.handle, receive))
+        try:
+            async for chunk in stream.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+
+    async def _watch_disconnect(self, handle: RequestHandle, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            continue
+        if not handle.done:
+            self.engine.abort(handle)
+            handle.error = "client disconnected"
+            handle.notify()
+
+    # -- inference -------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Result:
+        body = p.decode_body(request.body, p.CompletionRequest)
+        prompt = await self._completion_prompt(body.prompt)
+        handle = self._submit(prompt, body, "cmpl")
+        if body.stream:
+            return EventStream(self._completion_chunks(handle, body), handle)
+        await _until_done(handle)
+        text = self.tokenizer.text_of(handle.req.output)
+        return json_response(p.completion_body(*self._ids(handle), text, _usage(handle)))
+
+    async def chat_completions(self, request: Request) -> Result:
+        body = p.decode_body(request.body, p.ChatRequest)
+        prompt = await self._chat_prompt(body.messages, body.tools, body.add_generation_prompt)
+        if body.max_completion_tokens is not None and body.max_tokens is None:
+            body.max_tokens = body.max_completion_tokens
+        handle = self._submit(prompt, body, "chatcmpl")
+        if body.stream:
+            return EventStream(self._chat_chunks(handle, body), handle)
+        await _until_done(handle)
+        text = self.tokenizer.text_of(handle.req.output)
+        return json_response(p.chat_body(*self._ids(handle), text, _usage(handle)))
+
+    def _submit(self, prompt: list[int], body: p._Sampling, prefix: str) -> RequestHandle:
+        self._check_model(body.model)
+        p.check_salt(body.cache_salt)
+        if self.engine.faults.should_fail():
+            raise p.InjectedFailure("Injected failure (kvroute-sim fault).")
+        max_tokens = body.max_tokens or p.DEFAULT_MAX_TOKENS
+        rid = self.engine.new_request_id(prefix)
+        req = SimRequest(rid, prompt, max_tokens, body.cache_salt)
+        try:
+            return self.engine.submit(req, stream=body.stream)
+        except RequestRejected as exc:
+            raise p.BadRequest(str(exc)) from exc
+
+    def _ids(self, handle: RequestHandle) -> tuple[str, str]:
+        return handle.req.request_id, self.settings.model
+
+    async def _completion_chunks(
+        self, handle: RequestHandle, body: p.CompletionRequest
+    ) -> AsyncIterator[bytes]:
+        rid, model = self._ids(handle)
+        async for pieces, last in self._pieces(handle):
+            if pieces is None:
+                yield sse(p.ApiError("engine restarted").body())
+                break
+            for i, piece in enumerate(pieces):
+                finish = "length" if last and i == len(pieces) - 1 else None
+                yield sse(p.completion_body(rid, model, piece, None, finish))
+        else:
+            if body.stream_options is not None and body.stream_options.include_usage:
+                yield sse(p.usage_chunk(rid, model, "text_completion", _usage(handle)))
+        yield b"data: [DONE]\n\n"
+
+    async def _chat_chunks(
+        self, handle: RequestHandle, body: p.ChatRequest
+    ) -> AsyncIterator[bytes]:
+        rid, model = self._ids(handle)
+        yield sse(p.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, None))
+        async for pieces, last in self._pieces(handle):
+            if pieces is None:
+                yield sse(p.ApiError("engine restarted").body())
+                break
+            for i, piece in enumerate(pieces):
+                finish = "length" if last and i == len(pieces) - 1 else None
+                yield sse(p.chat_chunk(rid, model, {"content": piece}, finish, None))
+        else:
+            if body.stream_options is not None and body.stream_options.include_usage:
+                yield sse(p.usage_chunk(rid, model, "chat.completion.chunk", _usage(handle)))
+        yield b"data: [DONE]\n\n"
+
+    async def _pieces(self, handle: RequestHandle) -> AsyncIterator[tuple[list[str] | None, bool]]:
+        """New output text pieces as they are generated; ``None`` when the request failed."""
+        sent = 0
+        while sent < handle.req.max_tokens:
+            try:
+                await handle.wait()
+            except EngineRestarted:
+                if handle.error != "client disconnected":
+                    yield None, True
+                return
+            new = handle.req.output[sent:]
+            sent += len(new)
+            yield [self.tokenizer.text_of([t]) for t in new], sent >= handle.req.max_tokens
+
+    # -- prompts ---------------------------------------------------------------------------
+
+    async def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            if not prompt:
+                raise p.BadRequest("prompt must not be empty.", "prompt")
+            return prompt
+        return await self._tokenize(lambda: self.tokenizer.encode_prompt(prompt), len(prompt))
+
+    async def _chat_prompt(
+        self, messages: list[dict[str, Any]], tools: Any, add_generation_prompt: bool
+    ) -> list[int]:
+        p.check_messages(messages)
+        size = sum(len(str(m.get("content", ""))) for m in messages)
+        return await self._tokenize(
+            lambda: self.tokenizer.encode_chat(
+                messages, tools=tools, add_generation_prompt=add_generation_prompt
+            ),
+            size,
+        )
+
+    async def _tokenize(self, work: Callable[[], list[int]], size: int) -> list[int]:
+        try:
+            if size > THREAD_TOKENIZE_CHARS:
+                return await asyncio.to_thread(work)
+            return work()
+        except TokenizerError as exc:
+            raise p.BadRequest(str(exc)) from exc
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.model:
+            raise p.NotFound(f"The model `{model}` does not exist.", "model")
+
+    # -- engine-side routes ----------------------------------------------------------------
+
+    async def models(self, request: Request) -> Result:
+        card = {
+            "id": self.settings.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "kvroute-sim",
+            "root": self.settings.model,
+            "parent": None,
+            "max_model_len": self.settings.model_len,
+        }
+        return json_response({"object": "list", "data": [card]})
+
+    async def health(self, request: Request) -> Result:
+        return Response(200, b"", b"text/plain")
+
+    async def version(self, request: Request) -> Result:
+        return json_response({"version": VERSION})
+
+    async def tokenize(self, request: Request) -> Result:
+        body = p.decode_body(request.body, p.TokenizeRequest)
+        self._check_model(body.model)
+        if body.messages is not None:
+            tokens = await self._chat_prompt(body.messages, body.tools, body.add_generation_prompt)
+        elif isinstance(body.prompt, str):
+            text = body.prompt
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            tokens = await self._tokenize(
+                lambda: self.tokenizer.encode_prompt(text, add_special_tokens=special), len(text)
+            )
+        elif body.prompt is not None:
+            tokens = body.prompt
+        else:
+            raise p.BadRequest("Either prompt or messages is required.", "prompt")
+        model_len = self.settings.model_len
+        return json_response(
+            {"count": len(tokens), "max_model_len": model_len, "tokens": tokens, "token_strs": None}
+        )
+
+    async def render_completion(self, request: Request) -> Result:
+        body = p.decode_body(request.body, p.CompletionRequest)
+        self._check_model(body.model)
+        tokens = await self._completion_prompt(body.prompt)
+        return json_response([self._generate_request(tokens, body, "cmpl")])
+
+    async def render_chat(self, request: Request) -> Result:
+        body = p.decode_body(request.body, p.ChatRequest)
+        self._check_model(body.model)
+        tokens = await self._chat_prompt(body.messages, body.tools, body.add_generation_prompt)
+        return json_response(self._generate_request(tokens, body, "chatcmpl"))
+
+    def _generate_request(self, tokens: list[int], body: p._Sampling, prefix: str) -> Any:
+        return {
+            "request_id": self.engine.new_request_id(prefix),
+            "token_ids": tokens,
+            "sampling_params": {"max_tokens": body.max_tokens or p.DEFAULT_MAX_TOKENS},
+            "model": self.settings.model,
+            "stream": body.stream,
+            "cache_salt": body.cache_salt,
+        }
+
+    async def reset_prefix_cache(self, request: Request) -> Result:
+        if not self.engine.reset_prefix_cache():
+            raise p.Conflict("Failed to reset the prefix cache: some blocks are still in use.")
+        return Response(200, b"", b"text/plain")
+
+    async def metrics(self, request: Request) -> Result:
+        body = self.engine.metrics.render(self.engine.load())
+        return Response(200, body, METRICS_CONTENT_TYPE.encode())
+
+    async def server_info(self, request: Request) -> Result:
+        return json_response(_server_info(self.settings, self.engine))
+
+    async def model_info(self, request: Request) -> Result:
+        return json_response(
+            {
+                "model_path": _model_path(self.settings),
+                "tokenizer_path": _model_path(self.settings),
+                "is_generation": True,
+                "served_model_name": self.settings.model,
+            }
+        )
+
+    async def get_load(self, request: Request) -> Result:
+        load = self.engine.load()
+        return json_response(
+            {
+                "dp_rank": 0,
+                "load": load.running + load.waiting,
+                "num_reqs": load.running + load.waiting,
+                "num_waiting_reqs": load.waiting,
+                "num_tokens": load.used_tokens,
+            }
+        )
+
+    async def vllm_load(self, request: Request) -> Result:
+        load = self.engine.load()
+        return json_response({"server_load": load.running + load.waiting})
+
+    # -- admin -----------------------------------------------------------------------------
+
+    def _admin_only(self, request: Request) -> None:
+        if not request.client_host.startswith(_LOOPBACK):
+            raise p.Forbidden("The admin API only answers loopback clients.")
+
+    async def faults(self, request: Request) -> Result:
+        self._admin_only(request)
+        injector = self.engine.faults
+        after = None
+        if request.method == "DELETE":
+            self.engine.apply_faults(injector.clear())
+        elif request.method == "POST":
+            update = p.decode_body(request.body or b"{}", FaultUpdate)
+            self.engine.apply_faults(update)
+            if update.crash:
+                after = _crash
+        return Response(200, _encode(injector.state), after=after)
+
+    async def state(self, request: Request) -> Result:
+        self._admin_only(request)
+        pool = self.engine.core.pool
+        event_id = self.engine.format.hasher.event_id
+        load = self.engine.load()
+        return json_response(
+            {
+                "cached_block_hashes": sorted(event_id(d) for d in pool.cached_digests()),
+                "num_blocks": pool.num_blocks,
+                "num_free_blocks": pool.num_free,
+                "running": load.running,
+                "waiting": load.waiting,
+                "event_endpoint": self.engine.publisher.endpoint,
+                "replay_endpoint": self.engine.publisher.replay_endpoint,
+            }
+        )
+
+
+def _crash() -> None:
+    log.error("crash requested through /sim/faults")
+    os._exit(CRASH_EXIT_CODE)
+
+
+def _usage(handle: RequestHandle) -> dict[str, Any]:
+    req = handle.req
+    return p.usage(len(req.prompt), len(req.output), req.num_cached_tokens)
+
+
+async def _until_done(handle: RequestHandle) -> None:
+    try:
+        while not handle.done:
+            await handle.wait()
+    except EngineRestarted as exc:
+        raise p.InjectedFailure(f"The request failed: {exc}.") from exc
+
+
+def _model_path(settings: SimSettings) -> str:
+    return settings.tokenizer if os.path.isdir(settings.tokenizer) else settings.model
+
+
+def _server_info(settings: SimSettings, engine: Engine) -> dict[str, Any]:
+    host, _, port = engine.publisher.endpoint.rpartition(":")
+    kv_events: dict[str, Any] = {
+        "publisher": "zmq",
+        "endpoint_host": host.removeprefix("tcp://"),
+        "endpoint_port_base": int(port) if port.isdigit() else None,
+        "topic": settings.topic,
+        "block_size": settings.block_size,
+        "dp_size": 1,
+    }
+    if engine.publisher.replay_endpoint:
+        replay_port = engine.publisher.replay_endpoint.rpartition(":")[2]
+        kv_events["replay_endpoint_port_base"] = int(replay_port)
+    return {
+        "model_path": _model_path(settings),
+        "tokenizer_path": _model_path(settings),
+        "served_model_name": settings.model,
+        "page_size": settings.block_size,
+        "max_total_num_tokens": settings.pool_tokens,
+        "max_running_requests": settings.max_num_seqs,
+        "context_length": settings.model_len,
+        "kv_events": kv_events,
+        "version": VERSION,
+    }
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise p.BadRequest("client disconnected")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise p.PayloadTooLarge(f"Request body larger than {MAX_BODY_BYTES} bytes.")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks) if len(chunks) != 1 else chunks[0]
+
+
+async def _send_response(response: Response, send: Send) -> None:
+    headers = [
+        (b"content-type", response.content_type),
+        (b"content-length", str(len(response.body)).encode()),
+    ]
+    await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    await send({"type": "http.response.body", "body": response.body})
+    if response.after is not None:
+        asyncio.get_running_loop().call_soon(response.after)

@@ -1,0 +1,213 @@
+"""The OpenAI-compatible request and response shapes, and the errors, as vLLM serves them.
+
+Requests are decoded with msgspec structs (unknown fields ignored, as vLLM does for
+sampling options the simulator has no use for); responses are plain dicts encoded with
+msgspec. Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``
+with vLLM's status codes::
+
+    ApiError                 base: status + OpenAI error type
+     ├── BadRequest          400  malformed JSON, missing or invalid field, prompt too long
+     ├── Forbidden           403  admin route from a non-loopback client
+     ├── NotFound            404  unknown model or route
+     ├── MethodNotAllowed    405
+     ├── Conflict            409  /reset_prefix_cache while blocks are in use
+     ├── PayloadTooLarge     413
+     └── InjectedFailure     500  a fault asked for (``/sim/faults``) or an engine restart
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+
+DEFAULT_MAX_TOKENS = 16
+MAX_SALT_CHARS = 128
+T = TypeVar("T")
+_json_decoder_cache: dict[type, msgspec.json.Decoder[Any]] = {}
+
+
+class ApiError(Exception):
+    status = 500
+    error_type = "InternalServerError"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
+
+
+class BadRequest(ApiError):
+    status, error_type = 400, "BadRequestError"
+
+
+class Forbidden(ApiError):
+    status, error_type = 403, "PermissionDeniedError"
+
+
+class NotFound(ApiError):
+    status, error_type = 404, "NotFoundError"
+
+
+class MethodNotAllowed(ApiError):
+    status, error_type = 405, "MethodNotAllowed"
+
+
+class Conflict(ApiError):
+    status, error_type = 409, "ConflictError"
+
+
+class PayloadTooLarge(ApiError):
+    status, error_type = 413, "PayloadTooLarge"
+
+
+class InjectedFailure(ApiError):
+    status, error_type = 500, "InternalServerError"
+
+
+# -- requests ------------------------------------------------------------------------
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    max_tokens: PositiveInt | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    cache_salt: str | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: str | list[TokenId]
+    echo: bool = False
+
+
+class ChatRequest(_Sampling, kw_only=True):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: PositiveInt | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | list[TokenId] | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+
+
+def decode_body(body: bytes, kind: type[T]) -> T:
+    """Decode a JSON body into ``kind``; every failure becomes a ``BadRequest``."""
+    decoder = _json_decoder_cache.get(kind)
+    if decoder is None:
+        decoder = _json_decoder_cache[kind] = msgspec.json.Decoder(kind)
+    try:
+        return decoder.decode(body)  # type: ignore[no-any-return]
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"Invalid request: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"Malformed JSON body: {exc}") from exc
+
+
+def check_salt(salt: str | None) -> None:
+    """vLLM 0.33's ``validate_cache_salt``."""
+    if salt is None:
+        return
+    if not salt:
+        raise BadRequest("cache_salt must be a non-empty string.", "cache_salt")
+    if len(salt) > MAX_SALT_CHARS:
+        raise BadRequest(f"cache_salt must be at most {MAX_SALT_CHARS} characters.", "cache_salt")
+    if any(c in salt for c in "@/\\\0"):
+        raise BadRequest("cache_salt must not contain '@', '/', '\\' or NUL.", "cache_salt")
+
+
+def check_messages(messages: Sequence[dict[str, Any]]) -> None:
+    if not messages:
+        raise BadRequest("messages must not be empty.", "messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message.get("role"), str):
+            raise BadRequest(f"messages[{i}] needs a string 'role'.", "messages")
+
+
+# -- responses -----------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def completion_body(
+    rid: str, model: str, text: str, use: dict[str, Any] | None, finish: str | None = "length"
+) -> dict[str, Any]:
+    choice = {
+        "index": 0,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": finish,
+        "stop_reason": None,
+    }
+    return _envelope(rid, "text_completion", model, [choice], use)
+
+
+def chat_body(rid: str, model: str, text: str, use: dict[str, Any]) -> dict[str, Any]:
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": text, "tool_calls": []},
+        "logprobs": None,
+        "finish_reason": "length",
+        "stop_reason": None,
+    }
+    return _envelope(rid, "chat.completion", model, [choice], use)
+
+
+def chat_chunk(
+    rid: str, model: str, delta: dict[str, Any], finish: str | None, use: dict[str, Any] | None
+) -> dict[str, Any]:
+    choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+    return _envelope(rid, "chat.completion.chunk", model, choices, use)
+
+
+def usage_chunk(rid: str, model: str, obj: str, use: dict[str, Any]) -> dict[str, Any]:
+    return _envelope(rid, obj, model, [], use)
+
+
+def _envelope(
+    rid: str, obj: str, model: str, choices: list[dict[str, Any]], use: dict[str, Any] | None
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": rid,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+    }
+    if use is not None:
+        body["usage"] = use
+    return body

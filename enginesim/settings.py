@@ -1,0 +1,117 @@
+"""Typed settings of ``kvroute-sim``: every flag, its default, and its environment variable.
+
+Each field is a flag (``--block-size``) and an environment variable
+(``KVROUTE_BLOCK_SIZE``); a flag given on the command line wins over the environment.
+The names in the brief's command table are a contract used by tests, the local launcher
+and ``deploy/``. Everything binds to loopback unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from enginesim.timing import TimingModel
+
+DEFAULT_MAX_MODEL_LEN = 32768
+
+
+class SimSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVROUTE_", extra="ignore", frozen=True)
+
+    host: str = Field("127.0.0.1", description="HTTP bind address")
+    port: int = Field(8100, ge=0, le=65535, description="HTTP port (0: a free port)")
+    model: str = Field("kvroute/sim-model", description="served model name")
+    block_size: int = Field(16, ge=1, le=4096, description="tokens per KV block (SGLang page)")
+    num_blocks: int = Field(8192, ge=1, description="KV blocks in the pool")
+    max_num_seqs: int = Field(256, ge=1, description="most requests running at once")
+    max_model_len: int | None = Field(
+        None, ge=2, description="prompt + output limit, in tokens (min(32768, pool size))"
+    )
+    kv_events_endpoint: str = Field("tcp://127.0.0.1:5557", description="ZMQ PUB bind address")
+    replay_endpoint: str = Field(
+        "tcp://127.0.0.1:5558", description="ZMQ ROUTER bind address for replay ('' = off)"
+    )
+    replay_buffer_steps: int = Field(10_000, ge=1, description="batches kept for replay")
+    topic: str = Field("", description="ZMQ topic frame")
+    event_format: Literal["vllm", "vllm-0.23", "sglang"] = Field(
+        "vllm", description="KV event wire format and metric names"
+    )
+    tokenizer: str = Field("builtin", description="'builtin' or a model directory")
+    time_scale: float = Field(1.0, ge=0.0, description="wall seconds per modelled second")
+    instant: bool = Field(False, description="steps take no time (functional tests)")
+    prefill_rate: float = Field(10_000.0, gt=0, description="prefill tokens per second")
+    prefill_overhead_ms: float = Field(5.0, ge=0, description="fixed cost per prefill")
+    prefill_quadratic: float = Field(0.0, ge=0, description="s per uncached*context token")
+    decode_base_ms: float = Field(10.0, ge=0, description="decode step cost at batch 0")
+    decode_per_seq_ms: float = Field(0.2, ge=0, description="decode step cost per running seq")
+    log_level: str = Field("warning", description="log level of the server")
+
+    @model_validator(mode="after")
+    def _check_lengths(self) -> SimSettings:
+        if self.max_model_len is not None and self.max_model_len > self.pool_tokens:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the KV pool "
+                f"({self.num_blocks} blocks x {self.block_size} tokens)"
+            )
+        return self
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def model_len(self) -> int:
+        """The effective ``max_model_len``."""
+        return self.max_model_len or min(DEFAULT_MAX_MODEL_LEN, self.pool_tokens)
+
+    def timing(self) -> TimingModel:
+        return TimingModel(
+            prefill_rate=self.prefill_rate,
+            prefill_overhead_s=self.prefill_overhead_ms / 1000,
+            prefill_quadratic_s=self.prefill_quadratic,
+            decode_base_s=self.decode_base_ms / 1000,
+            decode_per_seq_s=self.decode_per_seq_ms / 1000,
+        )
+
+
+class SettingsError(ValueError):
+    """The command line or environment does not describe a valid engine."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvroute-sim",
+        description="A simulated vLLM/SGLang engine: real prefix cache, KV events, metrics.",
+        epilog="Every flag is also the environment variable KVROUTE_<FLAG> "
+        "(upper case, dashes as underscores).",
+    )
+    for name, field in SimSettings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        help_text = f"{field.description} (default: {field.default})"
+        if field.annotation is bool:
+            parser.add_argument(flag, action="store_true", default=None, help=help_text)
+        else:
+            parser.add_argument(flag, default=None, help=help_text)
+    return parser
+
+
+def parse_settings(argv: Sequence[str] | None = None) -> SimSettings:
+    args = build_parser().parse_args(argv)
+    given: dict[str, Any] = {k: v for k, v in vars(args).items() if v is not None}
+    try:
+        return SimSettings(**given)
+    except ValidationError as exc:
+        raise SettingsError(_describe(exc)) from exc
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "settings"
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)

@@ -1,0 +1,160 @@
+"""kvroute-sim as a real process: the OpenAI API, the prefix cache seen through usage and
+metrics, bad input, and the faults a sidecar's tests rely on."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.unit.enginesim.simproc import SimProcess
+
+pytestmark = pytest.mark.e2e
+PREFIX = list(range(10_000, 12_000))  # 2,000 tokens = 125 blocks of 16
+
+
+@pytest.fixture(scope="module")
+def sim() -> Iterator[SimProcess]:
+    with SimProcess("--instant", "--model=sim-model", "--max-model-len=8192") as proc:
+        yield proc
+
+
+def complete(sim: SimProcess, prompt, **extra):
+    return sim.post("/v1/completions", {"model": "sim-model", "prompt": prompt, **extra})
+
+
+def test_second_request_reports_the_shared_2000_token_prefix_as_cached(sim: SimProcess) -> None:
+    hits, queries = (
+        sim.metric("vllm:prefix_cache_hits_total"),
+        sim.metric("vllm:prefix_cache_queries_total"),
+    )
+    first = complete(sim, [*PREFIX, 1, 2, 3], max_tokens=4)
+    second = complete(sim, [*PREFIX, 9, 8, 7, 6, 5], max_tokens=4)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 2000
+    assert second["usage"]["prompt_tokens"] == 2005
+    assert sim.metric("vllm:prefix_cache_hits_total") - hits == 2000
+    assert sim.metric("vllm:prefix_cache_queries_total") - queries == 2003 + 2005
+
+
+def test_salts_separate_tenants(sim: SimProcess) -> None:
+    prompt = list(range(20_000, 20_320))
+
+    def cached(salt: str) -> int:
+        answer = complete(sim, prompt, max_tokens=2, cache_salt=salt)
+        return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0
+    assert cached("tenant-a") == 304
+
+
+def test_chat_stream_with_usage_and_text_tokenization(sim: SimProcess) -> None:
+    messages = [{"role": "system", "content": "You are terse. " * 60},
+                {"role": "user", "content": "Name a colour."}]  # fmt: skip
+    counted = sim.post("/tokenize", {"model": "sim-model", "messages": messages})
+    body = {"model": "sim-model", "messages": messages, "max_tokens": 5, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    sim.stream("/v1/chat/completions", body)
+    events = sim.stream("/v1/chat/completions", body)
+    assert events[-1] == "[DONE]"
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[1:-2])
+    assert len(text.split()) == 5
+    assert events[-3]["choices"][0]["finish_reason"] == "length"
+    use = events[-2]["usage"]
+    assert use["prompt_tokens"] == counted["count"] and use["completion_tokens"] == 5
+    assert use["prompt_tokens_details"]["cached_tokens"] == (counted["count"] - 1) // 16 * 16
+
+
+def test_text_completion_matches_tokenize(sim: SimProcess) -> None:
+    prompt = "The quick brown fox jumps over the lazy dog. " * 20
+    counted = sim.post("/tokenize", {"prompt": prompt})
+    answer = complete(sim, prompt, max_tokens=3)
+    assert answer["usage"]["prompt_tokens"] == counted["count"] == len(counted["tokens"])
+    assert counted["max_model_len"] == 8192
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert len(answer["choices"][0]["text"].split()) == 3
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "status", "needle"),
+    [
+        ("/v1/completions", b'{"prompt": [1, 2', 400, "Malformed JSON"),
+        ("/v1/completions", b'{"max_tokens": 3}', 400, "prompt"),
+        ("/v1/completions", b'{"prompt": [1, -2]}', 400, "Invalid request"),
+        ("/v1/completions", b'{"prompt": []}', 400, "empty"),
+        ("/v1/completions", b'{"prompt": [1], "max_tokens": 0}', 400, "max_tokens"),
+        ("/v1/completions", b'{"prompt": "hi", "model": "other"}', 404, "other"),
+        ("/v1/completions", b'{"prompt": [1], "cache_salt": "a/b"}', 400, "cache_salt"),
+        ("/v1/completions", b"[1, 2, 3]", 400, "Invalid request"),
+        ("/v1/chat/completions", b'{"messages": []}', 400, "messages"),
+        ("/v1/chat/completions", b'{"messages": [{"content": "x"}]}', 400, "role"),
+        ("/v1/chat/completions", b'{"messages": "hi"}', 400, "Invalid request"),
+        ("/tokenize", b"{}", 400, "prompt or messages"),
+        ("/nowhere", b"{}", 404, "No route"),
+    ],
+)
+def test_bad_input_gets_openai_errors(sim: SimProcess, path, raw, status, needle) -> None:
+    code, answer = sim.call("POST", path, raw=raw)
+    assert code == status
+    assert needle in answer["error"]["message"]
+    assert answer["error"]["code"] == status
+    assert sim.call("GET", "/health")[0] == 200
+
+
+def test_prompt_longer_than_max_model_len_is_400(sim: SimProcess) -> None:
+    code, answer = sim.call("POST", "/v1/completions", {"prompt": list(range(8190)),
+                                                         "max_tokens": 5})  # fmt: skip
+    assert code == 400
+    assert "maximum context length is 8192 tokens" in answer["error"]["message"]
+
+
+def test_wrong_method_is_405(sim: SimProcess) -> None:
+    assert sim.call("GET", "/v1/completions")[0] == 405
+
+
+def test_peer_router_probes(sim: SimProcess) -> None:
+    assert sim.call("GET", "/v1/models")[1]["data"][0]["id"] == "sim-model"
+    info = sim.call("GET", "/server_info")[1]
+    assert info["page_size"] == 16 and info["kv_events"]["block_size"] == 16
+    assert sim.call("GET", "/model_info")[1]["is_generation"] is True
+    assert set(sim.call("GET", "/get_load")[1]) >= {"num_reqs", "num_waiting_reqs"}
+    rendered = sim.post("/v1/completions/render", {"prompt": "hello there", "max_tokens": 7})
+    assert rendered[0]["token_ids"] == sim.post("/tokenize", {"prompt": "hello there"})["tokens"]
+    assert rendered[0]["sampling_params"]["max_tokens"] == 7
+    assert "vllm:cache_config_info" in sim.call("GET", "/metrics")[1]
+
+
+def test_injected_failures_then_recovery(sim: SimProcess) -> None:
+    state = sim.post("/sim/faults", {"fail_requests": 2})
+    assert state["fail_requests"] == 2
+    codes = [sim.call("POST", "/v1/completions", {"prompt": [1, 2, 3]})[0] for _ in range(3)]
+    assert codes == [500, 500, 200]
+    code, answer = sim.call("POST", "/sim/faults", {"slowdown": 0.5})
+    assert code == 400 and "slowdown" in answer["error"]["message"]
+    assert sim.call("POST", "/sim/faults", {"no_such_fault": True})[0] == 400
+
+
+def test_reset_prefix_cache_empties_the_cache(sim: SimProcess) -> None:
+    prompt = list(range(30_000, 30_100))
+    complete(sim, prompt, max_tokens=1)
+    assert sim.call("POST", "/reset_prefix_cache")[0] == 200
+    assert sim.call("GET", "/sim/state")[1]["cached_block_hashes"] == []
+    again = complete(sim, prompt, max_tokens=1)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_restart_fault_empties_cache_and_crash_fault_exits() -> None:
+    with SimProcess("--instant") as sim:
+        prompt = list(range(64))
+        complete_any = {"prompt": prompt, "max_tokens": 1}
+        sim.post("/v1/completions", complete_any)
+        assert sim.call("GET", "/sim/state")[1]["cached_block_hashes"]
+        assert sim.post("/sim/faults", {"restart": True})["restarts"] == 1
+        assert sim.call("GET", "/sim/state")[1]["cached_block_hashes"] == []
+        again = sim.post("/v1/completions", complete_any)
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        sim.post("/sim/faults", {"crash": True})
+        assert sim.proc is not None
+        assert sim.proc.wait(timeout=10) == 70
