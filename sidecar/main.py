@@ -1,20 +1,98 @@
-"""Entry point of `kvroute-sidecar`: the sidecar that runs beside one engine replica."""
+"""Entry point of ``kvroute-sidecar``: flags -> settings -> service, until SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import signal
+import sys
 from collections.abc import Sequence
+from typing import Any
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from sidecar.errors import SidecarError
+from sidecar.observability import configure_logging, create_app
+from sidecar.service import SidecarService
+from sidecar.settings import SidecarSettings
+
+log = logging.getLogger("sidecar")
+_ENV_ONLY = {"nats_token", "nats_user", "nats_password"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         prog="kvroute-sidecar",
-        description="kvroute: the sidecar that runs beside one engine replica.",
-        epilog="Not implemented yet: see the open issues.",
+        description="kvroute sidecar: an engine's KV events and load, in router keys, on NATS."
+        " Every flag can also be set as KVROUTE_<FLAG> (NATS credentials only that way).",
     )
+    for name, field in SidecarSettings.model_fields.items():
+        if name in _ENV_ONLY:
+            continue
+        flag = "--" + name.replace("_", "-")
+        help_text = f"{field.description or ''} [env KVROUTE_{name.upper()}]"
+        if field.annotation is bool:
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+        elif name == "served_names":
+            parser.add_argument(
+                flag,
+                type=lambda v: [n for n in v.split(",") if n],
+                default=None,
+                help=help_text + " (comma-separated)",
+            )
+        else:
+            parser.add_argument(flag, default=None, help=help_text)
+    return parser
+
+
+def load_settings(argv: Sequence[str] | None) -> SidecarSettings:
+    args = build_parser().parse_args(argv)
+    given: dict[str, Any] = {k: v for k, v in vars(args).items() if v is not None}
+    return SidecarSettings(**given)
+
+
+async def serve(settings: SidecarSettings) -> None:
+    service = SidecarService(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    runner = web.AppRunner(create_app(service), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port)
+    await site.start()
+    log.info(
+        "sidecar listening",
+        extra={
+            "host": settings.host,
+            "port": settings.port,
+            "replica": settings.replica_id,
+            "epoch": service.epoch,
+        },
+    )
+    try:
+        await service.run(stop)
+    finally:
+        await runner.cleanup()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    build_parser().parse_args(argv)
-    build_parser().print_help()
+    try:
+        settings = load_settings(argv)
+    except ValidationError as exc:
+        print(f"kvroute-sidecar: invalid settings:\n{exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level)
+    try:
+        asyncio.run(serve(settings))
+    except SidecarError as exc:
+        log.error("sidecar failed", extra={"error": str(exc)})
+        return 1
+    except OSError as exc:
+        log.error("sidecar could not bind", extra={"error": str(exc)})
+        return 1
     return 0

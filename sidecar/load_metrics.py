@@ -1,0 +1,115 @@
+"""An engine's Prometheus ``/metrics`` text -> the load figures a ``LoadReport`` carries.
+
+Pure parsing, no HTTP. Only the lines of the few metrics the router needs are read, so a
+large exposition (histograms per model and engine) costs little. Series of one metric
+(several engine cores, DP ranks) are summed, except the usage ratio, which is averaged.
+
+=================  ==============================================  ========================
+LoadReport field   vLLM (first name present wins)                  SGLang
+=================  ==============================================  ========================
+running            vllm:num_requests_running                       sglang:num_running_reqs
+waiting            vllm:num_requests_waiting                       sglang:num_queue_reqs
+kv_usage           vllm:kv_cache_usage_perc, gpu_cache_usage_perc  sglang:token_usage
+queries (tokens)   vllm:prefix_cache_queries_total (+ old names)   sglang:prompt_tokens_total
+hits (tokens)      vllm:prefix_cache_hits_total (+ old names)      sglang:cached_tokens_total
+capacity, size     vllm:cache_config_info{num_gpu_blocks,block_size}  --
+=================  ==============================================  ========================
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
+WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
+USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+QUERIES = (
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_queries",
+    "vllm:gpu_prefix_cache_queries_total",
+    "vllm:gpu_prefix_cache_queries",
+    "sglang:prompt_tokens_total",
+)
+HITS = (
+    "vllm:prefix_cache_hits_total",
+    "vllm:prefix_cache_hits",
+    "vllm:gpu_prefix_cache_hits_total",
+    "vllm:gpu_prefix_cache_hits",
+    "sglang:cached_tokens_total",
+)
+CACHE_INFO = "vllm:cache_config_info"
+_WANTED = frozenset((*RUNNING, *WAITING, *USAGE, *QUERIES, *HITS, CACHE_INFO))
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    capacity_blocks: int = 0
+    engine_block_size: int = 0
+
+
+def _sample(line: str) -> tuple[str, str, float] | None:
+    """``(name, labels, value)`` of one exposition line, or ``None``."""
+    brace = line.find("{")
+    space = line.find(" ")
+    if brace != -1 and (space == -1 or brace < space):
+        close = line.rfind("}")
+        name, labels, rest = line[:brace], line[brace + 1 : close], line[close + 1 :]
+    else:
+        name, labels, rest = line[:space], "", line[space:]
+    if name not in _WANTED:
+        return None
+    try:
+        value = float(rest.split()[0])
+    except (IndexError, ValueError):
+        return None
+    return (name, labels, value) if math.isfinite(value) else None
+
+
+def _collect(text: str) -> tuple[dict[str, list[float]], dict[str, str]]:
+    series: dict[str, list[float]] = {}
+    cache_info: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        sample = _sample(line)
+        if sample is None:
+            continue
+        name, labels, value = sample
+        series.setdefault(name, []).append(value)
+        if name == CACHE_INFO:
+            cache_info = dict(_LABEL.findall(labels))
+    return series, cache_info
+
+
+def _first(series: dict[str, list[float]], names: tuple[str, ...]) -> list[float]:
+    return next((series[n] for n in names if n in series), [])
+
+
+def _int_label(labels: dict[str, str], name: str) -> int:
+    try:
+        return max(0, int(labels.get(name, "0")))
+    except ValueError:
+        return 0
+
+
+def parse_engine_load(text: str) -> EngineLoad:
+    """The load figures in one ``/metrics`` exposition (vLLM or SGLang names)."""
+    series, cache_info = _collect(text)
+    usage = _first(series, USAGE)
+    return EngineLoad(
+        running=max(0, round(sum(_first(series, RUNNING)))),
+        waiting=max(0, round(sum(_first(series, WAITING)))),
+        kv_usage=min(1.0, max(0.0, sum(usage) / len(usage))) if usage else 0.0,
+        prefix_cache_queries=max(0, round(sum(_first(series, QUERIES)))),
+        prefix_cache_hits=max(0, round(sum(_first(series, HITS)))),
+        capacity_blocks=_int_label(cache_info, "num_gpu_blocks"),
+        engine_block_size=_int_label(cache_info, "block_size"),
+    )

@@ -1,0 +1,142 @@
+"""One engine frame through the domain: decode, translate, queue for publishing.
+
+The synchronous heart of the sidecar, free of sockets so that the service, the fuzz test
+and the throughput benchmark all run the very same code. It holds the sidecar's state
+(the key mapper), knows when that state is incomplete, and reacts to what the source
+reports: a restart clears state and opens a new epoch, lost frames mark the state
+incomplete, a history replay rebuilds it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvcore.engine_events import AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent
+from sidecar.adapters import EngineAdapter
+from sidecar.errors import FrameError
+from sidecar.key_mapper import KeyMapper, MapperStats
+from sidecar.outbox import Outbox
+from sidecar.zmq_source import EngineRestarted, Frame, FramesLost, HistoryReplay, SourceItem
+
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+_EVENT_TYPES = {BlockStored: "stored", BlockRemoved: "removed", AllBlocksCleared: "cleared"}
+
+
+@dataclass(slots=True)
+class LatencyHistogram:
+    """Receive-to-publish latency: cumulative buckets for /metrics, recent samples for bench."""
+
+    buckets: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS_S))
+    count: int = 0
+    total_s: float = 0.0
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=200_000))
+
+    def observe(self, seconds: float) -> None:
+        self.count += 1
+        self.total_s += seconds
+        self.recent.append(seconds)
+        for i, bound in enumerate(LATENCY_BUCKETS_S):
+            if seconds <= bound:
+                self.buckets[i] += 1
+
+
+@dataclass(slots=True)
+class PipelineStats:
+    events_received: dict[str, int] = field(default_factory=dict)
+    events_rejected: dict[str, int] = field(default_factory=dict)
+    frames_undecodable: dict[str, int] = field(default_factory=dict)
+    router_events: int = 0
+    rebuilds: int = 0
+    engine_lag_s: float = 0.0
+    latency: LatencyHistogram = field(default_factory=LatencyHistogram)
+
+
+def _bump(counter: dict[str, int], key: str, by: int = 1) -> None:
+    counter[key] = counter.get(key, 0) + by
+
+
+class Pipeline:
+    def __init__(
+        self,
+        *,
+        adapter: EngineAdapter,
+        model: str,
+        router_block_size: int,
+        outbox: Outbox,
+        new_epoch: Callable[[], int],
+    ) -> None:
+        self.adapter = adapter
+        self.outbox = outbox
+        self.stats = PipelineStats()
+        self.mapper_stats = MapperStats()
+        self._model = model
+        self._block_size = router_block_size
+        self._new_epoch = new_epoch
+        self.mapper = self._fresh_mapper()
+        self.state_incomplete = False
+        self.engine_block_size = 0
+
+    def _fresh_mapper(self) -> KeyMapper:
+        return KeyMapper(self._model, self._block_size, stats=self.mapper_stats)
+
+    def handle(self, item: SourceItem) -> bool:
+        """Apply one source item; ``True`` if the state changed in a way worth announcing."""
+        if isinstance(item, Frame):
+            return self.handle_frame(item)
+        if isinstance(item, EngineRestarted):
+            self.mapper.clear()
+            self.outbox.new_epoch(self._new_epoch())
+            self.state_incomplete = False
+            return True
+        if isinstance(item, FramesLost):
+            self.state_incomplete = True
+            return True
+        return self.rebuild(item)
+
+    def handle_frame(self, frame: Frame) -> bool:
+        """Decode and translate one frame; ``True`` if it revealed an unknown parent."""
+        try:
+            batch = self.adapter.decode(frame.payload)
+        except FrameError as exc:
+            _bump(self.stats.frames_undecodable, exc.reason)
+            return False
+        for reason in batch.rejected:
+            _bump(self.stats.events_rejected, reason)
+        self.stats.engine_lag_s = max(0.0, time.time() - batch.ts)
+        unknown_before = self.mapper_stats.unknown_parents
+        for event in batch.events:
+            self._apply(event, frame.received_ns)
+        if self.mapper_stats.unknown_parents != unknown_before:
+            self.state_incomplete = True
+            return True
+        return False
+
+    def _apply(self, event: EngineEvent, received_ns: int) -> None:
+        _bump(self.stats.events_received, _EVENT_TYPES[type(event)])
+        if isinstance(event, BlockStored):
+            self.engine_block_size = event.block_size
+        routed = self.mapper.apply(event)
+        if isinstance(event, AllBlocksCleared):
+            self.state_incomplete = False
+        if routed:
+            self.stats.router_events += len(routed)
+            self.outbox.add(routed, received_ns)
+
+    def rebuild(self, history: HistoryReplay) -> bool:
+        """Replace the state with the one the engine's whole history yields; snapshot it."""
+        self.mapper = self._fresh_mapper()
+        unknown_before = self.mapper_stats.unknown_parents
+        for frame in history.frames:
+            try:
+                batch = self.adapter.decode(frame.payload)
+            except FrameError:
+                continue
+            for event in batch.events:
+                self.mapper.apply(event)
+        self.stats.rebuilds += 1
+        self.state_incomplete = self.mapper_stats.unknown_parents != unknown_before
+        self.outbox.needs_snapshot = True
+        return True

@@ -1,0 +1,295 @@
+"""The sidecar service: wires the source, the pipeline, NATS and the HTTP endpoints.
+
+Built once in ``main`` from :class:`~sidecar.settings.SidecarSettings`; ``run`` owns every
+task in one ``TaskGroup`` until ``stop`` is set, then shuts down in order: stop reading the
+engine, publish what is pending, drain NATS. Tasks:
+
+- ``_consume``: source items -> pipeline; asks the source for a history rebuild when an
+  unknown parent shows up (at most every ``_HISTORY_RETRY_S``);
+- ``_flush``: coalesces pending events for up to ``batch_delay_ms`` and publishes batches,
+  or a snapshot when one is due (after drops, after a NATS reconnection, after a rebuild);
+- ``_announce``: ``ReplicaAnnounce`` on start, every ``announce_interval_s`` and on change;
+- ``_report_load``: scrapes ``/metrics`` every ``load_interval_s`` and publishes a
+  ``LoadReport``; an engine that comes back after being unreachable triggers a restart
+  probe through replay;
+- resync requests are answered with a ``ResyncReply`` and then a snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+from kvcore import subjects
+from kvcore.pb import events_pb2
+from sidecar.adapters import adapter_for
+from sidecar.engine_http import EngineHttp
+from sidecar.errors import EngineUnavailable
+from sidecar.load_metrics import EngineLoad
+from sidecar.nats_link import NatsLink, Respond
+from sidecar.outbox import Outbox, OutboxConfig, OutgoingBatch
+from sidecar.pipeline import Pipeline
+from sidecar.settings import SidecarSettings
+from sidecar.zmq_source import SourceConfig, ZmqEventSource
+
+log = logging.getLogger(__name__)
+
+_HISTORY_RETRY_S = 5.0
+_YIELD_EVERY = 32
+ENGINE_KIND_PB = {"vllm": events_pb2.ENGINE_KIND_VLLM, "sglang": events_pb2.ENGINE_KIND_SGLANG}
+
+
+def new_epoch_after(previous: int) -> int:
+    """A sidecar epoch: microseconds since the Unix epoch, always above ``previous``."""
+    return max(previous + 1, time.time_ns() // 1000)
+
+
+@dataclass(slots=True)
+class EngineStatus:
+    up: bool = False
+    ever_up: bool = False
+    load: EngineLoad | None = None
+
+
+class SidecarService:
+    def __init__(self, settings: SidecarSettings) -> None:
+        self.settings = settings
+        self.epoch = new_epoch_after(0)
+        self.outbox = Outbox(
+            OutboxConfig(
+                replica_id=settings.replica_id,
+                pool=settings.pool,
+                max_batch_events=settings.max_batch_events,
+                max_pending_events=settings.max_buffer_events,
+            ),
+            self.epoch,
+        )
+        self.pipeline = Pipeline(
+            adapter=adapter_for(settings.engine_kind),
+            model=settings.model,
+            router_block_size=settings.router_block_size,
+            outbox=self.outbox,
+            new_epoch=self._next_epoch,
+        )
+        self.engine = EngineHttp(settings.engine_url, timeout_s=settings.scrape_timeout_s)
+        self.engine_status = EngineStatus()
+        self.link = NatsLink(
+            settings.nats_url,
+            name=f"kvroute-sidecar-{settings.replica_id}",
+            on_connected=self._on_nats_connected,
+            token=settings.nats_token.get_secret_value() if settings.nats_token else None,
+            user=settings.nats_user,
+            password=settings.nats_password.get_secret_value() if settings.nats_password else None,
+        )
+        self.source: ZmqEventSource | None = None
+        self.subject = subjects.events_subject(settings.pool, settings.replica_id)
+        self._publish_lock = asyncio.Lock()
+        self._wake_flush = asyncio.Event()
+        self._wake_announce = asyncio.Event()
+        self._last_history_request = -_HISTORY_RETRY_S
+        self.started = asyncio.Event()
+
+    # -- state shared with the HTTP endpoints ------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self.engine_status.up and self.link.connected and self.source is not None
+
+    def _next_epoch(self) -> int:
+        self.epoch = new_epoch_after(self.epoch)
+        log.info("engine restarted: new epoch", extra={"epoch": self.epoch})
+        return self.epoch
+
+    def _on_nats_connected(self) -> None:
+        self.outbox.needs_snapshot = True  # whatever was in flight may be lost
+        self._wake_flush.set()
+        self._wake_announce.set()
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.link.serve(
+            subjects.resync_subject(self.settings.pool, self.settings.replica_id),
+            self._answer_resync,
+        )
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                workers = [
+                    tasks.create_task(self.link.run()),
+                    tasks.create_task(self._consume()),
+                    tasks.create_task(self._flush()),
+                    tasks.create_task(self._announce()),
+                    tasks.create_task(self._report_load()),
+                ]
+                self.started.set()
+                await stop.wait()
+                for worker in workers:
+                    worker.cancel()
+        finally:
+            await self._shutdown()
+
+    async def _shutdown(self) -> None:
+        if self.source is not None:
+            self.source.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._publish_pending(), timeout=5)
+            await self.link.flush()
+        await self.link.close()
+        await self.engine.close()
+        log.info("sidecar stopped", extra={"published": self.outbox.stats.events_published})
+
+    # -- engine events -----------------------------------------------------------------
+    async def _source_config(self) -> SourceConfig:
+        s = self.settings
+        endpoint, replay, topic = s.kv_events_endpoint, s.replay_endpoint, s.topic
+        while endpoint is None:
+            try:
+                found = await self.engine.discover(s.engine_kind)
+                endpoint, replay, topic = found.endpoint, found.replay_endpoint, found.topic
+                log.info("discovered kv events", extra={"endpoint": endpoint, "replay": replay})
+            except EngineUnavailable as exc:
+                log.info("waiting for engine discovery", extra={"error": str(exc)})
+                await asyncio.sleep(s.load_interval_s)
+        return SourceConfig(
+            endpoint=endpoint,
+            replay_endpoint=replay,
+            topic=topic,
+            bind=s.kv_events_bind,
+            replay_timeout_s=s.replay_timeout_s,
+        )
+
+    async def _consume(self) -> None:
+        self.source = ZmqEventSource(await self._source_config())
+        self.source.open()
+        handled = 0
+        async for item in self.source.items():
+            if self.pipeline.handle(item):
+                self._on_state_change()
+            self._wake_flush.set()
+            handled += 1
+            if handled % _YIELD_EVERY == 0:
+                await asyncio.sleep(0)  # let the flusher run under a flood of frames
+
+    def _on_state_change(self) -> None:
+        self._wake_announce.set()
+        if not self.pipeline.state_incomplete or self.source is None:
+            return
+        now = time.monotonic()
+        if (
+            self.source.config.replay_endpoint
+            and now - self._last_history_request > _HISTORY_RETRY_S
+        ):
+            self._last_history_request = now
+            self.source.request_history()
+
+    # -- publishing --------------------------------------------------------------------
+    async def _flush(self) -> None:
+        delay = self.settings.batch_delay_ms / 1000
+        while True:
+            await self._wake_flush.wait()
+            self._wake_flush.clear()
+            if delay and self.outbox.depth < self.settings.max_batch_events:
+                await asyncio.sleep(delay)  # coalescing deadline
+            await self._publish_pending()
+
+    async def _publish_pending(self) -> None:
+        async with self._publish_lock:
+            if not self.link.connected:
+                return
+            if self.outbox.needs_snapshot:
+                await self._send(self.outbox.snapshot(self.pipeline.mapper.held(), 0))
+            while (batch := self.outbox.take_batch()) is not None:
+                await self._send([batch])
+
+    async def _send(self, batches: list[OutgoingBatch]) -> None:
+        for batch in batches:
+            if not await self.link.publish(self.subject, batch.payload):
+                self.outbox.needs_snapshot = True  # lost on a broken connection
+                continue
+            if batch.oldest_received_ns is not None:
+                latency = (time.monotonic_ns() - batch.oldest_received_ns) / 1e9
+                self.pipeline.stats.latency.observe(latency)
+
+    async def _answer_resync(self, data: bytes, respond: Respond) -> None:
+        try:
+            request = events_pb2.ResyncRequest.FromString(data)
+        except Exception:  # protobuf raises DecodeError, which is not exported stably
+            reply = events_pb2.ResyncReply(accepted=False, error="malformed ResyncRequest")
+            await respond(reply.SerializeToString())
+            return
+        log.info("resync requested", extra={"requester": request.requester})
+        async with self._publish_lock:
+            batches = self.outbox.snapshot(self.pipeline.mapper.held(), request.snapshot_id)
+            reply = events_pb2.ResyncReply(
+                accepted=True, epoch=self.outbox.epoch, first_seq=batches[0].seq
+            )
+            await respond(reply.SerializeToString())
+            await self._send(batches)
+
+    # -- announce and load -------------------------------------------------------------
+    def announcement(self) -> events_pb2.ReplicaAnnounce:
+        s, load = self.settings, self.engine_status.load
+        return events_pb2.ReplicaAnnounce(
+            replica_id=s.replica_id,
+            pool=s.pool,
+            base_url=s.engine_url,
+            model=s.model,
+            served_names=[s.model, *s.served_names],
+            engine_kind=ENGINE_KIND_PB[s.engine_kind],
+            block_size=s.router_block_size,
+            engine_block_size=self.pipeline.engine_block_size
+            or (load.engine_block_size if load else 0),
+            capacity_blocks=load.capacity_blocks if load else 0,
+            sidecar_epoch=self.outbox.epoch,
+            state_incomplete=self.pipeline.state_incomplete,
+            ts=time.time(),
+        )
+
+    async def _announce(self) -> None:
+        subject = subjects.announce_subject(self.settings.pool)
+        while True:
+            await self.link.publish(subject, self.announcement().SerializeToString())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self._wake_announce.wait(), self.settings.announce_interval_s
+                )
+            self._wake_announce.clear()
+
+    async def _report_load(self) -> None:
+        subject = subjects.load_subject(self.settings.pool, self.settings.replica_id)
+        while True:
+            await self._scrape()
+            report = self.load_report()
+            await self.link.publish(subject, report.SerializeToString())
+            await asyncio.sleep(self.settings.load_interval_s)
+
+    async def _scrape(self) -> None:
+        status = self.engine_status
+        try:
+            status.load = await self.engine.load()
+        except EngineUnavailable as exc:
+            if status.up:
+                log.warning("engine unreachable", extra={"error": str(exc)})
+            status.up = False
+            return
+        came_back = status.ever_up and not status.up
+        status.up = status.ever_up = True
+        if came_back and self.source is not None:
+            log.info("engine reachable again: probing for a restart")
+            self.source.request_restart_probe()
+
+    def load_report(self) -> events_pb2.LoadReport:
+        load = self.engine_status.load or EngineLoad()
+        return events_pb2.LoadReport(
+            replica_id=self.settings.replica_id,
+            pool=self.settings.pool,
+            epoch=self.outbox.epoch,
+            running=load.running,
+            waiting=load.waiting,
+            kv_usage=load.kv_usage,
+            prefix_cache_queries=load.prefix_cache_queries,
+            prefix_cache_hits=load.prefix_cache_hits,
+            engine_up=self.engine_status.up,
+            ts=time.time(),
+        )

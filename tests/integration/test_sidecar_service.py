@@ -1,0 +1,250 @@
+"""The sidecar with real NATS and a fake engine (exact ZMQ protocol, frames from the
+encoders): what it publishes equals what the engine holds, through every failure."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from kvcore.engine_events import EngineEvent
+from kvroute.servers import NatsServer
+from sidecar.adapters.encoders import encode_batch
+from sidecar.observability import create_app
+from tests.integration.sidecar_harness import (
+    EngineHttpStub,
+    Watcher,
+    running_sidecar,
+    sidecar_settings,
+    wait_until,
+)
+from tests.unit.sidecar.fake_engine import FakeEngine
+from tests.unit.sidecar.support import FakeCache
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[FakeEngine]:
+    async with FakeEngine() as fake:
+        yield fake
+
+
+@pytest.fixture
+async def watcher(nats_server: NatsServer) -> AsyncIterator[Watcher]:
+    w = Watcher(nats_server.url, replica=f"r{random.randrange(1 << 30)}")
+    await w.start()
+    yield w
+    await w.stop()
+
+
+def settings_for(engine: FakeEngine, nats_url: str, watcher: Watcher, **extra: object):  # type: ignore[no-untyped-def]
+    return sidecar_settings(
+        kv_events_endpoint=engine.endpoint,
+        replay_endpoint=engine.replay_endpoint,
+        nats_url=nats_url,
+        replica_id=watcher.replica,
+        **extra,
+    )
+
+
+def prompts(rng: random.Random, n: int) -> list[list[int]]:
+    system = [rng.randrange(30_000) for _ in range(40)]
+    return [system + [rng.randrange(30_000) for _ in range(rng.randrange(100))] for _ in range(n)]
+
+
+async def feed(engine: FakeEngine, events: list[EngineEvent], fmt: str = "vllm-0.23") -> None:
+    if events:
+        await engine.publish(encode_batch(events, fmt))
+
+
+@pytest.mark.parametrize(
+    ("fmt", "engine_bs"), [("vllm-0.23", 16), ("vllm-0.33", 16), ("sglang-0.5.23", 1)]
+)
+async def test_published_keys_are_the_proxys_keys_and_evictions_are_removals(
+    nats_server: NatsServer, watcher: Watcher, fmt: str, engine_bs: int
+) -> None:
+    engine_kind = fmt.split("-")[0]
+    async with (
+        FakeEngine() as engine,
+        running_sidecar(settings_for(engine, nats_server.url, watcher, engine_kind=engine_kind)),
+    ):
+        cache = FakeCache(engine_bs)
+        for tokens in prompts(random.Random(fmt), 6):
+            await feed(engine, list(cache.store(tokens)), fmt)
+        await wait_until(lambda: watcher.mirror.gpu_keys() == cache.router_keys(16))
+        assert watcher.mirror.gpu_keys()
+        await feed(engine, list(cache.evict(40)), fmt)
+        await wait_until(lambda: watcher.mirror.gpu_keys() == cache.router_keys(16))
+        assert watcher.mirror.gaps == 0
+
+
+async def test_a_paused_engine_publisher_is_recovered_by_replay(
+    nats_server: NatsServer, watcher: Watcher, engine: FakeEngine
+) -> None:
+    async with running_sidecar(settings_for(engine, nats_server.url, watcher)) as service:
+        cache = FakeCache(16)
+        rng = random.Random(3)
+        await feed(engine, list(cache.store(prompts(rng, 1)[0])))
+        engine.paused = True
+        for tokens in prompts(rng, 5):
+            await feed(engine, list(cache.store(tokens)))
+        engine.paused = False
+        await feed(engine, list(cache.evict(3)))
+        await wait_until(lambda: watcher.mirror.gpu_keys() == cache.router_keys(16))
+        assert service.source is not None and service.source.stats.gaps == 1
+        assert not service.pipeline.state_incomplete
+
+
+async def test_a_gap_replay_cannot_cover_is_reported_and_nothing_is_mis_keyed(
+    nats_server: NatsServer, watcher: Watcher
+) -> None:
+    async with (
+        FakeEngine(buffer_steps=1) as engine,
+        running_sidecar(settings_for(engine, nats_server.url, watcher)) as service,
+    ):
+        cache = FakeCache(16)
+        rng = random.Random(4)
+        base = prompts(rng, 1)[0]
+        await feed(engine, list(cache.store(base)))
+        engine.paused = True
+        await feed(engine, list(cache.store(base + list(range(64)))))  # lost for good
+        await feed(engine, list(cache.store(prompts(rng, 1)[0])))  # unrelated, lost too
+        engine.paused = False
+        await feed(engine, list(cache.store(base + list(range(64)) + list(range(5, 37)))))
+        await wait_until(lambda: any(a.state_incomplete for a in watcher.announces))
+        assert service.source is not None and service.source.stats.frames_lost == 2
+        assert service.pipeline.mapper_stats.unknown_parents == 1  # its parent was lost
+        assert watcher.mirror.gpu_keys() < cache.router_keys(16)  # missing, never wrong
+
+
+async def test_engine_restart_opens_a_new_epoch_with_the_new_cache(
+    nats_server: NatsServer, watcher: Watcher, engine: FakeEngine
+) -> None:
+    async with running_sidecar(settings_for(engine, nats_server.url, watcher)) as service:
+        await feed(engine, list(FakeCache(16).store(list(range(64)))))
+        await wait_until(lambda: len(watcher.mirror.gpu_keys()) == 4)
+        first_epoch = watcher.mirror.epoch
+        engine.restart()
+        fresh = FakeCache(16)
+        await feed(engine, list(fresh.store(list(range(500, 532)))))
+        await wait_until(lambda: watcher.mirror.gpu_keys() == fresh.router_keys(16))
+        assert watcher.mirror.epoch > first_epoch
+        assert service.outbox.epoch == watcher.mirror.epoch
+
+
+async def test_a_restarted_sidecar_rebuilds_from_replay_and_answers_resync(
+    nats_server: NatsServer, watcher: Watcher, engine: FakeEngine
+) -> None:
+    cache = FakeCache(16)
+    settings = settings_for(engine, nats_server.url, watcher)
+    async with running_sidecar(settings):
+        for tokens in prompts(random.Random(5), 4):
+            await feed(engine, list(cache.store(tokens)))
+        await wait_until(lambda: watcher.mirror.gpu_keys() == cache.router_keys(16))
+    first_epoch = watcher.mirror.epoch
+    await feed(engine, list(cache.evict(5)))  # while no sidecar runs
+    async with running_sidecar(settings) as service:
+        await wait_until(lambda: watcher.mirror.epoch > first_epoch)
+        await wait_until(lambda: watcher.mirror.gpu_keys() == cache.router_keys(16))
+        watcher.mirror.keys.add(("GPU", 12345))  # a control plane's stale belief
+        done_before = watcher.mirror.snapshots_done
+        reply = await watcher.resync(snapshot_id=77)
+        assert reply.accepted and reply.epoch == service.outbox.epoch
+        await wait_until(lambda: watcher.mirror.snapshots_done == done_before + 1)
+        assert watcher.mirror.gpu_keys() == cache.router_keys(16)
+        assert watcher.mirror.gaps == 0
+
+
+async def test_nats_killed_and_restarted_ends_with_the_engines_state(
+    watcher_free_nats: NatsServer, engine: FakeEngine
+) -> None:
+    nats_server = watcher_free_nats
+    watcher = Watcher(nats_server.url)
+    await watcher.start()
+    cache = FakeCache(16)
+    rng = random.Random(6)
+    settings = settings_for(engine, nats_server.url, watcher, max_buffer_events=5)
+    async with running_sidecar(settings) as service:
+        await feed(engine, list(cache.store(prompts(rng, 1)[0])))
+        await wait_until(lambda: watcher.mirror.gpu_keys() == cache.router_keys(16))
+        kill_nats(nats_server)
+        await wait_until(lambda: not service.link.connected)
+        for tokens in prompts(rng, 12):
+            await feed(engine, list(cache.store(tokens)))
+        await feed(engine, list(cache.evict(4)))
+        await wait_until(lambda: service.outbox.stats.events_dropped > 0)
+        nats_server.workdir.mkdir(exist_ok=True)  # stop() removed it; same port again
+        nats_server.start()
+        await wait_until(lambda: watcher.mirror.gpu_keys() == cache.router_keys(16), 15)
+        assert watcher.mirror.snapshots_done >= 1
+    await watcher.stop()
+
+
+def kill_nats(server: NatsServer) -> None:
+    """SIGKILL, as a crash would: no goodbye to the clients."""
+    proc = server._proc  # the fixture class has no kill(); stop() would be a clean exit
+    assert proc is not None
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    server.stop()
+
+
+@pytest.fixture
+def watcher_free_nats() -> AsyncIterator[NatsServer]:
+    server = NatsServer().start()
+    yield server  # type: ignore[misc]
+    server.stop()
+
+
+async def test_announce_load_health_and_metrics(
+    nats_server: NatsServer, watcher: Watcher, engine: FakeEngine
+) -> None:
+    http = EngineHttpStub()
+    await http.start()
+    settings = settings_for(engine, nats_server.url, watcher, engine_url=http.url)
+    async with running_sidecar(settings) as service:
+        await wait_until(lambda: bool(watcher.loads) and watcher.loads[-1].engine_up)
+        load = watcher.loads[-1]
+        assert (load.running, load.waiting, load.kv_usage) == (3, 2, 0.25)
+        assert (load.prefix_cache_queries, load.prefix_cache_hits) == (1000, 400)
+        await wait_until(lambda: bool(watcher.announces))
+        announce = watcher.announces[-1]
+        assert (announce.model, announce.block_size, announce.sidecar_epoch) == (
+            "m",
+            16,
+            service.epoch,
+        )
+        app = create_app(service)
+        async with TestClient(TestServer(app)) as client:
+            await wait_until(lambda: service.ready)
+            health = await client.get("/healthz")
+            assert health.status == 200 and (await health.json())["ready"]
+            await feed(engine, list(FakeCache(16).store(list(range(48)))))
+            await wait_until(lambda: len(watcher.mirror.gpu_keys()) == 3)
+            text = await (await client.get("/metrics")).text()
+            assert "kvroute_sidecar_events_published_total 1.0" in text
+            assert 'kvroute_sidecar_events_received_total{type="stored"} 1.0' in text
+            assert "kvroute_sidecar_router_keys 3.0" in text
+            assert "kvroute_sidecar_publish_latency_seconds_count 1.0" in text
+            http.up = False
+            await wait_until(lambda: not service.ready)
+            assert (await client.get("/healthz")).status == 503
+            await wait_until(lambda: bool(watcher.loads) and not watcher.loads[-1].engine_up)
+    await http.stop()
+
+
+async def test_shutdown_flushes_what_was_received(
+    nats_server: NatsServer, watcher: Watcher, engine: FakeEngine
+) -> None:
+    cache = FakeCache(16)
+    settings = settings_for(engine, nats_server.url, watcher, batch_delay_ms=500)
+    async with running_sidecar(settings) as service:
+        await wait_until(lambda: service.link.connected)
+        await feed(engine, list(cache.store(list(range(160)))))
+        await wait_until(lambda: service.outbox.depth > 0)  # waiting on the 500 ms deadline
+    await wait_until(lambda: watcher.mirror.gpu_keys() == cache.router_keys(16))
