@@ -87,6 +87,9 @@ async def serve(settings: SimSettings) -> None:
         log_level=settings.log_level,
         timeout_keep_alive=30,
         backlog=2048,
+        proxy_headers=False,
+        server_header=False,
+        date_header=False,
     )
     try:
         await _Server(config, ready).serve(sockets=[sock])

@@ -80,7 +80,7 @@ class EventPublisher:
 
     def _send(self, kind: bytes, payload: bytes) -> None:
         try:
-            self._push.send_multipart([kind, payload], flags=zmq.NOBLOCK, copy=False)
+            self._push.send_multipart([kind, payload], flags=zmq.NOBLOCK)
         except zmq.Again:
             self.dropped += 1
             log.warning("event queue full: batch dropped (%d so far)", self.dropped)

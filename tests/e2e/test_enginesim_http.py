@@ -158,3 +158,24 @@ def test_restart_fault_empties_cache_and_crash_fault_exits() -> None:
         sim.post("/sim/faults", {"crash": True})
         assert sim.proc is not None
         assert sim.proc.wait(timeout=10) == 70
+
+
+def test_sglang_mode_serves_sglang_metric_names_in_modelled_time() -> None:
+    args = ["--event-format=sglang", "--time-scale=0.01", "--block-size=4"]
+    with SimProcess(*args) as sim:
+        prompt = list(range(40))
+        for _ in range(2):
+            answer = sim.post("/v1/completions", {"prompt": prompt, "max_tokens": 3})
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 36
+        assert sim.metric("sglang:cached_tokens_total") == 36
+        assert sim.metric("sglang:prompt_tokens_total") == 80
+        assert sim.metric("sglang:time_to_first_token_seconds_count") == 2
+        assert sim.metric("sglang:cache_hit_rate") == pytest.approx(36 / 80)
+        assert "vllm:" not in sim.call("GET", "/metrics")[1]
+        assert sim.call("GET", "/server_info")[1]["page_size"] == 4
+
+
+def test_invalid_settings_exit_with_status_2() -> None:
+    with pytest.raises(RuntimeError, match=r"exit 2\).*max_model_len 9999 exceeds the KV pool"):
+        with SimProcess("--num-blocks=10", "--max-model-len=9999"):
+            pass

@@ -44,7 +44,11 @@ class SimProcess:
     def __enter__(self) -> SimProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=self.stderr, env=env)
-        line = self._ready_line()
+        try:
+            line = self._ready_line()
+        except RuntimeError:
+            self.__exit__(None, None, None)
+            raise
         fields = dict(part.split("=", 1) for part in line.split()[2:])
         self.url, self.events, self.replay = fields["http"], fields["events"], fields["replay"]
         return self
@@ -61,7 +65,8 @@ class SimProcess:
                         return line.strip()
                     if not line:
                         break
-        raise RuntimeError(f"kvroute-sim did not start: {self.stderr_text()}")
+        code = self.proc.wait(timeout=self.start_timeout)
+        raise RuntimeError(f"kvroute-sim did not start (exit {code}): {self.stderr_text()}")
 
     def stderr_text(self) -> str:
         self.stderr.seek(0)
@@ -83,6 +88,7 @@ class SimProcess:
                 self.proc.wait()
         assert self.proc.stdout is not None
         self.proc.stdout.close()
+        self.stderr_tail = self.stderr_text()
         self.stderr.close()
 
     # -- HTTP ----------------------------------------------------------------------------
