@@ -176,6 +176,6 @@ def test_sglang_mode_serves_sglang_metric_names_in_modelled_time() -> None:
 
 
 def test_invalid_settings_exit_with_status_2() -> None:
+    sim = SimProcess("--num-blocks=10", "--max-model-len=9999")
     with pytest.raises(RuntimeError, match=r"exit 2\).*max_model_len 9999 exceeds the KV pool"):
-        with SimProcess("--num-blocks=10", "--max-model-len=9999"):
-            pass
+        sim.__enter__()
