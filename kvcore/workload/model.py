@@ -1,0 +1,175 @@
+"""Workload policies: the typed, validated routing settings an operator writes.
+
+A *workload* is a named routing policy; every request is classified into one. Its
+settings are a discriminated union on ``strategy``, so that each strategy accepts
+exactly its own fields and an unknown or misspelt field is refused by name. The models
+are frozen: the control plane stores them in etcd as JSON and proxies receive them in
+their routing state; nobody mutates one in place.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+FallbackStrategy = Literal["round_robin", "least_load", "prefix_hash"]
+NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+_SESSION_KEY = re.compile(r"^(?:body\.[A-Za-z0-9_]{1,64}|[A-Za-z0-9-]{1,128})$")
+
+
+class _Settings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+class WorkloadBase(_Settings):
+    """Settings every strategy shares."""
+
+    name: str = Field(
+        "default",
+        pattern=NAME_PATTERN,
+        description="Workload name: letters, digits, '_' and '-', at most 64 characters.",
+    )
+    description: str = Field("", max_length=500, description="Free text for operators.")
+    load_threshold: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="A replica whose load (0-1) is at or above this is skipped (hashing "
+        "strategies pass the key on along the ring), unless every replica is.",
+    )
+    max_inflight_per_replica: int = Field(
+        256,
+        ge=1,
+        description="A replica with this many running + waiting + in-flight requests "
+        "counts as saturated, like one over load_threshold.",
+    )
+    tenant_isolation: bool = Field(
+        False,
+        description="Salt block keys with the tenant's namespace so that tenants never "
+        "share cached blocks (and set cache_salt upstream).",
+    )
+
+
+class RoundRobinWorkload(WorkloadBase):
+    """Level 0: replicas in turn, skipping saturated ones."""
+
+    strategy: Literal["round_robin"] = "round_robin"
+
+
+class LeastLoadWorkload(WorkloadBase):
+    """Level 0: the replica with the lowest load; ties at random."""
+
+    strategy: Literal["least_load"] = "least_load"
+
+
+class _RingSettings(WorkloadBase):
+    virtual_nodes: int = Field(
+        128,
+        ge=1,
+        le=4096,
+        description="Points per replica on the consistent-hash ring; more points "
+        "spread keys more evenly.",
+    )
+
+
+class _WithFallback(WorkloadBase):
+    fallback: FallbackStrategy = Field(
+        "least_load",
+        description="Strategy used when this one has nothing to key on (no session id, "
+        "no residency data).",
+    )
+
+
+class PrefixHashWorkload(_RingSettings):
+    """Level 2: the hash of the prompt's first ``prefix_tokens`` tokens on a
+    bounded-load consistent-hash ring."""
+
+    strategy: Literal["prefix_hash"] = "prefix_hash"
+    prefix_tokens: int = Field(
+        256,
+        ge=1,
+        description="How many leading prompt tokens pick the replica (rounded down to "
+        "whole blocks; a prompt shorter than one block is hashed whole).",
+    )
+
+
+class SessionAffinityWorkload(_RingSettings, _WithFallback):
+    """Level 1: the session id on a bounded-load consistent-hash ring."""
+
+    strategy: Literal["session_affinity"] = "session_affinity"
+    session_key: str = Field(
+        "x-session-id",
+        description="Where the session id is: a request header name (e.g. "
+        "'x-session-id') or 'body.<field>' for a top-level JSON body field (e.g. "
+        "'body.user').",
+    )
+
+    @field_validator("session_key")
+    @classmethod
+    def _session_key_shape(cls, value: str) -> str:
+        if not _SESSION_KEY.match(value):
+            raise ValueError("must be a header name or 'body.<field>'")
+        return value.lower() if not value.startswith("body.") else value
+
+
+class _KvSettings(_WithFallback):
+    locality_weight: float = Field(
+        0.7,
+        ge=0,
+        le=1,
+        description="How much cache locality counts against load (alpha): 0 ignores "
+        "the cache, 1 ignores load below the threshold.",
+    )
+    speculative_ttl_s: float = Field(
+        2.0,
+        ge=0,
+        le=600,
+        description="After routing, count the prompt's blocks as held by the chosen "
+        "replica for this long, until the engine's own events arrive (0 disables).",
+    )
+    prefix_tokens: int = Field(256, ge=1, description="prefix_tokens for the prefix_hash fallback.")
+
+
+class KvAwareWorkload(_KvSettings):
+    """Level 3: score = alpha * hit + (1 - alpha) * (1 - load), highest wins."""
+
+    strategy: Literal["kv_aware"] = "kv_aware"
+
+
+class KvCostWorkload(_KvSettings):
+    """Level 3: the lowest predicted time to first token (queued prefill work plus this
+    prompt's uncached tokens, scaled by locality_weight, at the replica's prefill rate)."""
+
+    strategy: Literal["kv_cost"] = "kv_cost"
+    prefill_tokens_per_s: float = Field(
+        8000.0,
+        gt=0,
+        description="Prefill rate assumed for a replica that does not report its own.",
+    )
+    queued_request_tokens: int = Field(
+        1024,
+        ge=0,
+        description="Prompt tokens assumed per queued request when a replica reports "
+        "only how many requests wait, not how many tokens.",
+    )
+
+
+Workload = Annotated[
+    RoundRobinWorkload
+    | LeastLoadWorkload
+    | SessionAffinityWorkload
+    | PrefixHashWorkload
+    | KvAwareWorkload
+    | KvCostWorkload,
+    Field(discriminator="strategy"),
+]
+STRATEGIES: tuple[str, ...] = (
+    "round_robin",
+    "least_load",
+    "session_affinity",
+    "prefix_hash",
+    "kv_aware",
+    "kv_cost",
+)
