@@ -25,6 +25,7 @@ from enginesim.settings import SimSettings
 from enginesim.wire import make_format
 
 log = logging.getLogger(__name__)
+THREAD_HASH_TOKENS = 4096
 _HASH_ALGO = {"vllm": "sha256_cbor", "vllm-0.23": "sha256_cbor", "sglang": "sha256"}
 
 
@@ -104,10 +105,16 @@ class Engine:
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids):x}{time.monotonic_ns() & 0xFFFFFF:06x}"
 
-    def submit(self, req: SimRequest, *, stream: bool) -> RequestHandle:
-        """Queue ``req``; raises ``RequestRejected`` if it can never run."""
-        handle = RequestHandle(req, stream, time.perf_counter())
-        self.core.add(req)
+    async def submit(self, req: SimRequest, *, stream: bool) -> RequestHandle:
+        """Queue ``req``; raises ``RequestRejected`` if it can never run. A long prompt's
+        block hashes are computed in a thread so that the loop keeps serving."""
+        arrival = time.perf_counter()
+        self.core.check(len(req.prompt), req.max_tokens)
+        digests = None
+        if len(req.prompt) > THREAD_HASH_TOKENS:
+            digests = await asyncio.to_thread(self.core.prompt_digests, req)
+        handle = RequestHandle(req, stream, arrival)
+        self.core.add(req, digests)
         self._handles[req] = handle
         self._wake.set()
         return handle

@@ -178,7 +178,7 @@ class SimApp:
     async def completions(self, request: Request) -> Result:
         body = p.decode_body(request.body, p.CompletionRequest)
         prompt = await self._completion_prompt(body.prompt)
-        handle = self._submit(prompt, body, "cmpl")
+        handle = await self._submit(prompt, body, "cmpl")
         if body.stream:
             return EventStream(self._completion_chunks(handle, body), handle)
         await _until_done(handle)
@@ -190,14 +190,14 @@ class SimApp:
         prompt = await self._chat_prompt(body.messages, body.tools, body.add_generation_prompt)
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
-        handle = self._submit(prompt, body, "chatcmpl")
+        handle = await self._submit(prompt, body, "chatcmpl")
         if body.stream:
             return EventStream(self._chat_chunks(handle, body), handle)
         await _until_done(handle)
         text = self.tokenizer.text_of(handle.req.output)
         return json_response(p.chat_body(*self._ids(handle), text, _usage(handle)))
 
-    def _submit(self, prompt: list[int], body: p._Sampling, prefix: str) -> RequestHandle:
+    async def _submit(self, prompt: list[int], body: p._Sampling, prefix: str) -> RequestHandle:
         self._check_model(body.model)
         p.check_salt(body.cache_salt)
         if self.engine.faults.should_fail():
@@ -206,7 +206,7 @@ class SimApp:
         rid = self.engine.new_request_id(prefix)
         req = SimRequest(rid, prompt, max_tokens, body.cache_salt)
         try:
-            return self.engine.submit(req, stream=body.stream)
+            return await self.engine.submit(req, stream=body.stream)
         except RequestRejected as exc:
             raise p.BadRequest(str(exc)) from exc
 

@@ -99,7 +99,6 @@ class _Sampling(msgspec.Struct, kw_only=True):
 
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | list[TokenId]
-    echo: bool = False
 
 
 class ChatRequest(_Sampling, kw_only=True):

@@ -117,10 +117,14 @@ class EngineCore:
                 f"but the engine has {self.limits.num_blocks}."
             )
 
-    def add(self, req: SimRequest) -> None:
+    def prompt_digests(self, req: SimRequest) -> list[bytes]:
+        """The digests of ``req``'s full prompt blocks (pure; safe to run in a thread)."""
+        return prompt_digests(self.hasher, req.prompt, self.limits.block_size, req.salt)
+
+    def add(self, req: SimRequest, digests: list[bytes] | None = None) -> None:
+        """Queue ``req``; ``digests`` may be precomputed with ``prompt_digests``."""
         self.check(len(req.prompt), req.max_tokens)
-        bs = self.limits.block_size
-        req.digests = prompt_digests(self.hasher, req.prompt, bs, req.salt)
+        req.digests = self.prompt_digests(req) if digests is None else digests
         self.waiting.append(req)
 
     def abort(self, req: SimRequest) -> None:
