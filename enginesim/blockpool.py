@@ -26,6 +26,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from enginesim.errors import PoolExhausted
+
 
 @dataclass(frozen=True, slots=True)
 class BlocksStored:
@@ -53,10 +55,6 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     digest: bytes | None = None
-
-
-class PoolExhausted(Exception):
-    """Raised when more blocks are asked for than are free."""
 
 
 @dataclass(slots=True)

@@ -17,6 +17,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from enginesim.errors import EngineRestarted
 from enginesim.faults import FaultInjector, FaultUpdate
 from enginesim.metrics import CacheConfig, EngineMetrics, LoadSnapshot, make_metrics
 from enginesim.publisher import EventPublisher, PublisherConfig
@@ -27,10 +28,6 @@ from enginesim.wire import make_format
 log = logging.getLogger(__name__)
 THREAD_HASH_TOKENS = 4096
 _HASH_ALGO = {"vllm": "sha256_cbor", "vllm-0.23": "sha256_cbor", "sglang": "sha256"}
-
-
-class EngineRestarted(Exception):
-    """The request was dropped by an (injected) engine restart."""
 
 
 @dataclass(eq=False)

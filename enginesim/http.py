@@ -35,10 +35,11 @@ from typing import Any
 import msgspec
 
 from enginesim import protocol as p
-from enginesim.engine import Engine, EngineRestarted, RequestHandle
+from enginesim.engine import Engine, RequestHandle
+from enginesim.errors import EngineRestarted, RequestRejected
 from enginesim.faults import CRASH_EXIT_CODE, FaultUpdate
 from enginesim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from enginesim.scheduler import RequestRejected, SimRequest
+from enginesim.scheduler import SimRequest
 from enginesim.settings import SimSettings
 from enginesim.tokens import PromptTokenizer
 from kvcore.tokenize import TokenizerError

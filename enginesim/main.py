@@ -22,16 +22,13 @@ import uvicorn
 import zmq
 
 from enginesim.engine import Engine
+from enginesim.errors import SettingsError, StartupError
 from enginesim.http import SimApp
-from enginesim.settings import SettingsError, SimSettings, parse_settings
+from enginesim.settings import SimSettings, parse_settings
 from enginesim.tokens import PromptTokenizer
 from kvcore.tokenize import TokenizerError
 
 READY_PREFIX = "kvroute-sim ready"
-
-
-class StartupError(Exception):
-    """The engine cannot start with these settings (reported, exit status 2)."""
 
 
 class _Server(uvicorn.Server):

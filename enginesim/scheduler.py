@@ -25,14 +25,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from enginesim.blockpool import BlockPool, KVBlock
+from enginesim.errors import RequestRejected
 from enginesim.hashing import BlockHasher, prompt_digests
 from enginesim.timing import TimingModel
 
 DEFAULT_FILLER = tuple(range(1000, 1064))
-
-
-class RequestRejected(ValueError):
-    """A request that can never run on this engine (too long, too many blocks)."""
 
 
 @dataclass(eq=False)

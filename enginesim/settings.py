@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from enginesim.errors import SettingsError
 from enginesim.timing import TimingModel
 
 DEFAULT_MAX_MODEL_LEN = 32768
@@ -77,10 +78,6 @@ class SimSettings(BaseSettings):
             decode_base_s=self.decode_base_ms / 1000,
             decode_per_seq_s=self.decode_per_seq_ms / 1000,
         )
-
-
-class SettingsError(ValueError):
-    """The command line or environment does not describe a valid engine."""
 
 
 def build_parser() -> argparse.ArgumentParser:

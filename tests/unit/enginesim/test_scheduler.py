@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from enginesim.blockpool import AllCleared, BlockEvicted, BlocksStored
+from enginesim.errors import RequestRejected
 from enginesim.hashing import VllmSha256CborHasher, prompt_digests
-from enginesim.scheduler import CoreLimits, EngineCore, RequestRejected, SimRequest
+from enginesim.scheduler import CoreLimits, EngineCore, SimRequest
 from enginesim.timing import TimingModel
 
 BS = 16
@@ -188,3 +189,13 @@ def test_restart_drops_requests_and_cache() -> None:
     dropped = core.restart()
     assert [r.request_id for r in dropped] == ["b"]
     assert core.pool.cached_digests() == set() and core.pool.take_events() == []
+
+
+def test_pool_refuses_to_hand_out_blocks_it_does_not_have() -> None:
+    from enginesim.blockpool import BlockPool
+    from enginesim.errors import PoolExhausted
+
+    pool = BlockPool(num_blocks=2, block_size=16)
+    pool.allocate(2)
+    with pytest.raises(PoolExhausted):
+        pool.allocate(1)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from enginesim.settings import SettingsError, parse_settings
+from enginesim.errors import SettingsError
+from enginesim.settings import parse_settings
 
 CONTRACT_FLAGS = [
     "--host", "--port", "--model", "--block-size", "--num-blocks", "--max-num-seqs",
