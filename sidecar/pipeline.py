@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from kvcore.engine_events import AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent
 from sidecar.adapters import EngineAdapter
 from sidecar.errors import FrameError
-from sidecar.key_mapper import KeyMapper, MapperStats
+from sidecar.key_mapper import KeyMapper, MapperStats, RouterCleared
 from sidecar.outbox import Outbox
 from sidecar.zmq_source import EngineRestarted, Frame, FramesLost, HistoryReplay, SourceItem
 
@@ -89,6 +89,7 @@ class Pipeline:
         if isinstance(item, EngineRestarted):
             self.mapper.clear()
             self.outbox.new_epoch(self._new_epoch())
+            self.outbox.add([RouterCleared()], time.monotonic_ns())  # seq 0 of the new epoch
             self.state_incomplete = False
             return True
         if isinstance(item, FramesLost):

@@ -1,19 +1,34 @@
 """Harness for the sidecar's integration tests: the service in-process, a fake engine's
-HTTP side, and a NATS subscriber that mirrors what a control plane would know."""
+HTTP side, a real ``kvroute-sim`` process, and a NATS subscriber that mirrors what a
+control plane would know.
+
+The oracle for "published state equals the engine's cache" is independent of the
+sidecar: the sim's ``/sim/state`` lists the engine hashes it caches, and
+:class:`PromptBook` maps them back to router keys through the engine's own hash chain
+(``enginesim.hashing``) and ``kvcore.keys.block_keys`` of the prompts that were sent.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
+import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import nats
 from aiohttp import web
 from nats.aio.msg import Msg
 
+from enginesim.hashing import prompt_digests
+from enginesim.wire import make_format
 from kvcore import subjects
+from kvcore.engine_events import normalize_hash
+from kvcore.keys import block_keys
 from kvcore.pb import events_pb2
 from kvroute.servers import free_port
 from sidecar.service import SidecarService
@@ -133,3 +148,125 @@ async def running_sidecar(settings: SidecarSettings) -> AsyncIterator[SidecarSer
     finally:
         stop.set()
         await asyncio.wait_for(task, timeout=10)
+
+
+SIM_BIN = Path(sys.executable).parent / "kvroute-sim"
+
+
+@dataclass
+class SimProcess:
+    """A real ``kvroute-sim`` process; ready once it prints its ready line."""
+
+    event_format: str
+    block_size: int = 16
+    num_blocks: int = 4096
+    ports: tuple[int, int, int] | None = None  # fixed ports, to restart in place
+    http_url: str = ""
+    events: str = ""
+    replay: str = ""
+    proc: asyncio.subprocess.Process | None = None
+
+    def _args(self) -> list[str]:
+        http, events, replay = self.ports or (0, 0, 0)
+        return [
+            str(SIM_BIN),
+            "--model",
+            "m",
+            "--instant",
+            "--port",
+            str(http),
+            "--block-size",
+            str(self.block_size),
+            "--num-blocks",
+            str(self.num_blocks),
+            "--kv-events-endpoint",
+            f"tcp://127.0.0.1:{events}",
+            "--replay-endpoint",
+            f"tcp://127.0.0.1:{replay}",
+            "--event-format",
+            self.event_format,
+        ]
+
+    async def start(self) -> SimProcess:
+        self.proc = await asyncio.create_subprocess_exec(
+            *self._args(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
+        )
+        assert self.proc.stdout is not None
+        async with asyncio.timeout(20):
+            while True:
+                line = (await self.proc.stdout.readline()).decode()
+                if not line:
+                    raise RuntimeError("kvroute-sim exited before it was ready")
+                if line.startswith("kvroute-sim ready"):
+                    break
+        fields = dict(part.split("=", 1) for part in line.split()[2:])
+        self.http_url, self.events, self.replay = fields["http"], fields["events"], fields["replay"]
+        return self
+
+    async def stop(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(self.proc.wait(), 15)
+
+    async def complete(self, tokens: list[int], salt: str | None = None) -> None:
+        body: dict[str, Any] = {"model": "m", "prompt": tokens, "max_tokens": 1}
+        if salt:
+            body["cache_salt"] = salt
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{self.http_url}/v1/completions", json=body) as response,
+        ):
+            assert response.status == 200, await response.text()
+
+    async def fault(self, **update: Any) -> None:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{self.http_url}/sim/faults", json=update) as response,
+        ):
+            assert response.status == 200, await response.text()
+
+    async def cached_hashes(self) -> set[int]:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"{self.http_url}/sim/state") as response,
+        ):
+            state = await response.json()
+        return {normalize_hash(h) for h in state["cached_block_hashes"]}
+
+
+@dataclass
+class PromptBook:
+    """Every prompt sent to a sim, to turn its cached engine hashes into router keys."""
+
+    event_format: str
+    block_size: int
+    router_block_size: int = 16
+    prompts: list[tuple[list[int], str | None]] = field(default_factory=list)
+
+    def add(self, tokens: list[int], salt: str | None = None) -> list[int]:
+        self.prompts.append((tokens, salt))
+        return tokens
+
+    def router_keys(self, cached: set[int]) -> set[int]:
+        """Router keys of the router blocks whose completing engine block is cached.
+
+        Fails if the engine caches a block no prompt explains (the oracle would be blind).
+        """
+        hasher = make_format(self.event_format, self.block_size).hasher  # type: ignore[arg-type]
+        keys: set[int] = set()
+        explained: set[int] = set()
+        for tokens, salt in self.prompts:
+            ids = [
+                normalize_hash(hasher.event_id(d))
+                for d in prompt_digests(hasher, tokens, self.block_size, salt)
+            ]
+            explained |= set(ids)
+            router = block_keys(
+                tokens, model="m", namespace=salt or "", block_size=self.router_block_size
+            )
+            for i, key in enumerate(router):
+                completing = ((i + 1) * self.router_block_size - 1) // self.block_size
+                if completing < len(ids) and ids[completing] in cached:
+                    keys.add(key)
+        assert cached <= explained, "the engine caches blocks no prompt explains"
+        return keys

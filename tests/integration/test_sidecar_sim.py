@@ -1,0 +1,326 @@
+"""Done-when tests: the sidecar with real NATS and a real ``kvroute-sim`` in each event
+format. The oracle is the sim's own cache (``/sim/state``), turned into router keys
+independently of the sidecar (``PromptBook``)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from kvcore.keys import block_keys
+from kvroute.servers import NatsServer, free_port
+from tests.integration.sidecar_harness import (
+    PromptBook,
+    SimProcess,
+    Watcher,
+    running_sidecar,
+    sidecar_settings,
+    wait_until,
+)
+
+pytestmark = pytest.mark.integration
+
+FORMATS = [("vllm", 16), ("vllm-0.23", 16), ("sglang", 1)]
+
+
+def engine_kind(event_format: str) -> str:
+    return "sglang" if event_format == "sglang" else "vllm"
+
+
+@pytest.fixture
+async def watcher(nats_server: NatsServer) -> AsyncIterator[Watcher]:
+    w = Watcher(nats_server.url, replica=f"sim{random.randrange(1 << 30)}")
+    await w.start()
+    yield w
+    await w.stop()
+
+
+def settings_for(sim: SimProcess, nats_url: str, watcher: Watcher, **extra: object):  # type: ignore[no-untyped-def]
+    return sidecar_settings(
+        engine_url=sim.http_url,
+        engine_kind=engine_kind(sim.event_format),
+        kv_events_endpoint=sim.events,
+        replay_endpoint=sim.replay,
+        nats_url=nats_url,
+        replica_id=watcher.replica,
+        **extra,
+    )
+
+
+def prompt(rng: random.Random, prefix: list[int], blocks: int) -> list[int]:
+    """``prefix`` plus random tokens, ending 3 tokens into a block: the one output token
+    (``max_tokens=1``) never completes a block, so only prompt blocks get cached."""
+    tail = [rng.randrange(100, 5000) for _ in range(blocks * 16 + 3)]
+    return prefix + tail
+
+
+async def converged(sim: SimProcess, book: PromptBook, watcher: Watcher) -> set[int]:
+    """Wait until the published state equals the engine's cache; return it."""
+    expected: set[int] = set()
+
+    async def refresh() -> None:
+        nonlocal expected
+        expected = book.router_keys(await sim.cached_hashes())
+
+    async with asyncio.timeout(15):
+        while True:
+            await refresh()
+            if watcher.mirror.gpu_keys() == expected:
+                return expected
+            await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+async def sim(request: pytest.FixtureRequest) -> AsyncIterator[SimProcess]:
+    event_format, block_size, num_blocks = request.param
+    process = await SimProcess(event_format, block_size, num_blocks).start()
+    yield process
+    await process.stop()
+
+
+@pytest.mark.parametrize(
+    "sim", [(f, b, 4096) for f, b in FORMATS], indirect=True, ids=[f for f, _ in FORMATS]
+)
+async def test_published_keys_equal_kvcore_keys_for_the_same_prompt(
+    nats_server: NatsServer, watcher: Watcher, sim: SimProcess
+) -> None:
+    rng = random.Random(sim.event_format)
+    book = PromptBook(sim.event_format, sim.block_size)
+    system = [rng.randrange(100, 5000) for _ in range(48)]
+    async with running_sidecar(settings_for(sim, nats_server.url, watcher)):
+        first = book.add(prompt(rng, system, 3))
+        await sim.complete(first)
+        await sim.complete(book.add(prompt(rng, system, 5)))
+        salted = book.add(prompt(rng, [], 2), "tenant-a")
+        await sim.complete(salted, "tenant-a")
+        held = await converged(sim, book, watcher)
+        assert set(block_keys(first, model="m")) <= held
+        assert set(block_keys(salted, model="m", namespace="tenant-a")) <= held
+        assert not set(block_keys(salted, model="m")) & held  # tenants never share keys
+        assert watcher.mirror.gaps == 0
+
+
+@pytest.mark.parametrize(
+    "sim", [(f, b, 24 * 16 // b) for f, b in FORMATS], indirect=True, ids=[f for f, _ in FORMATS]
+)
+async def test_eviction_in_the_engine_shows_up_as_removal(
+    nats_server: NatsServer, watcher: Watcher, sim: SimProcess
+) -> None:
+    rng = random.Random(7)
+    book = PromptBook(sim.event_format, sim.block_size)
+    async with running_sidecar(settings_for(sim, nats_server.url, watcher)) as service:
+        first = book.add(prompt(rng, [], 8))
+        await sim.complete(first)
+        await converged(sim, book, watcher)
+        assert set(block_keys(first, model="m")) <= watcher.mirror.gpu_keys()
+        for _ in range(4):  # 4 x 8 blocks through a 24-block pool
+            await sim.complete(book.add(prompt(rng, [], 8)))
+        held = await converged(sim, book, watcher)
+        assert not set(block_keys(first, model="m")) & held
+        assert service.pipeline.stats.events_received.get("removed", 0) > 0
+
+
+@pytest.mark.parametrize(
+    "sim", [("vllm", 16, 4096), ("sglang", 1, 4096)], indirect=True, ids=["vllm", "sglang"]
+)
+async def test_a_paused_publisher_is_recovered_through_replay(
+    nats_server: NatsServer, watcher: Watcher, sim: SimProcess
+) -> None:
+    rng = random.Random(8)
+    book = PromptBook(sim.event_format, sim.block_size)
+    async with running_sidecar(settings_for(sim, nats_server.url, watcher)) as service:
+        await sim.complete(book.add(prompt(rng, [], 2)))
+        await converged(sim, book, watcher)
+        await sim.fault(pause_events=True)
+        for _ in range(3):
+            await sim.complete(book.add(prompt(rng, [], 3)))
+        await sim.fault(pause_events=False)
+        await sim.complete(book.add(prompt(rng, [], 1)))
+        await converged(sim, book, watcher)
+        assert service.source is not None and service.source.stats.gaps >= 1
+        assert service.source.stats.frames_lost == 0 and not service.pipeline.state_incomplete
+
+
+@pytest.mark.parametrize("sim", [("vllm", 16, 4096)], indirect=True, ids=["vllm"])
+async def test_a_gap_replay_cannot_cover_is_reported_and_nothing_is_mis_keyed(
+    nats_server: NatsServer, watcher: Watcher, sim: SimProcess
+) -> None:
+    rng = random.Random(9)
+    book = PromptBook(sim.event_format, sim.block_size)
+    async with running_sidecar(settings_for(sim, nats_server.url, watcher)) as service:
+        base = book.add(prompt(rng, [], 2))
+        await sim.complete(base)
+        await converged(sim, book, watcher)
+        await sim.fault(pause_events=True)
+        longer = book.add(base[:32] + [rng.randrange(100, 5000) for _ in range(35)])
+        await sim.complete(longer)  # extends base's chain: its events are lost
+        await sim.fault(drop_replay=True)
+        await sim.fault(pause_events=False)
+        await sim.complete(book.add(longer[:64] + [7] * 19))  # child of a lost block
+        await wait_until(lambda: any(a.state_incomplete for a in watcher.announces))
+        assert service.source is not None and service.source.stats.frames_lost >= 1
+        assert service.pipeline.mapper_stats.unknown_parents >= 1
+        expected = book.router_keys(await sim.cached_hashes())
+        assert watcher.mirror.gpu_keys() < expected  # keys missing, none wrong
+
+
+@pytest.mark.parametrize(
+    "sim", [(f, b, 4096) for f, b in FORMATS], indirect=True, ids=[f for f, _ in FORMATS]
+)
+async def test_engine_restart_replaces_the_published_state(
+    nats_server: NatsServer, watcher: Watcher, sim: SimProcess
+) -> None:
+    rng = random.Random(10)
+    book = PromptBook(sim.event_format, sim.block_size)
+    async with running_sidecar(settings_for(sim, nats_server.url, watcher)) as service:
+        await sim.complete(book.add(prompt(rng, [], 4)))
+        await converged(sim, book, watcher)
+        epoch = watcher.mirror.epoch
+        await sim.fault(restart=True)
+        await sim.complete(book.add(prompt(rng, [], 2)))
+        await wait_until(lambda: watcher.mirror.epoch > epoch)
+        await converged(sim, book, watcher)
+        assert service.source is not None and service.source.stats.restarts == 1
+
+
+async def test_an_engine_process_restart_with_no_new_events_empties_the_state(
+    nats_server: NatsServer, watcher: Watcher
+) -> None:
+    ports = (free_port(), free_port(), free_port())
+    sim = await SimProcess("vllm", ports=ports).start()
+    book = PromptBook("vllm", 16)
+    try:
+        async with running_sidecar(settings_for(sim, nats_server.url, watcher)) as service:
+            await sim.complete(book.add(prompt(random.Random(11), [], 4)))
+            await converged(sim, book, watcher)
+            epoch = watcher.mirror.epoch
+            await sim.stop()
+            await sim.start()  # same ports, empty cache, seq from 0, nothing published
+            await wait_until(lambda: watcher.mirror.epoch > epoch)
+            assert service.source is not None and service.source.stats.restarts == 1
+            assert watcher.mirror.gpu_keys() == set() == await sim.cached_hashes()
+    finally:
+        await sim.stop()
+
+
+@pytest.mark.parametrize(
+    "sim", [("vllm", 16, 64), ("sglang", 1, 1024)], indirect=True, ids=["vllm", "sglang"]
+)
+async def test_a_restarted_sidecar_rebuilds_and_resyncs(
+    nats_server: NatsServer, watcher: Watcher, sim: SimProcess
+) -> None:
+    rng = random.Random(12)
+    book = PromptBook(sim.event_format, sim.block_size)
+    settings = settings_for(sim, nats_server.url, watcher)
+    async with running_sidecar(settings):
+        for _ in range(3):
+            await sim.complete(book.add(prompt(rng, [], 4)))
+        await converged(sim, book, watcher)
+    epoch = watcher.mirror.epoch
+    for _ in range(4):  # while no sidecar runs; evicts some of the above
+        await sim.complete(book.add(prompt(rng, [], 5)))
+    async with running_sidecar(settings) as service:
+        await wait_until(lambda: watcher.mirror.epoch > epoch)
+        await converged(sim, book, watcher)
+        watcher.mirror.keys.add(("GPU", 42))  # a stale belief the resync must erase
+        done = watcher.mirror.snapshots_done
+        reply = await watcher.resync(snapshot_id=5)
+        assert reply.accepted and reply.epoch == service.outbox.epoch
+        await wait_until(lambda: watcher.mirror.snapshots_done > done)
+        await converged(sim, book, watcher)
+        assert watcher.mirror.gaps == 0
+
+
+def kill_nats(server: NatsServer) -> None:
+    proc = server._proc  # the fixture class has no kill(); stop() would be a clean exit
+    assert proc is not None
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    server.stop()
+
+
+@pytest.mark.parametrize("sim", [("vllm-0.23", 16, 4096)], indirect=True, ids=["vllm-0.23"])
+async def test_nats_killed_and_restarted_ends_with_the_engines_state(sim: SimProcess) -> None:
+    nats_server = NatsServer().start()
+    watcher = Watcher(nats_server.url)
+    await watcher.start()
+    rng = random.Random(13)
+    book = PromptBook(sim.event_format, sim.block_size)
+    try:
+        settings = settings_for(sim, nats_server.url, watcher, max_buffer_events=3)
+        async with running_sidecar(settings) as service:
+            await sim.complete(book.add(prompt(rng, [], 3)))
+            await converged(sim, book, watcher)
+            kill_nats(nats_server)
+            await wait_until(lambda: not service.link.connected)
+            for _ in range(6):
+                await sim.complete(book.add(prompt(rng, [], 2)))
+            await wait_until(lambda: service.outbox.stats.events_dropped > 0)
+            nats_server.workdir.mkdir(exist_ok=True)  # stop() removed it; same port again
+            nats_server.start()
+            await converged(sim, book, watcher)
+    finally:
+        await watcher.stop()
+        nats_server.stop()
+
+
+async def test_the_kvroute_sidecar_process_serves_health_and_publishes(
+    nats_server: NatsServer, watcher: Watcher
+) -> None:
+    sim = await SimProcess("vllm").start()
+    port = free_port()
+    env = os.environ | {"KVROUTE_NATS_URL": nats_server.url}
+    proc = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).parent / "kvroute-sidecar"),
+        "--engine-url",
+        sim.http_url,
+        "--engine-kind",
+        "vllm",
+        "--kv-events-endpoint",
+        sim.events,
+        "--replay-endpoint",
+        sim.replay,
+        "--replica-id",
+        watcher.replica,
+        "--model",
+        "m",
+        "--port",
+        str(port),
+        env=env,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    book = PromptBook("vllm", 16)
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with asyncio.timeout(15):
+                while True:
+                    try:
+                        async with session.get(f"http://127.0.0.1:{port}/healthz") as r:
+                            if r.status == 200:
+                                break
+                    except aiohttp.ClientError:
+                        pass
+                    await asyncio.sleep(0.05)
+            await sim.complete(book.add(prompt(random.Random(14), [], 3)))
+            await converged(sim, book, watcher)
+            async with session.get(f"http://127.0.0.1:{port}/metrics") as r:
+                assert "kvroute_sidecar_router_keys 3.0" in await r.text()
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+        assert proc.stderr is not None
+        last = (await proc.stderr.read()).decode().strip().splitlines()[-1]
+        assert '"msg": "sidecar stopped"' in last
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await sim.stop()
