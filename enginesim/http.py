@@ -13,6 +13,7 @@ of requests a second on a small machine (see ``bench/enginesim_capacity.py``). R
 | GET | ``/metrics`` | Prometheus, engine names (``metrics.py``) |
 | GET | ``/server_info``, ``/model_info`` (and ``/get_`` aliases) | SGLang router probes |
 | GET | ``/get_load``, ``/load`` | queue load (SGLang, vLLM) |
+| GET | ``/kv_event_sources`` | vLLM 0.33's event endpoint discovery, ``{rank: KVEventsConfig}`` |
 | POST | ``/v1/completions/render``, ``/v1/chat/completions/render`` | token ids of a request |
 | GET | ``/version`` | simulator version |
 | GET POST DELETE | ``/sim/faults`` | fault injection (``faults.py``), loopback clients only |
@@ -116,6 +117,7 @@ class SimApp:
             "/get_model_info": {"GET": self.model_info},
             "/get_load": {"GET": self.get_load},
             "/load": {"GET": self.vllm_load},
+            "/kv_event_sources": {"GET": self.kv_event_sources},
             "/v1/completions/render": {"POST": self.render_completion},
             "/v1/chat/completions/render": {"POST": self.render_chat},
             "/version": {"GET": self.version},
@@ -389,6 +391,20 @@ class SimApp:
                 "num_tokens": load.used_tokens,
             }
         )
+
+    async def kv_event_sources(self, request: Request) -> Result:
+        publisher = self.engine.publisher
+        config = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": publisher.endpoint,
+            "replay_endpoint": publisher.replay_endpoint,
+            "buffer_steps": self.settings.replay_buffer_steps,
+            "hwm": publisher.config.hwm,
+            "max_queue_size": publisher.config.hwm,
+            "topic": self.settings.topic,
+        }
+        return json_response({"0": config})
 
     async def vllm_load(self, request: Request) -> Result:
         load = self.engine.load()

@@ -124,6 +124,8 @@ def test_peer_router_probes(sim: SimProcess) -> None:
     assert rendered[0]["token_ids"] == sim.post("/tokenize", {"prompt": "hello there"})["tokens"]
     assert rendered[0]["sampling_params"]["max_tokens"] == 7
     assert "vllm:cache_config_info" in sim.call("GET", "/metrics")[1]
+    sources = sim.call("GET", "/kv_event_sources")[1]
+    assert sources["0"]["endpoint"] == sim.events and sources["0"]["replay_endpoint"] == sim.replay
 
 
 def test_injected_failures_then_recovery(sim: SimProcess) -> None:
