@@ -27,6 +27,7 @@ from enginesim.wire import make_format
 
 log = logging.getLogger(__name__)
 THREAD_HASH_TOKENS = 4096
+MAX_CATCH_UP_S = 0.05
 _HASH_ALGO = {"vllm": "sha256_cbor", "vllm-0.23": "sha256_cbor", "sglang": "sha256"}
 
 
@@ -158,14 +159,21 @@ class Engine:
     # -- the step loop -----------------------------------------------------------------
 
     async def _run(self) -> None:
+        """Steps back to back on a deadline clock: the time spent computing a step and
+        delivering its tokens counts against the step's modelled duration, and up to
+        ``MAX_CATCH_UP_S`` of lag (a busy loop) is made up by shorter sleeps."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time()
         while True:
             if not self.core.has_work:
                 self._wake.clear()
                 await self._wake.wait()
+                deadline = loop.time()
                 continue
             out = self.core.step(time.time())
-            delay = self._wall_seconds(out.duration)
-            await asyncio.sleep(delay)
+            deadline = max(deadline, loop.time() - MAX_CATCH_UP_S)
+            deadline += self._wall_seconds(out.duration)
+            await asyncio.sleep(max(0.0, deadline - loop.time()))
             self._deliver(out)
             self._flush_events()
 
