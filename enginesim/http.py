@@ -9,7 +9,7 @@ of requests a second on a small machine (see ``bench/enginesim_capacity.py``). R
 | GET | ``/v1/models`` | the one served model |
 | GET | ``/health``, ``/ping`` | 200 while serving |
 | POST | ``/tokenize`` | ``{prompt}`` or ``{messages}`` → ``{tokens, count, max_model_len}`` |
-| POST | ``/reset_prefix_cache`` | drop the cache (``AllBlocksCleared``); 409 while in use |
+| POST | ``/reset_prefix_cache``, ``/flush_cache`` | drop the cache; 409 while in use |
 | GET | ``/metrics`` | Prometheus, engine names (``metrics.py``) |
 | GET | ``/server_info``, ``/model_info`` (and ``/get_`` aliases) | SGLang router probes |
 | GET | ``/get_load``, ``/load`` | queue load (SGLang, vLLM) |
@@ -110,6 +110,7 @@ class SimApp:
             "/ping": {"GET": self.health},
             "/tokenize": {"POST": self.tokenize},
             "/reset_prefix_cache": {"POST": self.reset_prefix_cache},
+            "/flush_cache": {"POST": self.reset_prefix_cache},
             "/metrics": {"GET": self.metrics},
             "/server_info": info,
             "/get_server_info": info,

@@ -143,6 +143,9 @@ def test_reset_prefix_cache_empties_the_cache(sim: SimProcess) -> None:
     complete(sim, prompt, max_tokens=1)
     assert sim.call("POST", "/reset_prefix_cache")[0] == 200
     assert sim.call("GET", "/sim/state")[1]["cached_block_hashes"] == []
+    complete(sim, prompt, max_tokens=1)
+    assert sim.call("POST", "/flush_cache")[0] == 200  # SGLang's name for it
+    assert sim.call("GET", "/sim/state")[1]["cached_block_hashes"] == []
     again = complete(sim, prompt, max_tokens=1)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
