@@ -136,6 +136,14 @@ class KvAwareWorkload(_KvSettings):
     """Level 3: score = alpha * hit + (1 - alpha) * (1 - load), highest wins."""
 
     strategy: Literal["kv_aware"] = "kv_aware"
+    min_hit: float = Field(
+        0.3,
+        ge=0,
+        le=1,
+        description="A hit below this share of the prompt counts as none (SGLang's "
+        "cache_threshold): a short prefix every request shares, such as a system prompt, "
+        "is cheap to replicate and would otherwise pull every request to its first holder.",
+    )
 
 
 class KvCostWorkload(_KvSettings):

@@ -1,0 +1,158 @@
+"""The routing contract: one frozen context in, one self-explaining decision out.
+
+Every strategy implements :class:`Policy`: ``select(ctx, state) -> Decision``. The
+context (:class:`RouteContext`) is frozen, so adding a field never changes a signature;
+the state (:class:`StateView`) is read-only, so policies are pure apart from their own
+small state (a round-robin cursor, a cached ring, a random generator). What a policy
+wants written back (speculative residency) is part of the :class:`Decision`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvcore.keys import DEFAULT_BLOCK_SIZE
+from kvcore.workload import Workload
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaState:
+    """A replica as routing sees it (from announcements, load reports, this proxy)."""
+
+    ordinal: int
+    replica_id: str
+    models: frozenset[str] = frozenset()  # empty: serves whatever it is asked for
+    healthy: bool = True
+    draining: bool = False
+    running: int = 0  # engine-reported
+    waiting: int = 0  # engine-reported
+    kv_usage: float = 0.0  # engine-reported, 0-1
+    inflight: int = 0  # this proxy's requests not yet answered
+    capacity: int = 256  # concurrent sequences the engine runs (max_num_seqs)
+    prefill_tokens_per_s: float | None = None  # measured or announced, if known
+    queued_prefill_tokens: float | None = None  # prompt tokens waiting, if known
+
+    @property
+    def requests(self) -> int:
+        """Running, waiting and this proxy's in-flight requests."""
+        return self.running + self.waiting + self.inflight
+
+    @property
+    def load(self) -> float:
+        """0-1: the larger of queue occupancy (requests / capacity) and KV usage."""
+        occupancy = self.requests / max(self.capacity, 1)
+        return min(1.0, max(occupancy, self.kv_usage, 0.0))
+
+
+class StateView(Protocol):
+    """Read-only routing state: the fleet and its residency."""
+
+    def replicas(self) -> Sequence[ReplicaState]:
+        """Every known replica of the pool, in ordinal order."""
+        ...
+
+    def leading_runs(self, keys: Sequence[int], *, now: float | None) -> dict[int, int]:
+        """Each replica's leading run of ``keys`` (see ``kvcore.index``)."""
+        ...
+
+    def has_residency(self) -> bool:
+        """Whether any residency data exists (false on a cold start)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class RouteContext:
+    """Everything a policy may look at about one request."""
+
+    workload: Workload
+    model: str
+    block_keys: Sequence[int] = ()  # the prompt's router block keys
+    token_ids: Sequence[int] = ()  # the prompt's tokens (read-only by convention)
+    block_size: int = DEFAULT_BLOCK_SIZE
+    session_id: str | None = None
+    now: float = 0.0  # monotonic seconds, for speculative expiry
+    exclude: frozenset[int] = frozenset()  # ordinals already tried for this request
+    request_id: str = ""
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt length in tokens (from the keys when tokens were not passed)."""
+        return len(self.token_ids) or len(self.block_keys) * self.block_size
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaReason:
+    """Why a replica was or was not chosen: the explain endpoint and debug headers."""
+
+    ordinal: int
+    replica_id: str
+    load: float
+    excluded: str | None = None
+    hit_blocks: int | None = None
+    hit: float | None = None
+    score: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready; absent figures are left out."""
+        values = {
+            "ordinal": self.ordinal,
+            "replica_id": self.replica_id,
+            "load": round(self.load, 4),
+            "excluded": self.excluded,
+            "hit_blocks": self.hit_blocks,
+            "hit": None if self.hit is None else round(self.hit, 4),
+            "score": None if self.score is None else round(self.score, 6),
+        }
+        return {k: v for k, v in values.items() if v is not None}
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeRecord:
+    """Residency the caller should record: ``keys`` on ``replica`` until ``expires_at``."""
+
+    replica: int
+    keys: tuple[int, ...]
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The chosen replica (``None``: no replica can serve) and the reasons."""
+
+    replica: ReplicaState | None
+    strategy: str
+    reasons: tuple[ReplicaReason, ...] = ()
+    note: str = ""
+    speculative: SpeculativeRecord | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ordinal(self) -> int | None:
+        return None if self.replica is None else self.replica.ordinal
+
+    @property
+    def replica_id(self) -> str | None:
+        return None if self.replica is None else self.replica.replica_id
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready explanation."""
+        return {
+            "replica_id": self.replica_id,
+            "ordinal": self.ordinal,
+            "strategy": self.strategy,
+            "note": self.note,
+            "replicas": [reason.to_dict() for reason in self.reasons],
+            **self.extra,
+        }
+
+
+class Policy(Protocol):
+    """One routing strategy."""
+
+    name: str
+
+    def select(self, ctx: RouteContext, state: StateView) -> Decision:
+        """Choose a replica for ``ctx`` given ``state``; never raises for a fleet shape."""
+        ...

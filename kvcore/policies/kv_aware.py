@@ -1,0 +1,29 @@
+"""Level 3, the brief's score: ``alpha * hit + (1 - alpha) * (1 - load)``, highest wins.
+
+``hit`` is the share of the prompt's blocks in the replica's leading run (counted as 0
+below the workload's ``min_hit``, so that a prefix every prompt shares does not pull
+all traffic to its first holder); ``alpha`` is the workload's ``locality_weight``.
+Replicas at or over the load threshold are skipped unless every replica is; ties go to
+the lower load, then at random.
+"""
+
+from __future__ import annotations
+
+from kvcore.policies.base import ReplicaState, RouteContext
+from kvcore.policies.kv_scoring import KvScoringPolicy
+from kvcore.workload import KvAwareWorkload
+
+
+class KvAwarePolicy(KvScoringPolicy):
+    """Weighted sum of cache hit and spare capacity."""
+
+    name = "kv_aware"
+
+    def score(self, ctx: RouteContext, replica: ReplicaState, held_blocks: int) -> float:
+        workload = self.workload
+        assert isinstance(workload, KvAwareWorkload)
+        hit = held_blocks / len(ctx.block_keys) if ctx.block_keys else 0.0
+        if hit < workload.min_hit:
+            hit = 0.0
+        alpha = workload.locality_weight
+        return alpha * hit + (1 - alpha) * (1 - replica.load)

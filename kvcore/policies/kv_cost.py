@@ -1,0 +1,41 @@
+"""Level 3 in time: the replica with the lowest predicted time to first token.
+
+    ttft(r) = (queued(r) + locality_weight * uncached(r)) / rate(r)
+
+- ``queued(r)``: prompt tokens ahead of this request — the replica's reported
+  ``queued_prefill_tokens`` when known, else (waiting + this proxy's in-flight) times
+  the workload's ``queued_request_tokens``;
+- ``uncached(r)``: this prompt's tokens beyond r's leading run of blocks;
+- ``rate(r)``: r's prefill tokens per second, else the workload's
+  ``prefill_tokens_per_s``.
+
+A cost in time puts cache and queue in one unit, so near saturation a long queue
+outweighs a cache hit exactly when waiting costs more than recomputing (Mooncake's and
+Dynamo's schedulers rank this way). Decisions carry ``score = -ttft`` in seconds.
+"""
+
+from __future__ import annotations
+
+from kvcore.policies.base import ReplicaState, RouteContext
+from kvcore.policies.kv_scoring import KvScoringPolicy
+from kvcore.workload import KvCostWorkload
+
+
+class KvCostPolicy(KvScoringPolicy):
+    """Lowest predicted time to first token."""
+
+    name = "kv_cost"
+
+    def score(self, ctx: RouteContext, replica: ReplicaState, held_blocks: int) -> float:
+        return -self.predicted_ttft_s(ctx, replica, held_blocks)
+
+    def predicted_ttft_s(self, ctx: RouteContext, replica: ReplicaState, held_blocks: int) -> float:
+        """Seconds until ``replica`` would start decoding this prompt."""
+        workload = self.workload
+        assert isinstance(workload, KvCostWorkload)
+        queued = replica.queued_prefill_tokens
+        if queued is None:
+            queued = (replica.waiting + replica.inflight) * workload.queued_request_tokens
+        uncached = max(0, ctx.prompt_tokens - held_blocks * ctx.block_size)
+        rate = replica.prefill_tokens_per_s or workload.prefill_tokens_per_s
+        return (queued + workload.locality_weight * uncached) / rate

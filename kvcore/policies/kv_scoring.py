@@ -1,0 +1,75 @@
+"""What ``kv_aware`` and ``kv_cost`` share: residency lookup, fallback, speculation.
+
+A level-3 strategy looks up each candidate's leading run of the prompt's block keys
+(confirmed plus unexpired speculative residency), scores the candidates its own way,
+and asks the caller to record the prompt's keys as speculatively resident on the chosen
+replica for ``speculative_ttl_s``. With no residency data at all it defers to the
+workload's ``fallback`` (and still speculates, so a cold burst with one new prefix
+lands together).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+from kvcore.policies.base import (
+    Decision,
+    ReplicaReason,
+    ReplicaState,
+    RouteContext,
+    SpeculativeRecord,
+    StateView,
+)
+from kvcore.policies.fallback import fallback_policy
+from kvcore.policies.screening import best, decide, reason, screen
+from kvcore.workload import KvAwareWorkload, KvCostWorkload
+
+
+class KvScoringPolicy:
+    """Base of the level-3 strategies; subclasses define :meth:`score`."""
+
+    name = "kv"
+
+    def __init__(self, workload: KvAwareWorkload | KvCostWorkload, rng: random.Random) -> None:
+        self.workload = workload
+        self._rng = rng
+        self._fallback = fallback_policy(workload, rng)
+
+    def score(self, ctx: RouteContext, replica: ReplicaState, held_blocks: int) -> float:
+        """Higher is better."""
+        raise NotImplementedError
+
+    def select(self, ctx: RouteContext, state: StateView) -> Decision:
+        if not state.has_residency():
+            return self._fall_back(ctx, state)
+        screened = screen(ctx, state)
+        if not screened.usable:
+            return decide(self.name, screened, None, [])
+        runs = state.leading_runs(ctx.block_keys, now=ctx.now)
+        scores = {r.ordinal: self.score(ctx, r, runs.get(r.ordinal, 0)) for r in screened.usable}
+        chosen = best(screened.usable, scores, self._rng)
+        rows = [self._row(ctx, r, runs.get(r.ordinal, 0), scores) for r in screened.usable]
+        return decide(self.name, screened, chosen, rows, speculative=self._speculate(ctx, chosen))
+
+    def _row(
+        self, ctx: RouteContext, replica: ReplicaState, held: int, scores: dict[int, float]
+    ) -> ReplicaReason:
+        hit = held / len(ctx.block_keys) if ctx.block_keys else 0.0
+        return reason(replica, hit_blocks=held, hit=hit, score=scores[replica.ordinal])
+
+    def _fall_back(self, ctx: RouteContext, state: StateView) -> Decision:
+        decision = self._fallback.select(ctx, state)
+        note = f"no residency data: fallback {decision.strategy}"
+        if decision.note:
+            note += f"; {decision.note}"
+        speculative = self._speculate(ctx, decision.replica)
+        return replace(decision, strategy=self.name, note=note, speculative=speculative)
+
+    def _speculate(
+        self, ctx: RouteContext, chosen: ReplicaState | None
+    ) -> SpeculativeRecord | None:
+        ttl = self.workload.speculative_ttl_s
+        if chosen is None or ttl <= 0 or not ctx.block_keys:
+            return None
+        return SpeculativeRecord(chosen.ordinal, tuple(ctx.block_keys), ctx.now + ttl)

@@ -1,0 +1,104 @@
+"""Which replicas may take a request, which are saturated, and how ties are broken.
+
+Shared by every strategy so that "why excluded" reads the same everywhere. Hard
+exclusions (unhealthy, draining, wrong model, already tried) are final; saturation
+(load at or over ``load_threshold``, or ``max_inflight_per_replica`` requests) only
+counts while some replica is not saturated.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvcore.policies.base import Decision, ReplicaReason, ReplicaState, RouteContext, StateView
+
+TIE = 1e-9
+ALL_SATURATED = "every replica is saturated: considering all"
+
+
+@dataclass(frozen=True, slots=True)
+class Screened:
+    """The outcome of screening a fleet for one request."""
+
+    usable: list[ReplicaState]  # candidates the strategy chooses among
+    saturated: dict[int, str]  # ordinal -> why, for saturated replicas left out of usable
+    excluded: list[ReplicaReason]  # hard exclusions and left-out saturated replicas
+    note: str = ""
+
+
+def hard_exclusion(replica: ReplicaState, ctx: RouteContext) -> str | None:
+    """Why ``replica`` can never take this request, or ``None``."""
+    if not replica.healthy:
+        return "unhealthy"
+    if replica.draining:
+        return "draining"
+    if replica.models and ctx.model not in replica.models:
+        return f"does not serve model {ctx.model!r}"
+    if replica.ordinal in ctx.exclude:
+        return "already tried for this request"
+    return None
+
+
+def saturation(replica: ReplicaState, ctx: RouteContext) -> str | None:
+    """Why ``replica`` counts as saturated for this workload, or ``None``."""
+    workload = ctx.workload
+    if replica.requests >= workload.max_inflight_per_replica:
+        limit = workload.max_inflight_per_replica
+        return f"{replica.requests} requests >= max_inflight_per_replica {limit}"
+    if replica.load >= workload.load_threshold:
+        return f"load {replica.load:.3f} >= load_threshold {workload.load_threshold}"
+    return None
+
+
+def screen(ctx: RouteContext, state: StateView) -> Screened:
+    """Candidates for ``ctx``: unsaturated ones, or all eligible ones if all are saturated."""
+    excluded: list[ReplicaReason] = []
+    eligible: list[ReplicaState] = []
+    for replica in state.replicas():
+        why = hard_exclusion(replica, ctx)
+        if why is None:
+            eligible.append(replica)
+        else:
+            excluded.append(reason(replica, excluded=why))
+    saturated = {r.ordinal: why for r in eligible if (why := saturation(r, ctx)) is not None}
+    usable = [r for r in eligible if r.ordinal not in saturated]
+    if eligible and not usable:
+        return Screened(eligible, {}, excluded, ALL_SATURATED)
+    left_out = [
+        reason(r, excluded=saturated[r.ordinal]) for r in eligible if r.ordinal in saturated
+    ]
+    return Screened(usable, saturated, excluded + left_out)
+
+
+def reason(replica: ReplicaState, **figures: object) -> ReplicaReason:
+    """A reason row for ``replica`` with its load and the given figures."""
+    return ReplicaReason(replica.ordinal, replica.replica_id, replica.load, **figures)  # type: ignore[arg-type]
+
+
+def best(
+    candidates: Sequence[ReplicaState], scores: dict[int, float], rng: random.Random
+) -> ReplicaState:
+    """Highest score; ties (within 1e-9) to the lower load, then at random."""
+    top = max(scores[r.ordinal] for r in candidates)
+    tied = [r for r in candidates if scores[r.ordinal] >= top - TIE]
+    lowest = min(r.load for r in tied)
+    tied = [r for r in tied if r.load <= lowest + TIE]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)
+
+
+def decide(
+    strategy: str,
+    screened: Screened,
+    chosen: ReplicaState | None,
+    rows: Sequence[ReplicaReason],
+    **details: Any,
+) -> Decision:
+    """A decision whose reasons list every replica once, in ordinal order."""
+    reasons = sorted([*screened.excluded, *rows], key=lambda row: row.ordinal)
+    note = details.pop("note", "") or screened.note
+    if chosen is None:
+        note = note or "no replica can serve this request"
+    return Decision(chosen, strategy, tuple(reasons), note, **details)

@@ -1,0 +1,49 @@
+"""A plain in-memory :class:`StateView`: a fleet list over a residency index.
+
+What tests, the benchmarks and the simulator route against; the proxy's and the control
+plane's views implement the same protocol over their own state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from kvcore.index import BitmaskResidencyIndex, ResidencyIndex
+from kvcore.policies.base import Decision, ReplicaState
+
+
+class StaticStateView:
+    """Replicas (kept in ordinal order) and an index; ``residency_known`` overrides
+    the default "the index holds any confirmed key"."""
+
+    def __init__(
+        self,
+        replicas: Iterable[ReplicaState] = (),
+        index: ResidencyIndex | None = None,
+        *,
+        residency_known: bool | None = None,
+    ) -> None:
+        self.index: ResidencyIndex = index if index is not None else BitmaskResidencyIndex()
+        self._replicas = sorted(replicas, key=lambda r: r.ordinal)
+        self._residency_known = residency_known
+
+    def replicas(self) -> Sequence[ReplicaState]:
+        return self._replicas
+
+    def leading_runs(self, keys: Sequence[int], *, now: float | None) -> dict[int, int]:
+        return self.index.leading_runs(keys, now=now)
+
+    def has_residency(self) -> bool:
+        if self._residency_known is not None:
+            return self._residency_known
+        return self.index.key_count() > 0
+
+    def set_replicas(self, replicas: Iterable[ReplicaState]) -> None:
+        """Replace the fleet (loads change between decisions)."""
+        self._replicas = sorted(replicas, key=lambda r: r.ordinal)
+
+    def apply(self, decision: Decision) -> None:
+        """Record the decision's speculative residency, as a caller should."""
+        record = decision.speculative
+        if record is not None:
+            self.index.add_speculative(record.replica, record.keys, expires_at=record.expires_at)

@@ -1,0 +1,196 @@
+"""Level 3 strategies: kv_aware's score and kv_cost's predicted time to first token."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, deque
+
+import pytest
+
+from kvcore.policies import Decision, ReplicaState, StaticStateView, create_policy
+from kvcore.policies.kv_cost import KvCostPolicy
+from kvcore.workload import KvAwareWorkload, KvCostWorkload, Workload
+from tests.unit.kvcore.policy_helpers import context, fleet
+
+PROMPT = list(range(100, 228))  # eight blocks
+
+
+def _view(replicas: list[ReplicaState], holders: dict[int, int]) -> StaticStateView:
+    """``holders``: ordinal -> how many leading blocks of PROMPT it holds."""
+    view = StaticStateView(replicas, residency_known=True)
+    keys = context(KvAwareWorkload(), PROMPT).block_keys
+    for ordinal, blocks in holders.items():
+        view.index.add(ordinal, keys[:blocks])
+    return view
+
+
+def _select(
+    workload: Workload,
+    view: StaticStateView,
+    seed: int = 0,
+    tokens: list[int] = PROMPT,
+    **ctx: object,
+) -> Decision:
+    return create_policy(workload, rng=random.Random(seed)).select(
+        context(workload, tokens, **ctx), view
+    )
+
+
+def test_kv_aware_scores_with_the_briefs_formula() -> None:
+    replicas = [ReplicaState(0, "warm", running=128), ReplicaState(1, "cold")]
+    view = _view(replicas, {0: 8})
+    decision = _select(KvAwareWorkload(locality_weight=0.5), view)
+    rows = {r.replica_id: r for r in decision.reasons}
+    assert rows["warm"].hit == 1.0 and rows["warm"].load == 0.5
+    assert rows["warm"].score == pytest.approx(0.5 * 1.0 + 0.5 * 0.5)
+    assert rows["cold"].score == pytest.approx(0.5)
+    assert decision.replica_id == "warm"
+    assert _select(KvAwareWorkload(locality_weight=0.2), view).replica_id == "cold"
+
+
+def test_kv_aware_prefers_the_longest_leading_run_at_equal_load() -> None:
+    view = _view(fleet(3), {0: 2, 1: 6, 2: 4})
+    decision = _select(KvAwareWorkload(), view)
+    assert decision.replica_id == "r1"
+    assert [r.hit_blocks for r in decision.reasons] == [2, 6, 4]
+
+
+def test_kv_aware_skips_a_holder_over_the_threshold() -> None:
+    replicas = [ReplicaState(0, "hot", kv_usage=0.95), ReplicaState(1, "cool")]
+    decision = _select(KvAwareWorkload(load_threshold=0.9), _view(replicas, {0: 8}))
+    assert decision.replica_id == "cool"
+    assert decision.reasons[0].excluded == "load 0.950 >= load_threshold 0.9"
+
+
+def test_kv_aware_ties_go_to_the_lower_load_then_at_random() -> None:
+    # score(a) = 0.5 * 0.5 + 0.5 * (1 - 0.5) == score(b) = 0 + 0.5 * 1
+    replicas = [ReplicaState(0, "a", running=128), ReplicaState(1, "b")]
+    workload = KvAwareWorkload(locality_weight=0.5)
+    assert _select(workload, _view(replicas, {0: 4})).replica_id == "b"
+    even = _view(fleet(2), {0: 4, 1: 4})
+    picks = Counter(_select(workload, even, seed=s).replica_id for s in range(40))
+    assert set(picks) == {"r0", "r1"}
+    assert _select(workload, even, seed=3).replica_id == _select(workload, even, seed=3).replica_id
+
+
+def test_kv_aware_records_speculative_residency_that_steers_the_next_burst() -> None:
+    workload = KvAwareWorkload(speculative_ttl_s=5.0)
+    view = _view(fleet(4), {})
+    view.index.add(3, [12345])  # residency exists, but not for this prompt
+    first = _select(workload, view, seed=1, now=100.0)
+    assert first.speculative is not None
+    assert first.speculative.replica == first.ordinal
+    assert first.speculative.expires_at == 105.0
+    assert list(first.speculative.keys) == list(context(workload, PROMPT).block_keys)
+    view.apply(first)
+    burst = {_select(workload, view, seed=s, now=101.0).replica_id for s in range(10)}
+    assert burst == {first.replica_id}
+    later = {_select(workload, view, seed=s, now=106.0).replica_id for s in range(20)}
+    assert len(later) > 1  # expired: back to load and chance
+
+
+def test_kv_aware_falls_back_without_residency_data() -> None:
+    workload = KvAwareWorkload(fallback="least_load")
+    replicas = [ReplicaState(0, "a", running=5), ReplicaState(1, "b", running=1)]
+    decision = _select(workload, StaticStateView(replicas))
+    assert decision.replica_id == "b"
+    assert decision.strategy == "kv_aware"
+    assert decision.note.startswith("no residency data: fallback least_load")
+    assert decision.speculative is not None and decision.speculative.replica == 1
+
+
+def test_kv_aware_prefix_hash_fallback_keeps_locality_on_a_cold_start() -> None:
+    workload = KvAwareWorkload(fallback="prefix_hash", prefix_tokens=64)
+    view = StaticStateView(fleet(6))
+    picks = {_select(workload, view, seed=s).replica_id for s in range(10)}
+    assert len(picks) == 1
+
+
+def test_kv_cost_predicts_time_to_first_token() -> None:
+    workload = KvCostWorkload(locality_weight=1.0, prefill_tokens_per_s=1000)
+    replicas = [ReplicaState(0, "warm", waiting=2), ReplicaState(1, "cold")]
+    view = _view(replicas, {0: 6})
+    policy = create_policy(workload)
+    assert isinstance(policy, KvCostPolicy)
+    ctx = context(workload, PROMPT)
+    # warm: (2 queued x 1024 + (128 - 96) uncached) / 1000; cold: 128 / 1000
+    assert policy.predicted_ttft_s(ctx, replicas[0], 6) == pytest.approx(2.08)
+    assert policy.predicted_ttft_s(ctx, replicas[1], 0) == pytest.approx(0.128)
+    decision = policy.select(ctx, view)
+    assert decision.replica_id == "cold"
+    assert decision.reasons[0].score == pytest.approx(-2.08)
+
+
+def test_kv_cost_takes_the_hit_when_the_queue_is_short() -> None:
+    workload = KvCostWorkload(locality_weight=1.0)
+    replicas = [
+        ReplicaState(0, "warm", queued_prefill_tokens=50, prefill_tokens_per_s=1000),
+        ReplicaState(1, "cold", prefill_tokens_per_s=1000),
+    ]
+    assert _select(workload, _view(replicas, {0: 8})).replica_id == "warm"  # 0.05 s < 0.128 s
+
+
+def test_kv_cost_locality_weight_zero_ignores_the_cache() -> None:
+    replicas = [ReplicaState(0, "warm", queued_prefill_tokens=10), ReplicaState(1, "cold")]
+    view = _view(replicas, {0: 8})
+    assert _select(KvCostWorkload(locality_weight=0.0), view).replica_id == "cold"
+    assert _select(KvCostWorkload(locality_weight=1.0), view).replica_id == "warm"
+
+
+def test_kv_cost_uses_each_replicas_own_prefill_rate() -> None:
+    replicas = [
+        ReplicaState(0, "slow", prefill_tokens_per_s=100),
+        ReplicaState(1, "fast", prefill_tokens_per_s=10_000),
+    ]
+    assert _select(KvCostWorkload(), _view(replicas, {})).replica_id == "fast"
+
+
+@pytest.mark.parametrize(
+    "workload", [KvAwareWorkload(), KvCostWorkload()], ids=["kv_aware", "kv_cost"]
+)
+def test_a_hot_prefix_shared_by_every_prompt_does_not_pull_all_traffic(workload: Workload) -> None:
+    """Every prompt shares block 0 and then differs; requests finish after 12 arrivals."""
+    policy = create_policy(workload, rng=random.Random(5))
+    view = StaticStateView(fleet(4, capacity=64), residency_known=True)
+    inflight: Counter[int] = Counter()
+    running: deque[int] = deque()
+    chosen: Counter[str] = Counter()
+    for i in range(240):
+        tokens = list(range(16)) + [50_000 + 64 * i + j for j in range(48)]
+        view.set_replicas(
+            [ReplicaState(o, f"r{o}", capacity=64, inflight=inflight[o]) for o in range(4)]
+        )
+        ctx = context(workload, tokens, now=i * 0.01)
+        decision = policy.select(ctx, view)
+        assert decision.ordinal is not None
+        view.apply(decision)
+        view.index.add(decision.ordinal, ctx.block_keys)  # the engine confirms
+        chosen[decision.replica_id or ""] += 1
+        inflight[decision.ordinal] += 1
+        running.append(decision.ordinal)
+        if len(running) > 12:
+            inflight[running.popleft()] -= 1
+    assert len(chosen) == 4
+    assert min(chosen.values()) >= 240 * 0.15, chosen
+
+
+def test_a_long_shared_prefix_still_wins_over_a_slightly_less_loaded_replica() -> None:
+    replicas = [ReplicaState(0, "warm", running=10), ReplicaState(1, "cold", running=2)]
+    view = _view(replicas, {0: 7})
+    assert _select(KvAwareWorkload(), view).replica_id == "warm"
+    assert _select(KvCostWorkload(), view).replica_id == "warm"  # running work is not queued
+
+
+def test_without_the_min_hit_guard_a_hot_prefix_would_pull_everything() -> None:
+    view = StaticStateView(fleet(4), residency_known=True)
+    hot = list(range(16))
+    guarded, unguarded = KvAwareWorkload(), KvAwareWorkload(min_hit=0.0)
+    view.index.add(0, context(guarded, hot).block_keys)
+    tokens = hot + list(range(500, 548))
+    assert _select(unguarded, view, seed=1, tokens=tokens).replica_id == "r0"
+    assert {_select(guarded, view, seed=s, tokens=tokens).replica_id for s in range(20)} == {
+        "r0",
+        "r1",
+        "r2",
+        "r3",
+    }
