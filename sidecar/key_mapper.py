@@ -112,13 +112,42 @@ class KeyMapper:
             return []
         parent_key = None if start.rooted_at_root else start.anchor
         new_keys: list[int] = []
-        point = start
-        for engine_hash, tokens in zip(event.block_hashes, _blocks(event), strict=True):
-            point = self._store_block(event, engine_hash, point, tokens, new_keys)
+        if not start.tail and event.block_size == self.block_size:
+            self._store_aligned(event, start, new_keys)
+        else:
+            point = start
+            for engine_hash, tokens in zip(event.block_hashes, _blocks(event), strict=True):
+                point = self._store_block(event, engine_hash, point, tokens, new_keys)
         self.stats.stored_blocks += len(event.block_hashes)
         if not new_keys:
             return []
         return [RouterStored(tuple(new_keys), parent_key, event.medium)]
+
+    def _store_aligned(self, event: BlockStored, start: ChainPoint, new_keys: list[int]) -> None:
+        """Fast path: engine blocks are router blocks and the run starts on a boundary.
+
+        One ``chain_keys`` call keys the whole run; a block already known (re-reported)
+        has the same key, since the same hash means the same parent and tokens.
+        """
+        keys = chain_keys(start.anchor, event.token_ids, self.block_size)
+        if len(keys) != len(event.block_hashes):  # a short last block: the general path
+            point = start
+            for engine_hash, tokens in zip(event.block_hashes, _blocks(event), strict=True):
+                point = self._store_block(event, engine_hash, point, tokens, new_keys)
+            return
+        chains, held, medium, group = self._chains, self._held, event.medium, event.group
+        parent = None if start.rooted_at_root else start.anchor
+        for engine_hash, key in zip(event.block_hashes, keys, strict=True):
+            chain_id = (group, medium, engine_hash)
+            if chain_id not in chains:
+                chains[chain_id] = ChainPoint(key, (), (key,), False)
+                entry = held.get((medium, key))
+                if entry is None:
+                    held[(medium, key)] = _Held(1, parent)
+                    new_keys.append(key)
+                else:
+                    entry.owners += 1
+            parent = key
 
     def _store_block(
         self,

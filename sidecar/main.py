@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -80,6 +81,23 @@ async def serve(settings: SidecarSettings) -> None:
         await runner.cleanup()
 
 
+def run_loop(main_coroutine: Coroutine[Any, Any, None]) -> None:
+    """Run on uvloop where available: a shorter, steadier path from ZMQ to NATS."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+        asyncio.run(main_coroutine)
+        return
+    uvloop.run(main_coroutine)
+
+
+def tune_gc() -> None:
+    """Collect the young generation less often: the key mapper keeps one small object
+    per cached block, and the default threshold (700) makes collections a large share
+    of the translation time at tens of thousands of events per second."""
+    gc.set_threshold(50_000, 20, 100)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = load_settings(argv)
@@ -87,8 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvroute-sidecar: invalid settings:\n{exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level)
+    tune_gc()
     try:
-        asyncio.run(serve(settings))
+        run_loop(serve(settings))
     except SidecarError as exc:
         log.error("sidecar failed", extra={"error": str(exc)})
         return 1

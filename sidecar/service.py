@@ -6,7 +6,7 @@ engine, publish what is pending, drain NATS. Tasks:
 
 - ``_consume``: source items -> pipeline; asks the source for a history rebuild when an
   unknown parent shows up (at most every ``_HISTORY_RETRY_S``);
-- ``_flush``: coalesces pending events for up to ``batch_delay_ms`` and publishes batches,
+- ``_flush``: publishes at most once per ``batch_delay_ms`` (coalescing what arrives meanwhile),
   or a snapshot when one is due (after drops, after a NATS reconnection, after a rebuild);
 - ``_announce``: ``ReplicaAnnounce`` on start, every ``announce_interval_s`` and on change;
 - ``_report_load``: scrapes ``/metrics`` every ``load_interval_s`` and publishes a
@@ -185,12 +185,17 @@ class SidecarService:
 
     # -- publishing --------------------------------------------------------------------
     async def _flush(self) -> None:
+        """Publish at most once per ``batch_delay_ms``: the first event after a quiet spell
+        goes out at once, later ones coalesce until the deadline (or a full batch)."""
         delay = self.settings.batch_delay_ms / 1000
+        last = -delay
         while True:
             await self._wake_flush.wait()
             self._wake_flush.clear()
-            if delay and self.outbox.depth < self.settings.max_batch_events:
-                await asyncio.sleep(delay)  # coalescing deadline
+            wait = last + delay - time.monotonic()
+            if wait > 0 and self.outbox.depth < self.settings.max_batch_events:
+                await asyncio.sleep(wait)  # coalescing deadline
+            last = time.monotonic()
             await self._publish_pending()
 
     async def _publish_pending(self) -> None:

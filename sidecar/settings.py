@@ -24,44 +24,49 @@ class SidecarSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVROUTE_", extra="forbid")
 
     engine_url: str = Field(
-        "http://127.0.0.1:8000", description="Base URL of the engine's HTTP server."
+        default="http://127.0.0.1:8000", description="Base URL of the engine's HTTP server."
     )
-    engine_kind: Literal["vllm", "sglang"] = Field("vllm", description="Engine family.")
+    engine_kind: Literal["vllm", "sglang"] = Field(default="vllm", description="Engine family.")
     kv_events_endpoint: str | None = Field(
-        None, description="ZMQ address of the engine's KV events (discovered if unset)."
+        default=None, description="ZMQ address of the engine's KV events (discovered if unset)."
     )
     kv_events_bind: bool = Field(
-        False, description="Bind the SUB socket (the engine connects) instead of connecting."
+        default=False,
+        description="Bind the SUB socket (the engine connects) instead of connecting.",
     )
     replay_endpoint: str | None = Field(
-        None, description="ZMQ address of the engine's replay ROUTER (replay off if unset)."
+        default=None, description="ZMQ address of the engine's replay ROUTER (replay off if unset)."
     )
-    topic: str = Field("", description="ZMQ topic prefix to subscribe to ('' = all).")
-    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server URL.")
-    nats_token: SecretStr | None = Field(None, description="NATS token (environment only).")
-    nats_user: str | None = Field(None, description="NATS user (environment only).")
-    nats_password: SecretStr | None = Field(None, description="NATS password (environment only).")
+    topic: str = Field(default="", description="ZMQ topic prefix to subscribe to ('' = all).")
+    nats_url: str = Field(default="nats://127.0.0.1:4222", description="NATS server URL.")
+    nats_token: SecretStr | None = Field(default=None, description="NATS token (environment only).")
+    nats_user: str | None = Field(default=None, description="NATS user (environment only).")
+    nats_password: SecretStr | None = Field(
+        default=None, description="NATS password (environment only)."
+    )
     replica_id: str = Field(..., description="This replica's id (a subject token).")
-    pool: str = Field("default", description="The replica's pool (a subject token).")
+    pool: str = Field(default="default", description="The replica's pool (a subject token).")
     model: str = Field(..., description="Canonical model id: part of every router key.")
     served_names: list[str] = Field(default_factory=list, description="Other names served.")
     router_block_size: int = Field(
-        DEFAULT_BLOCK_SIZE, ge=1, le=4096, description="Tokens per router block."
+        default=DEFAULT_BLOCK_SIZE, ge=1, le=4096, description="Tokens per router block."
     )
-    host: str = Field("127.0.0.1", description="Bind address of /healthz and /metrics.")
-    port: int = Field(9100, ge=0, le=65535, description="Port of /healthz and /metrics.")
+    host: str = Field(default="127.0.0.1", description="Bind address of /healthz and /metrics.")
+    port: int = Field(default=9100, ge=0, le=65535, description="Port of /healthz and /metrics.")
     batch_delay_ms: float = Field(
-        1.0, ge=0, le=1000, description="Longest wait to coalesce events into a batch."
+        default=1.0, ge=0, le=1000, description="Longest wait to coalesce events into a batch."
     )
-    max_batch_events: int = Field(512, ge=1, le=100_000, description="Events per batch.")
+    max_batch_events: int = Field(default=512, ge=1, le=100_000, description="Events per batch.")
     max_buffer_events: int = Field(
-        100_000, ge=1, description="Events held while NATS is down before dropping."
+        default=100_000, ge=1, description="Events held while NATS is down before dropping."
     )
-    replay_timeout_s: float = Field(1.0, gt=0, le=60, description="Replay answer deadline.")
-    announce_interval_s: float = Field(10.0, gt=0, description="ReplicaAnnounce period.")
-    load_interval_s: float = Field(0.5, gt=0, description="Scrape and LoadReport period.")
-    scrape_timeout_s: float = Field(2.0, gt=0, description="Engine HTTP request deadline.")
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO")
+    replay_timeout_s: float = Field(default=1.0, gt=0, le=60, description="Replay answer deadline.")
+    announce_interval_s: float = Field(default=10.0, gt=0, description="ReplicaAnnounce period.")
+    load_interval_s: float = Field(default=0.5, gt=0, description="Scrape and LoadReport period.")
+    scrape_timeout_s: float = Field(default=2.0, gt=0, description="Engine HTTP request deadline.")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        default="INFO", description="Log level."
+    )
 
     @field_validator("replica_id", "pool")
     @classmethod

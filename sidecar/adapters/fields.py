@@ -32,6 +32,7 @@ Fields = Mapping[str, Any]
 EventParser = Callable[[Fields], EngineEvent]
 
 MAX_BLOCK_SIZE = 1 << 16
+_INT_ONLY = {int}
 _decoder = msgspec.msgpack.Decoder()
 
 
@@ -95,6 +96,12 @@ def require(fields: Fields, name: str) -> Any:
 def hashes(value: Any) -> tuple[int, ...]:
     if not isinstance(value, list):
         raise FrameError("bad_hash", "block_hashes is not an array")
+    if set(map(type, value)) == _INT_ONLY:  # fast path: unsigned 64-bit ints (vLLM)
+        try:
+            array("Q", value)
+            return tuple(value)
+        except OverflowError:
+            pass  # negative (signed int64): normalised below
     try:
         return tuple(normalize_hash(h) for h in value)
     except InvalidEngineValue as exc:

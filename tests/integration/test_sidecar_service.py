@@ -245,6 +245,9 @@ async def test_shutdown_flushes_what_was_received(
     settings = settings_for(engine, nats_server.url, watcher, batch_delay_ms=500)
     async with running_sidecar(settings) as service:
         await wait_until(lambda: service.link.connected)
-        await feed(engine, list(cache.store(list(range(160)))))
+        await feed(engine, list(cache.store(list(range(160)))))  # goes out at once
+        await wait_until(lambda: watcher.mirror.gpu_keys() == cache.router_keys(16))
+        await feed(engine, list(cache.store(list(range(1000, 1160)))))
         await wait_until(lambda: service.outbox.depth > 0)  # waiting on the 500 ms deadline
     await wait_until(lambda: watcher.mirror.gpu_keys() == cache.router_keys(16))
+    assert len(watcher.mirror.gpu_keys()) == 20

@@ -1,0 +1,136 @@
+"""The engine's HTTP side: load figures from /metrics, endpoint discovery, settings, logs."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from pydantic import ValidationError
+
+from sidecar.engine_http import sglang_endpoints, vllm_endpoints
+from sidecar.errors import EngineUnavailable
+from sidecar.load_metrics import EngineLoad, parse_engine_load
+from sidecar.main import load_settings
+from sidecar.observability import JsonFormatter
+
+VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 99.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1200.0
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 300.0
+vllm:cache_config_info{block_size="16",enable_prefix_caching="True",num_gpu_blocks="2048"} 1.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="m"} 0.0
+"""
+
+SGLANG = """sglang:num_running_reqs{model_name="m",tp_rank="0"} 7.0
+sglang:num_queue_reqs{model_name="m",tp_rank="0"} 1.0
+sglang:token_usage{model_name="m",tp_rank="0"} 0.75
+sglang:prompt_tokens_total{model_name="m",tp_rank="0"} 5000.0
+sglang:cached_tokens_total{cache_source="device",model_name="m",tp_rank="0"} 2000.0
+"""
+
+
+def test_vllm_metrics_are_summed_over_engines_and_usage_averaged() -> None:
+    assert parse_engine_load(VLLM) == EngineLoad(
+        running=5,
+        waiting=4,
+        kv_usage=0.375,
+        prefix_cache_queries=1200,
+        prefix_cache_hits=300,
+        capacity_blocks=2048,
+        engine_block_size=16,
+    )
+
+
+def test_sglang_metric_names() -> None:
+    assert parse_engine_load(SGLANG) == EngineLoad(
+        running=7, waiting=1, kv_usage=0.75, prefix_cache_queries=5000, prefix_cache_hits=2000
+    )
+
+
+def test_old_vllm_usage_name_and_garbage_lines() -> None:
+    text = "vllm:gpu_cache_usage_perc 0.9\nvllm:num_requests_running NaN\nnot a metric\n{}\n"
+    load = parse_engine_load(text)
+    assert load.kv_usage == 0.9 and load.running == 0
+
+
+def test_vllm_discovery_resolves_wildcard_hosts() -> None:
+    body = {"0": {"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv"}}
+    found = vllm_endpoints(body, "http://10.0.0.7:8000")
+    assert (found.endpoint, found.replay_endpoint, found.topic) == (
+        "tcp://10.0.0.7:5557",
+        "tcp://10.0.0.7:5558",
+        "kv",
+    )
+
+
+def test_sglang_discovery_reads_the_kv_events_block() -> None:
+    body = {
+        "kv_events": {
+            "endpoint_host": "0.0.0.0",
+            "endpoint_port_base": 6000,
+            "replay_endpoint_port_base": 6001,
+            "topic": "",
+        }
+    }
+    found = sglang_endpoints(body, "http://127.0.0.1:30000")
+    assert (found.endpoint, found.replay_endpoint) == (
+        "tcp://127.0.0.1:6000",
+        "tcp://127.0.0.1:6001",
+    )
+
+
+@pytest.mark.parametrize("body", [{}, {"0": {"publisher": "null"}}, [], {"kv_events": None}])
+def test_discovery_without_a_publisher_is_engine_unavailable(body: object) -> None:
+    with pytest.raises(EngineUnavailable):
+        vllm_endpoints(body, "http://h:1")
+    with pytest.raises(EngineUnavailable):
+        sglang_endpoints(body, "http://h:1")
+
+
+def test_flags_win_over_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVROUTE_REPLICA_ID", "from-env")
+    monkeypatch.setenv("KVROUTE_POOL", "pool-env")
+    monkeypatch.setenv("KVROUTE_MODEL", "m")
+    settings = load_settings(["--replica-id", "from-flag", "--kv-events-bind"])
+    assert (settings.replica_id, settings.pool, settings.kv_events_bind) == (
+        "from-flag",
+        "pool-env",
+        True,
+    )
+    assert (settings.host, settings.port, settings.engine_kind) == ("127.0.0.1", 9100, "vllm")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--replica-id", "a.b", "--model", "m"],
+        ["--replica-id", "r", "--model", "m", "--pool", "p>"],
+        ["--replica-id", "r", "--model", "m", "--kv-events-endpoint", "localhost:5557"],
+        ["--replica-id", "r", "--model", "m", "--router-block-size", "0"],
+        ["--replica-id", "r", "--model", " "],
+        ["--replica-id", "r", "--model", "m", "--engine-kind", "tgi"],
+    ],
+)
+def test_unusable_settings_are_refused(argv: list[str]) -> None:
+    with pytest.raises(ValidationError):
+        load_settings(argv)
+
+
+def test_secrets_are_not_flags() -> None:
+    with pytest.raises(SystemExit):
+        load_settings(["--replica-id", "r", "--model", "m", "--nats-token", "s3cret"])
+
+
+def test_json_logs_carry_extra_fields() -> None:
+    record = logging.makeLogRecord(
+        {"msg": "hello %s", "args": ("world",), "levelname": "INFO", "name": "sidecar", "epoch": 42}
+    )
+    line = json.loads(JsonFormatter().format(record))
+    assert (line["msg"], line["level"], line["epoch"]) == ("hello world", "INFO", 42)
