@@ -163,11 +163,16 @@ class SimApp:
         try:
             async for chunk in stream.chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except Exception:  # the status is sent: end the stream with an error event
+            log.exception("unexpected error while streaming %s", stream.handle.req.request_id)
+            self.engine.abort(stream.handle)
+            error = sse(p.ApiError("internal error").body()) + b"data: [DONE]\n\n"
+            await send({"type": "http.response.body", "body": error, "more_body": True})
         finally:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _watch_disconnect(self, handle: RequestHandle, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
