@@ -209,6 +209,8 @@ class SimApp:
     async def _submit(self, prompt: list[int], body: p._Sampling, prefix: str) -> RequestHandle:
         self._check_model(body.model)
         p.check_salt(body.cache_salt)
+        if body.n != 1:
+            raise p.BadRequest("kvroute-sim generates one choice per request (n=1).", "n")
         if self.engine.faults.should_fail():
             raise p.InjectedFailure("Injected failure (kvroute-sim fault).")
         max_tokens = body.max_tokens or p.DEFAULT_MAX_TOKENS

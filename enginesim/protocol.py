@@ -95,6 +95,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     cache_salt: str | None = None
+    n: int = 1
 
 
 class CompletionRequest(_Sampling, kw_only=True):

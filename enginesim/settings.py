@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
         help_text = f"{field.description} (default: {field.default})"
         if field.annotation is bool:
             parser.add_argument(flag, action="store_true", default=None, help=help_text)
+        elif get_origin(field.annotation) is Literal:
+            choices = get_args(field.annotation)
+            parser.add_argument(flag, default=None, choices=choices, help=help_text)
         else:
             parser.add_argument(flag, default=None, help=help_text)
     return parser

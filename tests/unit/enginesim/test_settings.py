@@ -46,7 +46,6 @@ def test_model_len_defaults_to_what_the_pool_holds() -> None:
     ("argv", "needle"),
     [
         (["--num-blocks", "10", "--max-model-len", "161"], "exceeds the KV pool"),
-        (["--event-format", "trtllm"], "event_format"),
         (["--block-size", "0"], "block_size"),
         (["--time-scale", "-1"], "time_scale"),
     ],
@@ -54,3 +53,10 @@ def test_model_len_defaults_to_what_the_pool_holds() -> None:
 def test_invalid_settings_are_refused_with_the_reason(argv: list[str], needle: str) -> None:
     with pytest.raises(SettingsError, match=needle):
         parse_settings(argv)
+
+
+def test_unknown_event_format_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_settings(["--event-format", "trtllm"])
+    assert exit_info.value.code == 2
+    assert "{vllm,vllm-0.23,sglang}" in capsys.readouterr().err
