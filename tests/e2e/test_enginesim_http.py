@@ -88,6 +88,7 @@ def test_text_completion_matches_tokenize(sim: SimProcess) -> None:
         ("/v1/completions", b'{"prompt": "hi", "model": "other"}', 404, "other"),
         ("/v1/completions", b'{"prompt": [1], "cache_salt": "a/b"}', 400, "cache_salt"),
         ("/v1/completions", b"[1, 2, 3]", 400, "Invalid request"),
+        ("/v1/completions", b'{"prompt": [1], "n": 2}', 400, "n=1"),
         ("/v1/chat/completions", b'{"messages": []}', 400, "messages"),
         ("/v1/chat/completions", b'{"messages": [{"content": "x"}]}', 400, "role"),
         ("/v1/chat/completions", b'{"messages": "hi"}', 400, "Invalid request"),
