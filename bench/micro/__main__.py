@@ -5,13 +5,14 @@ from __future__ import annotations
 import sys
 import time
 
-from bench.micro import index_bench, keys_bench, tokenize_bench
+from bench.micro import index_bench, keys_bench, policies_bench, tokenize_bench
 from bench.micro.report import Figure, render
 
 BENCHMARKS = {
     "keys": keys_bench.run,
     "tokenize": tokenize_bench.run,
     "index": index_bench.run,
+    "policies": policies_bench.run,
 }
 
 

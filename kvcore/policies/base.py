@@ -33,17 +33,15 @@ class ReplicaState:
     capacity: int = 256  # concurrent sequences the engine runs (max_num_seqs)
     prefill_tokens_per_s: float | None = None  # measured or announced, if known
     queued_prefill_tokens: float | None = None  # prompt tokens waiting, if known
+    # derived once (policies read them for every replica on every request):
+    requests: int = field(init=False, compare=False)  # running + waiting + inflight
+    load: float = field(init=False, compare=False)  # max(requests / capacity, kv_usage), 0-1
 
-    @property
-    def requests(self) -> int:
-        """Running, waiting and this proxy's in-flight requests."""
-        return self.running + self.waiting + self.inflight
-
-    @property
-    def load(self) -> float:
-        """0-1: the larger of queue occupancy (requests / capacity) and KV usage."""
-        occupancy = self.requests / max(self.capacity, 1)
-        return min(1.0, max(occupancy, self.kv_usage, 0.0))
+    def __post_init__(self) -> None:
+        requests = self.running + self.waiting + self.inflight
+        occupancy = requests / max(self.capacity, 1)
+        object.__setattr__(self, "requests", requests)
+        object.__setattr__(self, "load", min(1.0, max(occupancy, self.kv_usage, 0.0)))
 
 
 class StateView(Protocol):

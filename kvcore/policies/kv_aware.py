@@ -19,11 +19,17 @@ class KvAwarePolicy(KvScoringPolicy):
 
     name = "kv_aware"
 
-    def score(self, ctx: RouteContext, replica: ReplicaState, held_blocks: int) -> float:
+    def scores(
+        self, ctx: RouteContext, replicas: list[ReplicaState], runs: dict[int, int]
+    ) -> dict[int, float]:
         workload = self.workload
         assert isinstance(workload, KvAwareWorkload)
-        hit = held_blocks / len(ctx.block_keys) if ctx.block_keys else 0.0
-        if hit < workload.min_hit:
-            hit = 0.0
-        alpha = workload.locality_weight
-        return alpha * hit + (1 - alpha) * (1 - replica.load)
+        alpha, min_hit = workload.locality_weight, workload.min_hit
+        blocks = len(ctx.block_keys)
+        scores = {}
+        for replica in replicas:
+            hit = runs.get(replica.ordinal, 0) / blocks if blocks else 0.0
+            if hit < min_hit:
+                hit = 0.0
+            scores[replica.ordinal] = alpha * hit + (1 - alpha) * (1 - replica.load)
+        return scores

@@ -26,8 +26,10 @@ class KvCostPolicy(KvScoringPolicy):
 
     name = "kv_cost"
 
-    def score(self, ctx: RouteContext, replica: ReplicaState, held_blocks: int) -> float:
-        return -self.predicted_ttft_s(ctx, replica, held_blocks)
+    def scores(
+        self, ctx: RouteContext, replicas: list[ReplicaState], runs: dict[int, int]
+    ) -> dict[int, float]:
+        return {r.ordinal: -self.predicted_ttft_s(ctx, r, runs.get(r.ordinal, 0)) for r in replicas}
 
     def predicted_ttft_s(self, ctx: RouteContext, replica: ReplicaState, held_blocks: int) -> float:
         """Seconds until ``replica`` would start decoding this prompt."""

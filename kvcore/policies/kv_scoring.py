@@ -22,7 +22,7 @@ from kvcore.policies.base import (
     StateView,
 )
 from kvcore.policies.fallback import fallback_policy
-from kvcore.policies.screening import best, decide, reason, screen
+from kvcore.policies.screening import best, decide, screen
 from kvcore.workload import KvAwareWorkload, KvCostWorkload
 
 
@@ -36,8 +36,10 @@ class KvScoringPolicy:
         self._rng = rng
         self._fallback = fallback_policy(workload, rng)
 
-    def score(self, ctx: RouteContext, replica: ReplicaState, held_blocks: int) -> float:
-        """Higher is better."""
+    def scores(
+        self, ctx: RouteContext, replicas: list[ReplicaState], runs: dict[int, int]
+    ) -> dict[int, float]:
+        """Ordinal -> score (higher is better); ``runs`` holds leading runs in blocks."""
         raise NotImplementedError
 
     def select(self, ctx: RouteContext, state: StateView) -> Decision:
@@ -47,7 +49,7 @@ class KvScoringPolicy:
         if not screened.usable:
             return decide(self.name, screened, None, [])
         runs = state.leading_runs(ctx.block_keys, now=ctx.now)
-        scores = {r.ordinal: self.score(ctx, r, runs.get(r.ordinal, 0)) for r in screened.usable}
+        scores = self.scores(ctx, screened.usable, runs)
         chosen = best(screened.usable, scores, self._rng)
         rows = [self._row(ctx, r, runs.get(r.ordinal, 0), scores) for r in screened.usable]
         return decide(self.name, screened, chosen, rows, speculative=self._speculate(ctx, chosen))
@@ -56,7 +58,15 @@ class KvScoringPolicy:
         self, ctx: RouteContext, replica: ReplicaState, held: int, scores: dict[int, float]
     ) -> ReplicaReason:
         hit = held / len(ctx.block_keys) if ctx.block_keys else 0.0
-        return reason(replica, hit_blocks=held, hit=hit, score=scores[replica.ordinal])
+        return ReplicaReason(
+            replica.ordinal,
+            replica.replica_id,
+            replica.load,
+            None,
+            held,
+            hit,
+            scores[replica.ordinal],
+        )
 
     def _fall_back(self, ctx: RouteContext, state: StateView) -> Decision:
         decision = self._fallback.select(ctx, state)
