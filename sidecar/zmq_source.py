@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import xxhash
@@ -346,12 +346,3 @@ class ZmqEventSource:
             self.stats.replays_partial += 1
         else:
             self.stats.replays_failed += 1
-
-
-def frames_of(items: list[SourceItem]) -> Iterator[Frame]:
-    """The frames among ``items`` (a convenience for consumers and tests)."""
-    for item in items:
-        if isinstance(item, Frame):
-            yield item
-        elif isinstance(item, HistoryReplay):
-            yield from item.frames

@@ -251,3 +251,57 @@ async def test_shutdown_flushes_what_was_received(
         await wait_until(lambda: service.outbox.depth > 0)  # waiting on the 500 ms deadline
     await wait_until(lambda: watcher.mirror.gpu_keys() == cache.router_keys(16))
     assert len(watcher.mirror.gpu_keys()) == 20
+
+
+async def test_an_unknown_parent_is_repaired_from_the_engines_history(
+    nats_server: NatsServer, watcher: Watcher, engine: FakeEngine
+) -> None:
+    """A store arrives corrupted on the live socket (undecodable); its child then has an
+    unknown parent, and the sidecar rebuilds from the replay buffer, which holds it."""
+    async with running_sidecar(settings_for(engine, nats_server.url, watcher)) as service:
+        cache = FakeCache(16)
+        await feed(engine, list(cache.store(list(range(64)))))
+        parent_store = encode_batch(list(cache.store(list(range(96)))), "vllm-0.23")
+        await engine.publish(parent_store, on_the_wire=b"\xc1garbage")
+        await feed(engine, list(cache.store(list(range(160)))))
+        await wait_until(lambda: service.pipeline.stats.rebuilds == 1)
+        await wait_until(lambda: watcher.mirror.gpu_keys() == cache.router_keys(16))
+        assert service.pipeline.mapper_stats.unknown_parents >= 1
+        assert not service.pipeline.state_incomplete
+        await wait_until(lambda: not watcher.announces[-1].state_incomplete)
+
+
+async def test_fuzzed_live_stream_keeps_the_good_frames_translated_exactly(
+    nats_server: NatsServer, watcher: Watcher, engine: FakeEngine
+) -> None:
+    """Random and mutated payloads (each with its own seq), wrong frame counts and bad
+    seq frames on the live socket, between the good batches of a real workload."""
+    rng = random.Random(99)
+    cache = FakeCache(16)
+    async with running_sidecar(settings_for(engine, nats_server.url, watcher)) as service:
+        bad = 0
+        for tokens in prompts(rng, 60):
+            events = list(cache.store(tokens)) + list(cache.evict(rng.randrange(3)))
+            good = encode_batch(events, "vllm-0.33")
+            for _ in range(10):
+                kind = rng.randrange(4)
+                if kind == 0:
+                    await engine.publish(rng.randbytes(rng.randrange(40)))
+                elif kind == 1:
+                    await engine.publish(good[: rng.randrange(len(good))])
+                elif kind == 2:
+                    await engine.send_raw([b"kv", rng.randbytes(rng.choice([0, 3, 9]))])
+                else:
+                    await engine.send_raw([b"kv", b"\x00" * 7, good])
+                bad += 1
+            await engine.publish(good)
+        await wait_until(lambda: watcher.mirror.gpu_keys() == cache.router_keys(16))
+        source = service.source
+        assert source is not None and bad == 600
+        skipped = (
+            sum(source.stats.frames_rejected.values())
+            + sum(service.pipeline.stats.frames_undecodable.values())
+            + sum(service.pipeline.stats.events_rejected.values())
+        )
+        assert skipped >= bad
+        assert source.stats.gaps == 0 and not service.pipeline.state_incomplete

@@ -324,3 +324,26 @@ async def test_the_kvroute_sidecar_process_serves_health_and_publishes(
             proc.kill()
             await proc.wait()
         await sim.stop()
+
+
+@pytest.mark.parametrize(
+    "sim", [("vllm", 16, 4096), ("sglang", 1, 4096)], indirect=True, ids=["vllm", "sglang"]
+)
+async def test_endpoints_are_discovered_from_the_engine(
+    nats_server: NatsServer, watcher: Watcher, sim: SimProcess
+) -> None:
+    settings = sidecar_settings(
+        engine_url=sim.http_url,
+        engine_kind=engine_kind(sim.event_format),
+        nats_url=nats_server.url,
+        replica_id=watcher.replica,
+    )
+    book = PromptBook(sim.event_format, sim.block_size)
+    async with running_sidecar(settings) as service:
+        assert service.source is not None
+        assert (service.source.config.endpoint, service.source.config.replay_endpoint) == (
+            sim.events,
+            sim.replay,
+        )
+        await sim.complete(book.add(prompt(random.Random(15), [], 3)))
+        await converged(sim, book, watcher)

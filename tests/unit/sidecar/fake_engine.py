@@ -72,12 +72,17 @@ class FakeEngine:
                 if message[:1] == b"\x01":
                     return
 
-    async def publish(self, payload: bytes) -> int:
-        """Send one batch (unless paused: then it is only buffered, as if dropped by HWM)."""
+    async def publish(self, payload: bytes, *, on_the_wire: bytes | None = None) -> int:
+        """Send one batch (unless paused: then it is only buffered, as if dropped by HWM).
+
+        ``on_the_wire`` replaces the payload on the live socket only (corrupted in
+        transit), while the replay buffer keeps the real one.
+        """
         seq, self.seq = self.seq, self.seq + 1
         self.buffer.append((seq, payload))
         if not self.paused:
-            await self._pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
+            live = payload if on_the_wire is None else on_the_wire
+            await self._pub.send_multipart([self.topic, seq.to_bytes(8, "big"), live])
         return seq
 
     async def send_raw(self, parts: list[bytes]) -> None:
