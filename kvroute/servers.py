@@ -33,7 +33,7 @@ import time
 from collections import deque
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import IO, Self
 
 DEFAULT_START_TIMEOUT_S = 30.0
 _LOG_TAIL_LINES = 40
@@ -64,15 +64,23 @@ class _LogWatcher:
     def __init__(self, proc: subprocess.Popen[str]) -> None:
         self.tail: deque[str] = deque(maxlen=_LOG_TAIL_LINES)
         self._lines: queue.Queue[str | None] = queue.Queue()
-        assert proc.stdout is not None
+        if proc.stdout is None:
+            raise ServerStartError("the server's output is not captured")
         self._thread = threading.Thread(target=self._pump, args=(proc.stdout,), daemon=True)
         self._thread.start()
 
-    def _pump(self, stream: object) -> None:
-        for line in stream:  # type: ignore[attr-defined]
-            self.tail.append(line.rstrip("\n"))
-            self._lines.put(line)
-        self._lines.put(None)
+    def _pump(self, stream: IO[str]) -> None:
+        try:
+            for line in stream:
+                self.tail.append(line.rstrip("\n"))
+                self._lines.put(line)
+        finally:
+            self._lines.put(None)
+
+    def join(self, timeout: float) -> bool:
+        """Wait until the output has been read to its end; True if it was."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def wait_for(self, needle: str, deadline: float) -> bool:
         """True once a line containing ``needle`` appears; False on exit or deadline."""
@@ -153,7 +161,11 @@ class LocalServer:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-        if proc is not None and proc.stdout is not None:
+        # The pipe is closed only once the reader thread has seen its end: closing it under
+        # a reading thread makes that thread fail. A child that outlived the group kill
+        # could hold the pipe open; then the daemon thread is left to end with it.
+        log, self._log = self._log, None
+        if proc is not None and proc.stdout is not None and (log is None or log.join(5.0)):
             proc.stdout.close()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
