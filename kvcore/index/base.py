@@ -10,7 +10,7 @@ run the same code in virtual time.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
 MAX_REPLICA_ORDINAL = 4095
@@ -55,6 +55,15 @@ class ResidencyIndex(Protocol):
 
     def key_count(self, replica: int | None = None) -> int:
         """Confirmed keys held by ``replica``, or distinct confirmed keys overall."""
+        ...
+
+    def holdings(self) -> Iterator[tuple[int, int]]:
+        """Every confirmed key with the bitmask of its replicas (bit ``r`` = ordinal r),
+        for snapshots; do not modify the index while iterating."""
+        ...
+
+    def keys_of(self, replica: int) -> list[int]:
+        """The confirmed keys ``replica`` holds (any order)."""
         ...
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, count, repeat, takewhile
 from operator import and_, or_
@@ -110,6 +110,13 @@ class BitmaskResidencyIndex:
 
     def key_count(self, replica: int | None = None) -> int:
         return len(self._masks) if replica is None else self._counts.get(replica, 0)
+
+    def holdings(self) -> Iterator[tuple[int, int]]:
+        return iter(self._masks.items())
+
+    def keys_of(self, replica: int) -> list[int]:
+        bit = 1 << check_replica(replica)
+        return [key for key, mask in self._masks.items() if mask & bit]
 
     def _expire_record(self, record: _Expiry) -> int:
         until = self._spec_until.get(record.replica, {})

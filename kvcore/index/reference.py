@@ -6,7 +6,7 @@ leading runs computed replica by replica. Obviously right, slow and large.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from kvcore.index.base import check_replica
 
@@ -69,6 +69,14 @@ class ReferenceResidencyIndex:
         if replica is None:
             return len(self._holders)
         return sum(replica in holders for holders in self._holders.values())
+
+    def holdings(self) -> Iterator[tuple[int, int]]:
+        for key, holders in self._holders.items():
+            yield key, sum(1 << replica for replica in holders)
+
+    def keys_of(self, replica: int) -> list[int]:
+        check_replica(replica)
+        return [key for key, holders in self._holders.items() if replica in holders]
 
     def _candidates(self, speculative: bool) -> set[int]:
         replicas = {r for holders in self._holders.values() for r in holders}

@@ -77,7 +77,7 @@ class BuiltinTokenizer:
     """
 
     name = "builtin"
-    _ids_memo_limit = 1 << 20
+    _ids_memo_limit = 1 << 16  # pieces memoised (about 10 MB), then the memo restarts
     eos_token_id: int | None = SPECIAL_TOKENS[EOS]
     bos_token_id = SPECIAL_TOKENS[BOS]
     vocab_size = VOCAB_SIZE

@@ -36,6 +36,17 @@ def test_add_and_lookup_holders(index: ResidencyIndex) -> None:
     assert (index.key_count(), index.key_count(0), index.key_count(5)) == (3, 3, 1)
 
 
+def test_holdings_and_keys_of_list_confirmed_residency_for_snapshots(
+    index: ResidencyIndex,
+) -> None:
+    index.add(0, [1, 2])
+    index.add(3, [2, BIG])
+    index.add_speculative(5, [7], expires_at=10.0)
+    assert dict(index.holdings()) == {1: 0b1, 2: 0b1001, BIG: 0b1000}
+    assert sorted(index.keys_of(3)) == [2, BIG]
+    assert index.keys_of(5) == []
+
+
 def test_adding_twice_counts_once(index: ResidencyIndex) -> None:
     index.add(1, [7, 7, 8])
     index.add(1, [7])
@@ -148,6 +159,7 @@ def test_bitmask_index_agrees_with_the_reference(
     for replica in range(71):
         assert fast.key_count(replica) == oracle.key_count(replica)
     assert all(fast.replicas_of(k) == oracle.replicas_of(k) for k in range(13))
+    assert dict(fast.holdings()) == dict(oracle.holdings())
 
 
 def _apply(index: ResidencyIndex, op: str, replica: int, keys: list[int], when: int) -> None:

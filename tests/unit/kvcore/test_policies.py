@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvcore.policies import POLICIES, Decision, ReplicaState, StaticStateView, create_policy
+from kvcore.policies.screening import hard_exclusion, saturation
 from kvcore.workload import STRATEGIES, Workload, parse_workload
 from tests.unit.kvcore.policy_helpers import context, fleet
 
@@ -100,3 +104,65 @@ def test_decisions_explain_every_replica_as_json(strategy: str) -> None:
     assert explained["strategy"] == strategy
     assert [r["ordinal"] for r in explained["replicas"]] == [0, 1, 2]
     assert all("load" in r for r in explained["replicas"])
+
+
+replica_states = st.tuples(
+    st.sampled_from([True, True, True, False]),  # healthy
+    st.sampled_from([False, False, False, True]),  # draining
+    st.sampled_from(["m", "x", None]),  # served model (None: any)
+    st.integers(0, 400),  # running requests
+    st.floats(0, 1),  # KV usage
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    strategy_name=st.sampled_from(STRATEGIES),
+    specs=st.lists(replica_states, max_size=7),
+    held=st.lists(st.integers(0, 4), max_size=7),
+    exclude=st.frozensets(st.integers(0, 7), max_size=3),
+    length=st.integers(0, 80),
+    session=st.sampled_from([None, "s1", "s2"]),
+    seed=st.integers(0, 3),
+)
+def test_every_strategy_keeps_the_routing_invariants(
+    strategy_name: str,
+    specs: list[tuple[bool, bool, str | None, int, float]],
+    held: list[int],
+    exclude: frozenset[int],
+    length: int,
+    session: str | None,
+    seed: int,
+) -> None:
+    replicas = [
+        ReplicaState(
+            i,
+            f"r{i}",
+            healthy=h,
+            draining=d,
+            models=frozenset({m}) if m else frozenset(),
+            running=run,
+            kv_usage=kv,
+        )
+        for i, (h, d, m, run, kv) in enumerate(specs)
+    ]
+    workload = _workload(strategy_name)
+    ctx = context(workload, list(range(length)), session_id=session, exclude=exclude)
+    view = StaticStateView(replicas, residency_known=seed % 2 == 0)
+    for ordinal, blocks in enumerate(held[: len(replicas)]):
+        view.index.add(ordinal, ctx.block_keys[:blocks])
+    decision = create_policy(workload, rng=random.Random(seed)).select(ctx, view)
+
+    eligible = [r for r in replicas if hard_exclusion(r, ctx) is None]
+    free = [r for r in eligible if saturation(r, ctx) is None]
+    assert [r.ordinal for r in decision.reasons] == [r.ordinal for r in replicas]
+    json.dumps(decision.to_dict())
+    if not eligible:
+        assert decision.replica is None
+        return
+    assert decision.replica in eligible
+    if free:
+        assert decision.replica in free
+    excluded = {r.ordinal for r in decision.reasons if r.excluded}
+    assert decision.ordinal not in excluded
+    assert excluded == {r.ordinal for r in replicas if r not in (free or eligible)}
