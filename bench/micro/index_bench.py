@@ -54,7 +54,16 @@ def _memory_figures() -> list[Figure]:
         Figure(f"memory for {keys / 1e6:.2f}M resident keys", size / 2**20, "MB", 120),
         Figure("  per key", size / keys, "B"),
         Figure(f"clear_replica over {keys / 1e6:.2f}M keys", clear_ms, "ms"),
+        Figure("  clear_replica_steps, longest step", _longest_step_ms(index, 8), "ms"),
     ]
+
+
+def _longest_step_ms(index: BitmaskResidencyIndex, replica: int) -> float:
+    longest, last = 0.0, time.perf_counter()
+    for _ in index.clear_replica_steps(replica):
+        now = time.perf_counter()
+        longest, last = max(longest, now - last), now
+    return longest * 1000
 
 
 def run() -> list[Figure]:

@@ -32,6 +32,12 @@ class ResidencyIndex(Protocol):
         number of confirmed keys it held."""
         ...
 
+    def clear_replica_steps(self, replica: int, *, chunk: int = 50_000) -> Iterator[int]:
+        """``clear_replica`` in steps of about ``chunk`` keys (yielding progress), so that
+        an event loop can run between steps. From the first step, lookups no longer see
+        ``replica``; adding, removing or clearing it first completes the job."""
+        ...
+
     def add_speculative(self, replica: int, keys: Iterable[int], *, expires_at: float) -> None:
         """Record that ``replica`` probably holds ``keys`` until ``expires_at``."""
         ...

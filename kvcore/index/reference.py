@@ -39,6 +39,9 @@ class ReferenceResidencyIndex:
                 del self._speculative[key, owner]
         return len(held)
 
+    def clear_replica_steps(self, replica: int, *, chunk: int = 50_000) -> Iterator[int]:
+        yield self.clear_replica(replica)
+
     def add_speculative(self, replica: int, keys: Iterable[int], *, expires_at: float) -> None:
         check_replica(replica)
         for key in keys:
