@@ -14,6 +14,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import nats
 import nats.errors
@@ -25,6 +26,16 @@ log = logging.getLogger(__name__)
 Respond = Callable[[bytes], Awaitable[None]]
 RequestHandler = Callable[[bytes, Respond], Awaitable[None]]
 _RETRY_S = 0.25
+
+
+def redacted(url: str) -> str:
+    """``url`` without the password or token it may embed (``nats://user:secret@host``)."""
+    parts = urlsplit(url)
+    if parts.password is None and not (parts.username and "@" in parts.netloc):
+        return url
+    host = parts.hostname or ""
+    netloc = f"***@{host}:{parts.port}" if parts.port else f"***@{host}"
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 class NatsLink:
@@ -55,11 +66,13 @@ class NatsLink:
             try:
                 self._nc = await nats.connect(**self._options())
             except (nats.errors.Error, OSError, TimeoutError) as exc:
-                log.info("nats not reachable yet", extra={"url": self.url, "error": repr(exc)})
+                log.info(
+                    "nats not reachable yet", extra={"url": redacted(self.url), "error": repr(exc)}
+                )
                 await asyncio.sleep(_RETRY_S)
         for subject, handler in self._subscriptions:
             await self._subscribe(subject, handler)
-        log.info("nats connected", extra={"url": self.url})
+        log.info("nats connected", extra={"url": redacted(self.url)})
         self._on_connected()
 
     def _options(self) -> dict[str, Any]:
@@ -77,11 +90,11 @@ class NatsLink:
         return options | {k: v for k, v in self._auth.items() if v}
 
     async def _reconnected(self) -> None:
-        log.info("nats reconnected", extra={"url": self.url})
+        log.info("nats reconnected", extra={"url": redacted(self.url)})
         self._on_connected()
 
     async def _disconnected(self) -> None:
-        log.warning("nats disconnected", extra={"url": self.url})
+        log.warning("nats disconnected", extra={"url": redacted(self.url)})
 
     async def _error(self, exc: Exception) -> None:
         log.info("nats client error", extra={"error": repr(exc)})

@@ -10,8 +10,8 @@ engine, publish what is pending, drain NATS. Tasks:
   or a snapshot when one is due (after drops, after a NATS reconnection, after a rebuild);
 - ``_announce``: ``ReplicaAnnounce`` on start, every ``announce_interval_s`` and on change;
 - ``_report_load``: scrapes ``/metrics`` every ``load_interval_s`` and publishes a
-  ``LoadReport``; an engine that comes back after being unreachable triggers a restart
-  probe through replay;
+  ``LoadReport``; an engine that comes back after being unreachable, or that has sent
+  nothing for ``restart_probe_s``, triggers a restart probe through replay;
 - resync requests are answered with a ``ResyncReply`` and then a snapshot.
 """
 
@@ -269,7 +269,19 @@ class SidecarService:
             await self.link.publish(subject, report.SerializeToString())
             await asyncio.sleep(self.settings.load_interval_s)
 
+    def _probe_if_idle(self) -> None:
+        """An engine can restart without going unreachable (a fast restart, or a reset
+        that also drops its replay buffer) and then publish nothing: after
+        ``restart_probe_s`` without a live batch, ask the replay socket."""
+        source, every = self.source, self.settings.restart_probe_s
+        if source is None or not every or not source.config.replay_endpoint:
+            return
+        if time.monotonic() - source.last_frame_at >= every:
+            source.last_frame_at = time.monotonic()
+            source.request_restart_probe()
+
     async def _scrape(self) -> None:
+        self._probe_if_idle()
         status = self.engine_status
         try:
             status.load = await self.engine.load()

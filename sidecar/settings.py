@@ -63,6 +63,12 @@ class SidecarSettings(BaseSettings):
     replay_timeout_s: float = Field(default=1.0, gt=0, le=60, description="Replay answer deadline.")
     announce_interval_s: float = Field(default=10.0, gt=0, description="ReplicaAnnounce period.")
     load_interval_s: float = Field(default=0.5, gt=0, description="Scrape and LoadReport period.")
+    restart_probe_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="After this long without a live batch, ask the replay socket whether "
+        "the engine restarted unseen (0: only after the engine was unreachable).",
+    )
     scrape_timeout_s: float = Field(default=2.0, gt=0, description="Engine HTTP request deadline.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         default="INFO", description="Log level."

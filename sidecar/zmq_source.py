@@ -172,6 +172,7 @@ class ZmqEventSource:
         self._want_probe = False
         self._closed = False
         self.caught_up = asyncio.Event()  # set once the start-up replay has been read
+        self.last_frame_at = time.monotonic()  # of the last live message
 
     # -- lifecycle -------------------------------------------------------------------
     def open(self) -> None:
@@ -220,6 +221,7 @@ class ZmqEventSource:
             return None
         parts = await self._sub.recv_multipart()
         self.stats.frames_received += 1
+        self.last_frame_at = time.monotonic()
         parsed = parse_live(parts, time.monotonic_ns())
         if isinstance(parsed, str):
             self.stats.reject(parsed)

@@ -347,3 +347,21 @@ async def test_endpoints_are_discovered_from_the_engine(
         )
         await sim.complete(book.add(prompt(random.Random(15), [], 3)))
         await converged(sim, book, watcher)
+
+
+@pytest.mark.parametrize("sim", [("vllm", 16, 4096)], indirect=True, ids=["vllm"])
+async def test_a_silent_engine_restart_is_found_by_the_idle_probe(
+    nats_server: NatsServer, watcher: Watcher, sim: SimProcess
+) -> None:
+    """The engine restarts (cache emptied, seq from 0) without ever being unreachable and
+    then publishes nothing: the idle probe finds it and the published state empties."""
+    book = PromptBook(sim.event_format, sim.block_size)
+    settings = settings_for(sim, nats_server.url, watcher, restart_probe_s=0.3)
+    async with running_sidecar(settings) as service:
+        await sim.complete(book.add(prompt(random.Random(16), [], 3)))
+        await converged(sim, book, watcher)
+        epoch = watcher.mirror.epoch
+        await sim.fault(restart=True)
+        await wait_until(lambda: watcher.mirror.epoch > epoch)
+        assert watcher.mirror.gpu_keys() == set() == await sim.cached_hashes()
+        assert service.source is not None and service.source.stats.restarts == 1

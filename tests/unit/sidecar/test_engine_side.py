@@ -12,6 +12,7 @@ from sidecar.engine_http import sglang_endpoints, vllm_endpoints
 from sidecar.errors import EngineUnavailable
 from sidecar.load_metrics import EngineLoad, parse_engine_load
 from sidecar.main import load_settings
+from sidecar.nats_link import redacted
 from sidecar.observability import JsonFormatter
 
 VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -134,3 +135,15 @@ def test_json_logs_carry_extra_fields() -> None:
     )
     line = json.loads(JsonFormatter().format(record))
     assert (line["msg"], line["level"], line["epoch"]) == ("hello world", "INFO", 42)
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("nats://127.0.0.1:4222", "nats://127.0.0.1:4222"),
+        ("nats://user:s3cret@nats.svc:4222", "nats://***@nats.svc:4222"),
+        ("nats://tok3n@nats.svc", "nats://***@nats.svc"),
+    ],
+)
+def test_nats_urls_are_logged_without_credentials(url: str, shown: str) -> None:
+    assert redacted(url) == shown
