@@ -30,11 +30,12 @@ def run() -> list[Figure]:
     tokens = [rng.randrange(128_000) for _ in range(PROMPT_TOKENS)]
     keys = block_keys(tokens, model=MODEL)
     view = _view(rng, keys)
-    return [_decision_figure(strategy, keys, tokens, view) for strategy in STRATEGIES]
+    figures = [_decision_figure(strategy, keys, tokens, view) for strategy in STRATEGIES]
+    return [*figures, _decision_figure("kv_aware", keys, tokens, view, explain=True)]
 
 
 def _decision_figure(
-    strategy: str, keys: list[int], tokens: list[int], view: StaticStateView
+    strategy: str, keys: list[int], tokens: list[int], view: StaticStateView, explain: bool = False
 ) -> Figure:
     fields: dict[str, object] = {"strategy": strategy}
     if strategy.startswith("kv"):
@@ -42,5 +43,8 @@ def _decision_figure(
     workload = parse_workload(fields)
     policy = create_policy(workload, rng=random.Random(1))
     ctx = RouteContext(workload, MODEL, keys, tokens, session_id="session-1", now=1.0)
+    if explain:
+        us = median_us(lambda: policy.select(ctx, view).to_dict(), repeat=200)
+        return Figure(f"  same as {strategy}, explained (Decision.to_dict)", us, "us")
     us = median_us(lambda: policy.select(ctx, view), repeat=200)
     return Figure(f"select, {strategy}, {REPLICAS} replicas, 512 blocks", us, "us")

@@ -9,9 +9,9 @@ wants written back (speculative residency) is part of the :class:`Decision`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 from kvcore.keys import DEFAULT_BLOCK_SIZE
 from kvcore.workload import Workload
@@ -106,6 +106,36 @@ class ReplicaReason:
         return {k: v for k, v in values.items() if v is not None}
 
 
+class Reasons(Sequence[ReplicaReason]):
+    """Per-replica reasons, built on first use: the proxy's hot path rarely reads them,
+    the explain endpoint and debug headers do."""
+
+    __slots__ = ("_build", "_rows")
+
+    def __init__(self, build: Callable[[], Iterable[ReplicaReason]]) -> None:
+        self._build: Callable[[], Iterable[ReplicaReason]] | None = build
+        self._rows: tuple[ReplicaReason, ...] = ()
+
+    def _materialize(self) -> tuple[ReplicaReason, ...]:
+        if self._build is not None:
+            self._rows = tuple(sorted(self._build(), key=lambda row: row.ordinal))
+            self._build = None
+        return self._rows
+
+    @overload
+    def __getitem__(self, index: int) -> ReplicaReason: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[ReplicaReason, ...]: ...
+    def __getitem__(self, index: int | slice) -> ReplicaReason | tuple[ReplicaReason, ...]:
+        return self._materialize()[index]
+
+    def __len__(self) -> int:
+        return len(self._materialize())
+
+    def __repr__(self) -> str:
+        return f"Reasons({list(self._materialize())!r})"
+
+
 @dataclass(frozen=True, slots=True)
 class SpeculativeRecord:
     """Residency the caller should record: ``keys`` on ``replica`` until ``expires_at``."""
@@ -121,7 +151,7 @@ class Decision:
 
     replica: ReplicaState | None
     strategy: str
-    reasons: tuple[ReplicaReason, ...] = ()
+    reasons: Sequence[ReplicaReason] = ()  # in ordinal order, one per known replica
     note: str = ""
     speculative: SpeculativeRecord | None = None
     extra: dict[str, Any] = field(default_factory=dict)

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 import xxhash
 
 from kvcore.policies.base import Decision, ReplicaState, RouteContext, StateView
-from kvcore.policies.screening import decide, reason, screen
+from kvcore.policies.screening import decide, plain_rows, screen
 
 _hash = xxhash.xxh3_64_intdigest
 _RINGS_KEPT = 8
@@ -69,14 +69,14 @@ class RingRouter:
         screened = screen(ctx, state)
         members = sorted([*screened.usable, *_saturated(screened.saturated, state)], key=_ordinal)
         if not members:
-            return decide(strategy, screened, None, [])
+            return decide(strategy, screened, None)
         by_id = {r.replica_id: r for r in members}
         passed: list[ReplicaState] = []
         for rid in self._ring(members).walk(key):
             replica = by_id[rid]
             if replica.ordinal not in screened.saturated:
-                rows = [reason(r) for r in screened.usable]
                 note = f"passed on by {len(passed)} saturated replica(s)" if passed else ""
+                rows = plain_rows(screened)
                 return decide(strategy, screened, replica, rows, note=note, extra={"ring_key": key})
             passed.append(replica)
         raise AssertionError("screen() leaves a usable replica when any is eligible")

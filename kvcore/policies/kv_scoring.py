@@ -47,11 +47,15 @@ class KvScoringPolicy:
             return self._fall_back(ctx, state)
         screened = screen(ctx, state)
         if not screened.usable:
-            return decide(self.name, screened, None, [])
+            return decide(self.name, screened, None)
         runs = state.leading_runs(ctx.block_keys, now=ctx.now)
         scores = self.scores(ctx, screened.usable, runs)
         chosen = best(screened.usable, scores, self._rng)
-        rows = [self._row(ctx, r, runs.get(r.ordinal, 0), scores) for r in screened.usable]
+        usable = screened.usable
+
+        def rows() -> list[ReplicaReason]:
+            return [self._row(ctx, r, runs.get(r.ordinal, 0), scores) for r in usable]
+
         return decide(self.name, screened, chosen, rows, speculative=self._speculate(ctx, chosen))
 
     def _row(

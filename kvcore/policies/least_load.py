@@ -21,8 +21,13 @@ class LeastLoadPolicy:
     def select(self, ctx: RouteContext, state: StateView) -> Decision:
         screened = screen(ctx, state)
         if not screened.usable:
-            return decide(self.name, screened, None, [])
+            return decide(self.name, screened, None)
         scores = {r.ordinal: -r.load for r in screened.usable}
         chosen = best(screened.usable, scores, self._rng)
-        rows = [reason(r, score=scores[r.ordinal]) for r in screened.usable]
-        return decide(self.name, screened, chosen, rows)
+        usable = screened.usable
+        return decide(
+            self.name,
+            screened,
+            chosen,
+            lambda: [reason(r, score=scores[r.ordinal]) for r in usable],
+        )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from kvcore.policies.base import Decision, RouteContext, StateView
-from kvcore.policies.screening import decide, reason, screen
+from kvcore.policies.screening import decide, plain_rows, screen
 from kvcore.workload import Workload
 
 
@@ -21,7 +21,7 @@ class RoundRobinPolicy:
     def select(self, ctx: RouteContext, state: StateView) -> Decision:
         screened = screen(ctx, state)
         if not screened.usable:
-            return decide(self.name, screened, None, [])
+            return decide(self.name, screened, None)
         chosen = screened.usable[self._turn % len(screened.usable)]
         self._turn += 1
-        return decide(self.name, screened, chosen, [reason(r) for r in screened.usable])
+        return decide(self.name, screened, chosen, plain_rows(screened))

@@ -9,11 +9,18 @@ counts while some replica is not saturated.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvcore.policies.base import Decision, ReplicaReason, ReplicaState, RouteContext, StateView
+from kvcore.policies.base import (
+    Decision,
+    Reasons,
+    ReplicaReason,
+    ReplicaState,
+    RouteContext,
+    StateView,
+)
 
 TIE = 1e-9
 ALL_SATURATED = "every replica is saturated: considering all"
@@ -93,12 +100,18 @@ def decide(
     strategy: str,
     screened: Screened,
     chosen: ReplicaState | None,
-    rows: Sequence[ReplicaReason],
+    rows: Callable[[], Iterable[ReplicaReason]] = tuple,
     **details: Any,
 ) -> Decision:
-    """A decision whose reasons list every replica once, in ordinal order."""
-    reasons = sorted([*screened.excluded, *rows], key=lambda row: row.ordinal)
+    """A decision whose reasons (``rows()`` for the usable replicas, built only when
+    read) list every replica once, in ordinal order."""
+    reasons = Reasons(lambda: [*screened.excluded, *rows()])
     note = details.pop("note", "") or screened.note
     if chosen is None:
         note = note or "no replica can serve this request"
-    return Decision(chosen, strategy, tuple(reasons), note, **details)
+    return Decision(chosen, strategy, reasons, note, **details)
+
+
+def plain_rows(screened: Screened) -> Callable[[], list[ReplicaReason]]:
+    """Rows with just the load, for strategies that do not score."""
+    return lambda: [reason(r) for r in screened.usable]
