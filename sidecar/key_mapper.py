@@ -110,80 +110,38 @@ class KeyMapper:
         if start is None:
             self.stats.unknown_parents += 1
             return []
+        pending = start.tail + event.token_ids if start.tail else event.token_ids
+        keys = chain_keys(start.anchor, pending, self.block_size)  # the whole run at once
         parent_key = None if start.rooted_at_root else start.anchor
-        new_keys: list[int] = []
-        if not start.tail and event.block_size == self.block_size:
-            self._store_aligned(event, start, new_keys)
-        else:
-            point = start
-            for engine_hash, tokens in zip(event.block_hashes, _blocks(event), strict=True):
-                point = self._store_block(event, engine_hash, point, tokens, new_keys)
+        fresh: list[int] = []  # indexes into keys of the router keys that became held
+        offset, done = len(start.tail), 0
+        for engine_hash, length in zip(event.block_hashes, _lengths(event), strict=True):
+            offset += length
+            completed = offset // self.block_size  # router blocks ending in this one or before
+            chain_id = (event.group, event.medium, engine_hash)
+            if chain_id not in self._chains:  # a re-reported block is already held
+                self._chains[chain_id] = ChainPoint(
+                    keys[completed - 1] if completed else start.anchor,
+                    pending[completed * self.block_size : offset],
+                    tuple(keys[done:completed]),
+                    start.rooted_at_root and not completed,
+                )
+                for index in range(done, completed):
+                    parent = keys[index - 1] if index else parent_key
+                    if self._hold(event.medium, keys[index], parent):
+                        fresh.append(index)
+            done = completed
         self.stats.stored_blocks += len(event.block_hashes)
-        if not new_keys:
-            return []
-        return [RouterStored(tuple(new_keys), parent_key, event.medium)]
+        return _runs(keys, fresh, parent_key, event.medium)
 
-    def _store_aligned(self, event: BlockStored, start: ChainPoint, new_keys: list[int]) -> None:
-        """Fast path: engine blocks are router blocks and the run starts on a boundary.
-
-        One ``chain_keys`` call keys the whole run; a block already known (re-reported)
-        has the same key, since the same hash means the same parent and tokens.
-        """
-        keys = chain_keys(start.anchor, event.token_ids, self.block_size)
-        if len(keys) != len(event.block_hashes):  # a short last block: the general path
-            point = start
-            for engine_hash, tokens in zip(event.block_hashes, _blocks(event), strict=True):
-                point = self._store_block(event, engine_hash, point, tokens, new_keys)
-            return
-        chains, held, medium, group = self._chains, self._held, event.medium, event.group
-        parent = None if start.rooted_at_root else start.anchor
-        for engine_hash, key in zip(event.block_hashes, keys, strict=True):
-            chain_id = (group, medium, engine_hash)
-            if chain_id not in chains:
-                chains[chain_id] = ChainPoint(key, (), (key,), False)
-                entry = held.get((medium, key))
-                if entry is None:
-                    held[(medium, key)] = _Held(1, parent)
-                    new_keys.append(key)
-                else:
-                    entry.owners += 1
-            parent = key
-
-    def _store_block(
-        self,
-        event: BlockStored,
-        engine_hash: int,
-        start: ChainPoint,
-        tokens: tuple[int, ...],
-        new_keys: list[int],
-    ) -> ChainPoint:
-        chain_id = (event.group, event.medium, engine_hash)
-        known = self._chains.get(chain_id)
-        if known is not None:  # stored again (a re-report): already held, just continue
-            return known
-        pending = start.tail + tokens if start.tail else tokens
-        keys = chain_keys(start.anchor, pending, self.block_size)
-        done = len(keys) * self.block_size
-        parent = None if start.rooted_at_root else start.anchor
-        for key in keys:
-            self._hold(event.medium, key, parent, new_keys)
-            parent = key
-        point = ChainPoint(
-            keys[-1] if keys else start.anchor,
-            pending[done:],
-            tuple(keys),
-            start.rooted_at_root and not keys,
-        )
-        self._chains[chain_id] = point
-        return point
-
-    def _hold(self, medium: str, key: int, parent: int | None, new_keys: list[int]) -> None:
+    def _hold(self, medium: str, key: int, parent: int | None) -> bool:
+        """Count one more owner of ``key``; ``True`` if it was not held before."""
         held = self._held.get((medium, key))
         if held is None:
             self._held[(medium, key)] = _Held(1, parent)
-            new_keys.append(key)
-        else:
-            held.owners += 1
+            return True
+        held.owners += 1
+        return False
 
     # -- BlockRemoved / AllBlocksCleared ---------------------------------------------
     def _removed(self, event: BlockRemoved) -> list[RouterEvent]:
@@ -231,8 +189,24 @@ class KeyMapper:
             yield medium, key, held.parent
 
 
-def _blocks(event: BlockStored) -> Iterator[tuple[int, ...]]:
-    """The tokens of each engine block of a store; the last may be short (SGLang)."""
-    size, tokens = event.block_size, event.token_ids
-    for i in range(len(event.block_hashes)):
-        yield tokens[i * size : (i + 1) * size]
+def _lengths(event: BlockStored) -> list[int]:
+    """Token count of each engine block of a store; the last may be short (SGLang)."""
+    n, size = len(event.block_hashes), event.block_size
+    if n == 0:
+        return []
+    return [size] * (n - 1) + [len(event.token_ids) - (n - 1) * size]
+
+
+def _runs(
+    keys: list[int], fresh: list[int], root_parent: int | None, medium: str
+) -> list[RouterEvent]:
+    """The newly held keys as stores, one per unbroken run, each with its parent key."""
+    runs: list[RouterEvent] = []
+    start = 0
+    for i in range(1, len(fresh) + 1):
+        if i == len(fresh) or fresh[i] != fresh[i - 1] + 1:
+            first = fresh[start]
+            parent = keys[first - 1] if first else root_parent
+            runs.append(RouterStored(tuple(keys[first : fresh[i - 1] + 1]), parent, medium))
+            start = i
+    return runs

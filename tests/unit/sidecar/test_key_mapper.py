@@ -184,3 +184,23 @@ def test_held_keys_are_the_union_of_the_prompts_keys(
         full = tokens[: n * engine_bs]
         expected |= set(block_keys(full, model=MODEL, block_size=router_bs))
     assert held_keys(mapper) == expected
+
+
+def test_newly_held_keys_are_published_as_unbroken_runs_with_their_parents() -> None:
+    mapper = KeyMapper(MODEL, 16)
+    tokens = tuple(range(48))
+    k0, k1, k2 = block_keys(list(tokens), model=MODEL)
+    mapper.apply(BlockStored((1, 2), None, tokens[:32], 16, group=1))
+    mapper.apply(BlockRemoved((1,), group=1))  # k0 leaves, k1 stays held by group 1
+    stored = mapper.apply(BlockStored((1, 2, 3), None, tokens, 16, group=0))
+    assert stored == [RouterStored((k0,), None), RouterStored((k2,), k1)]
+
+
+def test_a_long_single_token_page_run_is_keyed_in_one_pass() -> None:
+    mapper = KeyMapper(MODEL, 16)
+    tokens = tuple(range(20_000))
+    hashes = tuple(range(1, 20_001))
+    (stored,) = mapper.apply(BlockStored(hashes, None, tokens, 1))
+    assert isinstance(stored, RouterStored)
+    assert list(stored.keys) == block_keys(list(tokens), model=MODEL)
+    assert mapper.engine_blocks == 20_000 and mapper.router_keys == 1250
