@@ -29,6 +29,7 @@ _ANCHOR = "a\n"
 _CUTTING_PRE_TOKENIZERS = {"Split", "Whitespace", "WhitespaceSplit", "BertPreTokenizer"}
 _LOCAL_PRE_TOKENIZERS = _CUTTING_PRE_TOKENIZERS | {"ByteLevel", "Digits", "Punctuation"}
 _LOCAL_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase"}
+_PROBES = ("ab\ncd", "a.\nb", "12\n34", "x\n's", "日本\n語", "a,\n(b", "q  r\ns t", "<\n>")
 
 
 class HFTokenizer:
@@ -143,8 +144,26 @@ def _segmentation_facts(fast: FastTokenizer) -> tuple[tuple[str, ...], bool]:
         and pre <= _LOCAL_PRE_TOKENIZERS
         and normalizers <= _LOCAL_NORMALIZERS
         and not spanning
+        and _probes_cut_at_newlines(fast)
     )
     return tuple(t.content for t in added if t.lstrip), segmentable
+
+
+def _probes_cut_at_newlines(fast: FastTokenizer) -> bool:
+    """Checks on sample texts that the normalizer is local and the pre-tokenizer ends a
+    pre-token at every cut point (a ``Split`` on spaces alone would not)."""
+    pre, normalizer = fast.pre_tokenizer, fast.normalizer
+    if pre is None:
+        return False
+    for text in _PROBES:
+        for match in _CUT_RE.finditer(text):
+            head, tail = text[: match.start()], text[match.start() :]
+            if normalizer is not None:
+                head, tail = normalizer.normalize_str(head), normalizer.normalize_str(tail)
+            ends = {end for _, (_, end) in pre.pre_tokenize_str(head + tail)}
+            if len(head) not in ends:
+                return False
+    return True
 
 
 def _component_types(component: Any, nested: str) -> set[str]:

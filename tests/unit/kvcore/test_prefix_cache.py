@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tokenizers import pre_tokenizers
 
 from bench.micro.model_files import train_tiny_bpe, write_config
 from kvcore.tokenize import (
@@ -137,6 +138,18 @@ def test_tokenizers_that_cannot_be_cut_are_called_whole(tmp_path: Path) -> None:
     cache = PrefixTokenCache(tokenizer, min_gap=4)
     text = "the quick fox\njumps over\nthe lazy dog"
     for _ in range(2):
+        assert cache.encode(text) == tokenizer.encode(text)
+    assert cache.stats.hits == 0
+
+
+def test_a_pre_tokenizer_that_does_not_cut_at_newlines_is_called_whole(tmp_path: Path) -> None:
+    fast = train_tiny_bpe(tmp_path)
+    fast.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    fast.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = HFTokenizer(tmp_path)
+    assert not tokenizer.segmentable
+    cache = PrefixTokenCache(tokenizer, min_gap=1)
+    for text in ("ab\ncd ef\ngh", "ab\ncd ef\nij"):
         assert cache.encode(text) == tokenizer.encode(text)
     assert cache.stats.hits == 0
 
