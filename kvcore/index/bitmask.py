@@ -7,7 +7,9 @@ dict probe and two bit operations per block. A 64-bit key costs about 100 bytes 
 
 Speculative entries live apart: ``_spec_mask`` (key -> mask, only unexpired entries
 after :meth:`expire`) and, per replica, each key's expiry, with one expiry record per
-:meth:`add_speculative` call so that recording a 512-key prompt is cheap.
+:meth:`add_speculative` call so that recording a 512-key prompt is cheap. For the keys
+that have speculative entries, ``_with_spec`` holds confirmed | speculative, so that a
+lookup that counts speculation (every proxy lookup) is still one probe per dict.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, count, repeat, takewhile
-from operator import and_, or_
+from operator import and_
 
 from kvcore.index.base import check_replica
 
@@ -39,6 +41,7 @@ class BitmaskResidencyIndex:
         self._masks: dict[int, int] = {}
         self._counts: dict[int, int] = {}
         self._spec_mask: dict[int, int] = {}
+        self._with_spec: dict[int, int] = {}  # confirmed | speculative, speculated keys only
         self._spec_until: dict[int, dict[int, float]] = {}
         self._expiries: list[_Expiry] = []
         self._seq = count()
@@ -48,18 +51,20 @@ class BitmaskResidencyIndex:
     def add(self, replica: int, keys: Iterable[int]) -> None:
         bit = 1 << check_replica(replica)
         self._finish_clearing(replica)
-        masks, added = self._masks, 0
+        masks, with_spec, added = self._masks, self._with_spec, 0
         for key in keys:
             mask = masks.get(key, 0)
             if not mask & bit:
                 masks[key] = mask | bit
                 added += 1
+                if with_spec and key in with_spec:
+                    with_spec[key] |= bit
         self._counts[replica] = self._counts.get(replica, 0) + added
 
     def remove(self, replica: int, keys: Iterable[int]) -> None:
         bit = 1 << check_replica(replica)
         self._finish_clearing(replica)
-        masks, removed = self._masks, 0
+        masks, with_spec, removed = self._masks, self._with_spec, 0
         for key in keys:
             mask = masks.get(key, 0)
             if mask & bit:
@@ -68,6 +73,8 @@ class BitmaskResidencyIndex:
                     del masks[key]
                 else:
                     masks[key] = mask & ~bit
+                if with_spec and key in with_spec:
+                    self._refresh_with_spec(key)
         if removed:
             self._counts[replica] -= removed
 
@@ -94,7 +101,7 @@ class BitmaskResidencyIndex:
             bit, list(self._masks), list(self._masks.values())
         )
         self._hidden |= bit
-        while self._clearing.get(replica) is job and job.step(self._masks, chunk):
+        while self._clearing.get(replica) is job and self._step(job, chunk):
             yield job.position
         if self._clearing.get(replica) is job:  # else finished early by add/remove/clear
             self._end_clearing(replica)
@@ -105,10 +112,11 @@ class BitmaskResidencyIndex:
         self._finish_clearing(replica)
         keys = tuple(keys)
         until = self._spec_until.setdefault(replica, {})
-        spec = self._spec_mask
+        masks, spec, with_spec = self._masks, self._spec_mask, self._with_spec
         for key in keys:
             until[key] = expires_at
-            spec[key] = spec.get(key, 0) | bit
+            speculative = spec[key] = spec.get(key, 0) | bit
+            with_spec[key] = masks.get(key, 0) | speculative
         heapq.heappush(self._expiries, _Expiry(expires_at, next(self._seq), replica, keys))
 
     def expire(self, now: float) -> int:
@@ -124,8 +132,8 @@ class BitmaskResidencyIndex:
     def leading_runs(self, keys: Sequence[int], *, now: float | None = None) -> dict[int, int]:
         if now is not None:
             self.expire(now)
-        spec = _NOTHING if now is None else self._spec_mask
-        return _runs(keys, self._masks, spec, self._hidden)
+        with_spec = _NOTHING if now is None else self._with_spec
+        return _runs(keys, self._masks, with_spec, self._hidden)
 
     def key_count(self, replica: int | None = None) -> int:
         """Overall, keys only a replica being cleared step by step held still count."""
@@ -144,7 +152,7 @@ class BitmaskResidencyIndex:
     def _finish_clearing(self, replica: int) -> None:
         job = self._clearing.get(replica)
         if job is not None:
-            job.step(self._masks, len(job.keys))
+            self._step(job, len(job.keys))
             self._end_clearing(replica)
 
     def _end_clearing(self, replica: int) -> None:
@@ -161,16 +169,32 @@ class BitmaskResidencyIndex:
                 expired += 1
         return expired
 
+    def _step(self, job: _Clearing, budget: int) -> bool:
+        changed, more = job.step(self._masks, budget)
+        if self._with_spec:
+            for key in changed:
+                if key in self._with_spec:
+                    self._refresh_with_spec(key)
+        return more
+
     def _drop_spec_bit(self, key: int, bit: int) -> None:
         mask = self._spec_mask.get(key, 0) & ~bit
         if mask:
             self._spec_mask[key] = mask
         else:
             self._spec_mask.pop(key, None)
+        self._refresh_with_spec(key)
+
+    def _refresh_with_spec(self, key: int) -> None:
+        speculative = self._spec_mask.get(key, 0)
+        if speculative:
+            self._with_spec[key] = self._masks.get(key, 0) | speculative
+        else:
+            self._with_spec.pop(key, None)
 
 
 def _runs(
-    keys: Sequence[int], masks: dict[int, int], spec: dict[int, int], hidden: int
+    keys: Sequence[int], masks: dict[int, int], with_spec: dict[int, int], hidden: int
 ) -> dict[int, int]:
     """Each replica's leading run, in one lazy pass that runs at C speed.
 
@@ -180,8 +204,8 @@ def _runs(
     each value ends is a binary search in the reversed list (at most one per replica).
     """
     held = map(masks.get, keys, repeat(0))
-    if spec:
-        held = map(or_, held, map(spec.get, keys, repeat(0)))
+    if with_spec:  # its mask where it has one, else the confirmed mask
+        held = map(with_spec.get, keys, held)
     if hidden:
         held = map(and_, held, repeat(~hidden))
     live = list(takewhile(bool, accumulate(held, and_)))
@@ -208,13 +232,15 @@ class _Clearing:
     masks: list[int]  # as they were, aligned with keys
     position: int = 0
 
-    def step(self, masks: dict[int, int], budget: int) -> bool:
-        """Drop ``bit`` from the next ``budget`` keys; whether keys remain."""
+    def step(self, masks: dict[int, int], budget: int) -> tuple[list[int], bool]:
+        """Drop ``bit`` from the next ``budget`` keys: the keys it was dropped from, and
+        whether keys remain."""
         end = min(self.position + budget, len(self.keys))
         bit = self.bit
         start = self.position
         chunk = zip(self.keys[start:end], self.masks[start:end], strict=True)
-        for key in [k for k, m in chunk if m & bit]:
+        held = [k for k, m in chunk if m & bit]
+        for key in held:
             mask = masks.get(key, 0)
             if mask & bit:
                 if mask == bit:
@@ -222,7 +248,7 @@ class _Clearing:
                 else:
                     masks[key] = mask & ~bit
         self.position = end
-        return end < len(self.keys)
+        return held, end < len(self.keys)
 
 
 def _bits(mask: int) -> list[int]:

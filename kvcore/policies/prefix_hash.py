@@ -15,9 +15,7 @@ import xxhash
 from kvcore.keys import token_bytes
 from kvcore.policies.base import Decision, RouteContext, StateView
 from kvcore.policies.hash_ring import RingRouter
-from kvcore.workload import KvAwareWorkload, KvCostWorkload, PrefixHashWorkload
-
-PrefixSettings = PrefixHashWorkload | KvAwareWorkload | KvCostWorkload
+from kvcore.workload import PrefixHashWorkload
 
 
 def prefix_key(ctx: RouteContext, prefix_tokens: int) -> int:
@@ -34,10 +32,10 @@ class PrefixHashPolicy:
 
     name = "prefix_hash"
 
-    def __init__(self, workload: PrefixSettings, rng: random.Random) -> None:
+    def __init__(self, workload: PrefixHashWorkload, rng: random.Random) -> None:
         del rng
         self._prefix_tokens = workload.prefix_tokens
-        self._router = RingRouter(getattr(workload, "virtual_nodes", 128))
+        self._router = RingRouter(workload.virtual_nodes)
 
     def select(self, ctx: RouteContext, state: StateView) -> Decision:
         key = prefix_key(ctx, self._prefix_tokens)
