@@ -6,11 +6,12 @@ keeps one keep-alive session and turns every aiohttp failure into
 
 Discovery, when no ``--kv-events-endpoint`` is given:
 
-- vLLM (0.33+): ``GET /kv_event_sources`` -> ``{dp_rank: KVEventsConfig}``; rank 0's
+- vLLM (0.33+): ``GET /kv_event_sources`` -> ``{dp_rank: KVEventsConfig}``; each rank's
   ``endpoint``, ``replay_endpoint`` and ``topic``, with a wildcard host (``*``) replaced
   by the engine's host;
 - SGLang (0.5.23+): ``GET /server_info`` -> ``kv_events`` with ``endpoint_host``,
-  ``endpoint_port_base``, ``replay_endpoint_port_base`` and ``topic``.
+  ``endpoint_port_base``, ``replay_endpoint_port_base``, ``dp_size`` and ``topic``
+  (rank ``r`` listens on base + ``r``).
 """
 
 from __future__ import annotations
@@ -42,34 +43,59 @@ def _resolve(endpoint: str, host: str) -> str:
     return endpoint
 
 
-def vllm_endpoints(body: Any, engine_url: str) -> EventEndpoints:
-    if not isinstance(body, dict) or not body:
-        raise EngineUnavailable("/kv_event_sources returned no publisher")
-    rank0 = body.get("0", body.get(0, next(iter(body.values()))))
-    if not isinstance(rank0, dict) or not isinstance(rank0.get("endpoint"), str):
-        raise EngineUnavailable("/kv_event_sources has no endpoint for rank 0")
-    host = _host_of(engine_url)
-    replay = rank0.get("replay_endpoint")
+def configured_endpoints(endpoints: str, replays: str | None, topic: str) -> list[EventEndpoints]:
+    """``--kv-events-endpoint`` / ``--replay-endpoint`` as one entry per rank (both may be
+    comma-separated lists, in rank order; the replay list may be empty or as long)."""
+    events = [e.strip() for e in endpoints.split(",") if e.strip()]
+    replay = [r.strip() or None for r in replays.split(",")] if replays else []
+    replay += [None] * (len(events) - len(replay))
+    return [EventEndpoints(e, r, topic) for e, r in zip(events, replay, strict=False)]
+
+
+def _vllm_rank(config: Any, host: str) -> EventEndpoints:
+    if not isinstance(config, dict) or not isinstance(config.get("endpoint"), str):
+        raise EngineUnavailable("/kv_event_sources has a rank without an endpoint")
+    replay = config.get("replay_endpoint")
     return EventEndpoints(
-        _resolve(rank0["endpoint"], host),
+        _resolve(config["endpoint"], host),
         _resolve(replay, host) if isinstance(replay, str) else None,
-        str(rank0.get("topic") or ""),
+        str(config.get("topic") or ""),
     )
 
 
-def sglang_endpoints(body: Any, engine_url: str) -> EventEndpoints:
+def vllm_endpoints(body: Any, engine_url: str) -> list[EventEndpoints]:
+    """Every rank's endpoints from ``/kv_event_sources``, in rank order."""
+    if not isinstance(body, dict) or not body:
+        raise EngineUnavailable("/kv_event_sources returned no publisher")
+    try:
+        ranks = sorted(body.items(), key=lambda item: int(item[0]))
+    except ValueError:
+        raise EngineUnavailable("/kv_event_sources has a rank that is not a number") from None
+    return [_vllm_rank(config, _host_of(engine_url)) for _, config in ranks]
+
+
+def sglang_endpoints(body: Any, engine_url: str) -> list[EventEndpoints]:
+    """Every rank's endpoints from ``/server_info``: port bases plus the rank."""
     events = body.get("kv_events") if isinstance(body, dict) else None
     if not isinstance(events, dict) or "endpoint_port_base" not in events:
         raise EngineUnavailable("/server_info has no kv_events block")
     host = str(events.get("endpoint_host") or _host_of(engine_url))
     if host in ("*", "0.0.0.0"):
         host = _host_of(engine_url)
-    replay_port = events.get("replay_endpoint_port_base")
-    return EventEndpoints(
-        f"tcp://{host}:{int(events['endpoint_port_base'])}",
-        f"tcp://{host}:{int(replay_port)}" if replay_port is not None else None,
-        str(events.get("topic") or ""),
-    )
+    try:
+        base, ranks = int(events["endpoint_port_base"]), max(1, int(events.get("dp_size") or 1))
+        replay = events.get("replay_endpoint_port_base")
+        replay_base = int(replay) if replay is not None else None
+    except (TypeError, ValueError):
+        raise EngineUnavailable("/server_info kv_events has non-numeric ports") from None
+    return [
+        EventEndpoints(
+            f"tcp://{host}:{base + rank}",
+            f"tcp://{host}:{replay_base + rank}" if replay_base is not None else None,
+            str(events.get("topic") or ""),
+        )
+        for rank in range(ranks)
+    ]
 
 
 class EngineHttp:
@@ -99,7 +125,7 @@ class EngineHttp:
     async def load(self) -> EngineLoad:
         return parse_engine_load(await self._get("/metrics", json=False))
 
-    async def discover(self, engine_kind: str) -> EventEndpoints:
+    async def discover(self, engine_kind: str) -> list[EventEndpoints]:
         if engine_kind == "sglang":
             return sglang_endpoints(await self._get("/server_info", json=True), self.base_url)
         return vllm_endpoints(await self._get("/kv_event_sources", json=True), self.base_url)

@@ -14,6 +14,9 @@ blocks can complete the same router key (hybrid-model groups, multimodal prompts
 engine hashes differ but whose tokens do not), and it leaves only with the last of them.
 Removed engine blocks leave the map, so memory follows what the engine holds.
 
+Data-parallel engines publish one stream per rank, each with its own cache: chains are
+kept per rank, while a router key stays held as long as any rank holds it.
+
 Never mis-keyed: a store whose parent is unknown cannot be keyed, so it is counted and
 skipped (:attr:`MapperStats.unknown_parents`); the service then tries to repair the state
 from the engine's replay buffer.
@@ -24,16 +27,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from kvcore.engine_events import (
-    MEDIUM_GPU,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    EngineEvent,
-)
+from kvcore.engine_events import MEDIUM_GPU, BlockRemoved, BlockStored, EngineEvent
 from kvcore.keys import chain_keys, root_key
 
-ChainId = tuple[int, str, int]  # (group, medium, engine hash)
+ChainId = tuple[int, int, str, int]  # (DP rank, group, medium, engine hash)
 HeldKey = tuple[str, int]  # (medium, router key)
 
 
@@ -91,22 +88,23 @@ class KeyMapper:
     _chains: dict[ChainId, ChainPoint] = field(default_factory=dict)
     _held: dict[HeldKey, _Held] = field(default_factory=dict)
 
-    def apply(self, event: EngineEvent) -> list[RouterEvent]:
+    def apply(self, event: EngineEvent, rank: int = 0) -> list[RouterEvent]:
         if isinstance(event, BlockStored):
-            return self._stored(event)
+            return self._stored(event, rank)
         if isinstance(event, BlockRemoved):
-            return self._removed(event)
-        return self._cleared(event)
+            return self._removed(event, rank)
+        self.stats.clears += 1
+        return self.clear_rank(rank)
 
     # -- BlockStored -----------------------------------------------------------------
-    def _start(self, event: BlockStored) -> ChainPoint | None:
+    def _start(self, event: BlockStored, rank: int) -> ChainPoint | None:
         if event.parent_hash is None:
             root = root_key(model=self.model, lora_name=event.lora_name, namespace=event.namespace)
             return ChainPoint(root, (), (), True)
-        return self._chains.get((event.group, event.medium, event.parent_hash))
+        return self._chains.get((rank, event.group, event.medium, event.parent_hash))
 
-    def _stored(self, event: BlockStored) -> list[RouterEvent]:
-        start = self._start(event)
+    def _stored(self, event: BlockStored, rank: int) -> list[RouterEvent]:
+        start = self._start(event, rank)
         if start is None:
             self.stats.unknown_parents += 1
             return []
@@ -118,7 +116,7 @@ class KeyMapper:
         for engine_hash, length in zip(event.block_hashes, _lengths(event), strict=True):
             offset += length
             completed = offset // self.block_size  # router blocks ending in this one or before
-            chain_id = (event.group, event.medium, engine_hash)
+            chain_id = (rank, event.group, event.medium, engine_hash)
             if chain_id not in self._chains:  # a re-reported block is already held
                 self._chains[chain_id] = ChainPoint(
                     keys[completed - 1] if completed else start.anchor,
@@ -144,10 +142,10 @@ class KeyMapper:
         return False
 
     # -- BlockRemoved / AllBlocksCleared ---------------------------------------------
-    def _removed(self, event: BlockRemoved) -> list[RouterEvent]:
+    def _removed(self, event: BlockRemoved, rank: int) -> list[RouterEvent]:
         gone: list[int] = []
         for engine_hash in event.block_hashes:
-            point = self._chains.pop((event.group, event.medium, engine_hash), None)
+            point = self._chains.pop((rank, event.group, event.medium, engine_hash), None)
             if point is None:
                 self.stats.unknown_removals += 1
                 continue
@@ -165,10 +163,18 @@ class KeyMapper:
             del self._held[(medium, key)]
             gone.append(key)
 
-    def _cleared(self, event: AllBlocksCleared) -> list[RouterEvent]:
-        self.clear()
-        self.stats.clears += 1
-        return [RouterCleared()]
+    def clear_rank(self, rank: int) -> list[RouterEvent]:
+        """Forget one rank's blocks: a clear if no other rank holds any, else removals."""
+        mine = [chain_id for chain_id in self._chains if chain_id[0] == rank]
+        if len(mine) == len(self._chains):
+            self.clear()
+            return [RouterCleared()]
+        gone: dict[str, list[int]] = {}
+        for chain_id in mine:
+            medium = chain_id[2]
+            for key in self._chains.pop(chain_id).owned:
+                self._release(medium, key, gone.setdefault(medium, []))
+        return [RouterRemoved(tuple(keys), medium) for medium, keys in gone.items() if keys]
 
     # -- state -----------------------------------------------------------------------
     def clear(self) -> None:

@@ -34,6 +34,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from sidecar.pipeline import LATENCY_BUCKETS_S
+from sidecar.zmq_source import total_stats
 
 if TYPE_CHECKING:
     from sidecar.service import SidecarService
@@ -67,8 +68,8 @@ class SidecarCollector(Collector):
         yield self._latency()
 
     def _engine_side(self) -> Iterator[Metric]:
-        source = self.service.source
-        s = source.stats if source is not None else None
+        sources = self.service.sources
+        s = total_stats([source.stats for source in sources]) if sources else None
         p = self.service.pipeline.stats
         yield _counter("frames_received", "ZMQ messages received", s.frames_received if s else 0)
         yield _labelled(

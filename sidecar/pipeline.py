@@ -59,6 +59,9 @@ def _bump(counter: dict[str, int], key: str, by: int = 1) -> None:
 
 
 class Pipeline:
+    """The sidecar's state and what changes it. ``ranks`` is the number of engine streams
+    (data-parallel ranks); every method takes the ``rank`` an item came from."""
+
     def __init__(
         self,
         *,
@@ -67,37 +70,46 @@ class Pipeline:
         router_block_size: int,
         outbox: Outbox,
         new_epoch: Callable[[], int],
+        ranks: int = 1,
     ) -> None:
         self.adapter = adapter
         self.outbox = outbox
+        self.ranks = ranks
         self.stats = PipelineStats()
         self.mapper_stats = MapperStats()
-        self._model = model
-        self._block_size = router_block_size
         self._new_epoch = new_epoch
-        self.mapper = self._fresh_mapper()
-        self.state_incomplete = False
+        self.mapper = KeyMapper(model, router_block_size, stats=self.mapper_stats)
+        self._incomplete: set[int] = set()  # ranks whose state may be missing blocks
         self.engine_block_size = 0
 
-    def _fresh_mapper(self) -> KeyMapper:
-        return KeyMapper(self._model, self._block_size, stats=self.mapper_stats)
+    @property
+    def state_incomplete(self) -> bool:
+        return bool(self._incomplete)
 
-    def handle(self, item: SourceItem) -> bool:
+    def handle(self, item: SourceItem, rank: int = 0) -> bool:
         """Apply one source item; ``True`` if the state changed in a way worth announcing."""
         if isinstance(item, Frame):
-            return self.handle_frame(item)
+            return self.handle_frame(item, rank)
         if isinstance(item, EngineRestarted):
-            self.mapper.clear()
-            self.outbox.new_epoch(self._new_epoch())
-            self.outbox.add([RouterCleared()], time.monotonic_ns())  # seq 0 of the new epoch
-            self.state_incomplete = False
+            self._restarted(rank)
             return True
         if isinstance(item, FramesLost):
-            self.state_incomplete = True
+            self._incomplete.add(rank)
             return True
-        return self.rebuild(item)
+        return self.rebuild(item, rank)
 
-    def handle_frame(self, frame: Frame) -> bool:
+    def _restarted(self, rank: int) -> None:
+        """One engine: a new epoch opening with a clear. A rank of several: its blocks go."""
+        self._incomplete.discard(rank)
+        now = time.monotonic_ns()
+        if self.ranks == 1:
+            self.mapper.clear()
+            self.outbox.new_epoch(self._new_epoch())
+            self.outbox.add([RouterCleared()], now)  # seq 0 of the new epoch
+        else:
+            self.outbox.add(self.mapper.clear_rank(rank), now)
+
+    def handle_frame(self, frame: Frame, rank: int = 0) -> bool:
         """Decode and translate one frame; ``True`` if it revealed an unknown parent."""
         try:
             batch = self.adapter.decode(frame.payload)
@@ -109,26 +121,26 @@ class Pipeline:
         self.stats.engine_lag_s = max(0.0, time.time() - batch.ts)
         unknown_before = self.mapper_stats.unknown_parents
         for event in batch.events:
-            self._apply(event, frame.received_ns)
+            self._apply(event, frame.received_ns, rank)
         if self.mapper_stats.unknown_parents != unknown_before:
-            self.state_incomplete = True
+            self._incomplete.add(rank)
             return True
         return False
 
-    def _apply(self, event: EngineEvent, received_ns: int) -> None:
+    def _apply(self, event: EngineEvent, received_ns: int, rank: int) -> None:
         _bump(self.stats.events_received, _EVENT_TYPES[type(event)])
         if isinstance(event, BlockStored):
             self.engine_block_size = event.block_size
-        routed = self.mapper.apply(event)
+        routed = self.mapper.apply(event, rank)
         if isinstance(event, AllBlocksCleared):
-            self.state_incomplete = False
+            self._incomplete.discard(rank)
         if routed:
             self.stats.router_events += len(routed)
             self.outbox.add(routed, received_ns)
 
-    def rebuild(self, history: HistoryReplay) -> bool:
-        """Replace the state with the one the engine's whole history yields; snapshot it."""
-        self.mapper = self._fresh_mapper()
+    def rebuild(self, history: HistoryReplay, rank: int = 0) -> bool:
+        """Replace a rank's state with what its whole history yields; snapshot it all."""
+        self.mapper.clear_rank(rank)  # not published: the snapshot below replaces it
         unknown_before = self.mapper_stats.unknown_parents
         for frame in history.frames:
             try:
@@ -136,8 +148,10 @@ class Pipeline:
             except FrameError:
                 continue
             for event in batch.events:
-                self.mapper.apply(event)
+                self.mapper.apply(event, rank)
         self.stats.rebuilds += 1
-        self.state_incomplete = self.mapper_stats.unknown_parents != unknown_before
+        self._incomplete.discard(rank)
+        if self.mapper_stats.unknown_parents != unknown_before:
+            self._incomplete.add(rank)
         self.outbox.needs_snapshot = True
         return True

@@ -4,8 +4,9 @@ Built once in ``main`` from :class:`~sidecar.settings.SidecarSettings`; ``run`` 
 task in one ``TaskGroup`` until ``stop`` is set, then shuts down in order: stop reading the
 engine, publish what is pending, drain NATS. Tasks:
 
-- ``_consume``: source items -> pipeline; asks the source for a history rebuild when an
-  unknown parent shows up (at most every ``_HISTORY_RETRY_S``);
+- ``_consume``: one ZMQ source per engine stream (data-parallel rank), items -> pipeline;
+  asks a source for a history rebuild when an unknown parent shows up (at most every
+  ``_HISTORY_RETRY_S``);
 - ``_flush``: publishes at most once per ``batch_delay_ms`` (coalescing what arrives meanwhile),
   or a snapshot when one is due (after drops, after a NATS reconnection, after a rebuild);
 - ``_announce``: ``ReplicaAnnounce`` on start, every ``announce_interval_s`` and on change;
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from kvcore import subjects
 from kvcore.pb import events_pb2
 from sidecar.adapters import adapter_for
-from sidecar.engine_http import EngineHttp
+from sidecar.engine_http import EngineHttp, EventEndpoints, configured_endpoints
 from sidecar.errors import EngineUnavailable
 from sidecar.load_metrics import EngineLoad
 from sidecar.nats_link import NatsLink, Respond
@@ -84,7 +85,7 @@ class SidecarService:
             user=settings.nats_user,
             password=settings.nats_password.get_secret_value() if settings.nats_password else None,
         )
-        self.source: ZmqEventSource | None = None
+        self.sources: list[ZmqEventSource] = []  # one per data-parallel rank
         self.subject = subjects.events_subject(settings.pool, settings.replica_id)
         self._publish_lock = asyncio.Lock()
         self._wake_flush = asyncio.Event()
@@ -95,7 +96,12 @@ class SidecarService:
     # -- state shared with the HTTP endpoints ------------------------------------------
     @property
     def ready(self) -> bool:
-        return self.engine_status.up and self.link.connected and self.source is not None
+        return self.engine_status.up and self.link.connected and bool(self.sources)
+
+    @property
+    def source(self) -> ZmqEventSource | None:
+        """Rank 0's source (the only one unless the engine runs data-parallel)."""
+        return self.sources[0] if self.sources else None
 
     def _next_epoch(self) -> int:
         self.epoch = new_epoch_after(self.epoch)
@@ -130,8 +136,8 @@ class SidecarService:
             await self._shutdown()
 
     async def _shutdown(self) -> None:
-        if self.source is not None:
-            self.source.close()
+        for source in self.sources:
+            source.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._publish_pending(), timeout=5)
             await self.link.flush()
@@ -140,48 +146,58 @@ class SidecarService:
         log.info("sidecar stopped", extra={"published": self.outbox.stats.events_published})
 
     # -- engine events -----------------------------------------------------------------
-    async def _source_config(self) -> SourceConfig:
+    async def _endpoints(self) -> list[EventEndpoints]:
         s = self.settings
-        endpoint, replay, topic = s.kv_events_endpoint, s.replay_endpoint, s.topic
-        while endpoint is None:
+        if s.kv_events_endpoint is not None:
+            return configured_endpoints(s.kv_events_endpoint, s.replay_endpoint, s.topic)
+        while True:
             try:
                 found = await self.engine.discover(s.engine_kind)
-                endpoint, replay, topic = found.endpoint, found.replay_endpoint, found.topic
-                log.info("discovered kv events", extra={"endpoint": endpoint, "replay": replay})
             except EngineUnavailable as exc:
                 log.info("waiting for engine discovery", extra={"error": str(exc)})
                 await asyncio.sleep(s.load_interval_s)
-        return SourceConfig(
-            endpoint=endpoint,
-            replay_endpoint=replay,
-            topic=topic,
-            bind=s.kv_events_bind,
-            replay_timeout_s=s.replay_timeout_s,
+                continue
+            log.info("discovered kv events", extra={"ranks": [e.endpoint for e in found]})
+            return found
+
+    def _source(self, found: EventEndpoints) -> ZmqEventSource:
+        config = SourceConfig(
+            endpoint=found.endpoint,
+            replay_endpoint=found.replay_endpoint,
+            topic=found.topic,
+            bind=self.settings.kv_events_bind,
+            replay_timeout_s=self.settings.replay_timeout_s,
         )
+        source = ZmqEventSource(config)
+        source.open()
+        return source
 
     async def _consume(self) -> None:
-        self.source = ZmqEventSource(await self._source_config())
-        self.source.open()
+        endpoints = await self._endpoints()
+        self.pipeline.ranks = len(endpoints)
+        self.sources = [self._source(found) for found in endpoints]
+        async with asyncio.TaskGroup() as ranks:
+            for rank, source in enumerate(self.sources):
+                ranks.create_task(self._consume_rank(rank, source))
+
+    async def _consume_rank(self, rank: int, source: ZmqEventSource) -> None:
         handled = 0
-        async for item in self.source.items():
-            if self.pipeline.handle(item):
-                self._on_state_change()
+        async for item in source.items():
+            if self.pipeline.handle(item, rank):
+                self._on_state_change(source)
             self._wake_flush.set()
             handled += 1
             if handled % _YIELD_EVERY == 0:
                 await asyncio.sleep(0)  # let the flusher run under a flood of frames
 
-    def _on_state_change(self) -> None:
+    def _on_state_change(self, source: ZmqEventSource) -> None:
         self._wake_announce.set()
-        if not self.pipeline.state_incomplete or self.source is None:
+        if not self.pipeline.state_incomplete or not source.config.replay_endpoint:
             return
         now = time.monotonic()
-        if (
-            self.source.config.replay_endpoint
-            and now - self._last_history_request > _HISTORY_RETRY_S
-        ):
+        if now - self._last_history_request > _HISTORY_RETRY_S:
             self._last_history_request = now
-            self.source.request_history()
+            source.request_history()
 
     # -- publishing --------------------------------------------------------------------
     async def _flush(self) -> None:
@@ -273,12 +289,13 @@ class SidecarService:
         """An engine can restart without going unreachable (a fast restart, or a reset
         that also drops its replay buffer) and then publish nothing: after
         ``restart_probe_s`` without a live batch, ask the replay socket."""
-        source, every = self.source, self.settings.restart_probe_s
-        if source is None or not every or not source.config.replay_endpoint:
-            return
-        if time.monotonic() - source.last_frame_at >= every:
-            source.last_frame_at = time.monotonic()
-            source.request_restart_probe()
+        every = self.settings.restart_probe_s
+        for source in self.sources:
+            if not every or not source.config.replay_endpoint:
+                continue
+            if time.monotonic() - source.last_frame_at >= every:
+                source.last_frame_at = time.monotonic()
+                source.request_restart_probe()
 
     async def _scrape(self) -> None:
         self._probe_if_idle()
@@ -292,9 +309,10 @@ class SidecarService:
             return
         came_back = status.ever_up and not status.up
         status.up = status.ever_up = True
-        if came_back and self.source is not None:
+        if came_back:
             log.info("engine reachable again: probing for a restart")
-            self.source.request_restart_probe()
+            for source in self.sources:
+                source.request_restart_probe()
 
     def load_report(self) -> events_pb2.LoadReport:
         load = self.engine_status.load or EngineLoad()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvcore.keys import DEFAULT_BLOCK_SIZE
@@ -28,14 +28,18 @@ class SidecarSettings(BaseSettings):
     )
     engine_kind: Literal["vllm", "sglang"] = Field(default="vllm", description="Engine family.")
     kv_events_endpoint: str | None = Field(
-        default=None, description="ZMQ address of the engine's KV events (discovered if unset)."
+        default=None,
+        description="ZMQ address of the engine's KV events, comma-separated per data-parallel "
+        "rank (discovered if unset).",
     )
     kv_events_bind: bool = Field(
         default=False,
         description="Bind the SUB socket (the engine connects) instead of connecting.",
     )
     replay_endpoint: str | None = Field(
-        default=None, description="ZMQ address of the engine's replay ROUTER (replay off if unset)."
+        default=None,
+        description="ZMQ address of the engine's replay ROUTER, comma-separated per rank "
+        "(replay off if unset).",
     )
     topic: str = Field(default="", description="ZMQ topic prefix to subscribe to ('' = all).")
     nats_url: str = Field(default="nats://127.0.0.1:4222", description="NATS server URL.")
@@ -84,10 +88,21 @@ class SidecarSettings(BaseSettings):
 
     @field_validator("kv_events_endpoint", "replay_endpoint")
     @classmethod
-    def _zmq_address(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(_ZMQ_SCHEMES):
-            raise ValueError(f"{value!r} is not a ZMQ address (tcp://, ipc:// or inproc://)")
+    def _zmq_addresses(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        for address in value.split(","):
+            if not address.strip().startswith(_ZMQ_SCHEMES):
+                raise ValueError(f"{address!r} is not a ZMQ address (tcp://, ipc:// or inproc://)")
         return value
+
+    @model_validator(mode="after")
+    def _one_replay_per_rank(self) -> SidecarSettings:
+        if self.replay_endpoint and self.kv_events_endpoint:
+            events = len(self.kv_events_endpoint.split(","))
+            if len(self.replay_endpoint.split(",")) > events:
+                raise ValueError("more replay endpoints than event endpoints")
+        return self
 
     @field_validator("model")
     @classmethod

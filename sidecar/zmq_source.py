@@ -87,6 +87,20 @@ class SourceStats:
         self.frames_rejected[reason] = self.frames_rejected.get(reason, 0) + 1
 
 
+def total_stats(parts: list[SourceStats]) -> SourceStats:
+    """Several sources' counters added up (one source per data-parallel rank)."""
+    total = SourceStats()
+    for part in parts:
+        for name in SourceStats.__dataclass_fields__:
+            value = getattr(part, name)
+            if isinstance(value, dict):
+                for reason, count in value.items():
+                    total.frames_rejected[reason] = total.frames_rejected.get(reason, 0) + count
+            else:
+                setattr(total, name, getattr(total, name) + value)
+    return total
+
+
 @dataclass(frozen=True, slots=True)
 class SourceConfig:
     endpoint: str

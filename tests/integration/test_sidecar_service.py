@@ -305,3 +305,33 @@ async def test_fuzzed_live_stream_keeps_the_good_frames_translated_exactly(
         )
         assert skipped >= bad
         assert source.stats.gaps == 0 and not service.pipeline.state_incomplete
+
+
+async def test_data_parallel_ranks_are_one_replica(
+    nats_server: NatsServer, watcher: Watcher
+) -> None:
+    """Two engine streams (DP ranks) given as comma-separated endpoints: the replica holds
+    the union of their caches; one rank restarting takes only its own blocks away."""
+    async with FakeEngine() as rank0, FakeEngine() as rank1:
+        settings = sidecar_settings(
+            kv_events_endpoint=f"{rank0.endpoint},{rank1.endpoint}",
+            replay_endpoint=f"{rank0.replay_endpoint},{rank1.replay_endpoint}",
+            nats_url=nats_server.url,
+            replica_id=watcher.replica,
+        )
+        async with running_sidecar(settings) as service:
+            await wait_until(lambda: all(s.caught_up.is_set() for s in service.sources))
+            cache0, cache1 = FakeCache(16), FakeCache(16)
+            shared = list(range(64))
+            await feed(rank0, list(cache0.store(shared)))
+            await feed(rank1, list(cache1.store(shared)))
+            await feed(rank1, list(cache1.store(list(range(900, 964)))))
+            both = cache0.router_keys(16) | cache1.router_keys(16)
+            await wait_until(lambda: watcher.mirror.gpu_keys() == both)
+            epoch = watcher.mirror.epoch
+            rank1.restart()
+            fresh1 = FakeCache(16)
+            await feed(rank1, list(fresh1.store(list(range(3000, 3032)))))
+            after = cache0.router_keys(16) | fresh1.router_keys(16)
+            await wait_until(lambda: watcher.mirror.gpu_keys() == after)
+            assert watcher.mirror.epoch == epoch and watcher.mirror.gaps == 0

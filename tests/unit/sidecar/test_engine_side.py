@@ -8,7 +8,12 @@ import logging
 import pytest
 from pydantic import ValidationError
 
-from sidecar.engine_http import sglang_endpoints, vllm_endpoints
+from sidecar.engine_http import (
+    EventEndpoints,
+    configured_endpoints,
+    sglang_endpoints,
+    vllm_endpoints,
+)
 from sidecar.errors import EngineUnavailable
 from sidecar.load_metrics import EngineLoad, parse_engine_load
 from sidecar.main import load_settings
@@ -61,30 +66,36 @@ def test_old_vllm_usage_name_and_garbage_lines() -> None:
     assert load.kv_usage == 0.9 and load.running == 0
 
 
-def test_vllm_discovery_resolves_wildcard_hosts() -> None:
-    body = {"0": {"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv"}}
-    found = vllm_endpoints(body, "http://10.0.0.7:8000")
-    assert (found.endpoint, found.replay_endpoint, found.topic) == (
-        "tcp://10.0.0.7:5557",
-        "tcp://10.0.0.7:5558",
-        "kv",
-    )
-
-
-def test_sglang_discovery_reads_the_kv_events_block() -> None:
+def test_vllm_discovery_lists_every_rank_with_wildcard_hosts_resolved() -> None:
     body = {
-        "kv_events": {
-            "endpoint_host": "0.0.0.0",
-            "endpoint_port_base": 6000,
-            "replay_endpoint_port_base": 6001,
-            "topic": "",
-        }
+        "1": {"endpoint": "tcp://*:5558", "replay_endpoint": "tcp://*:5568", "topic": "kv"},
+        "0": {"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5567", "topic": "kv"},
     }
-    found = sglang_endpoints(body, "http://127.0.0.1:30000")
-    assert (found.endpoint, found.replay_endpoint) == (
-        "tcp://127.0.0.1:6000",
-        "tcp://127.0.0.1:6001",
-    )
+    assert vllm_endpoints(body, "http://10.0.0.7:8000") == [
+        EventEndpoints("tcp://10.0.0.7:5557", "tcp://10.0.0.7:5567", "kv"),
+        EventEndpoints("tcp://10.0.0.7:5558", "tcp://10.0.0.7:5568", "kv"),
+    ]
+
+
+def test_sglang_discovery_offsets_ports_by_rank() -> None:
+    events = {
+        "endpoint_host": "0.0.0.0",
+        "endpoint_port_base": 6000,
+        "replay_endpoint_port_base": 6100,
+        "topic": "",
+        "dp_size": 2,
+    }
+    assert sglang_endpoints({"kv_events": events}, "http://127.0.0.1:30000") == [
+        EventEndpoints("tcp://127.0.0.1:6000", "tcp://127.0.0.1:6100", ""),
+        EventEndpoints("tcp://127.0.0.1:6001", "tcp://127.0.0.1:6101", ""),
+    ]
+
+
+def test_configured_endpoints_are_one_per_rank() -> None:
+    assert configured_endpoints("tcp://a:1, tcp://a:2", "tcp://a:11", "kv") == [
+        EventEndpoints("tcp://a:1", "tcp://a:11", "kv"),
+        EventEndpoints("tcp://a:2", None, "kv"),
+    ]
 
 
 @pytest.mark.parametrize("body", [{}, {"0": {"publisher": "null"}}, [], {"kv_events": None}])
@@ -117,6 +128,17 @@ def test_flags_win_over_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         ["--replica-id", "r", "--model", "m", "--router-block-size", "0"],
         ["--replica-id", "r", "--model", " "],
         ["--replica-id", "r", "--model", "m", "--engine-kind", "tgi"],
+        ["--replica-id", "r", "--model", "m", "--kv-events-endpoint", "tcp://a:1,a:2"],
+        [
+            "--replica-id",
+            "r",
+            "--model",
+            "m",
+            "--kv-events-endpoint",
+            "tcp://a:1",
+            "--replay-endpoint",
+            "tcp://a:2,tcp://a:3",
+        ],
     ],
 )
 def test_unusable_settings_are_refused(argv: list[str]) -> None:

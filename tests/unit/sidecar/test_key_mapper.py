@@ -204,3 +204,17 @@ def test_a_long_single_token_page_run_is_keyed_in_one_pass() -> None:
     assert isinstance(stored, RouterStored)
     assert list(stored.keys) == block_keys(list(tokens), model=MODEL)
     assert mapper.engine_blocks == 20_000 and mapper.router_keys == 1250
+
+
+def test_data_parallel_ranks_keep_their_own_chains_and_share_keys() -> None:
+    mapper = KeyMapper(MODEL, 16)
+    shared, only_rank1 = tuple(range(32)), tuple(range(100, 116))
+    keys = block_keys(list(shared), model=MODEL)
+    mapper.apply(BlockStored((1, 2), None, shared, 16), rank=0)
+    assert mapper.apply(BlockStored((1, 2), None, shared, 16), rank=1) == []
+    (stored,) = mapper.apply(BlockStored((9,), None, only_rank1, 16), rank=1)
+    assert mapper.apply(BlockStored((5,), 2, tuple(range(32, 48)), 16), rank=1) != []
+    removed = mapper.clear_rank(1)  # rank 1 restarted; rank 0 still holds `shared`
+    assert removed == [RouterRemoved((*stored.keys, *block_keys(list(range(48)), model=MODEL)[2:]))]  # type: ignore[union-attr]
+    assert held_keys(mapper) == set(keys)
+    assert mapper.apply(AllBlocksCleared(), rank=0) == [RouterCleared()]

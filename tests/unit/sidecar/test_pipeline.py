@@ -176,3 +176,19 @@ def test_unknown_parent_marks_incomplete_and_history_rebuilds_exactly() -> None:
     for batch in pipeline.outbox.snapshot(pipeline.mapper.held(), 0):
         mirror.apply(batch.payload)
     assert mirror.gpu_keys() == cache.router_keys(16)
+
+
+def test_a_restarted_rank_of_several_loses_only_its_blocks_in_the_same_epoch() -> None:
+    pipeline, mirror = make_pipeline(), ResidencyMirror()
+    pipeline.ranks = 2
+    rank0, rank1 = FakeCache(16), FakeCache(16)
+    pipeline.handle(frame(0, list(rank0.store(list(range(64)))), "vllm-0.23"), rank=0)
+    pipeline.handle(frame(0, list(rank1.store(list(range(500, 564)))), "vllm-0.23"), rank=1)
+    pipeline.handle(FramesLost(1, 1), rank=1)
+    publish_all(pipeline, mirror)
+    assert mirror.gpu_keys() == rank0.router_keys(16) | rank1.router_keys(16)
+    assert pipeline.state_incomplete
+    pipeline.handle(EngineRestarted(0), rank=1)
+    publish_all(pipeline, mirror)
+    assert mirror.gpu_keys() == rank0.router_keys(16)
+    assert pipeline.outbox.epoch == 1 and not pipeline.state_incomplete
