@@ -9,7 +9,7 @@ import logging
 import signal
 import sys
 from collections.abc import Coroutine, Sequence
-from typing import Any
+from typing import Any, Literal, get_args, get_origin
 
 from aiohttp import web
 from pydantic import ValidationError
@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
                 type=lambda v: [n for n in v.split(",") if n],
                 default=None,
                 help=help_text + " (comma-separated)",
+            )
+        elif get_origin(field.annotation) is Literal:
+            parser.add_argument(
+                flag, choices=get_args(field.annotation), default=None, help=help_text
             )
         else:
             parser.add_argument(flag, default=None, help=help_text)

@@ -127,7 +127,6 @@ def test_flags_win_over_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         ["--replica-id", "r", "--model", "m", "--kv-events-endpoint", "localhost:5557"],
         ["--replica-id", "r", "--model", "m", "--router-block-size", "0"],
         ["--replica-id", "r", "--model", " "],
-        ["--replica-id", "r", "--model", "m", "--engine-kind", "tgi"],
         ["--replica-id", "r", "--model", "m", "--kv-events-endpoint", "tcp://a:1,a:2"],
         [
             "--replica-id",
@@ -146,9 +145,20 @@ def test_unusable_settings_are_refused(argv: list[str]) -> None:
         load_settings(argv)
 
 
-def test_secrets_are_not_flags() -> None:
+@pytest.mark.parametrize(
+    "extra", [["--nats-token", "s3cret"], ["--engine-kind", "tgi"], ["--log-level", "loud"]]
+)
+def test_secrets_are_not_flags_and_choices_are_checked(extra: list[str]) -> None:
     with pytest.raises(SystemExit):
-        load_settings(["--replica-id", "r", "--model", "m", "--nats-token", "s3cret"])
+        load_settings(["--replica-id", "r", "--model", "m", *extra])
+
+
+def test_a_bad_engine_kind_from_the_environment_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVROUTE_ENGINE_KIND", "tgi")
+    with pytest.raises(ValidationError):
+        load_settings(["--replica-id", "r", "--model", "m"])
 
 
 def test_json_logs_carry_extra_fields() -> None:
