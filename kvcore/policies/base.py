@@ -164,6 +164,17 @@ class Decision:
     def replica_id(self) -> str | None:
         return None if self.replica is None else self.replica.replica_id
 
+    def summary(self) -> str:
+        """One ASCII line for a debug response header: the choice and its figures."""
+        parts = [f"replica={self.replica_id or '-'}", f"strategy={self.strategy}"]
+        row = next((r for r in self.reasons if r.ordinal == self.ordinal), None)
+        if row is not None:
+            figures = (("hit", row.hit), ("load", row.load), ("score", row.score))
+            parts += [f"{name}={value:.3f}" for name, value in figures if value is not None]
+        if self.note:
+            parts.append("note=" + self.note.encode("ascii", "replace").decode())
+        return "; ".join(parts)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready explanation."""
         return {

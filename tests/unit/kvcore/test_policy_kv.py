@@ -48,6 +48,16 @@ def test_kv_aware_scores_with_the_briefs_formula() -> None:
     assert _select(KvAwareWorkload(locality_weight=0.2), view).replica_id == "cold"
 
 
+def test_a_decision_summarises_itself_for_a_debug_header() -> None:
+    replicas = [ReplicaState(0, "warm", running=128), ReplicaState(1, "cold")]
+    decision = _select(KvAwareWorkload(locality_weight=0.5), _view(replicas, {0: 8}))
+    assert decision.summary() == (
+        "replica=warm; strategy=kv_aware; hit=1.000; load=0.500; score=0.750"
+    )
+    empty = _select(KvAwareWorkload(), _view([], {}))
+    assert empty.summary().startswith("replica=-; strategy=kv_aware; note=")
+
+
 def test_kv_aware_prefers_the_longest_leading_run_at_equal_load() -> None:
     view = _view(fleet(3), {0: 2, 1: 6, 2: 4})
     decision = _select(KvAwareWorkload(), view)
