@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 import xxhash
 
 from kvcore.policies.base import Decision, ReplicaState, RouteContext, StateView
-from kvcore.policies.screening import decide, plain_rows, screen
+from kvcore.policies.screening import decide, plain_rows, screen, static_exclusion
 
 _hash = xxhash.xxh3_64_intdigest
 _RINGS_KEPT = 8
@@ -67,13 +67,17 @@ class RingRouter:
     def route(self, strategy: str, key: int, ctx: RouteContext, state: StateView) -> Decision:
         """The first unsaturated replica along the ring from ``key``."""
         screened = screen(ctx, state)
-        members = sorted([*screened.usable, *_saturated(screened.saturated, state)], key=_ordinal)
-        if not members:
+        if not screened.usable:
             return decide(strategy, screened, None)
+        # the ring spans every replica that serves the model, so that a retry (which
+        # excludes one) or a saturated replica does not reshape it
+        members = [r for r in state.replicas() if static_exclusion(r, ctx) is None]
         by_id = {r.replica_id: r for r in members}
         passed: list[ReplicaState] = []
         for rid in self._ring(members).walk(key):
             replica = by_id[rid]
+            if replica.ordinal in ctx.exclude:
+                continue
             if replica.ordinal not in screened.saturated:
                 note = f"passed on by {len(passed)} saturated replica(s)" if passed else ""
                 rows = plain_rows(screened)
@@ -90,11 +94,3 @@ class RingRouter:
                 self._rings.popitem(last=False)
         self._rings.move_to_end(ids)
         return ring
-
-
-def _saturated(saturated: dict[int, str], state: StateView) -> list[ReplicaState]:
-    return [r for r in state.replicas() if r.ordinal in saturated]
-
-
-def _ordinal(replica: ReplicaState) -> int:
-    return replica.ordinal

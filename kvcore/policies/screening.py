@@ -38,14 +38,19 @@ class Screened:
 
 def hard_exclusion(replica: ReplicaState, ctx: RouteContext) -> str | None:
     """Why ``replica`` can never take this request, or ``None``."""
+    if replica.ordinal in ctx.exclude:
+        return "already tried for this request"
+    return static_exclusion(replica, ctx)
+
+
+def static_exclusion(replica: ReplicaState, ctx: RouteContext) -> str | None:
+    """Why ``replica`` can take no request for this model now, or ``None``."""
     if not replica.healthy:
         return "unhealthy"
     if replica.draining:
         return "draining"
     if replica.models and ctx.model not in replica.models:
         return f"does not serve model {ctx.model!r}"
-    if replica.ordinal in ctx.exclude:
-        return "already tried for this request"
     return None
 
 

@@ -93,6 +93,19 @@ def test_a_saturated_owner_passes_the_session_to_the_next_replica_on_the_ring() 
     assert "passed on" in decision.note
 
 
+def test_a_retry_goes_to_the_next_replica_on_the_ring() -> None:
+    workload = SessionAffinityWorkload()
+    replicas = fleet(5)
+    order = list(HashRing([r.replica_id for r in replicas], 128).walk(_session_key("u")))
+    policy = create_policy(workload)
+    first = policy.select(context(workload, session_id="u"), StaticStateView(replicas))
+    retry = policy.select(
+        context(workload, session_id="u", exclude=frozenset({first.ordinal or 0})),
+        StaticStateView(replicas),
+    )
+    assert [first.replica_id, retry.replica_id] == order[:2]
+
+
 def _session_key(session: str) -> int:
     from kvcore.policies.hash_ring import key_hash
 
