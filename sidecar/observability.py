@@ -12,6 +12,7 @@ Metric names (all prefixed ``kvroute_sidecar_``): ``frames_received_total``,
 ``seq_gaps_total``, ``frames_lost_total``, ``duplicates_total``, ``engine_restarts_total``,
 ``replays_total{result}``, ``replayed_frames_total``, ``unknown_parents_total``,
 ``unknown_removals_total``, ``rebuilds_total``, ``snapshots_total``, ``buffer_depth``,
+``buffer_keys``,
 ``engine_blocks``, ``router_keys``, ``state_incomplete``, ``engine_up``,
 ``nats_connected``, ``engine_lag_seconds``, ``epoch``, ``publish_latency_seconds``.
 """
@@ -106,6 +107,7 @@ class SidecarCollector(Collector):
     def _state(self) -> Iterator[Metric]:
         service = self.service
         yield _gauge("buffer_depth", "Router events waiting to publish", service.outbox.depth)
+        yield _gauge("buffer_keys", "Router keys waiting to publish", service.outbox.depth_keys)
         yield _gauge("engine_blocks", "Engine blocks mapped", service.pipeline.mapper.engine_blocks)
         yield _gauge("router_keys", "Router keys held", service.pipeline.mapper.router_keys)
         yield _gauge("state_incomplete", "1 if events were lost", service.pipeline.state_incomplete)

@@ -6,9 +6,10 @@ plane relies on:
 - ``seq`` is contiguous per ``(replica, epoch)`` from 0: a seq is given to a batch only
   when it is built for sending, so a dropped event never leaves a hole that looks like a
   network loss;
-- events wait in a bounded buffer (``max_pending_events``) while NATS is away; past it
-  the oldest are dropped, counted, and the outbox asks for a snapshot, so the published
-  state becomes exact again as soon as a snapshot goes out;
+- events wait in a buffer bounded in events and in keys (``max_pending_events``,
+  ``max_pending_keys``) while NATS is away; past either bound the oldest are dropped,
+  counted, and the outbox asks for a snapshot, so the published state becomes exact
+  again as soon as a snapshot goes out;
 - a snapshot is the sidecar's whole state as ``snapshot=true`` batches, the last one
   ``snapshot_done``, chained runs kept together with their parent key; the events still
   pending when it is taken are already in it, so they are discarded.
@@ -39,6 +40,7 @@ class OutboxConfig:
     max_batch_events: int = 512
     max_event_keys: int = 4096  # longer stores are split, so a message stays small
     max_pending_events: int = 100_000
+    max_pending_keys: int = 1_000_000  # ~8 MB of keys
     snapshot_batch_keys: int = 8192
 
 
@@ -63,6 +65,10 @@ class OutgoingBatch:
 class _Pending:
     event: RouterEvent
     received_ns: int
+
+
+def _weight(event: RouterEvent) -> int:
+    return len(event.keys) if isinstance(event, RouterStored | RouterRemoved) else 1
 
 
 def split_stored(event: RouterStored, limit: int) -> list[RouterStored]:
@@ -98,10 +104,24 @@ class Outbox:
         self.next_seq = 0
         self.needs_snapshot = False
         self._pending: deque[_Pending] = deque()
+        self._pending_keys = 0
 
     @property
     def depth(self) -> int:
         return len(self._pending)
+
+    @property
+    def depth_keys(self) -> int:
+        return self._pending_keys
+
+    def _pop(self) -> RouterEvent:
+        event = self._pending.popleft().event
+        self._pending_keys -= _weight(event)
+        return event
+
+    def _clear_pending(self) -> None:
+        self._pending.clear()
+        self._pending_keys = 0
 
     def add(self, events: Iterable[RouterEvent], received_ns: int) -> None:
         for event in events:
@@ -112,20 +132,24 @@ class Outbox:
             )
             for part in parts:
                 self._pending.append(_Pending(part, received_ns))
+                self._pending_keys += _weight(part)
                 self.stats.events_in += 1
         self._enforce_bound()
 
     def _enforce_bound(self) -> None:
-        excess = len(self._pending) - self.config.max_pending_events
-        for _ in range(max(0, excess)):
-            self._pending.popleft()
+        config = self.config
+        while self._pending and (
+            len(self._pending) > config.max_pending_events
+            or self._pending_keys > config.max_pending_keys
+        ):
+            self._pop()
             self.stats.events_dropped += 1
             self.needs_snapshot = True
 
     def new_epoch(self, epoch: int) -> None:
         """A new sidecar epoch (engine restart): seq restarts, nothing old is sent."""
         self.epoch, self.next_seq = epoch, 0
-        self._pending.clear()
+        self._clear_pending()
         self.needs_snapshot = False
 
     def _batch(self, **fields: object) -> events_pb2.KvEventBatch:
@@ -148,7 +172,7 @@ class Outbox:
         count = min(len(self._pending), self.config.max_batch_events)
         oldest = self._pending[0].received_ns
         for _ in range(count):
-            fill_event(batch.events.add(), self._pending.popleft().event)
+            fill_event(batch.events.add(), self._pop())
         self.stats.batches_published += 1
         self.stats.events_published += count
         return OutgoingBatch(batch.seq, batch.SerializeToString(), count, oldest)
@@ -157,7 +181,7 @@ class Outbox:
         self, held: Iterable[tuple[str, int, int | None]], snapshot_id: int
     ) -> list[OutgoingBatch]:
         """The whole state as snapshot batches; pending events are in it, so dropped."""
-        self._pending.clear()
+        self._clear_pending()
         self.needs_snapshot = False
         self.stats.snapshots += 1
         runs = list(chain_runs(held))

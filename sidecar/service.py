@@ -65,6 +65,7 @@ class SidecarService:
                 pool=settings.pool,
                 max_batch_events=settings.max_batch_events,
                 max_pending_events=settings.max_buffer_events,
+                max_pending_keys=settings.max_buffer_keys,
             ),
             self.epoch,
         )

@@ -61,6 +61,9 @@ class SidecarSettings(BaseSettings):
         default=1.0, ge=0, le=1000, description="Longest wait to coalesce events into a batch."
     )
     max_batch_events: int = Field(default=512, ge=1, le=100_000, description="Events per batch.")
+    max_buffer_keys: int = Field(
+        default=1_000_000, ge=1, description="Router keys held while NATS is down (~8 MB)."
+    )
     max_buffer_events: int = Field(
         default=100_000, ge=1, description="Events held while NATS is down before dropping."
     )

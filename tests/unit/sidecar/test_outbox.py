@@ -48,6 +48,14 @@ def test_a_full_buffer_drops_the_oldest_and_asks_for_a_snapshot() -> None:
     assert box.depth == 3 and box.stats.events_dropped == 2 and box.needs_snapshot
 
 
+def test_the_buffer_is_bounded_in_keys_too() -> None:
+    box = outbox(max_pending_keys=10)
+    box.add([RouterStored(tuple(range(k * 4, k * 4 + 4)), None) for k in range(4)], 0)
+    assert (box.depth, box.depth_keys, box.stats.events_dropped) == (2, 8, 2)
+    batch = box.take_batch()
+    assert batch is not None and box.depth_keys == 0
+
+
 def test_snapshot_replaces_state_and_continues_the_seq() -> None:
     box, mirror = outbox(snapshot_batch_keys=4), ResidencyMirror()
     box.add([RouterStored((100,), None)], 0)
