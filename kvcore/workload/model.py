@@ -51,6 +51,10 @@ class WorkloadBase(_Settings):
         "share cached blocks (and set cache_salt upstream).",
     )
 
+    def key_namespace(self, tenant: str | None) -> str:
+        """The ``namespace`` for ``kvcore.keys.block_keys``: the tenant when isolated."""
+        return (tenant or "") if self.tenant_isolation else ""
+
 
 class RoundRobinWorkload(WorkloadBase):
     """Level 0: replicas in turn, skipping saturated ones."""
