@@ -6,15 +6,16 @@ Metrics wrap the service rather than live in it: the domain keeps plain counters
 hot path pays an integer increment and nothing else.
 
 Metric names (all prefixed ``kvroute_sidecar_``): ``frames_received_total``,
-``frames_rejected_total{reason}``, ``events_received_total{type}``,
+``frames_rejected_total{reason}``, ``frames_undecodable_total{reason}``,
+``events_received_total{type}``,
 ``events_rejected_total{reason}``, ``events_translated_total``,
 ``events_published_total``, ``batches_published_total``, ``events_dropped_total``,
 ``seq_gaps_total``, ``frames_lost_total``, ``duplicates_total``, ``engine_restarts_total``,
 ``replays_total{result}``, ``replayed_frames_total``, ``unknown_parents_total``,
-``unknown_removals_total``, ``rebuilds_total``, ``snapshots_total``, ``buffer_depth``,
-``buffer_keys``,
-``engine_blocks``, ``router_keys``, ``state_incomplete``, ``engine_up``,
-``nats_connected``, ``engine_lag_seconds``, ``epoch``, ``publish_latency_seconds``.
+``unknown_removals_total``, ``rebuilds_total``, ``internal_errors_total``,
+``snapshots_total``, ``buffer_depth``, ``buffer_keys``, ``engine_blocks``, ``router_keys``,
+``state_incomplete``, ``engine_up``, ``nats_connected``, ``engine_lag_seconds``, ``epoch``,
+``publish_latency_seconds``.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ class SidecarCollector(Collector):
         yield _counter("unknown_parents", "Stores with an unknown parent", m.unknown_parents)
         yield _counter("unknown_removals", "Removals of unknown blocks", m.unknown_removals)
         yield _counter("rebuilds", "State rebuilds from replay", p.rebuilds)
+        yield _counter("internal_errors", "Items that hit a sidecar bug", p.internal_errors)
         yield _counter("snapshots", "Snapshots published", o.snapshots)
 
     def _state(self) -> Iterator[Metric]:

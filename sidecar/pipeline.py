@@ -50,6 +50,7 @@ class PipelineStats:
     frames_undecodable: dict[str, int] = field(default_factory=dict)
     router_events: int = 0
     rebuilds: int = 0
+    internal_errors: int = 0
     engine_lag_s: float = 0.0
     latency: LatencyHistogram = field(default_factory=LatencyHistogram)
 
@@ -97,6 +98,11 @@ class Pipeline:
             self._incomplete.add(rank)
             return True
         return self.rebuild(item, rank)
+
+    def internal_error(self, rank: int) -> None:
+        """An item failed for a reason no input should cause: its effect is unknown."""
+        self.stats.internal_errors += 1
+        self._incomplete.add(rank)
 
     def _restarted(self, rank: int) -> None:
         """One engine: a new epoch opening with a clear. A rank of several: its blocks go."""

@@ -34,7 +34,7 @@ from sidecar.nats_link import NatsLink, Respond
 from sidecar.outbox import Outbox, OutboxConfig, OutgoingBatch
 from sidecar.pipeline import Pipeline
 from sidecar.settings import SidecarSettings
-from sidecar.zmq_source import SourceConfig, ZmqEventSource
+from sidecar.zmq_source import SourceConfig, SourceItem, ZmqEventSource
 
 log = logging.getLogger(__name__)
 
@@ -184,12 +184,22 @@ class SidecarService:
     async def _consume_rank(self, rank: int, source: ZmqEventSource) -> None:
         handled = 0
         async for item in source.items():
-            if self.pipeline.handle(item, rank):
+            if self._handle(item, rank):
                 self._on_state_change(source)
             self._wake_flush.set()
             handled += 1
             if handled % _YIELD_EVERY == 0:
                 await asyncio.sleep(0)  # let the flusher run under a flood of frames
+
+    def _handle(self, item: SourceItem, rank: int) -> bool:
+        """Apply one item; a bug met on one item is logged and counted, and the state is
+        flagged incomplete (it may be half applied) rather than stopping the sidecar."""
+        try:
+            return self.pipeline.handle(item, rank)
+        except Exception:
+            log.exception("internal error on an engine item", extra={"rank": rank})
+            self.pipeline.internal_error(rank)
+            return True
 
     def _on_state_change(self, source: ZmqEventSource) -> None:
         self._wake_announce.set()

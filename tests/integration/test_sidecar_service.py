@@ -7,6 +7,7 @@ import os
 import random
 import signal
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -335,3 +336,27 @@ async def test_data_parallel_ranks_are_one_replica(
             after = cache0.router_keys(16) | fresh1.router_keys(16)
             await wait_until(lambda: watcher.mirror.gpu_keys() == after)
             assert watcher.mirror.epoch == epoch and watcher.mirror.gaps == 0
+
+
+async def test_a_bug_on_one_frame_is_counted_and_the_sidecar_carries_on(
+    nats_server: NatsServer, watcher: Watcher, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A (simulated, one-off) sidecar bug on one frame: counted, the state flagged and
+    rebuilt from the engine's replay, and the frames after it translated as ever."""
+    cache = FakeCache(16)
+    first = encode_batch(list(cache.store(list(range(64)))), "vllm-0.23")
+    async with running_sidecar(settings_for(engine, nats_server.url, watcher)) as service:
+        real_decode = service.pipeline.adapter.decode
+        failures = iter([RuntimeError("a bug")])
+
+        def buggy_once(payload: bytes):  # type: ignore[no-untyped-def]
+            if payload == first and (failure := next(failures, None)) is not None:
+                raise failure
+            return real_decode(payload)
+
+        monkeypatch.setattr(service.pipeline, "adapter", SimpleNamespace(decode=buggy_once))
+        await engine.publish(first)
+        await feed(engine, list(cache.store(list(range(96)))))
+        await wait_until(lambda: watcher.mirror.gpu_keys() == cache.router_keys(16))
+        assert service.pipeline.stats.internal_errors == 1
+        assert service.pipeline.stats.rebuilds == 1 and not service.pipeline.state_incomplete

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvcore.engine_events import (
     MEDIUM_CPU,
@@ -177,3 +179,60 @@ def test_media_are_normalised_to_tiers() -> None:
 def test_unknown_engine_kind_is_a_config_error() -> None:
     with pytest.raises(ConfigError):
         adapter_for("tgi")
+
+
+leaf = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(1 << 63), (1 << 64) - 1),
+    st.floats(),
+    st.text(max_size=12),
+    st.binary(max_size=40),
+    st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "type", "GPU"]),
+)
+values = st.recursive(
+    leaf,
+    lambda inner: (
+        st.lists(inner, max_size=8)
+        | st.dictionaries(
+            st.sampled_from(
+                [
+                    "type",
+                    "block_hashes",
+                    "parent_block_hash",
+                    "token_ids",
+                    "block_size",
+                    "medium",
+                    "extra_keys",
+                    "cache_salt",
+                    "metadata",
+                    "lora_name",
+                    "lora_id",
+                    "group_idx",
+                    "ts",
+                    "events",
+                ]
+            )
+            | st.text(max_size=5),
+            inner,
+            max_size=8,
+        )
+    ),
+    max_leaves=20,
+)
+batches = st.tuples(st.floats(allow_nan=False), st.lists(values, max_size=6), values).map(list)
+
+
+@settings(max_examples=150, deadline=None)
+@given(raw=st.one_of(batches, values), engine=st.sampled_from(["vllm", "sglang"]))
+def test_any_msgpack_value_decodes_or_raises_frame_error(raw: object, engine: str) -> None:
+    """Whatever an engine (or the network) sends, the adapter answers with events, skips
+    or a FrameError: never another exception, which would stop the sidecar."""
+    try:
+        batch = adapter_for(engine).decode(msgspec.msgpack.encode(raw))
+    except FrameError:
+        return
+    for event in batch.events:
+        if isinstance(event, BlockStored):
+            assert all(0 <= h < 1 << 64 for h in event.block_hashes)
+            assert event.block_size >= 1
