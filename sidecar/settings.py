@@ -9,10 +9,10 @@ not a ZMQ address stops the sidecar before it connects anywhere.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from kvcore.keys import DEFAULT_BLOCK_SIZE
 from kvcore.subjects import InvalidName, check_name
@@ -51,7 +51,9 @@ class SidecarSettings(BaseSettings):
     replica_id: str = Field(..., description="This replica's id (a subject token).")
     pool: str = Field(default="default", description="The replica's pool (a subject token).")
     model: str = Field(..., description="Canonical model id: part of every router key.")
-    served_names: list[str] = Field(default_factory=list, description="Other names served.")
+    served_names: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Other names served (comma-separated)."
+    )
     router_block_size: int = Field(
         default=DEFAULT_BLOCK_SIZE, ge=1, le=4096, description="Tokens per router block."
     )
@@ -106,6 +108,13 @@ class SidecarSettings(BaseSettings):
             if len(self.replay_endpoint.split(",")) > events:
                 raise ValueError("more replay endpoints than event endpoints")
         return self
+
+    @field_validator("served_names", mode="before")
+    @classmethod
+    def _comma_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [name.strip() for name in value.split(",") if name.strip()]
+        return value
 
     @field_validator("model")
     @classmethod

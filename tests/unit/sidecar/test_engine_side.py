@@ -106,6 +106,18 @@ def test_discovery_without_a_publisher_is_engine_unavailable(body: object) -> No
         sglang_endpoints(body, "http://h:1")
 
 
+def test_served_names_are_a_comma_list_as_flag_and_as_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVROUTE_SERVED_NAMES", "alias-a, alias-b")
+    assert load_settings(["--replica-id", "r", "--model", "m"]).served_names == [
+        "alias-a",
+        "alias-b",
+    ]
+    flagged = load_settings(["--replica-id", "r", "--model", "m", "--served-names", "x,y"])
+    assert flagged.served_names == ["x", "y"]
+
+
 def test_flags_win_over_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVROUTE_REPLICA_ID", "from-env")
     monkeypatch.setenv("KVROUTE_POOL", "pool-env")
