@@ -16,7 +16,7 @@ Discovery, when no ``--kv-events-endpoint`` is given:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -98,6 +98,16 @@ def sglang_endpoints(body: Any, engine_url: str) -> list[EventEndpoints]:
     ]
 
 
+def sglang_capacity(body: Any) -> tuple[int, int]:
+    """``(capacity in pages, page size)`` from SGLang's ``/server_info``; zeros if absent."""
+    if not isinstance(body, dict):
+        return 0, 0
+    tokens, page = body.get("max_total_num_tokens"), body.get("page_size")
+    if not isinstance(tokens, int) or not isinstance(page, int) or page < 1 or tokens < 0:
+        return 0, 0
+    return tokens // page, page
+
+
 class EngineHttp:
     def __init__(self, base_url: str, *, timeout_s: float) -> None:
         self.base_url = base_url.rstrip("/")
@@ -122,8 +132,14 @@ class EngineHttp:
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise EngineUnavailable(f"GET {path} failed: {exc!r}") from exc
 
-    async def load(self) -> EngineLoad:
-        return parse_engine_load(await self._get("/metrics", json=False))
+    async def load(self, engine_kind: str) -> EngineLoad:
+        """Load figures from ``/metrics``; SGLang's capacity comes from ``/server_info``,
+        since its metrics do not carry it."""
+        load = parse_engine_load(await self._get("/metrics", json=False))
+        if engine_kind != "sglang" or load.capacity_blocks:
+            return load
+        capacity, page = sglang_capacity(await self._get("/server_info", json=True))
+        return replace(load, capacity_blocks=capacity, engine_block_size=page)
 
     async def discover(self, engine_kind: str) -> list[EventEndpoints]:
         if engine_kind == "sglang":

@@ -312,12 +312,18 @@ class SidecarService:
         self._probe_if_idle()
         status = self.engine_status
         try:
-            status.load = await self.engine.load()
+            load = await self.engine.load(self.settings.engine_kind)
         except EngineUnavailable as exc:
             if status.up:
                 log.warning("engine unreachable", extra={"error": str(exc)})
             status.up = False
             return
+        before, status.load = status.load, load
+        if before is None or (before.capacity_blocks, before.engine_block_size) != (
+            load.capacity_blocks,
+            load.engine_block_size,
+        ):
+            self._wake_announce.set()  # the announce carries capacity and block size
         came_back = status.ever_up and not status.up
         status.up = status.ever_up = True
         if came_back:

@@ -345,6 +345,9 @@ async def test_endpoints_are_discovered_from_the_engine(
             sim.events,
             sim.replay,
         )
+        await wait_until(lambda: any(a.capacity_blocks for a in watcher.announces))
+        announce = watcher.announces[-1]
+        assert (announce.capacity_blocks, announce.engine_block_size) == (4096, sim.block_size)
         await sim.complete(book.add(prompt(random.Random(15), [], 3)))
         await converged(sim, book, watcher)
 

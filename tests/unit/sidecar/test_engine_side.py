@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from sidecar.engine_http import (
     EventEndpoints,
     configured_endpoints,
+    sglang_capacity,
     sglang_endpoints,
     vllm_endpoints,
 )
@@ -89,6 +90,20 @@ def test_sglang_discovery_offsets_ports_by_rank() -> None:
         EventEndpoints("tcp://127.0.0.1:6000", "tcp://127.0.0.1:6100", ""),
         EventEndpoints("tcp://127.0.0.1:6001", "tcp://127.0.0.1:6101", ""),
     ]
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"max_total_num_tokens": 65536, "page_size": 16}, (4096, 16)),
+        ({"max_total_num_tokens": 1000, "page_size": 1}, (1000, 1)),
+        ({"max_total_num_tokens": "many", "page_size": 1}, (0, 0)),
+        ({"page_size": 0, "max_total_num_tokens": 5}, (0, 0)),
+        ([], (0, 0)),
+    ],
+)
+def test_sglang_capacity_from_server_info(body: object, expected: tuple[int, int]) -> None:
+    assert sglang_capacity(body) == expected
 
 
 def test_configured_endpoints_are_one_per_rank() -> None:
