@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import pre_tokenizers
+from tokenizers import pre_tokenizers, processors
 
 from bench.micro.model_files import train_tiny_bpe, write_config
 from kvcore.tokenize import (
@@ -152,6 +152,22 @@ def test_a_pre_tokenizer_that_does_not_cut_at_newlines_is_called_whole(tmp_path:
     for text in ("ab\ncd ef\ngh", "ab\ncd ef\nij"):
         assert cache.encode(text) == tokenizer.encode(text)
     assert cache.stats.hits == 0
+
+
+def test_special_tokens_from_a_post_processor_wrap_the_cached_tokens(tmp_path: Path) -> None:
+    fast = train_tiny_bpe(tmp_path)
+    bos, eos = fast.token_to_id("<s>"), fast.token_to_id("</s>")
+    fast.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", bos), ("</s>", eos)]
+    )
+    fast.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = HFTokenizer(tmp_path)
+    cache = PrefixTokenCache(tokenizer, min_gap=1)
+    for text in ("the fox\njumps", "the fox\nsleeps"):
+        ids = cache.encode(text)
+        assert ids == tokenizer.encode(text)
+        assert ids[0] == bos and ids[-1] == eos
+    assert cache.stats.hits == 1
 
 
 def test_added_tokens_that_strip_whitespace_before_them_stay_exact(tmp_path: Path) -> None:
