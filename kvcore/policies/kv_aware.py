@@ -9,6 +9,8 @@ the lower load, then at random.
 
 from __future__ import annotations
 
+import random
+
 from kvcore.policies.base import ReplicaState, RouteContext
 from kvcore.policies.kv_scoring import KvScoringPolicy
 from kvcore.workload import KvAwareWorkload
@@ -19,12 +21,14 @@ class KvAwarePolicy(KvScoringPolicy):
 
     name = "kv_aware"
 
+    def __init__(self, workload: KvAwareWorkload, rng: random.Random) -> None:
+        super().__init__(workload, rng)
+        self.aware = workload
+
     def scores(
         self, ctx: RouteContext, replicas: list[ReplicaState], runs: dict[int, int]
     ) -> dict[int, float]:
-        workload = self.workload
-        assert isinstance(workload, KvAwareWorkload)
-        alpha, min_hit = workload.locality_weight, workload.min_hit
+        alpha, min_hit = self.aware.locality_weight, self.aware.min_hit
         blocks = len(ctx.block_keys)
         scores = {}
         for replica in replicas:

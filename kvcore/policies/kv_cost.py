@@ -16,6 +16,8 @@ Dynamo's schedulers rank this way). Decisions carry ``score = -ttft`` in seconds
 
 from __future__ import annotations
 
+import random
+
 from kvcore.policies.base import ReplicaState, RouteContext
 from kvcore.policies.kv_scoring import KvScoringPolicy
 from kvcore.workload import KvCostWorkload
@@ -26,6 +28,10 @@ class KvCostPolicy(KvScoringPolicy):
 
     name = "kv_cost"
 
+    def __init__(self, workload: KvCostWorkload, rng: random.Random) -> None:
+        super().__init__(workload, rng)
+        self.cost = workload
+
     def scores(
         self, ctx: RouteContext, replicas: list[ReplicaState], runs: dict[int, int]
     ) -> dict[int, float]:
@@ -33,8 +39,7 @@ class KvCostPolicy(KvScoringPolicy):
 
     def predicted_ttft_s(self, ctx: RouteContext, replica: ReplicaState, held_blocks: int) -> float:
         """Seconds until ``replica`` would start decoding this prompt."""
-        workload = self.workload
-        assert isinstance(workload, KvCostWorkload)
+        workload = self.cost
         queued = replica.queued_prefill_tokens
         if queued is None:
             queued = (replica.waiting + replica.inflight) * workload.queued_request_tokens

@@ -85,9 +85,13 @@ def screen(ctx: RouteContext, state: StateView) -> Screened:
     return Screened(usable, saturated, excluded + left_out)
 
 
-def reason(replica: ReplicaState, **figures: object) -> ReplicaReason:
-    """A reason row for ``replica`` with its load and the given figures."""
-    return ReplicaReason(replica.ordinal, replica.replica_id, replica.load, **figures)  # type: ignore[arg-type]
+def reason(
+    replica: ReplicaState, *, excluded: str | None = None, score: float | None = None
+) -> ReplicaReason:
+    """A reason row for ``replica``: its load, and why it was left out or its score."""
+    return ReplicaReason(
+        replica.ordinal, replica.replica_id, replica.load, excluded=excluded, score=score
+    )
 
 
 def best(
