@@ -11,8 +11,8 @@ engine, publish what is pending, drain NATS. Tasks:
   or a snapshot when one is due (after drops, after a NATS reconnection, after a rebuild);
 - ``_announce``: ``ReplicaAnnounce`` on start, every ``announce_interval_s`` and on change;
 - ``_report_load``: scrapes ``/metrics`` every ``load_interval_s`` and publishes a
-  ``LoadReport``; an engine that comes back after being unreachable, or that has sent
-  nothing for ``restart_probe_s``, triggers a restart probe through replay;
+  ``LoadReport``; an engine that becomes reachable (first contact or after an outage),
+  or that has sent nothing for ``restart_probe_s``, triggers a probe through replay;
 - resync requests are answered with a ``ResyncReply`` and then a snapshot.
 """
 
@@ -324,10 +324,10 @@ class SidecarService:
             load.engine_block_size,
         ):
             self._wake_announce.set()  # the announce carries capacity and block size
-        came_back = status.ever_up and not status.up
+        came_up = not status.up
         status.up = status.ever_up = True
-        if came_back:
-            log.info("engine reachable again: probing for a restart")
+        if came_up:  # first contact, or back after being unreachable
+            log.info("engine reachable: probing its replay buffer")
             for source in self.sources:
                 source.request_restart_probe()
 

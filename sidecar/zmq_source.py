@@ -16,8 +16,10 @@ Transport only: this module turns ZMQ messages into in-order :class:`Frame` valu
 - what it cannot recover it reports (:class:`FramesLost`), never hides.
 
 The consumer may ask for the engine's whole history (:meth:`ZmqEventSource.request_history`,
-to rebuild state after an unknown parent) and for a restart probe
-(:meth:`ZmqEventSource.request_restart_probe`, after the engine was unreachable).
+to rebuild state after an unknown parent) and for a probe
+(:meth:`ZmqEventSource.request_restart_probe`, when the engine becomes reachable or has
+been quiet): a restart is detected, and batches that never arrived live (a SUB socket
+still connecting when the engine's first batches went out) are caught up.
 """
 
 from __future__ import annotations
@@ -307,7 +309,13 @@ class ZmqEventSource:
         return HistoryReplay(tuple(run))
 
     async def _probe(self) -> AsyncIterator[SourceItem]:
-        if self.expected == 0 or not self.config.replay_endpoint:
+        """Did the engine restart, or publish what never reached us? Ask the replay
+        socket from the last batch seen (from 0 when none was: catch up)."""
+        if not self.config.replay_endpoint:
+            return
+        if self.expected == 0:
+            async for item in self._catch_up(0):
+                yield item
             return
         frames = await self._replay(self.expected - 1)
         if frames is None:

@@ -368,3 +368,49 @@ async def test_a_silent_engine_restart_is_found_by_the_idle_probe(
         await wait_until(lambda: watcher.mirror.epoch > epoch)
         assert watcher.mirror.gpu_keys() == set() == await sim.cached_hashes()
         assert service.source is not None and service.source.stats.restarts == 1
+
+
+async def test_a_sidecar_started_before_its_engine_and_nats_catches_up(
+    watcher_port_nats: NatsServer,
+) -> None:
+    """Pod start order is not guaranteed: the sidecar comes up first, then the engine,
+    then NATS; nothing that happened in between is lost."""
+    nats_server = watcher_port_nats
+    ports = (free_port(), free_port(), free_port())
+    replica = f"early{random.randrange(1 << 30)}"
+    settings = sidecar_settings(
+        engine_url=f"http://127.0.0.1:{ports[0]}",
+        kv_events_endpoint=f"tcp://127.0.0.1:{ports[1]}",
+        replay_endpoint=f"tcp://127.0.0.1:{ports[2]}",
+        nats_url=nats_server.url,
+        replica_id=replica,
+        restart_probe_s=0.3,
+    )
+    book = PromptBook("vllm", 16)
+    async with running_sidecar(settings) as service:
+        assert not service.ready
+        sim = await SimProcess("vllm", ports=ports).start()
+        try:
+            await sim.complete(book.add(prompt(random.Random(17), [], 4)))
+            await wait_until(lambda: service.pipeline.mapper.router_keys == 4)
+            nats_server.start()
+            watcher = Watcher(nats_server.url, replica=replica)
+            await watcher.start()
+            try:
+                await wait_until(lambda: service.link.connected)
+                reply = await watcher.resync(snapshot_id=3)  # as a control plane that
+                assert reply.accepted  # starts after the sidecar asks for its state
+                await converged(sim, book, watcher)
+                await wait_until(lambda: service.ready)
+            finally:
+                await watcher.stop()
+        finally:
+            await sim.stop()
+
+
+@pytest.fixture
+def watcher_port_nats() -> AsyncIterator[NatsServer]:
+    """A NATS server with its port chosen but not started yet."""
+    server = NatsServer()
+    yield server  # type: ignore[misc]
+    server.stop()

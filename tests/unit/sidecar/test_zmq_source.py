@@ -235,3 +235,16 @@ async def test_bind_mode_lets_the_engine_connect() -> None:
     await reader.stop()
     pub.close(linger=0)
     ctx.destroy(linger=0)
+
+
+async def test_a_probe_before_any_batch_catches_up_what_was_missed(engine: FakeEngine) -> None:
+    """Batches published while the SUB socket was still connecting are fetched by a probe."""
+    source = source_for(engine)
+    reader = await started(engine, source)
+    engine.paused = True  # as if sent before the subscription took effect
+    await engine.publish(b"early")
+    engine.paused = False
+    source.request_restart_probe()
+    items = await reader.take(1)
+    assert seqs(items) == [0] and source.stats.restarts == 0
+    await reader.stop()
