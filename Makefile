@@ -38,3 +38,6 @@ test:  ## Every test: unit, integration (real NATS, etcd, PostgreSQL) and end to
 
 test-unit:  ## Only the tests that need no servers.
 	$(PY) -m pytest tests/unit
+
+bench-micro:  ## The routing core's micro benchmarks, each figure beside its target.
+	$(PY) -m bench.micro

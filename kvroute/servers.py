@@ -63,6 +63,7 @@ class _LogWatcher:
 
     def __init__(self, proc: subprocess.Popen[str]) -> None:
         self.tail: deque[str] = deque(maxlen=_LOG_TAIL_LINES)
+        self.ended = False  # the output reached its end: the process is exiting
         self._lines: queue.Queue[str | None] = queue.Queue()
         if proc.stdout is None:
             raise ServerStartError("the server's output is not captured")
@@ -93,6 +94,7 @@ class _LogWatcher:
             except queue.Empty:
                 return False
             if line is None:
+                self.ended = True
                 return False
             if needle in line:
                 return True
@@ -145,6 +147,10 @@ class LocalServer:
 
     def _fail(self, why: str) -> None:
         code = self._proc.poll() if self._proc else None
+        if code is None and self._proc and self._log and self._log.ended:
+            # The pipe closes a moment before the exit can be collected.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = self._proc.wait(timeout=5)
         tail = "\n".join(self._log.tail) if self._log else ""
         self.stop()
         state = f"exited with {code}" if code is not None else "still running"
