@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from kvcore.engine_events import AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent
@@ -21,6 +21,7 @@ from sidecar.key_mapper import KeyMapper, MapperStats, RouterCleared
 from sidecar.outbox import Outbox
 from sidecar.zmq_source import EngineRestarted, Frame, FramesLost, HistoryReplay, SourceItem
 
+REBUILD_CHUNK_FRAMES = 200
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 _EVENT_TYPES = {BlockStored: "stored", BlockRemoved: "removed", AllBlocksCleared: "cleared"}
 
@@ -146,18 +147,29 @@ class Pipeline:
 
     def rebuild(self, history: HistoryReplay, rank: int = 0) -> bool:
         """Replace a rank's state with what its whole history yields; snapshot it all."""
+        for _ in self.rebuild_steps(history, rank):
+            pass
+        return True
+
+    def rebuild_steps(
+        self, history: HistoryReplay, rank: int = 0, *, chunk: int = REBUILD_CHUNK_FRAMES
+    ) -> Iterator[int]:
+        """:meth:`rebuild` in steps of ``chunk`` frames, yielding the frames done so far,
+        so that an event loop can run between steps: a history of 10,000 batches takes
+        seconds to replay. The rank counts as incomplete until the last step."""
         self.mapper.clear_rank(rank)  # not published: the snapshot below replaces it
+        self._incomplete.add(rank)
         unknown_before = self.mapper_stats.unknown_parents
-        for frame in history.frames:
+        for done, frame in enumerate(history.frames, 1):
             try:
                 batch = self.adapter.decode(frame.payload)
             except FrameError:
                 continue
             for event in batch.events:
                 self.mapper.apply(event, rank)
+            if done % chunk == 0:
+                yield done
         self.stats.rebuilds += 1
-        self._incomplete.discard(rank)
-        if self.mapper_stats.unknown_parents != unknown_before:
-            self._incomplete.add(rank)
+        if self.mapper_stats.unknown_parents == unknown_before:
+            self._incomplete.discard(rank)
         self.outbox.needs_snapshot = True
-        return True

@@ -34,7 +34,7 @@ from sidecar.nats_link import NatsLink, Respond
 from sidecar.outbox import Outbox, OutboxConfig, OutgoingBatch
 from sidecar.pipeline import Pipeline
 from sidecar.settings import SidecarSettings
-from sidecar.zmq_source import SourceConfig, SourceItem, ZmqEventSource
+from sidecar.zmq_source import HistoryReplay, SourceConfig, SourceItem, ZmqEventSource
 
 log = logging.getLogger(__name__)
 
@@ -184,17 +184,21 @@ class SidecarService:
     async def _consume_rank(self, rank: int, source: ZmqEventSource) -> None:
         handled = 0
         async for item in source.items():
-            if self._handle(item, rank):
+            if await self._handle(item, rank):
                 self._on_state_change(source)
             self._wake_flush.set()
             handled += 1
             if handled % _YIELD_EVERY == 0:
                 await asyncio.sleep(0)  # let the flusher run under a flood of frames
 
-    def _handle(self, item: SourceItem, rank: int) -> bool:
+    async def _handle(self, item: SourceItem, rank: int) -> bool:
         """Apply one item; a bug met on one item is logged and counted, and the state is
         flagged incomplete (it may be half applied) rather than stopping the sidecar."""
         try:
+            if isinstance(item, HistoryReplay):
+                for _ in self.pipeline.rebuild_steps(item, rank):
+                    await asyncio.sleep(0)  # a long history must not hold the event loop
+                return True
             return self.pipeline.handle(item, rank)
         except Exception:
             log.exception("internal error on an engine item", extra={"rank": rank})

@@ -192,3 +192,20 @@ def test_a_restarted_rank_of_several_loses_only_its_blocks_in_the_same_epoch() -
     publish_all(pipeline, mirror)
     assert mirror.gpu_keys() == rank0.router_keys(16)
     assert pipeline.outbox.epoch == 1 and not pipeline.state_incomplete
+
+
+def test_a_long_history_rebuilds_in_steps_that_leave_the_loop_free_between_them() -> None:
+    cache, rng = FakeCache(16), random.Random(7)
+    frames = tuple(
+        frame(seq, events, "vllm-0.33") for seq, events in enumerate(workload(cache, rng, 50))
+    )
+    pipeline, mirror = make_pipeline(), ResidencyMirror()
+    steps = pipeline.rebuild_steps(HistoryReplay(frames), chunk=20)
+    done = [next(steps)]
+    assert pipeline.state_incomplete, "a half-rebuilt state must be flagged as such"
+    done += list(steps)
+    assert done == [20, 40]  # the last 10 frames finish without another pause
+    assert not pipeline.state_incomplete and pipeline.outbox.needs_snapshot
+    for batch in pipeline.outbox.snapshot(pipeline.mapper.held(), 0):
+        mirror.apply(batch.payload)
+    assert mirror.gpu_keys() == cache.router_keys(16)
