@@ -43,7 +43,8 @@ always carries a map16 header even when defaults are omitted.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import msgspec
@@ -211,13 +212,32 @@ class _Base:
         raise NotImplementedError
 
 
-class VllmMapFormat(_Base):
-    """vLLM >=0.24: events are maps (see the module docstring)."""
+@dataclass(frozen=True, slots=True)
+class _VllmStructs:
+    """One vLLM era's event structs: the fields are the same, the layout is not."""
 
-    name: EventFormatName = "vllm"
+    stored: Callable[..., Any]
+    removed: Callable[..., Any]
+    cleared: Callable[[], Any]
 
-    def stored(self, event: BlocksStored) -> _VllmBlockStored:
-        return _VllmBlockStored(
+
+_VLLM_MAPS = _VllmStructs(_VllmBlockStored, _VllmBlockRemoved, _VllmAllBlocksCleared)
+_VLLM_0_23_ARRAYS = _VllmStructs(_V023BlockStored, _V023BlockRemoved, _V023AllBlocksCleared)
+
+
+class VllmFormat(_Base):
+    """vLLM: maps (>= 0.24) or positional arrays (0.23), as its structs say (see the
+    module docstring)."""
+
+    def __init__(
+        self, name: EventFormatName, structs: _VllmStructs, hasher: BlockHasher, block_size: int
+    ) -> None:
+        super().__init__(hasher, block_size)
+        self.name = name
+        self._structs = structs
+
+    def stored(self, event: BlocksStored) -> Any:
+        return self._structs.stored(
             block_hashes=self._ids(event.digests),
             parent_block_hash=self._parent(event),
             token_ids=list(event.token_ids),
@@ -230,37 +250,11 @@ class VllmMapFormat(_Base):
             kv_cache_spec_kind=SPEC_KIND,
         )
 
-    def removed(self, digests: Sequence[bytes]) -> _VllmBlockRemoved:
-        return _VllmBlockRemoved(block_hashes=self._ids(digests), medium=MEDIUM, group_idx=0)
+    def removed(self, digests: Sequence[bytes]) -> Any:
+        return self._structs.removed(block_hashes=self._ids(digests), medium=MEDIUM, group_idx=0)
 
-    def cleared(self) -> _VllmAllBlocksCleared:
-        return _VllmAllBlocksCleared()
-
-
-class Vllm023Format(_Base):
-    """vLLM 0.23: events are positional arrays (see the module docstring)."""
-
-    name: EventFormatName = "vllm-0.23"
-
-    def stored(self, event: BlocksStored) -> _V023BlockStored:
-        return _V023BlockStored(
-            block_hashes=self._ids(event.digests),
-            parent_block_hash=self._parent(event),
-            token_ids=list(event.token_ids),
-            block_size=self.block_size,
-            lora_id=None,
-            medium=MEDIUM,
-            lora_name=None,
-            extra_keys=_extra_keys(event),
-            group_idx=0,
-            kv_cache_spec_kind=SPEC_KIND,
-        )
-
-    def removed(self, digests: Sequence[bytes]) -> _V023BlockRemoved:
-        return _V023BlockRemoved(block_hashes=self._ids(digests), medium=MEDIUM, group_idx=0)
-
-    def cleared(self) -> _V023AllBlocksCleared:
-        return _V023AllBlocksCleared()
+    def cleared(self) -> Any:
+        return self._structs.cleared()
 
 
 class SglangFormat(_Base):
@@ -304,9 +298,10 @@ class SglangFormat(_Base):
 def make_format(name: EventFormatName, block_size: int) -> EventFormat:
     """The event format ``name`` with the hash chain that engine uses."""
     if name == "vllm":
-        return VllmMapFormat(VllmSha256CborHasher(tagged_salt=True), block_size)
+        return VllmFormat(name, _VLLM_MAPS, VllmSha256CborHasher(tagged_salt=True), block_size)
     if name == "vllm-0.23":
-        return Vllm023Format(VllmSha256CborHasher(tagged_salt=False), block_size)
+        hasher = VllmSha256CborHasher(tagged_salt=False)
+        return VllmFormat(name, _VLLM_0_23_ARRAYS, hasher, block_size)
     if name == "sglang":
         return SglangFormat(SglangSha256Hasher(), block_size)
     raise ValueError(f"unknown event format {name!r}; choose from {EVENT_FORMATS}")
