@@ -72,14 +72,15 @@ class Engine:
                 buffer_steps=settings.replay_buffer_steps,
             )
         )
+        self._cache_config = CacheConfig(
+            settings.model,
+            settings.block_size,
+            settings.num_blocks,
+            _HASH_ALGO[settings.event_format],
+        )
         self.metrics: EngineMetrics = make_metrics(
             settings.event_format,
-            CacheConfig(
-                settings.model,
-                settings.block_size,
-                settings.num_blocks,
-                _HASH_ALGO[settings.event_format],
-            ),
+            self._cache_config,
         )
         self.faults = FaultInjector()
         self._handles: dict[SimRequest, RequestHandle] = {}
@@ -155,6 +156,8 @@ class Engine:
                 handle.error = "engine restarted"
                 handle.notify()
         self.publisher.command("restart")
+        # A restarted engine is a new process: its Prometheus counters start again at zero.
+        self.metrics = make_metrics(self.settings.event_format, self._cache_config)
 
     # -- the step loop -----------------------------------------------------------------
 

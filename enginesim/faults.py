@@ -8,7 +8,7 @@ fields; the answer, and ``GET /sim/faults``, is the fault state after applying i
   are not sent live (subscribers see a gap and can replay it); false: live again.
 - ``restart`` (bool): an engine restart: running and waiting requests fail (HTTP 500 or
   an error event in the stream), the cache is emptied silently, the event seq restarts
-  at 0 and the replay buffer is dropped.
+  at 0, the replay buffer is dropped and the Prometheus counters start again at zero.
 - ``drop_replay`` (bool): empty the replay buffer.
 - ``slowdown`` (float >= 1): multiply every step's modelled duration.
 - ``delay_ms`` (float >= 0): add this much wall time to every step (also with

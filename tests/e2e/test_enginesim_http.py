@@ -151,16 +151,20 @@ def test_reset_prefix_cache_empties_the_cache(sim: SimProcess) -> None:
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
-def test_restart_fault_empties_cache_and_crash_fault_exits() -> None:
+def test_restart_fault_empties_cache_and_counters_and_crash_fault_exits() -> None:
     with SimProcess("--instant") as sim:
         prompt = list(range(64))
         complete_any = {"prompt": prompt, "max_tokens": 1}
-        sim.post("/v1/completions", complete_any)
+        for _ in range(2):
+            sim.post("/v1/completions", complete_any)
+        assert sim.metric("vllm:prefix_cache_hits_total") == 48
         assert sim.call("GET", "/sim/state")[1]["cached_block_hashes"]
         assert sim.post("/sim/faults", {"restart": True})["restarts"] == 1
         assert sim.call("GET", "/sim/state")[1]["cached_block_hashes"] == []
+        assert sim.metric("vllm:prefix_cache_queries_total") == 0  # a new process's counters
         again = sim.post("/v1/completions", complete_any)
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert sim.metric("vllm:prefix_cache_queries_total") == 64
         sim.post("/sim/faults", {"crash": True})
         assert sim.proc is not None
         assert sim.proc.wait(timeout=10) == 70
