@@ -35,14 +35,6 @@ async def engine() -> AsyncIterator[FakeEngine]:
         yield fake
 
 
-@pytest.fixture
-async def watcher(nats_server: NatsServer) -> AsyncIterator[Watcher]:
-    w = Watcher(nats_server.url, replica=f"r{random.randrange(1 << 30)}")
-    await w.start()
-    yield w
-    await w.stop()
-
-
 def settings_for(engine: FakeEngine, nats_url: str, watcher: Watcher, **extra: object):  # type: ignore[no-untyped-def]
     return sidecar_settings(
         kv_events_endpoint=engine.endpoint,

@@ -35,14 +35,6 @@ def engine_kind(event_format: str) -> str:
     return "sglang" if event_format == "sglang" else "vllm"
 
 
-@pytest.fixture
-async def watcher(nats_server: NatsServer) -> AsyncIterator[Watcher]:
-    w = Watcher(nats_server.url, replica=f"sim{random.randrange(1 << 30)}")
-    await w.start()
-    yield w
-    await w.stop()
-
-
 def settings_for(sim: SimProcess, nats_url: str, watcher: Watcher, **extra: object):  # type: ignore[no-untyped-def]
     return sidecar_settings(
         engine_url=sim.http_url,
