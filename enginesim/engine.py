@@ -173,7 +173,7 @@ class Engine:
                 await self._wake.wait()
                 deadline = loop.time()
                 continue
-            out = self.core.step(time.time())
+            out = self.core.step()
             deadline = max(deadline, loop.time() - MAX_CATCH_UP_S)
             deadline += self._wall_seconds(out.duration)
             await asyncio.sleep(max(0.0, deadline - loop.time()))

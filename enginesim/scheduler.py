@@ -44,7 +44,6 @@ class SimRequest:
     num_cached_tokens: int = 0
     num_cached_blocks: int = 0  # leading blocks known to the cache (hit or stored)
     output: list[int] = field(default_factory=list)
-    first_token_at: float | None = None
     finished: bool = False
 
     @property
@@ -140,15 +139,13 @@ class EngineCore:
             self.abort(req)
         return dropped
 
-    def step(self, now: float) -> StepOutput:
+    def step(self) -> StepOutput:
         out = StepOutput()
         decoding = list(self.running)
         for req in decoding:
             self._sample(req, out)
         prefills = [self._prefill(req, out) for req in self._admit()]
         self._finish_done(out)
-        for req in out.admitted:
-            req.first_token_at = now
         out.duration = self.timing.step_seconds(prefills, len(decoding))
         return out
 

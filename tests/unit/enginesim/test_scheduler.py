@@ -47,7 +47,7 @@ def run(core: EngineCore, *reqs: SimRequest, mirror: Mirror | None = None) -> No
     for _ in range(10_000):
         if not core.has_work:
             return
-        core.step(0.0)
+        core.step()
         if mirror is not None:
             mirror.apply(core)
             assert mirror.held == core.pool.cached_digests()
@@ -125,11 +125,11 @@ def test_running_blocks_are_never_evicted_and_requests_wait() -> None:
     core = make_core(num_blocks=10)
     big = req("big", list(range(128)), max_tokens=30)  # 10 blocks
     core.add(big)
-    core.step(0.0)
+    core.step()
     small = req("small", list(range(900, 916)), max_tokens=2)
     core.add(small)
     for _ in range(29):
-        core.step(0.0)
+        core.step()
         assert small in core.waiting or small.finished
         assert not small.output or big.finished
     run(core)
@@ -140,7 +140,7 @@ def test_max_num_seqs_bounds_the_batch() -> None:
     core = make_core(max_num_seqs=2)
     for i in range(5):
         core.add(req(f"r{i}", list(range(i * 100, i * 100 + 20)), max_tokens=3))
-    core.step(0.0)
+    core.step()
     assert len(core.running) == 2 and len(core.waiting) == 3
 
 
@@ -156,7 +156,7 @@ def test_clear_cache_is_refused_while_blocks_are_in_use() -> None:
     core = make_core()
     r = req("a", list(range(64)), max_tokens=5)
     core.add(r)
-    core.step(0.0)
+    core.step()
     assert not core.pool.clear_cache()
     run(core)
     assert core.pool.clear_cache()
@@ -175,10 +175,10 @@ def test_prefill_time_shrinks_with_cache_hits() -> None:
     core = make_core()
     prefix = list(range(2000))
     core.add(req("a", [*prefix, 1]))
-    cold = core.step(0.0).duration
+    cold = core.step().duration
     run(core)
     core.add(req("b", [*prefix, 2]))
-    warm = core.step(0.0).duration
+    warm = core.step().duration
     assert cold - warm == pytest.approx(2000 / TimingModel().prefill_rate)
 
 
