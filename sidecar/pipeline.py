@@ -19,7 +19,7 @@ from sidecar.adapters import EngineAdapter
 from sidecar.errors import FrameError
 from sidecar.key_mapper import KeyMapper, MapperStats, RouterCleared
 from sidecar.outbox import Outbox
-from sidecar.zmq_source import EngineRestarted, Frame, FramesLost, HistoryReplay, SourceItem
+from sidecar.zmq_source import EngineRestarted, Frame, FramesLost, HistoryReplay
 
 REBUILD_CHUNK_FRAMES = 200
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -88,17 +88,16 @@ class Pipeline:
     def state_incomplete(self) -> bool:
         return bool(self._incomplete)
 
-    def handle(self, item: SourceItem, rank: int = 0) -> bool:
-        """Apply one source item; ``True`` if the state changed in a way worth announcing."""
+    def handle(self, item: Frame | EngineRestarted | FramesLost, rank: int = 0) -> bool:
+        """Apply one source item; ``True`` if the state changed in a way worth announcing.
+        A :class:`HistoryReplay` goes through :meth:`rebuild_steps` instead."""
         if isinstance(item, Frame):
             return self.handle_frame(item, rank)
         if isinstance(item, EngineRestarted):
             self._restarted(rank)
-            return True
-        if isinstance(item, FramesLost):
+        else:
             self._incomplete.add(rank)
-            return True
-        return self.rebuild(item, rank)
+        return True
 
     def internal_error(self, rank: int) -> None:
         """An item failed for a reason no input should cause: its effect is unknown."""
@@ -145,18 +144,14 @@ class Pipeline:
             self.stats.router_events += len(routed)
             self.outbox.add(routed, received_ns)
 
-    def rebuild(self, history: HistoryReplay, rank: int = 0) -> bool:
-        """Replace a rank's state with what its whole history yields; snapshot it all."""
-        for _ in self.rebuild_steps(history, rank):
-            pass
-        return True
-
     def rebuild_steps(
         self, history: HistoryReplay, rank: int = 0, *, chunk: int = REBUILD_CHUNK_FRAMES
     ) -> Iterator[int]:
-        """:meth:`rebuild` in steps of ``chunk`` frames, yielding the frames done so far,
-        so that an event loop can run between steps: a history of 10,000 batches takes
-        seconds to replay. The rank counts as incomplete until the last step."""
+        """Replace a rank's state with what its whole history yields, then snapshot it all.
+
+        Runs in steps of ``chunk`` frames, yielding the frames done so far, so that an event
+        loop can run between steps: a history of 10,000 batches takes seconds to replay.
+        The rank counts as incomplete until the last step."""
         self.mapper.clear_rank(rank)  # not published: the snapshot below replaces it
         self._incomplete.add(rank)
         unknown_before = self.mapper_stats.unknown_parents

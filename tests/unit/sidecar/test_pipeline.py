@@ -171,7 +171,7 @@ def test_unknown_parent_marks_incomplete_and_history_rebuilds_exactly() -> None:
     pipeline, mirror = make_pipeline(), ResidencyMirror()
     assert pipeline.handle(frames[-1])  # its parent was stored in a frame never seen
     assert pipeline.state_incomplete and pipeline.mapper_stats.unknown_parents == 1
-    pipeline.handle(HistoryReplay(tuple(frames)))
+    list(pipeline.rebuild_steps(HistoryReplay(tuple(frames))))
     assert not pipeline.state_incomplete and pipeline.outbox.needs_snapshot
     for batch in pipeline.outbox.snapshot(pipeline.mapper.held(), 0):
         mirror.apply(batch.payload)
