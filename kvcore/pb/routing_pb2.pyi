@@ -53,18 +53,38 @@ class ApiKey(_message.Message):
     scopes: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, key_sha256: _Optional[str] = ..., tenant: _Optional[str] = ..., default_workload: _Optional[str] = ..., scopes: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class Model(_message.Message):
+    __slots__ = ("name", "tokenizer", "block_size", "pool", "model_json", "mod_revision")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_JSON_FIELD_NUMBER: _ClassVar[int]
+    MOD_REVISION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tokenizer: str
+    block_size: int
+    pool: str
+    model_json: str
+    mod_revision: int
+    def __init__(self, name: _Optional[str] = ..., tokenizer: _Optional[str] = ..., block_size: _Optional[int] = ..., pool: _Optional[str] = ..., model_json: _Optional[str] = ..., mod_revision: _Optional[int] = ...) -> None: ...
+
 class RoutingConfig(_message.Message):
-    __slots__ = ("revision", "workloads", "api_keys")
+    __slots__ = ("revision", "workloads", "api_keys", "models", "rules_json")
     REVISION_FIELD_NUMBER: _ClassVar[int]
     WORKLOADS_FIELD_NUMBER: _ClassVar[int]
     API_KEYS_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    RULES_JSON_FIELD_NUMBER: _ClassVar[int]
     revision: int
     workloads: _containers.RepeatedCompositeFieldContainer[Workload]
     api_keys: _containers.RepeatedCompositeFieldContainer[ApiKey]
-    def __init__(self, revision: _Optional[int] = ..., workloads: _Optional[_Iterable[_Union[Workload, _Mapping]]] = ..., api_keys: _Optional[_Iterable[_Union[ApiKey, _Mapping]]] = ...) -> None: ...
+    models: _containers.RepeatedCompositeFieldContainer[Model]
+    rules_json: str
+    def __init__(self, revision: _Optional[int] = ..., workloads: _Optional[_Iterable[_Union[Workload, _Mapping]]] = ..., api_keys: _Optional[_Iterable[_Union[ApiKey, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[Model, _Mapping]]] = ..., rules_json: _Optional[str] = ...) -> None: ...
 
 class Replica(_message.Message):
-    __slots__ = ("ordinal", "replica_id", "pool", "base_url", "model", "served_names", "engine_kind", "block_size", "status", "load", "labels")
+    __slots__ = ("ordinal", "replica_id", "pool", "base_url", "model", "served_names", "engine_kind", "block_size", "status", "load", "labels", "capacity_seqs", "state_incomplete", "engine_block_size")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +103,9 @@ class Replica(_message.Message):
     STATUS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_SEQS_FIELD_NUMBER: _ClassVar[int]
+    STATE_INCOMPLETE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     ordinal: int
     replica_id: str
     pool: str
@@ -94,7 +117,10 @@ class Replica(_message.Message):
     status: ReplicaStatus
     load: _events_pb2.LoadReport
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, ordinal: _Optional[int] = ..., replica_id: _Optional[str] = ..., pool: _Optional[str] = ..., base_url: _Optional[str] = ..., model: _Optional[str] = ..., served_names: _Optional[_Iterable[str]] = ..., engine_kind: _Optional[_Union[_events_pb2.EngineKind, str]] = ..., block_size: _Optional[int] = ..., status: _Optional[_Union[ReplicaStatus, str]] = ..., load: _Optional[_Union[_events_pb2.LoadReport, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    capacity_seqs: int
+    state_incomplete: bool
+    engine_block_size: int
+    def __init__(self, ordinal: _Optional[int] = ..., replica_id: _Optional[str] = ..., pool: _Optional[str] = ..., base_url: _Optional[str] = ..., model: _Optional[str] = ..., served_names: _Optional[_Iterable[str]] = ..., engine_kind: _Optional[_Union[_events_pb2.EngineKind, str]] = ..., block_size: _Optional[int] = ..., status: _Optional[_Union[ReplicaStatus, str]] = ..., load: _Optional[_Union[_events_pb2.LoadReport, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., capacity_seqs: _Optional[int] = ..., state_incomplete: _Optional[bool] = ..., engine_block_size: _Optional[int] = ...) -> None: ...
 
 class ReplicaBlocks(_message.Message):
     __slots__ = ("ordinal", "keys")
@@ -175,3 +201,61 @@ class StateUpdate(_message.Message):
     snapshot: SnapshotChunk
     delta: Delta
     def __init__(self, epoch: _Optional[int] = ..., version: _Optional[int] = ..., snapshot: _Optional[_Union[SnapshotChunk, _Mapping]] = ..., delta: _Optional[_Union[Delta, _Mapping]] = ...) -> None: ...
+
+class UsageCounters(_message.Message):
+    __slots__ = ("requests", "prompt_tokens", "predicted_cached_tokens", "measured_cached_tokens", "measured_requests", "errors")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    requests: int
+    prompt_tokens: int
+    predicted_cached_tokens: int
+    measured_cached_tokens: int
+    measured_requests: int
+    errors: int
+    def __init__(self, requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., predicted_cached_tokens: _Optional[int] = ..., measured_cached_tokens: _Optional[int] = ..., measured_requests: _Optional[int] = ..., errors: _Optional[int] = ...) -> None: ...
+
+class ReportRow(_message.Message):
+    __slots__ = ("workload", "pool", "replica_id", "counters")
+    WORKLOAD_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    workload: str
+    pool: str
+    replica_id: str
+    counters: UsageCounters
+    def __init__(self, workload: _Optional[str] = ..., pool: _Optional[str] = ..., replica_id: _Optional[str] = ..., counters: _Optional[_Union[UsageCounters, _Mapping]] = ...) -> None: ...
+
+class ModelHealth(_message.Message):
+    __slots__ = ("model", "tokenizer_mismatch", "detail")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_MISMATCH_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    tokenizer_mismatch: bool
+    detail: str
+    def __init__(self, model: _Optional[str] = ..., tokenizer_mismatch: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class ProxyReport(_message.Message):
+    __slots__ = ("proxy_id", "ts", "interval_s", "rows", "models")
+    PROXY_ID_FIELD_NUMBER: _ClassVar[int]
+    TS_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    proxy_id: str
+    ts: float
+    interval_s: float
+    rows: _containers.RepeatedCompositeFieldContainer[ReportRow]
+    models: _containers.RepeatedCompositeFieldContainer[ModelHealth]
+    def __init__(self, proxy_id: _Optional[str] = ..., ts: _Optional[float] = ..., interval_s: _Optional[float] = ..., rows: _Optional[_Iterable[_Union[ReportRow, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelHealth, _Mapping]]] = ...) -> None: ...
+
+class ReportAck(_message.Message):
+    __slots__ = ("reports",)
+    REPORTS_FIELD_NUMBER: _ClassVar[int]
+    reports: int
+    def __init__(self, reports: _Optional[int] = ...) -> None: ...
