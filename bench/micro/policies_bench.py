@@ -1,4 +1,5 @@
-"""One routing decision per strategy: 64 replicas, a 512-block prompt (8,192 tokens)."""
+"""One routing decision per strategy: 64 replicas, a 512-block prompt (8,192 tokens);
+and the proxy's load accounting around it (``InflightLedger``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,13 @@ import random
 
 from bench.micro.report import Figure, median_us
 from kvcore.keys import block_keys
-from kvcore.policies import ReplicaState, RouteContext, StaticStateView, create_policy
+from kvcore.policies import (
+    InflightLedger,
+    ReplicaState,
+    RouteContext,
+    StaticStateView,
+    create_policy,
+)
 from kvcore.workload import STRATEGIES, parse_workload
 
 REPLICAS = 64
@@ -31,7 +38,30 @@ def run() -> list[Figure]:
     keys = block_keys(tokens, model=MODEL)
     view = _view(rng, keys)
     figures = [_decision_figure(strategy, keys, tokens, view) for strategy in STRATEGIES]
-    return [*figures, _decision_figure("kv_aware", keys, tokens, view, explain=True)]
+    explained = _decision_figure("kv_aware", keys, tokens, view, explain=True)
+    return [*figures, explained, _ledger_figure(rng)]
+
+
+def _ledger_figure(rng: random.Random) -> Figure:
+    """Per request: one send, one end, and every replica's unreported count, with 32
+    requests in flight per replica and a load report every 50 requests."""
+    ledger = InflightLedger()
+    live = [(i % REPLICAS, ledger.sent(i % REPLICAS, 0.0)) for i in range(32 * REPLICAS)]
+    clock = [1.0]
+
+    def request() -> None:
+        clock[0] += 0.001
+        now = clock[0]
+        report_ts = now - 0.05
+        _counts = [ledger.unreported(r, report_ts) for r in range(REPLICAS)]
+        replica = rng.randrange(REPLICAS)
+        live.append((replica, ledger.sent(replica, now)))
+        index = rng.randrange(len(live))
+        live[index], live[-1] = live[-1], live[index]
+        ledger.done(*live.pop())
+
+    us = median_us(request, repeat=2000)
+    return Figure(f"load accounting per request, {REPLICAS} replicas (InflightLedger)", us, "us")
 
 
 def _decision_figure(

@@ -2,7 +2,9 @@
 
 ``create_policy(workload, rng=)`` builds the strategy a workload names; each takes a
 frozen :class:`RouteContext` and a read-only :class:`StateView` and returns a
-:class:`Decision` that explains itself per replica.
+:class:`Decision` that explains itself per replica. :class:`InflightLedger` counts a
+proxy's requests per replica that the engine's last load report does not include yet
+(``ReplicaState.unreported``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from kvcore.policies.base import (
     StateView,
 )
 from kvcore.policies.hash_ring import HashRing
+from kvcore.policies.inflight import InflightLedger
 from kvcore.policies.registry import POLICIES, create_policy
 from kvcore.policies.view import StaticStateView
 
@@ -24,6 +27,7 @@ __all__ = [
     "POLICIES",
     "Decision",
     "HashRing",
+    "InflightLedger",
     "Policy",
     "ReplicaReason",
     "ReplicaState",

@@ -19,7 +19,13 @@ from kvcore.workload import Workload
 
 @dataclass(frozen=True, slots=True)
 class ReplicaState:
-    """A replica as routing sees it (from announcements, load reports, this proxy)."""
+    """A replica as routing sees it (from announcements, load reports, this proxy).
+
+    ``running`` and ``waiting`` are the engine's figures at its last load report, which
+    already include the requests this proxy sent before that report; ``unreported``
+    counts only the ones sent after it (see :mod:`kvcore.policies.inflight`), so no
+    request is counted twice.
+    """
 
     ordinal: int
     replica_id: str
@@ -29,16 +35,16 @@ class ReplicaState:
     running: int = 0  # engine-reported
     waiting: int = 0  # engine-reported
     kv_usage: float = 0.0  # engine-reported, 0-1
-    inflight: int = 0  # this proxy's requests not yet answered
+    unreported: int = 0  # this proxy's in-flight requests sent after the last load report
     capacity: int = 256  # concurrent sequences the engine runs (max_num_seqs)
     prefill_tokens_per_s: float | None = None  # measured or announced, if known
     queued_prefill_tokens: float | None = None  # prompt tokens waiting, if known
     # derived once (policies read them for every replica on every request):
-    requests: int = field(init=False, compare=False)  # running + waiting + inflight
+    requests: int = field(init=False, compare=False)  # running + waiting + unreported
     load: float = field(init=False, compare=False)  # max(requests / capacity, kv_usage), 0-1
 
     def __post_init__(self) -> None:
-        requests = self.running + self.waiting + self.inflight
+        requests = self.running + self.waiting + self.unreported
         occupancy = requests / max(self.capacity, 1)
         object.__setattr__(self, "requests", requests)
         object.__setattr__(self, "load", min(1.0, max(occupancy, self.kv_usage, 0.0)))

@@ -3,8 +3,9 @@
     ttft(r) = (queued(r) + locality_weight * uncached(r)) / rate(r)
 
 - ``queued(r)``: prompt tokens ahead of this request — the replica's reported
-  ``queued_prefill_tokens`` when known, else (waiting + this proxy's in-flight) times
-  the workload's ``queued_request_tokens``;
+  ``queued_prefill_tokens`` when known, else (waiting + this proxy's requests sent since
+  the replica's last load report, ``unreported``) times the workload's
+  ``queued_request_tokens``;
 - ``uncached(r)``: this prompt's tokens beyond r's leading run of blocks;
 - ``rate(r)``: r's prefill tokens per second, else the workload's
   ``prefill_tokens_per_s``.
@@ -42,7 +43,7 @@ class KvCostPolicy(KvScoringPolicy):
         workload = self.cost
         queued = replica.queued_prefill_tokens
         if queued is None:
-            queued = (replica.waiting + replica.inflight) * workload.queued_request_tokens
+            queued = (replica.waiting + replica.unreported) * workload.queued_request_tokens
         uncached = max(0, ctx.prompt_tokens - held_blocks * ctx.block_size)
         rate = replica.prefill_tokens_per_s or workload.prefill_tokens_per_s
         return (queued + workload.locality_weight * uncached) / rate

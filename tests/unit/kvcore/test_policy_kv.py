@@ -168,7 +168,7 @@ def test_a_hot_prefix_shared_by_every_prompt_does_not_pull_all_traffic(workload:
     for i in range(240):
         tokens = list(range(16)) + [50_000 + 64 * i + j for j in range(48)]
         view.set_replicas(
-            [ReplicaState(o, f"r{o}", capacity=64, inflight=inflight[o]) for o in range(4)]
+            [ReplicaState(o, f"r{o}", capacity=64, unreported=inflight[o]) for o in range(4)]
         )
         ctx = context(workload, tokens, now=i * 0.01)
         decision = policy.select(ctx, view)
