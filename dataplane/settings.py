@@ -1,0 +1,210 @@
+"""Typed settings of ``kvroute-proxy``: flags, ``KVROUTE_*`` environment, defaults.
+
+Every field is a flag (``--static-replicas``) and an environment variable
+(``KVROUTE_STATIC_REPLICAS``); a flag wins over the environment. List settings are
+comma-separated. Values are validated at start-up, so a proxy with a bad address, an
+impossible retry budget or no replica source at all never binds its port. Secrets (the
+control plane's credentials, when it has some) come only from the environment.
+
+The proxy routes from one of two sources:
+
+- ``--controlplane ADDR[,ADDR...]``: gRPC ``RoutingState`` addresses (``host:port``); the
+  proxy watches its ``--pools`` and reconnects to any of them;
+- ``--static-replicas URL[,URL...]``: engine base URLs and no control plane at all
+  (``--static-strategy`` ``prefix_hash``, ``least_load`` or ``round_robin``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Literal
+from urllib.parse import urlsplit
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from kvcore.keys import DEFAULT_BLOCK_SIZE
+from kvcore.subjects import InvalidName, check_name
+
+CommaList = Annotated[list[str], NoDecode]
+LIST_FIELDS = frozenset({"controlplane", "pools", "static_replicas"})
+
+
+class ProxySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVROUTE_", extra="forbid", frozen=True)
+
+    # -- serving ---------------------------------------------------------------------
+    host: str = Field(default="127.0.0.1", description="Bind address.")
+    port: int = Field(default=8000, ge=0, le=65535, description="Port (0: a free port).")
+    workers: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Processes serving the one port (SO_REUSEPORT), each with its own "
+        "state stream.",
+    )
+    proxy_id: str = Field(
+        default="",
+        max_length=128,
+        description="This proxy's id in Watch and Report ('' = host name and process id).",
+    )
+    # -- where the routing state comes from -------------------------------------------
+    controlplane: CommaList = Field(
+        default_factory=list,
+        description="Control-plane gRPC addresses host:port (comma-separated).",
+    )
+    pools: CommaList = Field(
+        default_factory=list, description="Pools to route for (comma-separated; empty: all)."
+    )
+    static_replicas: CommaList = Field(
+        default_factory=list,
+        description="Engine base URLs to route to without a control plane (comma-separated).",
+    )
+    static_strategy: Literal["prefix_hash", "least_load", "round_robin"] = Field(
+        default="prefix_hash", description="Strategy in static mode."
+    )
+    tokenizer: str = Field(
+        default="builtin",
+        description="Tokenizer of models the registry does not name: 'builtin' or a folder "
+        "with tokenizer.json.",
+    )
+    block_size: int = Field(
+        default=DEFAULT_BLOCK_SIZE,
+        ge=1,
+        le=4096,
+        description="Router block size of models the registry does not name.",
+    )
+    state_max_age_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Routing state older than this makes kv_aware/kv_cost use the "
+        "workload's fallback.",
+    )
+    report_interval_s: float = Field(
+        default=10.0, gt=0, le=3600, description="Period of the counters sent to the control plane."
+    )
+    # -- upstream and failures --------------------------------------------------------
+    connect_timeout_s: float = Field(
+        default=2.0, gt=0, le=300, description="Deadline to connect to a replica."
+    )
+    upstream_timeout_s: float = Field(
+        default=600.0, gt=0, description="Longest wait for a replica's first byte."
+    )
+    retry_attempts: int = Field(
+        default=2,
+        ge=0,
+        le=10,
+        description="Extra replicas tried after a connect failure or a 502/503 before the "
+        "first byte.",
+    )
+    retry_budget: float = Field(
+        default=0.2,
+        ge=0,
+        le=10,
+        description="Retries allowed as a share of recent requests (over and above "
+        "retry_min_per_s), so a failing fleet is not hit twice as hard.",
+    )
+    retry_min_per_s: float = Field(
+        default=10.0, ge=0, description="Retries per second always allowed."
+    )
+    breaker_failures: int = Field(
+        default=5,
+        ge=1,
+        le=1000,
+        description="Consecutive failures that take a replica out (circuit open).",
+    )
+    breaker_open_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=3600,
+        description="How long a replica stays out before one probe request may try it.",
+    )
+    max_body_bytes: int = Field(
+        default=32 * 1024 * 1024,
+        ge=1024,
+        description="Largest request body accepted (413 above).",
+    )
+    retry_after_s: int = Field(
+        default=1, ge=0, le=3600, description="Retry-After of a 503 when no replica can serve."
+    )
+    # -- clients ----------------------------------------------------------------------
+    auth: bool = Field(
+        default=False,
+        description="Require a bearer key issued by the control plane (scope inference).",
+    )
+    tenant_header: str = Field(
+        default="",
+        pattern=r"^[A-Za-z0-9-]{0,128}$",
+        description="Request header naming the tenant (cache namespace) when the body has no "
+        "cache_salt or prompt_cache_key ('' = none).",
+    )
+    debug_headers: bool = Field(
+        default=False,
+        description="Answer with x-kvroute-replica, x-kvroute-workload, x-kvroute-prefix-blocks.",
+    )
+    # -- observability ----------------------------------------------------------------
+    tracing: bool = Field(
+        default=False, description="OpenTelemetry spans with the routing decision."
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        default="INFO", description="Log level."
+    )
+
+    @field_validator("controlplane", "pools", "static_replicas", mode="before")
+    @classmethod
+    def _comma_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [item.strip() for item in value.split(",") if item.strip()]
+        return value
+
+    @field_validator("controlplane")
+    @classmethod
+    def _host_ports(cls, value: list[str]) -> list[str]:
+        for address in value:
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{address!r} is not host:port")
+        return value
+
+    @field_validator("pools")
+    @classmethod
+    def _pool_names(cls, value: list[str]) -> list[str]:
+        try:
+            return [check_name("pool", pool) for pool in value]
+        except InvalidName as exc:
+            raise ValueError(str(exc)) from None
+
+    @field_validator("static_replicas")
+    @classmethod
+    def _base_urls(cls, value: list[str]) -> list[str]:
+        urls = []
+        for url in value:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"{url!r} is not an http:// or https:// base URL")
+            urls.append(url.rstrip("/"))
+        return urls
+
+    @field_validator("tenant_header")
+    @classmethod
+    def _lower(cls, value: str) -> str:
+        return value.lower()
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ProxySettings:
+        if not self.controlplane and not self.static_replicas:
+            raise ValueError("give --controlplane ADDR[,ADDR...] or --static-replicas URL[,...]")
+        if self.controlplane and self.static_replicas:
+            raise ValueError("--controlplane and --static-replicas exclude each other")
+        if self.auth and self.static_replicas:
+            raise ValueError("--auth needs keys from a control plane, not --static-replicas")
+        return self
+
+    @property
+    def static(self) -> bool:
+        """Whether the proxy routes without a control plane."""
+        return bool(self.static_replicas)
+
+    def resolved_proxy_id(self) -> str:
+        """``proxy_id``, or host name and process id (each worker its own)."""
+        return self.proxy_id or f"{os.uname().nodename}-{os.getpid()}"
