@@ -1,20 +1,107 @@
-"""Entry point of `kvroute-controlplane`: the control plane."""
+"""Entry point of ``kvroute-controlplane``: flags -> settings -> service, until SIGTERM/SIGINT.
+
+A bad flag or setting ends the process with exit status 2 and one line on stderr
+naming the flag and what is wrong (never echoing a secret); a failure to connect or
+bind ends it with status 1.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
+from typing import Any, Literal, NoReturn, get_args, get_origin
+
+from pydantic import SecretStr, ValidationError
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+
+from controlplane.settings import ENV_ONLY, ControlPlaneSettings
+
+PROG = "kvroute-controlplane"
+
+
+class SettingsError(ValueError):
+    """A flag or environment setting that cannot be used (exit status 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise SettingsError(message)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(
-        prog="kvroute-controlplane",
-        description="kvroute: the control plane (residency, membership, config, admin API, gRPC).",
-        epilog="Not implemented yet: see the open issues.",
+    parser = _Parser(
+        prog=PROG,
+        allow_abbrev=False,
+        description="kvroute control plane: residency map, membership, routing config, "
+        "admin API and the gRPC routing-state stream. Every flag can also be set as "
+        "KVROUTE_<FLAG>; secrets only that way or through a *-file flag.",
     )
+    for name, field in ControlPlaneSettings.model_fields.items():
+        if name in ENV_ONLY:
+            continue
+        flag = "--" + name.replace("_", "-")
+        help_text = f"{field.description or ''} [env KVROUTE_{name.upper()}]"
+        if get_origin(field.annotation) is Literal:
+            parser.add_argument(
+                flag, choices=get_args(field.annotation), default=None, help=help_text
+            )
+        else:
+            parser.add_argument(flag, default=None, help=help_text)
+    return parser
+
+
+def load_settings(argv: Sequence[str] | None) -> ControlPlaneSettings:
+    """Parse flags over the environment; raise :class:`SettingsError` with one line."""
+    args = build_parser().parse_args(argv)
+    given: dict[str, Any] = {k: v for k, v in vars(args).items() if v is not None}
+    if "database_url" in given:
+        _refuse_password_in_flag(given["database_url"])
+    try:
+        return ControlPlaneSettings(**given)
+    except ValidationError as exc:
+        raise SettingsError(describe(exc)) from None
+
+
+def _refuse_password_in_flag(url: str) -> None:
+    try:
+        password = make_url(url).password
+    except ArgumentError:
+        raise SettingsError(f"--database-url: {url!r} is not a database URL") from None
+    if password is not None:
+        raise SettingsError(
+            "--database-url: a URL with a password goes in KVROUTE_DATABASE_URL or "
+            "--database-url-file, never a flag"
+        )
+
+
+def describe(exc: ValidationError) -> str:
+    """One line naming each bad setting, its problem and (unless secret) its value."""
+    fields = ControlPlaneSettings.model_fields
+    problems = []
+    for error in exc.errors():
+        name = str(error["loc"][0]) if error["loc"] else ""
+        message = error["msg"].removeprefix("Value error, ")
+        field = fields.get(name)
+        secret = field is not None and SecretStr in (field.annotation, *get_args(field.annotation))
+        where = f"{_names(name)}: " if name else ""
+        shown = "" if secret or not name else f" (got {error['input']!r})"
+        problems.append(f"{where}{message}{shown}")
+    return "; ".join(problems)
+
+
+def _names(field: str) -> str:
+    env = f"KVROUTE_{field.upper()}"
+    return env if field in ENV_ONLY else f"--{field.replace('_', '-')} / {env}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    build_parser().parse_args(argv)
-    build_parser().print_help()
-    return 0
+    try:
+        settings = load_settings(argv)
+    except SettingsError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    print(f"{PROG}: settings are valid; the service is not built yet", file=sys.stderr)
+    del settings
+    return 1
