@@ -62,7 +62,8 @@ class StateView(Protocol):
         ...
 
     def has_residency(self) -> bool:
-        """Whether any residency data exists (false on a cold start)."""
+        """Whether any confirmed (engine-reported) residency exists: false on a cold
+        start, where only this proxy's speculative entries may exist."""
         ...
 
 

@@ -3,9 +3,14 @@
 A level-3 strategy looks up each candidate's leading run of the prompt's block keys
 (confirmed plus unexpired speculative residency), scores the candidates its own way,
 and asks the caller to record the prompt's keys as speculatively resident on the chosen
-replica for ``speculative_ttl_s``. With no residency data at all it defers to the
-workload's ``fallback`` (and still speculates, so a cold burst with one new prefix
-lands together).
+replica for ``speculative_ttl_s``.
+
+Before the first engine event (no confirmed residency anywhere), a prompt no replica
+holds even speculatively goes to the workload's ``fallback``, which still speculates;
+a prompt some replica holds, if only speculatively, is scored. So a cold burst of one
+new prefix follows its first request's replica, while every other new prefix keeps the
+fallback's placement (``prefix_hash`` places it the same way on every proxy, whatever
+each proxy has speculated).
 """
 
 from __future__ import annotations
@@ -43,12 +48,12 @@ class KvScoringPolicy:
         raise NotImplementedError
 
     def select(self, ctx: RouteContext, state: StateView) -> Decision:
-        if not state.has_residency():
+        runs = state.leading_runs(ctx.block_keys, now=ctx.now)
+        if not runs and not state.has_residency():
             return self._fall_back(ctx, state)
         screened = screen(ctx, state)
         if not screened.usable:
             return decide(self.name, screened, None)
-        runs = state.leading_runs(ctx.block_keys, now=ctx.now)
         scores = self.scores(ctx, screened.usable, runs)
         chosen = best(screened.usable, scores, self._rng)
         usable = screened.usable

@@ -204,3 +204,35 @@ def test_without_the_min_hit_guard_a_hot_prefix_would_pull_everything() -> None:
         "r2",
         "r3",
     }
+
+
+@pytest.mark.parametrize(
+    "workload", [KvAwareWorkload(), KvCostWorkload()], ids=["kv_aware", "kv_cost"]
+)
+def test_a_cold_burst_of_one_new_prompt_lands_together(workload: Workload) -> None:
+    """No engine event yet: the first request takes the fallback, the rest follow its
+    speculative record (before: r3, r1, r0, r1, r1, r2, r0, r2)."""
+    policy = create_policy(workload, rng=random.Random(7))
+    view = StaticStateView(fleet(4))
+    chosen = []
+    for i in range(8):
+        decision = policy.select(context(workload, PROMPT, now=100.0 + i * 0.01), view)
+        view.apply(decision)
+        chosen.append(decision.replica_id)
+    assert len(set(chosen)) == 1, chosen
+    later = policy.select(context(workload, PROMPT, now=100.0 + 2.5), view)
+    assert later.note.startswith("no residency data")  # speculation expired: fallback again
+
+
+def test_a_cold_start_keeps_the_fallback_for_prompts_nobody_holds() -> None:
+    """Speculation about one prompt does not turn another new prompt's prefix_hash
+    placement into a load pick, so proxies with different speculation agree on it."""
+    workload = KvAwareWorkload(fallback="prefix_hash", prefix_tokens=64)
+    other = list(range(5000, 5128))
+    fresh = _select(workload, StaticStateView(fleet(6)), seed=1, tokens=other)
+    busy = StaticStateView(fleet(6))
+    busy.apply(_select(workload, busy, seed=2, now=1.0))
+    for seed in range(10):
+        decision = _select(workload, busy, seed=seed, tokens=other, now=1.5)
+        assert decision.replica_id == fresh.replica_id
+        assert decision.note.startswith("no residency data: fallback prefix_hash")
