@@ -1,0 +1,554 @@
+"""The proxy's local copy of its pools' routing state, and the views routing reads.
+
+A proxy routes every request locally, so the state it routes on must be both current
+(applied from the control plane's ``RoutingState.Watch`` stream) and cheap to read
+(:meth:`FleetState.view` is called on every request). The stream is a snapshot in
+chunks, then deltas with consecutive versions (``proto/kvroute/v1/routing.proto``):
+
+- a snapshot is built aside (its own residency index, replica table and config) and
+  swapped in when its ``last_chunk`` arrives, so routing never sees half of one;
+- a delta must carry the current epoch and the next version; anything else raises
+  :class:`~dataplane.errors.SnapshotNeeded` and :meth:`FleetState.position` then asks
+  for a new snapshot (the old state keeps serving until it is complete);
+- every update is applied in steps (:meth:`FleetState.apply_steps`) so the caller can
+  yield to the event loop while a large chunk or a replica's clear is applied.
+
+Views are cached per model and rebuilt only for what changed: a load report or one of
+this proxy's requests starting or ending rebuilds one replica's
+:class:`~kvcore.policies.ReplicaState`; a membership or config change drops the views.
+A replica's load is the engine's last report plus this proxy's requests sent after
+that report (:class:`~kvcore.policies.InflightLedger`), so nothing is counted twice.
+
+With no control plane, :meth:`FleetState.from_static` builds the fleet from
+``--static-replicas`` (no residency: kv strategies use their fallback).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from itertools import count
+from urllib.parse import urlsplit
+
+from dataplane.errors import SnapshotNeeded
+from dataplane.fleet_config import DEFAULT_ROUTING, FleetConfig, InvalidConfig, fleet_config
+from kvcore.index import BitmaskResidencyIndex
+from kvcore.index.base import MAX_REPLICA_ORDINAL
+from kvcore.pb import events_pb2, routing_pb2
+from kvcore.policies import Decision, InflightLedger, ReplicaState
+from kvcore.workload import RoutingConfig
+
+HEALTHY = routing_pb2.REPLICA_STATUS_HEALTHY
+DEFAULT_CAPACITY = 256  # a replica that does not announce max_num_seqs
+STEP_KEYS = 50_000  # residency keys applied between two yields to the event loop
+ENGINE_KINDS = {events_pb2.ENGINE_KIND_VLLM: "vllm", events_pb2.ENGINE_KIND_SGLANG: "sglang"}
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """Where a replica is and what it serves."""
+
+    ordinal: int
+    replica_id: str
+    pool: str
+    base_url: str
+    model: str
+    served_names: tuple[str, ...]
+    engine_kind: str  # "vllm", "sglang" or "" when unknown
+
+
+@dataclass(frozen=True, slots=True)
+class InflightTicket:
+    """One request sent by this proxy, for :meth:`FleetState.on_done`."""
+
+    ordinal: int
+    ledger_key: int
+    ticket: int
+
+
+@dataclass(slots=True)
+class _Replica:
+    info: routing_pb2.Replica
+    ledger_key: int  # stable per replica id, across snapshots that renumber ordinals
+    report_ts: float = -math.inf  # ts of the engine's load report in ``info.load``
+    served: frozenset[str] = frozenset()  # model, served names and the model's aliases
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A snapshot being received: applied aside, swapped in on its last chunk."""
+
+    epoch: int
+    version: int
+    config: FleetConfig
+    replicas: dict[int, routing_pb2.Replica] = field(default_factory=dict)
+    index: BitmaskResidencyIndex = field(default_factory=BitmaskResidencyIndex)
+    next_chunk: int = 0
+
+
+class FleetView:
+    """kvcore's ``StateView`` over one model's routable replicas (see the module
+    docstring for how it stays cheap)."""
+
+    __slots__ = ("_fleet", "_positions", "_replicas", "_states")
+
+    def __init__(self, fleet: FleetState, states: list[ReplicaState]) -> None:
+        self._fleet = fleet
+        self._states = states  # patched in place when one replica changes
+        self._positions = {state.ordinal: i for i, state in enumerate(states)}
+        self._replicas: tuple[ReplicaState, ...] | None = None
+
+    def replicas(self) -> Sequence[ReplicaState]:
+        if self._fleet._dirty:
+            self._fleet._flush()
+        if self._replicas is None:
+            self._replicas = tuple(self._states)
+        return self._replicas
+
+    def leading_runs(self, keys: Sequence[int], *, now: float | None) -> dict[int, int]:
+        fleet = self._fleet
+        if fleet.is_stale():  # residency too old to trust: the workload's fallback routes
+            return {}
+        return fleet._index.leading_runs(keys, now=now)
+
+    def has_residency(self) -> bool:
+        fleet = self._fleet
+        return fleet._index.key_count() > 0 and not fleet.is_stale()
+
+    def _replace(self, state: ReplicaState) -> None:
+        position = self._positions.get(state.ordinal)
+        if position is not None:
+            self._states[position] = state
+            self._replicas = None
+
+
+class FleetState:
+    """Replicas, residency and config of this proxy's pools; see the module docstring.
+
+    ``max_age_s``: past this long without a message from a control plane the state is
+    stale, and views show no residency at all (kv strategies take their fallback).
+    ``clock``: monotonic seconds, for :meth:`age_s` and staleness.
+    """
+
+    def __init__(
+        self,
+        *,
+        default_routing: RoutingConfig = DEFAULT_ROUTING,
+        max_age_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_age_s = max_age_s
+        self._default_routing = default_routing
+        self._clock = clock
+        self._config = FleetConfig(routing=default_routing)
+        self._records: dict[int, _Replica] = {}
+        self._states: dict[int, ReplicaState] = {}  # routable replicas only
+        self._dirty: set[int] = set()  # routable replicas whose state must be rebuilt
+        self._views: dict[str, FleetView] = {}
+        self._canonical: dict[str, str] = {}
+        self._index = BitmaskResidencyIndex()
+        self._ledger = InflightLedger()
+        self._ledger_keys: dict[str, int] = {}
+        self._next_ledger_key = count()
+        self._listeners: list[Callable[[], None]] = []
+        self._epoch: int | None = None
+        self._version = 0
+        self._pending: _Pending | None = None
+        self._need_snapshot = True
+        self._updated_at = -math.inf
+        self.config_error = ""  # the last config refused, for /readyz; "" when fine
+        self.ignored = 0  # malformed entries skipped (ordinal out of range or unknown)
+
+    # -- building ---------------------------------------------------------------
+
+    @classmethod
+    def from_static(
+        cls, urls: Iterable[str], *, default_routing: RoutingConfig = DEFAULT_ROUTING
+    ) -> FleetState:
+        """A fleet of fixed replicas (``--static-replicas``): healthy, no residency,
+        serving whatever they are asked until :meth:`set_served_names` says what."""
+        state = cls(default_routing=default_routing)
+        for ordinal, url in enumerate(urls):
+            base_url = url.rstrip("/")
+            info = routing_pb2.Replica(
+                ordinal=ordinal,
+                replica_id=urlsplit(base_url).netloc or base_url,
+                pool="static",
+                base_url=base_url,
+                status=HEALTHY,
+            )
+            state._put(info)
+        state._need_snapshot = False
+        state._membership_changed()
+        return state
+
+    def set_served_names(self, ordinal: int, names: Iterable[str]) -> None:
+        """What a replica serves (static mode learns it from the replica's /v1/models);
+        the first name becomes its model."""
+        record = self._records.get(ordinal)
+        names = list(dict.fromkeys(names))
+        if record is None or not names:
+            return
+        record.info.model = names[0]
+        del record.info.served_names[:]
+        record.info.served_names.extend(names[1:])
+        self._membership_changed()
+
+    # -- applying the stream ----------------------------------------------------
+
+    def apply(self, update: routing_pb2.StateUpdate) -> None:
+        """Apply one update at once; see :meth:`apply_steps`."""
+        for _ in self.apply_steps(update):
+            pass
+
+    def apply_steps(self, update: routing_pb2.StateUpdate) -> Iterator[None]:
+        """Apply one update, yielding between steps so an event loop can run.
+
+        Raises :class:`SnapshotNeeded` when the stream is broken (version gap, epoch
+        change, chunks out of order); the state keeps what it had.
+        """
+        body = update.WhichOneof("body")
+        try:
+            if body == "snapshot":
+                yield from self._snapshot_chunk(update.epoch, update.version, update.snapshot)
+            elif body == "delta":
+                yield from self._delta(update.epoch, update.version, update.delta)
+            else:
+                raise SnapshotNeeded("an update with neither a snapshot nor a delta")
+        except SnapshotNeeded:
+            self._pending = None
+            self._need_snapshot = True
+            raise
+        self._updated_at = self._clock()
+
+    def position(self) -> tuple[int, int]:
+        """``(have_epoch, have_version)`` for a Watch request; ``(0, 0)`` asks for a
+        snapshot (none yet, or the stream broke)."""
+        if self._need_snapshot or self._epoch is None:
+            return 0, 0
+        return self._epoch, self._version
+
+    def _snapshot_chunk(
+        self, epoch: int, version: int, chunk: routing_pb2.SnapshotChunk
+    ) -> Iterator[None]:
+        if chunk.chunk_index == 0:
+            self._pending = _Pending(epoch, version, self._chunk_config(chunk))
+        pending = self._pending
+        if pending is None or (epoch, version, chunk.chunk_index) != (
+            pending.epoch,
+            pending.version,
+            pending.next_chunk,
+        ):
+            raise SnapshotNeeded(
+                f"snapshot chunk {chunk.chunk_index} of epoch {epoch} version {version} "
+                "does not continue the snapshot being received"
+            )
+        pending.next_chunk += 1
+        for info in chunk.replicas:
+            if self._valid_ordinal(info.ordinal):
+                pending.replicas[info.ordinal] = info
+        for blocks in chunk.residency:
+            if blocks.ordinal in pending.replicas:
+                yield from _add_in_steps(pending.index, blocks.ordinal, blocks.keys)
+            else:
+                self.ignored += 1
+        if chunk.last_chunk:
+            self._swap_in(pending)
+
+    def _chunk_config(self, chunk: routing_pb2.SnapshotChunk) -> FleetConfig:
+        if not chunk.HasField("config"):
+            return FleetConfig(routing=self._default_routing)
+        try:
+            config = fleet_config(chunk.config, self._default_routing)
+        except InvalidConfig as exc:
+            self.config_error = str(exc)
+            return self._config
+        self.config_error = ""
+        return config
+
+    def _swap_in(self, pending: _Pending) -> None:
+        old = self._records
+        self._records = {}
+        for ordinal, info in pending.replicas.items():
+            self._put(info, previous=old.get(ordinal))
+        kept = {r.info.replica_id for r in self._records.values()}
+        for record in old.values():
+            if record.info.replica_id not in kept:
+                self._forget_ledger(record)
+        self._index = pending.index
+        self._config = pending.config
+        self._epoch, self._version = pending.epoch, pending.version
+        self._pending = None
+        self._need_snapshot = False
+        self._membership_changed()
+
+    def _delta(self, epoch: int, version: int, delta: routing_pb2.Delta) -> Iterator[None]:
+        if self._pending is not None or self._epoch is None or self._need_snapshot:
+            raise SnapshotNeeded(f"delta version {version} arrived before a complete snapshot")
+        if epoch != self._epoch:
+            raise SnapshotNeeded(f"control-plane epoch changed from {self._epoch} to {epoch}")
+        if version != self._version + 1:
+            raise SnapshotNeeded(f"delta version {version} after version {self._version}")
+        changed = delta.HasField("config") and self._set_config(delta.config)
+        for info in delta.replicas_upserted:
+            changed = True
+            yield from self._upsert(info)
+        for ordinal in delta.replicas_removed:
+            changed = True
+            yield from self._remove(ordinal)
+        for residency in delta.residency:
+            yield from self._change_residency(residency)
+        for update in delta.loads:
+            self._set_load(update.ordinal, update.load)
+        self._version = version
+        if changed:
+            self._membership_changed()
+
+    def _set_config(self, message: routing_pb2.RoutingConfig) -> bool:
+        try:
+            self._config = fleet_config(message, self._default_routing)
+        except InvalidConfig as exc:
+            self.config_error = str(exc)
+            return False
+        self.config_error = ""
+        return True
+
+    def _upsert(self, info: routing_pb2.Replica) -> Iterator[None]:
+        if not self._valid_ordinal(info.ordinal):
+            return
+        previous = self._records.get(info.ordinal)
+        if previous is not None and previous.info.replica_id != info.replica_id:
+            yield from self._remove(info.ordinal)
+            previous = None
+        self._put(info, previous=previous)
+
+    def _remove(self, ordinal: int) -> Iterator[None]:
+        record = self._records.pop(ordinal, None)
+        if record is None:
+            return
+        self._forget_ledger(record)
+        for _ in self._index.clear_replica_steps(ordinal, chunk=STEP_KEYS):
+            yield
+
+    def _change_residency(self, change: routing_pb2.ResidencyChange) -> Iterator[None]:
+        ordinal = change.ordinal
+        if ordinal not in self._records:
+            self.ignored += 1
+            return
+        if change.cleared:
+            for _ in self._index.clear_replica_steps(ordinal, chunk=STEP_KEYS):
+                yield
+        yield from _add_in_steps(self._index, ordinal, change.added)
+        if change.removed:
+            self._index.remove(ordinal, change.removed)
+
+    def _set_load(self, ordinal: int, load: events_pb2.LoadReport) -> None:
+        record = self._records.get(ordinal)
+        if record is None:
+            self.ignored += 1
+            return
+        record.info.load.CopyFrom(load)
+        record.report_ts = load.ts if load.ts > 0 else -math.inf
+        self._refresh(ordinal)
+
+    def _valid_ordinal(self, ordinal: int) -> bool:
+        if ordinal <= MAX_REPLICA_ORDINAL:
+            return True
+        self.ignored += 1
+        return False
+
+    # -- the replica table --------------------------------------------------------
+
+    def _put(self, info: routing_pb2.Replica, previous: _Replica | None = None) -> None:
+        key = self._ledger_keys.get(info.replica_id)
+        if key is None:
+            key = self._ledger_keys[info.replica_id] = next(self._next_ledger_key)
+        record = _Replica(info, key)
+        if info.HasField("load") and info.load.ts > 0:
+            record.report_ts = info.load.ts
+        elif previous is not None and previous.info.replica_id == info.replica_id:
+            record.info.load.CopyFrom(previous.info.load)
+            record.report_ts = previous.report_ts
+        self._records[info.ordinal] = record
+
+    def _forget_ledger(self, record: _Replica) -> None:
+        key = self._ledger_keys.pop(record.info.replica_id, None)
+        if key is not None:
+            self._ledger.forget(key)
+
+    def _membership_changed(self) -> None:
+        """Recompute served names, routable states and canonical names; drop views."""
+        aliases = self._config.aliases
+        canonical: dict[str, str] = dict(aliases)
+        self._states = {}
+        for ordinal, record in self._records.items():
+            info = record.info
+            served = {info.model, *info.served_names} - {""}
+            served |= self._config.aliases_of(info.model)
+            record.served = frozenset(served)
+            for name in sorted(served):
+                canonical.setdefault(name, info.model or name)
+            if info.status == HEALTHY:
+                self._states[ordinal] = self._replica_state(record)
+        self._canonical = canonical
+        self._dirty.clear()
+        self._views = {}
+        for listener in list(self._listeners):
+            listener()
+
+    def _replica_state(self, record: _Replica) -> ReplicaState:
+        info, load = record.info, record.info.load
+        return ReplicaState(
+            ordinal=info.ordinal,
+            replica_id=info.replica_id,
+            models=record.served,
+            running=load.running,
+            waiting=load.waiting,
+            kv_usage=load.kv_usage,
+            unreported=self._ledger.unreported(record.ledger_key, record.report_ts),
+            capacity=info.capacity_seqs or DEFAULT_CAPACITY,
+        )
+
+    def _refresh(self, ordinal: int) -> None:
+        """Mark one routable replica's state for a rebuild when it is next read (a
+        request's start and end cost one rebuild, not two)."""
+        if ordinal in self._states:
+            self._dirty.add(ordinal)
+
+    def _flush(self) -> None:
+        """Rebuild the marked replicas' states and patch the views holding them."""
+        for ordinal in self._dirty:
+            state = self._states[ordinal] = self._replica_state(self._records[ordinal])
+            for view in self._views.values():
+                view._replace(state)
+        self._dirty.clear()
+
+    # -- what routing reads ---------------------------------------------------------
+
+    def view(self, model: str) -> FleetView:
+        """The healthy, non-draining replicas serving ``model`` (any served name or
+        alias), with load and residency (speculative entries included)."""
+        view = self._views.get(model)
+        if view is None:
+            if self._dirty:
+                self._flush()
+            records = self._records
+            states = [
+                state
+                for o, state in sorted(self._states.items())
+                if model in records[o].served or not records[o].served
+            ]
+            view = FleetView(self, states)
+            if model in self._canonical:  # not every name a client sends: memory is bounded
+                self._views[model] = view
+        return view
+
+    def routing_config(self) -> RoutingConfig:
+        return self._config.routing
+
+    def models(self) -> dict[str, routing_pb2.Model]:
+        """The model registry by name."""
+        return self._config.models
+
+    def api_keys(self) -> dict[str, routing_pb2.ApiKey]:
+        """Client API keys by their SHA-256 (hex)."""
+        return self._config.api_keys
+
+    def model_entry(self, name: str) -> routing_pb2.Model | None:
+        """The registry entry a requested name (entry name, model id or served name)
+        belongs to; ``None``: the registry does not name it (use the proxy's defaults)."""
+        return self._config.entries.get(name)
+
+    def canonical_model(self, name: str) -> str | None:
+        """The model id block keys use for a requested name; ``None``: nobody serves it
+        (a static replica whose models are not known yet serves every name)."""
+        canonical = self._canonical.get(name)
+        if canonical is None and any(not self._records[o].served for o in self._states):
+            return name
+        return canonical
+
+    def served_models(self) -> list[str]:
+        """Every name routable replicas answer to, sorted (``GET /v1/models``)."""
+        names: set[str] = set()
+        for ordinal in self._states:
+            names |= self._records[ordinal].served
+        return sorted(names)
+
+    def endpoint(self, ordinal: int) -> Endpoint | None:
+        record = self._records.get(ordinal)
+        return None if record is None else _endpoint(record)
+
+    def endpoints(self) -> list[Endpoint]:
+        """The routable replicas, in ordinal order."""
+        return [_endpoint(self._records[o]) for o in sorted(self._states)]
+
+    def subscribe(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` after every change of replicas or config."""
+        self._listeners.append(listener)
+
+    # -- what the proxy writes back -----------------------------------------------
+
+    def on_sent(self, ordinal: int, now: float) -> InflightTicket | None:
+        """A request went to ``ordinal`` at ``now`` (wall clock, like LoadReport.ts)."""
+        record = self._records.get(ordinal)
+        if record is None:
+            return None
+        ticket = self._ledger.sent(record.ledger_key, now)
+        self._refresh(ordinal)
+        return InflightTicket(ordinal, record.ledger_key, ticket)
+
+    def on_done(self, ticket: InflightTicket | None) -> None:
+        """The request of ``ticket`` ended, in any way (twice: ignored)."""
+        if ticket is None:
+            return
+        self._ledger.done(ticket.ledger_key, ticket.ticket)
+        record = self._records.get(ticket.ordinal)
+        if record is not None and record.ledger_key == ticket.ledger_key:
+            self._refresh(ticket.ordinal)
+            return
+        for ordinal, record in self._records.items():  # renumbered by a snapshot since
+            if record.ledger_key == ticket.ledger_key:
+                self._refresh(ordinal)
+                return
+
+    def apply_speculative(self, decision: Decision) -> None:
+        """Record the decision's speculative residency (keys on the chosen replica)."""
+        record = decision.speculative
+        if record is not None and record.replica in self._records:
+            self._index.add_speculative(record.replica, record.keys, expires_at=record.expires_at)
+
+    # -- freshness ----------------------------------------------------------------
+
+    def age_s(self, now: float | None = None) -> float:
+        """Seconds since the last message from a control plane (``inf``: never)."""
+        return (self._clock() if now is None else now) - self._updated_at
+
+    def is_stale(self) -> bool:
+        return self.age_s() > self.max_age_s
+
+    def residency_keys(self) -> int:
+        """Distinct confirmed keys held (metrics)."""
+        return self._index.key_count()
+
+
+def _add_in_steps(
+    index: BitmaskResidencyIndex, ordinal: int, keys: Sequence[int]
+) -> Iterator[None]:
+    for start in range(0, len(keys), STEP_KEYS):
+        index.add(ordinal, keys[start : start + STEP_KEYS])
+        yield
+
+
+def _endpoint(record: _Replica) -> Endpoint:
+    info = record.info
+    return Endpoint(
+        ordinal=info.ordinal,
+        replica_id=info.replica_id,
+        pool=info.pool,
+        base_url=info.base_url,
+        model=info.model,
+        served_names=tuple(info.served_names),
+        engine_kind=ENGINE_KINDS.get(info.engine_kind, ""),
+    )

@@ -1,0 +1,330 @@
+"""FleetState: the routing state a proxy applies from its Watch stream and routes on."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dataplane import fleet_state
+from dataplane.errors import SnapshotNeeded
+from dataplane.fleet_state import FleetState
+from kvcore.keys import block_keys
+from kvcore.policies import RouteContext, create_policy
+from kvcore.workload import KvAwareWorkload, RequestInfo, parse_workload
+from tests.unit.dataplane.state_messages import (
+    DRAINING,
+    MODEL,
+    UNHEALTHY,
+    config,
+    delta,
+    load,
+    model_entry,
+    replica,
+    residency_change,
+    snapshot,
+)
+
+KEYS = block_keys(list(range(64)), model=MODEL)  # 4 blocks
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def fleet(clock: Clock | None = None, max_age_s: float = 30.0) -> FleetState:
+    return FleetState(clock=clock or Clock(), max_age_s=max_age_s)
+
+
+def apply_all(state: FleetState, updates: list) -> None:
+    for update in updates:
+        state.apply(update)
+
+
+def ids(state: FleetState, model: str = MODEL) -> list[str]:
+    return [r.replica_id for r in state.view(model).replicas()]
+
+
+def route(state: FleetState, workload: KvAwareWorkload, keys: list[int], now: float = 0.0):
+    ctx = RouteContext(workload=workload, model=MODEL, block_keys=keys, now=now)
+    decision = create_policy(workload, rng=random.Random(0)).select(ctx, state.view(MODEL))
+    state.apply_speculative(decision)
+    return decision
+
+
+# -- snapshots ---------------------------------------------------------------------------
+
+
+def test_a_chunked_snapshot_is_invisible_until_its_last_chunk() -> None:
+    state = fleet()
+    updates = snapshot(7, 40, [replica(0), replica(1)], {0: KEYS, 1: KEYS[:2]}, chunks=3)
+    for update in updates[:-1]:
+        state.apply(update)
+        assert ids(state) == []
+        assert state.position() == (0, 0)
+    state.apply(updates[-1])
+    assert ids(state) == ["r0", "r1"]
+    assert state.view(MODEL).leading_runs(KEYS, now=None) == {0: 4, 1: 2}
+    assert state.position() == (7, 40)
+
+
+def test_a_new_snapshot_replaces_everything() -> None:
+    state = fleet()
+    apply_all(state, snapshot(1, 5, [replica(0), replica(1)], {0: KEYS, 1: KEYS}))
+    apply_all(state, snapshot(2, 1, [replica(0, replica_id="fresh")], {0: KEYS[:1]}))
+    assert ids(state) == ["fresh"]
+    assert state.view(MODEL).leading_runs(KEYS, now=None) == {0: 1}
+    assert state.endpoint(1) is None
+    assert state.position() == (2, 1)
+
+
+def test_an_interrupted_snapshot_keeps_the_old_state_and_asks_again() -> None:
+    state = fleet()
+    apply_all(state, snapshot(1, 5, [replica(0)], {0: KEYS}))
+    first, _, third = snapshot(1, 9, [replica(1)], {1: KEYS}, chunks=3)
+    state.apply(first)
+    with pytest.raises(SnapshotNeeded, match="chunk 2"):
+        state.apply(third)  # chunk 1 was lost
+    assert ids(state) == ["r0"]
+    assert state.view(MODEL).leading_runs(KEYS, now=None) == {0: 4}
+    assert state.position() == (0, 0)
+
+
+# -- deltas ------------------------------------------------------------------------------
+
+
+def test_deltas_upsert_remove_and_change_residency() -> None:
+    state = fleet()
+    apply_all(state, snapshot(1, 10, [replica(0), replica(1)], {0: KEYS, 1: KEYS}))
+    state.apply(delta(1, 11, replicas_upserted=[replica(2)], replicas_removed=[1]))
+    assert ids(state) == ["r0", "r2"]
+    assert state.view(MODEL).leading_runs(KEYS, now=None) == {0: 4}
+    state.apply(
+        delta(
+            1,
+            12,
+            residency=[
+                residency_change(2, added=KEYS[:3]),
+                residency_change(0, cleared=True, added=KEYS[:2], removed=KEYS[1:2]),
+            ],
+        )
+    )
+    assert state.view(MODEL).leading_runs(KEYS, now=None) == {0: 1, 2: 3}
+    assert state.position() == (1, 12)
+
+
+def test_a_version_gap_or_new_epoch_asks_for_a_snapshot_and_keeps_serving() -> None:
+    state = fleet()
+    apply_all(state, snapshot(3, 10, [replica(0)], {0: KEYS}))
+    with pytest.raises(SnapshotNeeded, match="version 12 after version 10"):
+        state.apply(delta(3, 12, replicas_removed=[0]))
+    assert state.position() == (0, 0)
+    assert ids(state) == ["r0"]  # still routing on what it had
+    with pytest.raises(SnapshotNeeded, match="before a complete snapshot"):
+        state.apply(delta(3, 11))  # nothing more applies until the snapshot
+    apply_all(state, snapshot(4, 1, [replica(0)], {0: KEYS}))
+    with pytest.raises(SnapshotNeeded, match="epoch changed from 4 to 5"):
+        state.apply(delta(5, 2))
+
+
+def test_load_updates_reach_the_view() -> None:
+    state = fleet()
+    apply_all(state, snapshot(1, 1, [replica(0), replica(1)]))
+    state.apply(delta(1, 2, loads=[{"ordinal": 1, "load": load(32, 16, ts=50.0, kv_usage=0.2)}]))
+    r0, r1 = state.view(MODEL).replicas()
+    assert (r1.running, r1.waiting, r1.load) == (32, 16, 0.75)  # 48 of 64 sequences
+    assert r0.load == 0.0
+    # an upsert without a load (status change) keeps the last load
+    state.apply(delta(1, 3, replicas_upserted=[replica(1, capacity=96)]))
+    assert state.view(MODEL).replicas()[1].load == 0.5
+
+
+def test_malformed_entries_are_skipped_and_counted() -> None:
+    state = fleet()
+    apply_all(state, snapshot(1, 1, [replica(0), replica(5000)], {0: KEYS, 7: KEYS}))
+    state.apply(delta(1, 2, residency=[residency_change(9, added=KEYS)], loads=[{"ordinal": 8}]))
+    assert ids(state) == ["r0"]
+    assert state.view(MODEL).leading_runs(KEYS, now=None) == {0: 4}
+    assert state.ignored == 5  # replica 5000, two ReplicaBlocks of 7, residency of 9, load of 8
+
+
+def test_large_updates_are_applied_in_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fleet_state, "STEP_KEYS", 100)
+    state = fleet()
+    keys = list(range(1, 1001))
+    steps = sum(1 for _ in state.apply_steps(snapshot(1, 1, [replica(0)], {0: keys})[0]))
+    assert steps >= 10
+    assert state.residency_keys() == 1000
+    clear = delta(1, 2, residency=[residency_change(0, cleared=True)])
+    assert sum(1 for _ in state.apply_steps(clear)) >= 10
+    assert state.residency_keys() == 0
+
+
+# -- what the views offer ----------------------------------------------------------------
+
+
+def test_only_healthy_non_draining_replicas_of_the_model_are_offered() -> None:
+    state = fleet()
+    replicas = [
+        replica(0),
+        replica(1, status=DRAINING),
+        replica(2, status=UNHEALTHY),
+        replica(3, status=0),  # unspecified
+        replica(4, model="other"),
+        replica(5, model="org/m-7b", served=["m"]),
+    ]
+    apply_all(state, snapshot(1, 1, replicas))
+    assert ids(state) == ["r0", "r5"]
+    assert ids(state, "other") == ["r4"]
+    assert ids(state, "nobody-serves-this") == []
+    assert state.served_models() == ["m", "org/m-7b", "other"]
+    state.apply(delta(1, 2, replicas_upserted=[replica(0, status=DRAINING)]))
+    assert ids(state) == ["r5"]
+    assert [e.replica_id for e in state.endpoints()] == ["r4", "r5"]
+
+
+def test_model_registry_names_resolve_to_the_canonical_model() -> None:
+    state = fleet()
+    entry = model_entry("llama", model="meta/llama-8b", served_names=["gpt-4o"])
+    routing = config([{"name": "default", "strategy": "least_load"}], models=[entry])
+    apply_all(state, snapshot(1, 1, [replica(0, model="meta/llama-8b")], routing=routing))
+    for name in ("llama", "gpt-4o", "meta/llama-8b"):
+        assert ids(state, name) == ["r0"]
+        assert state.canonical_model(name) == "meta/llama-8b"
+        assert state.model_entry(name) == entry
+    assert state.canonical_model("unknown") is None
+    assert state.models() == {"llama": entry}
+
+
+def test_views_are_cached_until_something_they_show_changes() -> None:
+    state = fleet()
+    apply_all(state, snapshot(1, 1, [replica(0), replica(1), replica(2, model="other")]))
+    view = state.view(MODEL)
+    first = view.replicas()
+    assert state.view(MODEL) is view and view.replicas() is first
+    state.apply(delta(1, 2, loads=[{"ordinal": 2, "load": load(1, 0, ts=5.0)}]))
+    assert view.replicas() is first  # another model's replica changed
+    state.apply(delta(1, 3, loads=[{"ordinal": 1, "load": load(1, 0, ts=5.0)}]))
+    second = view.replicas()
+    assert second is not first
+    assert second[0] is first[0] and second[1].running == 1  # only r1 was rebuilt
+    state.apply(delta(1, 4, replicas_upserted=[replica(3)]))
+    assert state.view(MODEL) is not view
+
+
+# -- config ------------------------------------------------------------------------------
+
+
+def test_config_from_the_stream_classifies_requests() -> None:
+    state = fleet()
+    workloads = [
+        {"name": "chat", "strategy": "kv_aware", "locality_weight": 0.9},
+        {"name": "batch", "strategy": "least_load"},
+    ]
+    rules = {
+        "rules": [{"workload": "batch", "path": "/v1/completions"}],
+        "default_workload": "chat",
+    }
+    apply_all(state, snapshot(1, 1, [replica(0)], routing=config(workloads, rules=rules)))
+    routing = state.routing_config()
+    assert routing.classify(RequestInfo("/v1/completions")).name == "batch"
+    chat = routing.classify(RequestInfo("/v1/chat/completions"))
+    assert chat == parse_workload(workloads[0])
+
+
+def test_a_config_the_proxy_cannot_use_is_refused_and_the_last_one_kept() -> None:
+    state = fleet()
+    good = config([{"name": "default", "strategy": "least_load"}])
+    apply_all(state, snapshot(1, 1, [replica(0)], routing=good))
+    bad = config([{"name": "default", "strategy": "kv_aware", "locality_weight": 7}], revision=2)
+    state.apply(delta(1, 2, config=bad))
+    assert state.routing_config().workload("default").strategy == "least_load"
+    assert "locality_weight" in state.config_error and "revision 2" in state.config_error
+    assert state.position() == (1, 2)  # the stream goes on
+    state.apply(delta(1, 3, config=config([{"name": "default", "strategy": "round_robin"}])))
+    assert state.routing_config().workload("default").strategy == "round_robin"
+    assert state.config_error == ""
+
+
+def test_without_workloads_the_default_config_routes() -> None:
+    state = fleet()
+    apply_all(state, snapshot(1, 1, [replica(0)]))
+    default = state.routing_config().workload("default")
+    assert (default.strategy, default.fallback) == ("kv_aware", "prefix_hash")
+
+
+# -- speculation, in-flight requests, staleness ------------------------------------------
+
+
+def test_speculative_residency_lands_a_burst_together() -> None:
+    state = fleet()
+    apply_all(state, snapshot(1, 1, [replica(o) for o in range(4)], {3: [1, 2, 3]}))
+    workload = KvAwareWorkload(speculative_ttl_s=2.0)
+    chosen = route(state, workload, KEYS, now=10.0).replica_id
+    assert state.view(MODEL).leading_runs(KEYS, now=10.5) == {int(chosen[1:]): 4}
+    assert {route(state, workload, KEYS, now=10.5 + i / 10).replica_id for i in range(5)} == {
+        chosen
+    }
+    assert state.view(MODEL).leading_runs(KEYS, now=20.0) == {}  # expired
+
+
+def test_requests_sent_after_the_engines_report_count_once() -> None:
+    state = fleet()
+    apply_all(state, snapshot(1, 1, [replica(0, running=10, report_ts=100.0), replica(1)]))
+    before = [state.on_sent(0, 99.0) for _ in range(4)]  # the engine's 10 include these
+    after = [state.on_sent(0, 101.0) for _ in range(6)]
+    assert state.view(MODEL).replicas()[0].requests == 16
+    for ticket in after[:2] + before:
+        state.on_done(ticket)
+    state.on_done(after[0])  # twice: ignored
+    assert state.view(MODEL).replicas()[0].requests == 14
+    state.apply(delta(1, 2, loads=[{"ordinal": 0, "load": load(12, 0, ts=102.0)}]))
+    assert state.view(MODEL).replicas()[0].requests == 12  # the report now includes them
+
+
+def test_a_ticket_survives_a_snapshot_that_renumbers_replicas() -> None:
+    state = fleet()
+    apply_all(state, snapshot(1, 1, [replica(0, replica_id="a"), replica(1, replica_id="b")]))
+    ticket = state.on_sent(1, 10.0)
+    apply_all(state, snapshot(2, 1, [replica(0, replica_id="b"), replica(1, replica_id="a")]))
+    assert [r.requests for r in state.view(MODEL).replicas()] == [1, 0]
+    state.on_done(ticket)
+    assert [r.requests for r in state.view(MODEL).replicas()] == [0, 0]
+
+
+def test_stale_state_sends_kv_strategies_to_their_fallback() -> None:
+    clock = Clock()
+    state = fleet(clock, max_age_s=30.0)
+    assert state.age_s() == float("inf")
+    apply_all(state, snapshot(1, 1, [replica(0), replica(1)], {1: KEYS}))
+    workload = KvAwareWorkload(speculative_ttl_s=0)
+    assert route(state, workload, KEYS).replica_id == "r1"
+    clock.now += 31.0
+    assert state.age_s() == 31.0 and state.is_stale()
+    decision = route(state, workload, KEYS)
+    assert decision.note.startswith("no residency data: fallback")
+    state.apply(delta(1, 2))  # an empty delta is a heartbeat
+    assert state.age_s() == 0.0 and not state.is_stale()
+
+
+# -- static mode ---------------------------------------------------------------------------
+
+
+def test_static_replicas_route_without_a_control_plane() -> None:
+    state = FleetState.from_static(["http://127.0.0.1:8101/", "http://127.0.0.1:8102"])
+    assert ids(state, "anything") == ["127.0.0.1:8101", "127.0.0.1:8102"]
+    assert state.canonical_model("anything") == "anything"
+    assert state.endpoint(0).base_url == "http://127.0.0.1:8101"  # type: ignore[union-attr]
+    state.set_served_names(0, ["m", "m-alias"])
+    state.set_served_names(1, ["other"])
+    assert ids(state, "m-alias") == ["127.0.0.1:8101"]
+    assert state.canonical_model("m-alias") == "m"
+    assert state.canonical_model("anything") is None
+    assert state.served_models() == ["m", "m-alias", "other"]
+    workload = KvAwareWorkload(fallback="prefix_hash")
+    decision = route(state, workload, KEYS)
+    assert decision.replica_id == "127.0.0.1:8101" and "fallback prefix_hash" in decision.note
