@@ -1,0 +1,260 @@
+"""The fleet as the control plane knows it: replicas, their load and liveness, residency.
+
+This is the state both instances keep warm from NATS and serve to proxies. It is
+synchronous and does no I/O: ``controlplane.ingest`` decodes messages and calls
+:meth:`Fleet.on_announce`, :meth:`Fleet.on_load` and :meth:`Fleet.on_batch`; asking a
+sidecar for a resync goes through the ``resync`` callback; every change is also recorded
+in :attr:`Fleet.changes` for the next delta to proxies.
+
+Replicas get a small ordinal on first sight (the residency index's bit), stable for the
+life of the process. Only the device tier (``MEDIUM_GPU``) is residency: routing cares
+about what a prefill can reuse without a copy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from controlplane.changes import ChangeLog
+from controlplane.stream import Action, ReplicaStream
+from kvcore.index import MAX_REPLICA_ORDINAL, BitmaskResidencyIndex
+from kvcore.pb import events_pb2
+
+GPU = events_pb2.MEDIUM_GPU
+
+
+class FleetFull(RuntimeError):
+    """More replicas than the residency index has ordinals for."""
+
+
+@dataclass(slots=True)
+class ReplicaRecord:
+    ordinal: int
+    replica_id: str
+    pool: str
+    announce: events_pb2.ReplicaAnnounce | None = None
+    load: events_pb2.LoadReport | None = None
+    last_seen: float = 0.0  # monotonic
+    last_seen_wall: float = 0.0
+    down: bool = False
+    draining: bool = False  # set by an operator, persisted in etcd
+    stream: ReplicaStream = field(default_factory=ReplicaStream)
+
+    @property
+    def announced(self) -> bool:
+        return self.announce is not None
+
+    @property
+    def is_draining(self) -> bool:
+        return self.draining or (self.announce is not None and self.announce.draining)
+
+    @property
+    def state_incomplete(self) -> bool:
+        return self.announce is not None and self.announce.state_incomplete
+
+
+@dataclass(slots=True)
+class FleetStats:
+    block_events: int = 0  # keys stored or removed, plus clears
+    batches: int = 0
+    batches_ignored: int = 0
+    snapshots_applied: int = 0
+    resyncs: dict[str, int] = field(default_factory=dict)  # reason -> count
+    replicas_down: int = 0  # times a replica was marked down
+
+
+Resync = Callable[[ReplicaRecord, str, int], None]  # record, reason, snapshot_id
+
+
+class Fleet:
+    """Replicas by id and ordinal, one residency index, and the change log."""
+
+    def __init__(
+        self,
+        *,
+        heartbeat_timeout_s: float,
+        resync_retry_s: float = 2.0,
+        resync: Resync | None = None,
+    ) -> None:
+        self.index = BitmaskResidencyIndex()
+        self.by_id: dict[str, ReplicaRecord] = {}
+        self.by_ordinal: dict[int, ReplicaRecord] = {}
+        self.drained: set[str] = set()  # replica ids an operator drained (from etcd)
+        self.changes = ChangeLog()
+        self.stats = FleetStats()
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.resync_retry_s = resync_retry_s
+        self.resync: Resync = resync or (lambda record, reason, snapshot_id: None)
+        self._snapshot_ids = itertools.count(random.randrange(1, 2**62))
+
+    # -- membership and load ---------------------------------------------------------
+    def record(self, pool: str, replica_id: str, now: float) -> ReplicaRecord:
+        """The replica's record, created (with the next ordinal) on first sight."""
+        record = self.by_id.get(replica_id)
+        if record is None:
+            ordinal = len(self.by_ordinal)
+            if ordinal > MAX_REPLICA_ORDINAL:
+                raise FleetFull(f"more than {MAX_REPLICA_ORDINAL + 1} replicas")
+            record = ReplicaRecord(ordinal, replica_id, pool, last_seen=now)
+            record.draining = replica_id in self.drained
+            self.by_id[replica_id] = self.by_ordinal[ordinal] = record
+            self.changes.replica(ordinal)
+        return record
+
+    def on_announce(self, msg: events_pb2.ReplicaAnnounce, now: float) -> ReplicaRecord:
+        record = self.record(msg.pool, msg.replica_id, now)
+        changed = record.announce is None or _announce_differs(record.announce, msg)
+        record.announce, record.pool = msg, msg.pool
+        self._seen(record, now)
+        if record.down:
+            record.down = False
+            changed = True
+        if changed:
+            self.changes.replica(record.ordinal)
+        self._resync_if_unknown(record)
+        return record
+
+    def on_load(self, msg: events_pb2.LoadReport, pool: str, now: float) -> None:
+        record = self.record(pool, msg.replica_id, now)
+        record.load = msg
+        self._seen(record, now)
+        self.changes.load(record.ordinal)
+        self._resync_if_unknown(record)
+
+    def _seen(self, record: ReplicaRecord, now: float) -> None:
+        record.last_seen, record.last_seen_wall = now, time.time()
+
+    def _resync_if_unknown(self, record: ReplicaRecord) -> None:
+        if not record.down and record.stream.epoch is None:
+            self._ask_resync(record, "unknown stream")
+
+    def _ask_resync(self, record: ReplicaRecord, reason: str) -> None:
+        stream = record.stream
+        now = time.monotonic()
+        asked = stream.resync_asked_at
+        if asked is not None and now - asked < self.resync_retry_s:
+            return
+        stream.resync_asked_at = now
+        stream.asked_id = next(self._snapshot_ids)
+        self.stats.resyncs[reason] = self.stats.resyncs.get(reason, 0) + 1
+        self.resync(record, reason, stream.asked_id)
+
+    def set_draining(self, replica_id: str, draining: bool) -> ReplicaRecord | None:
+        """Drain or undrain, also a replica not seen yet (it starts drained)."""
+        if draining:
+            self.drained.add(replica_id)
+        else:
+            self.drained.discard(replica_id)
+        record = self.by_id.get(replica_id)
+        if record is not None and record.draining != draining:
+            record.draining = draining
+            self.changes.replica(record.ordinal)
+        return record
+
+    # -- residency -----------------------------------------------------------------
+    def on_batch(self, batch: events_pb2.KvEventBatch, pool: str, now: float) -> None:
+        record = self.record(pool, batch.replica_id, now)
+        self._seen(record, now)
+        stream = record.stream
+        verdict = stream.accept(batch)
+        self.stats.batches += 1
+        if verdict.clear_first:
+            self.clear(record)
+        if verdict.resync is not None:
+            self._ask_resync(record, verdict.resync)
+        action = verdict.action
+        if action is Action.APPLY:
+            self._apply(record.ordinal, batch.events)
+        elif action is Action.IGNORE:
+            self.stats.batches_ignored += 1
+        else:
+            stream.collect(_stored_keys(batch.events))
+            if action is Action.REPLACE:
+                self._replace(record, stream.take_snapshot())
+                stream.snapshot_applied()
+
+    def _apply(self, ordinal: int, events: object) -> None:
+        index, net, counted = self.index, self.changes.residency_of(ordinal), 0
+        for event in events:  # type: ignore[attr-defined]
+            kind = event.WhichOneof("kind")
+            if kind == "stored":
+                stored = event.stored
+                if stored.medium == GPU:
+                    keys = list(stored.keys)
+                    index.add(ordinal, keys)
+                    net.add(keys)
+                    counted += len(keys)
+            elif kind == "removed":
+                removed = event.removed
+                if removed.medium == GPU:
+                    keys = list(removed.keys)
+                    index.remove(ordinal, keys)
+                    net.remove(keys)
+                    counted += len(keys)
+            elif kind == "cleared":
+                index.clear_replica(ordinal)
+                net.clear()
+                counted += 1
+        self.stats.block_events += counted
+
+    def _replace(self, record: ReplicaRecord, keys: list[int]) -> None:
+        self.clear(record)
+        self.index.add(record.ordinal, keys)
+        self.changes.residency_of(record.ordinal).add(keys)
+        self.stats.block_events += len(keys)
+        self.stats.snapshots_applied += 1
+
+    def clear(self, record: ReplicaRecord) -> None:
+        self.index.clear_replica(record.ordinal)
+        self.changes.residency_of(record.ordinal).clear()
+
+    # -- liveness --------------------------------------------------------------------
+    def expire(self, now: float) -> list[ReplicaRecord]:
+        """Mark replicas silent past the heartbeat timeout down; the caller drops their
+        residency with :meth:`drop_steps`."""
+        gone = []
+        for record in self.by_ordinal.values():
+            if not record.down and now - record.last_seen > self.heartbeat_timeout_s:
+                record.down = True
+                record.stream.reset()
+                self.changes.replica(record.ordinal)
+                self.changes.residency_of(record.ordinal).clear()
+                self.stats.replicas_down += 1
+                gone.append(record)
+        return gone
+
+    def drop_steps(self, record: ReplicaRecord, chunk: int) -> Iterator[int]:
+        """Drop a down replica's residency in steps (lookups stop seeing it at once)."""
+        return self.index.clear_replica_steps(record.ordinal, chunk=chunk)
+
+    def retry_resyncs(self) -> None:
+        """Ask again for the snapshots that have not come."""
+        for record in self.by_ordinal.values():
+            if not record.down and not record.stream.exact:
+                self._ask_resync(record, "snapshot overdue")
+
+    def replicas_in(self, pools: frozenset[str] | None) -> list[ReplicaRecord]:
+        records = self.by_ordinal.values()
+        return [r for r in records if pools is None or r.pool in pools]
+
+
+def _stored_keys(events: object) -> list[int]:
+    keys: list[int] = []
+    for event in events:  # type: ignore[attr-defined]
+        if event.WhichOneof("kind") == "stored" and event.stored.medium == GPU:
+            keys.extend(event.stored.keys)
+    return keys
+
+
+def _announce_differs(old: events_pb2.ReplicaAnnounce, new: events_pb2.ReplicaAnnounce) -> bool:
+    """Whether anything a proxy sees changed (the timestamp does not count)."""
+    old_ts, new_ts = old.ts, new.ts
+    try:
+        old.ts = new.ts = 0.0
+        return bool(old != new)
+    finally:
+        old.ts, new.ts = old_ts, new_ts

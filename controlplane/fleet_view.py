@@ -1,0 +1,159 @@
+"""The fleet as others read it: the admin API (:class:`contracts.FleetView`), routing
+(kvcore's :class:`ReplicaState` and ``StateView``) and proxies (``routing_pb2.Replica``).
+
+One place turns a :class:`ReplicaRecord` into each of those shapes, so the admin API,
+``explain`` and the proxies all see the same status, load and draining flag.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from controlplane.contracts import (
+    ReplicaInfo,
+    ReplicaStatusName,
+    ResidencySummary,
+    SharedPrefix,
+    UnknownReplica,
+)
+from controlplane.fleet import Fleet, ReplicaRecord
+from kvcore.pb import events_pb2, routing_pb2
+from kvcore.policies import ReplicaState, StaticStateView
+
+ENGINE_KIND_NAMES = {events_pb2.ENGINE_KIND_VLLM: "vllm", events_pb2.ENGINE_KIND_SGLANG: "sglang"}
+
+
+class DrainStore(Protocol):
+    """Where drain flags persist (etcd), so the other instance and a restart see them."""
+
+    async def persist_draining(self, pool: str, replica_id: str, draining: bool) -> None: ...
+
+
+def status_of(record: ReplicaRecord) -> ReplicaStatusName:
+    if record.down or not record.announced:
+        return "down"
+    return "draining" if record.is_draining else "healthy"
+
+
+_STATUS_PB = {
+    "healthy": routing_pb2.REPLICA_STATUS_HEALTHY,
+    "draining": routing_pb2.REPLICA_STATUS_DRAINING,
+    "down": routing_pb2.REPLICA_STATUS_UNHEALTHY,
+}
+
+
+def replica_pb(record: ReplicaRecord) -> routing_pb2.Replica:
+    """The replica as proxies receive it."""
+    msg = routing_pb2.Replica(
+        ordinal=record.ordinal,
+        replica_id=record.replica_id,
+        pool=record.pool,
+        status=_STATUS_PB[status_of(record)],
+        state_incomplete=record.state_incomplete,
+    )
+    announce = record.announce
+    if announce is not None:
+        msg.base_url, msg.model = announce.base_url, announce.model
+        msg.served_names.extend(announce.served_names)
+        msg.engine_kind, msg.block_size = announce.engine_kind, announce.block_size
+        msg.engine_block_size = announce.engine_block_size
+        msg.labels.update(announce.labels)
+    if record.load is not None:
+        msg.load.CopyFrom(record.load)
+    return msg
+
+
+def replica_state(record: ReplicaRecord) -> ReplicaState:
+    """The replica as kvcore's policies see it (for explain)."""
+    announce, load = record.announce, record.load
+    models = frozenset((announce.model, *announce.served_names)) if announce else frozenset()
+    return ReplicaState(
+        ordinal=record.ordinal,
+        replica_id=record.replica_id,
+        models=models - {""},
+        healthy=status_of(record) != "down",
+        draining=record.is_draining,
+        running=load.running if load else 0,
+        waiting=load.waiting if load else 0,
+        kv_usage=min(max(load.kv_usage, 0.0), 1.0) if load else 0.0,
+    )
+
+
+def replica_info(record: ReplicaRecord, resident_blocks: int) -> ReplicaInfo:
+    announce, load = record.announce, record.load
+    return ReplicaInfo(
+        replica_id=record.replica_id,
+        pool=record.pool,
+        base_url=announce.base_url if announce else "",
+        model=announce.model if announce else "",
+        served_names=tuple(announce.served_names) if announce else (),
+        engine_kind=ENGINE_KIND_NAMES.get(announce.engine_kind, "") if announce else "",
+        status=status_of(record),
+        draining=record.draining,
+        state_incomplete=record.state_incomplete,
+        epoch=record.stream.epoch or (announce.sidecar_epoch if announce else 0),
+        block_size=announce.block_size if announce else 0,
+        running=load.running if load else 0,
+        waiting=load.waiting if load else 0,
+        kv_usage=load.kv_usage if load else 0.0,
+        resident_blocks=resident_blocks,
+        prefix_cache_queries=load.prefix_cache_queries if load else None,
+        prefix_cache_hits=load.prefix_cache_hits if load else None,
+        last_seen=record.last_seen_wall,
+    )
+
+
+class LiveFleetView:
+    """:class:`controlplane.contracts.FleetView` over the live fleet."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        *,
+        drains: DrainStore | None = None,
+        is_leader: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.fleet = fleet
+        self.drains = drains
+        self._is_leader = is_leader
+
+    def replicas(self, pool: str | None = None) -> Sequence[ReplicaInfo]:
+        index = self.fleet.index
+        records = self.fleet.replicas_in(None if pool is None else frozenset({pool}))
+        return [replica_info(r, index.key_count(r.ordinal)) for r in records]
+
+    async def set_draining(self, replica_id: str, draining: bool) -> ReplicaInfo:
+        record = self.fleet.by_id.get(replica_id)
+        if record is None:
+            raise UnknownReplica(replica_id)
+        if self.drains is not None:
+            await self.drains.persist_draining(record.pool, replica_id, draining)
+        self.fleet.set_draining(replica_id, draining)
+        return replica_info(record, self.fleet.index.key_count(record.ordinal))
+
+    def residency_summary(self, top: int = 20) -> ResidencySummary:
+        fleet = self.fleet
+        index = fleet.index
+        per_replica = {r.replica_id: index.key_count(r.ordinal) for r in fleet.by_id.values()}
+        shared = heapq.nlargest(top, index.holdings(), key=lambda held: held[1].bit_count())
+        names = {ordinal: r.replica_id for ordinal, r in fleet.by_ordinal.items()}
+        most = tuple(
+            SharedPrefix(key, tuple(names[o] for o in _ordinals(mask) if o in names))
+            for key, mask in shared
+            if mask.bit_count() > 1
+        )
+        return ResidencySummary(index.key_count(), per_replica, most)
+
+    def state_view(self, pool: str | None = None) -> StaticStateView:
+        records = self.fleet.replicas_in(None if pool is None else frozenset({pool}))
+        states = [replica_state(r) for r in records if r.announced]
+        return StaticStateView(states, self.fleet.index)
+
+    def is_leader(self) -> bool:
+        return self._is_leader()
+
+
+def _ordinals(mask: int) -> list[int]:
+    return [bit for bit in range(mask.bit_length()) if mask >> bit & 1]

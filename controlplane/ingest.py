@@ -1,0 +1,167 @@
+"""NATS in: the sidecars' announcements, event batches and load reports, into the fleet.
+
+Only this module (and :mod:`controlplane.nats_options`) talks NATS. Each message is
+decoded and handed to :class:`controlplane.fleet.Fleet` synchronously in the
+subscription's callback, so one replica's batches are applied in the order NATS
+delivered them. A message that does not decode, or whose ids disagree with its subject,
+is counted by kind and skipped. Resync requests go out as NATS requests from their own
+tasks; the reply says where the snapshot starts. A sweeper marks silent replicas down
+and drops their residency in steps, yielding the event loop between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Coroutine
+from typing import Any
+
+import nats
+import nats.errors
+from google.protobuf.message import DecodeError
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from controlplane.fleet import Fleet, FleetFull, ReplicaRecord
+from controlplane.nats_options import connect_options, redacted
+from controlplane.settings import ControlPlaneSettings
+from kvcore import subjects
+from kvcore.pb import events_pb2
+
+log = logging.getLogger(__name__)
+_RETRY_S = 0.25
+
+
+class Ingest:
+    """Subscribes to the pools this instance serves and feeds the fleet."""
+
+    def __init__(self, settings: ControlPlaneSettings, fleet: Fleet) -> None:
+        self.settings = settings
+        self.fleet = fleet
+        self.malformed: Counter[str] = Counter()  # by message kind
+        self.resyncs_sent: Counter[str] = Counter()  # by outcome
+        self._nc: Client | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        fleet.resync = self._request_resync
+
+    @property
+    def connected(self) -> bool:
+        return self._nc is not None and self._nc.is_connected
+
+    async def start(self) -> None:
+        """Connect (retrying until NATS answers), subscribe, start the sweeper."""
+        while self._nc is None:
+            try:
+                self._nc = await nats.connect(**connect_options(self.settings))
+            except (nats.errors.Error, OSError, TimeoutError) as exc:
+                log.info("nats not reachable yet", extra={"error": type(exc).__name__})
+                await asyncio.sleep(_RETRY_S)
+        for subject in self.subscriptions():
+            await self._nc.subscribe(subject, cb=self._on_message, pending_msgs_limit=1_000_000)
+        await self._nc.flush()
+        self._spawn(self._sweep())
+        log.info("nats subscribed", extra={"url": redacted(self.settings.nats_url)})
+
+    async def aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._nc is not None:
+            with contextlib.suppress(nats.errors.Error, OSError):
+                await self._nc.close()
+            self._nc = None
+
+    def subscriptions(self) -> list[str]:
+        pools = self.settings.served_pools()
+        if pools is None:
+            return list(subjects.pool_subscriptions(None))
+        return [s for pool in pools for s in subjects.pool_subscriptions(pool)]
+
+    # -- messages ------------------------------------------------------------------------
+    async def _on_message(self, msg: Msg) -> None:
+        self.handle(msg.subject, msg.data, time.monotonic())
+
+    def handle(self, subject: str, data: bytes, now: float) -> None:
+        """Decode one message and apply it; malformed ones are counted and skipped."""
+        try:
+            parsed = subjects.parse_subject(subject)
+        except subjects.InvalidName:
+            self.malformed["subject"] += 1
+            return
+        kind = parsed.kind
+        try:
+            if kind is subjects.SubjectKind.EVENTS:
+                self._batch(events_pb2.KvEventBatch.FromString(data), parsed)
+            elif kind is subjects.SubjectKind.LOAD:
+                self._load(events_pb2.LoadReport.FromString(data), parsed, now)
+            elif kind is subjects.SubjectKind.ANNOUNCE:
+                self._announce(events_pb2.ReplicaAnnounce.FromString(data), parsed, now)
+        except (DecodeError, ValueError):
+            self.malformed[kind.value] += 1
+        except FleetFull:
+            self.malformed["fleet_full"] += 1
+
+    def _batch(self, batch: events_pb2.KvEventBatch, subject: subjects.Subject) -> None:
+        if batch.replica_id != subject.replica or batch.pool != subject.pool:
+            raise ValueError("ids disagree with the subject")
+        self.fleet.on_batch(batch, subject.pool, time.monotonic())
+
+    def _load(self, load: events_pb2.LoadReport, subject: subjects.Subject, now: float) -> None:
+        if load.replica_id != subject.replica:
+            raise ValueError("replica id disagrees with the subject")
+        self.fleet.on_load(load, subject.pool, now)
+
+    def _announce(
+        self, msg: events_pb2.ReplicaAnnounce, subject: subjects.Subject, now: float
+    ) -> None:
+        subjects.check_name("replica", msg.replica_id)
+        if msg.pool != subject.pool:
+            raise ValueError("pool disagrees with the subject")
+        self.fleet.on_announce(msg, now)
+
+    # -- resync ------------------------------------------------------------------------
+    def _request_resync(self, record: ReplicaRecord, reason: str, snapshot_id: int) -> None:
+        if self._nc is not None:
+            self._spawn(self._resync(record, reason, snapshot_id))
+
+    async def _resync(self, record: ReplicaRecord, reason: str, snapshot_id: int) -> None:
+        assert self._nc is not None
+        request = events_pb2.ResyncRequest(
+            requester=self.settings.instance_id, reason=reason, snapshot_id=snapshot_id
+        )
+        subject = subjects.resync_subject(record.pool, record.replica_id)
+        try:
+            msg = await self._nc.request(
+                subject, request.SerializeToString(), timeout=self.settings.resync_timeout_s
+            )
+            reply = events_pb2.ResyncReply.FromString(msg.data)
+        except (nats.errors.Error, DecodeError, TimeoutError) as exc:
+            self.resyncs_sent[type(exc).__name__] += 1
+            return
+        if not reply.accepted:
+            self.resyncs_sent["refused"] += 1
+            log.warning("resync refused", extra={"replica": record.replica_id})
+            return
+        self.resyncs_sent["accepted"] += 1
+        record.stream.expect_snapshot(reply.epoch, reply.first_seq)
+
+    # -- liveness ----------------------------------------------------------------------
+    async def _sweep(self) -> None:
+        interval = min(1.0, self.settings.heartbeat_timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            for record in self.fleet.expire(time.monotonic()):
+                log.info("replica down", extra={"replica": record.replica_id})
+                for _ in self.fleet.drop_steps(record, self.settings.clear_chunk_keys):
+                    await asyncio.sleep(0)
+            self.fleet.retry_resyncs()
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

@@ -1,0 +1,170 @@
+"""One replica's event stream: which batches to apply, when to resync, when a snapshot ends.
+
+The sidecar's stream semantics (docs/architecture.md, "Sidecar stream semantics") are
+decided here and nowhere else, with no I/O, so that every case can be tested alone:
+
+- ``seq`` is contiguous per ``(replica, epoch)``; a duplicate (``seq`` not above the last
+  seen) is ignored; a gap asks for a resync, and the batches after it are still applied
+  (best effort) until the snapshot replaces the replica's residency;
+- a batch with a higher epoch replaces everything known: the residency is cleared; its
+  ``seq`` 0 starts an exact stream, any other ``seq`` means its start was missed, so a
+  resync is asked for; a lower epoch is stale and ignored;
+- a snapshot is a run of ``snapshot=true`` parts with consecutive seqs and one
+  ``snapshot_id`` (0 when the sidecar sends one on its own); it is collected only when
+  its first part is known to be first (it follows the last seq seen, or it is seq 0 of a
+  new epoch, or a ``ResyncReply`` named its seq, or it carries the id of our request)
+  and replaces the residency when the
+  ``snapshot_done`` part arrives. A part that is missing, or an ordinary batch inside a
+  snapshot, abandons it and asks for a resync;
+- a snapshot this instance asked for (its ``snapshot_id``) is known from its first part;
+- an unknown stream (first sight of the replica, after it was marked down) asks for a
+  resync unless it starts at seq 0 of its epoch.
+
+The caller (``controlplane.fleet``) gets back a :class:`Verdict` per batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kvcore.pb import events_pb2
+
+
+class Action(Enum):
+    IGNORE = "ignore"  # duplicate, stale epoch, or a snapshot part we cannot use
+    APPLY = "apply"  # apply the batch's events on top
+    COLLECT = "collect"  # a snapshot part: keep its stores until the snapshot is done
+    REPLACE = "replace"  # the last part: residency := collected keys + this part's
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    action: Action
+    clear_first: bool = False  # a new epoch: forget the replica's residency first
+    resync: str | None = None  # ask the sidecar for a snapshot, for this reason
+
+
+@dataclass(slots=True)
+class _Snapshot:
+    snapshot_id: int
+    next_seq: int
+    keys: list[int] = field(default_factory=list)
+
+
+class ReplicaStream:
+    """Sequencing state of one replica's ``KvEventBatch`` stream."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the stream (first sight, or the replica was marked down)."""
+        self.epoch: int | None = None
+        self.last_seq: int | None = None  # last seq seen in this epoch
+        self.exact = False  # residency mirrors the sidecar (keys may still be missing
+        # when it reports state_incomplete)
+        self.snapshot: _Snapshot | None = None
+        self.expected_first: tuple[int, int] | None = None  # (epoch, seq) from a reply
+        self.asked_id: int | None = None  # snapshot_id of our last resync request
+        self.resync_asked_at: float | None = None
+        self.open_part = False  # the last batch seen was a snapshot part, not the last
+
+    def accept(self, batch: events_pb2.KvEventBatch) -> Verdict:
+        verdict = self._decide(batch)
+        if self.last_seq == batch.seq and self.epoch == batch.epoch:
+            self.open_part = batch.snapshot and not batch.snapshot_done
+        return verdict
+
+    def _decide(self, batch: events_pb2.KvEventBatch) -> Verdict:
+        epoch = self.epoch
+        if epoch is not None and batch.epoch < epoch:
+            return Verdict(Action.IGNORE)
+        if epoch is None or batch.epoch > epoch:
+            return self._new_epoch(batch, clear=epoch is not None)
+        if self.last_seq is not None and batch.seq <= self.last_seq:
+            return Verdict(Action.IGNORE)
+        if batch.snapshot:
+            return self._snapshot_part(batch)
+        return self._ordinary(batch)
+
+    def expect_snapshot(self, epoch: int, first_seq: int) -> None:
+        """A ``ResyncReply`` said the snapshot starts at ``first_seq`` of ``epoch``."""
+        self.expected_first = (epoch, first_seq)
+
+    def collect(self, keys: list[int]) -> None:
+        if self.snapshot is not None:
+            self.snapshot.keys.extend(keys)
+
+    def take_snapshot(self) -> list[int]:
+        """The collected keys once the REPLACE verdict was given."""
+        keys = self.snapshot.keys if self.snapshot is not None else []
+        self.snapshot = None
+        return keys
+
+    def _new_epoch(self, batch: events_pb2.KvEventBatch, *, clear: bool) -> Verdict:
+        self.epoch, self.last_seq, self.snapshot, self.exact = batch.epoch, None, None, False
+        if batch.seq == 0:
+            self.exact = not batch.snapshot
+            verdict = self._snapshot_start(batch) if batch.snapshot else self._advance(batch)
+            return Verdict(verdict.action, clear_first=clear, resync=verdict.resync)
+        if batch.snapshot and self._first_of_ours(batch):
+            verdict = self._snapshot_start(batch)
+            return Verdict(verdict.action, clear_first=clear)
+        self.last_seq = batch.seq
+        if batch.snapshot:  # joined in the middle of a snapshot: wait for ours
+            return Verdict(Action.IGNORE, clear_first=clear, resync=_reason(clear, "snapshot"))
+        return Verdict(Action.APPLY, clear_first=clear, resync=_reason(clear, "stream"))
+
+    def _ordinary(self, batch: events_pb2.KvEventBatch) -> Verdict:
+        if self.snapshot is not None:
+            self.snapshot, self.exact, self.last_seq = None, False, batch.seq
+            return Verdict(Action.APPLY, resync="snapshot part lost")
+        return self._advance(batch)
+
+    def _advance(self, batch: events_pb2.KvEventBatch) -> Verdict:
+        contiguous = self.last_seq is None and batch.seq == 0
+        contiguous = contiguous or (self.last_seq is not None and batch.seq == self.last_seq + 1)
+        self.last_seq = batch.seq
+        if contiguous or not self.exact:
+            return Verdict(Action.APPLY)
+        self.exact = False
+        return Verdict(Action.APPLY, resync="seq gap")
+
+    def _snapshot_part(self, batch: events_pb2.KvEventBatch) -> Verdict:
+        snap = self.snapshot
+        if (
+            snap is not None
+            and batch.seq == snap.next_seq
+            and batch.snapshot_id == snap.snapshot_id
+        ):
+            self.last_seq = batch.seq
+            snap.next_seq += 1
+            return Verdict(Action.REPLACE if batch.snapshot_done else Action.COLLECT)
+        follows = self.last_seq is not None and batch.seq == self.last_seq + 1
+        first = follows and snap is None and not self.open_part
+        if first or self._first_of_ours(batch):
+            return self._snapshot_start(batch)
+        self.snapshot, self.exact, self.last_seq = None, False, batch.seq
+        return Verdict(Action.IGNORE, resync="snapshot part lost")
+
+    def _first_of_ours(self, batch: events_pb2.KvEventBatch) -> bool:
+        """The first part of the snapshot we asked for: its seq was in the reply, or it
+        carries our id and none of it was seen before (the reply and the snapshot travel
+        on different subscriptions, so either may be processed first)."""
+        if self.expected_first == (batch.epoch, batch.seq):
+            return True
+        ours = batch.snapshot_id != 0 and batch.snapshot_id == self.asked_id
+        return ours and (self.snapshot is None or self.snapshot.snapshot_id != batch.snapshot_id)
+
+    def _snapshot_start(self, batch: events_pb2.KvEventBatch) -> Verdict:
+        self.last_seq, self.expected_first = batch.seq, None
+        self.snapshot = _Snapshot(batch.snapshot_id, batch.seq + 1)
+        return Verdict(Action.REPLACE if batch.snapshot_done else Action.COLLECT)
+
+    def snapshot_applied(self) -> None:
+        self.exact, self.resync_asked_at = True, None
+
+
+def _reason(new_epoch: bool, what: str) -> str:
+    return f"new epoch, missed its start ({what})" if new_epoch else f"unknown stream ({what})"

@@ -1,0 +1,130 @@
+"""Harness for the control plane's integration tests: a sidecar double on real NATS.
+
+:class:`SidecarDouble` publishes what a sidecar publishes (announce, load, event batches
+with contiguous seqs) for a set of keys it holds, and answers resync requests with a
+snapshot, exactly per the sidecar's stream semantics. It can also lose a batch on
+purpose, to show the control plane recovers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import nats
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from kvcore import subjects
+from kvcore.pb import events_pb2
+
+SNAPSHOT_PART_KEYS = 1000
+
+
+@dataclass
+class SidecarDouble:
+    nats_url: str
+    replica: str
+    pool: str = "default"
+    epoch: int = field(default_factory=lambda: time.time_ns() // 1000)
+    held: set[int] = field(default_factory=set)
+    seq: int = 0
+    resyncs: int = 0
+    nc: Client | None = None
+
+    async def start(self) -> SidecarDouble:
+        self.nc = await nats.connect(self.nats_url)
+        await self.nc.subscribe(
+            subjects.resync_subject(self.pool, self.replica), cb=self._on_resync
+        )
+        await self.nc.flush()
+        return self
+
+    async def stop(self) -> None:
+        if self.nc is not None:
+            await self.nc.close()
+
+    def announcement(self) -> events_pb2.ReplicaAnnounce:
+        return events_pb2.ReplicaAnnounce(
+            replica_id=self.replica,
+            pool=self.pool,
+            base_url=f"http://127.0.0.1:9/{self.replica}",
+            model="m",
+            served_names=["m"],
+            engine_kind=events_pb2.ENGINE_KIND_VLLM,
+            block_size=16,
+            sidecar_epoch=self.epoch,
+            ts=time.time(),
+        )
+
+    async def announce(self) -> None:
+        await self._publish(subjects.announce_subject(self.pool), self.announcement())
+
+    async def load(self, running: int = 1) -> None:
+        report = events_pb2.LoadReport(
+            replica_id=self.replica,
+            pool=self.pool,
+            epoch=self.epoch,
+            running=running,
+            kv_usage=0.5,
+            engine_up=True,
+            ts=time.time(),
+        )
+        await self._publish(subjects.load_subject(self.pool, self.replica), report)
+
+    async def store(self, keys: Iterable[int], *, lose: bool = False) -> None:
+        keys = list(keys)
+        self.held.update(keys)
+        await self._events(lambda b: b.events.add().stored.keys.extend(keys), lose=lose)
+
+    async def remove(self, keys: Iterable[int], *, lose: bool = False) -> None:
+        keys = list(keys)
+        self.held.difference_update(keys)
+        await self._events(lambda b: b.events.add().removed.keys.extend(keys), lose=lose)
+
+    async def _events(
+        self, fill: Callable[[events_pb2.KvEventBatch], object], *, lose: bool
+    ) -> None:
+        batch = self._batch()
+        fill(batch)
+        if not lose:
+            await self._publish(subjects.events_subject(self.pool, self.replica), batch)
+
+    def _batch(self, **flags: object) -> events_pb2.KvEventBatch:
+        batch = events_pb2.KvEventBatch(
+            replica_id=self.replica,
+            pool=self.pool,
+            epoch=self.epoch,
+            seq=self.seq,
+            ts=time.time(),
+            **flags,  # type: ignore[arg-type]
+        )
+        self.seq += 1
+        return batch
+
+    async def _on_resync(self, msg: Msg) -> None:
+        request = events_pb2.ResyncRequest.FromString(msg.data)
+        self.resyncs += 1
+        reply = events_pb2.ResyncReply(accepted=True, epoch=self.epoch, first_seq=self.seq)
+        await msg.respond(reply.SerializeToString())
+        await self.snapshot(request.snapshot_id)
+
+    async def snapshot(self, snapshot_id: int = 0) -> None:
+        keys = sorted(self.held)
+        parts = [keys[i : i + SNAPSHOT_PART_KEYS] for i in range(0, len(keys), SNAPSHOT_PART_KEYS)]
+        parts = parts or [[]]
+        for i, part in enumerate(parts):
+            batch = self._batch(
+                snapshot=True, snapshot_done=i == len(parts) - 1, snapshot_id=snapshot_id
+            )
+            batch.events.add().stored.keys.extend(part)
+            await self._publish(subjects.events_subject(self.pool, self.replica), batch)
+
+    async def _publish(self, subject: str, msg: object) -> None:
+        assert self.nc is not None
+        await self.nc.publish(subject, msg.SerializeToString())  # type: ignore[attr-defined]
+
+    async def flush(self) -> None:
+        assert self.nc is not None
+        await self.nc.flush()
