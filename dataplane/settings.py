@@ -20,7 +20,7 @@ import os
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, FilePath, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from kvcore.keys import DEFAULT_BLOCK_SIZE
@@ -73,6 +73,15 @@ class ProxySettings(BaseSettings):
         ge=1,
         le=4096,
         description="Router block size of models the registry does not name.",
+    )
+    controlplane_tls: bool = Field(
+        default=False,
+        description="Connect to the control plane over TLS, trusting the system's roots.",
+    )
+    controlplane_tls_ca: FilePath | None = Field(
+        default=None,
+        description="CA bundle (PEM) that signed the control plane's gRPC certificate; "
+        "given: TLS trusting only it.",
     )
     state_max_age_s: float = Field(
         default=30.0,
