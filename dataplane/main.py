@@ -10,13 +10,26 @@ stops them on SIGTERM/SIGINT.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
+import json
+import logging
+import os
+import signal
+import socket
 import sys
 from collections.abc import Sequence
 from typing import Any, Literal, NoReturn, get_args, get_origin
 
+import uvicorn
+import uvloop
 from pydantic import ValidationError
 
+from dataplane.service import ProxyService
 from dataplane.settings import LIST_FIELDS, ProxySettings
+
+log = logging.getLogger("dataplane")
+READY_PREFIX = "kvroute-proxy ready"
 
 PROG = "kvroute-proxy"
 
@@ -76,11 +89,175 @@ def describe(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the launcher once it accepts connections."""
+
+    def __init__(self, config: uvicorn.Config, on_ready: Any) -> None:
+        super().__init__(config)
+        self.on_ready = on_ready
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        self.on_ready()
+
+
+def bind(host: str, port: int, *, reuse_port: bool) -> socket.socket:
+    """A listening-ready TCP socket (``SO_REUSEPORT`` for workers sharing a port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise SettingsRefused(f"cannot bind {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+def ready_line(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"{READY_PREFIX} http=http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+async def serve(settings: ProxySettings, sock: socket.socket, on_ready: Any) -> None:
+    """One worker: build the service, serve ``sock`` until SIGTERM/SIGINT."""
+    service = ProxyService(settings)
+    await service.start()
+    sock.listen(4096)
+    config = uvicorn.Config(
+        service.app,
+        lifespan="off",
+        http="httptools",
+        loop="none",
+        access_log=False,
+        log_level="warning",
+        timeout_keep_alive=75,
+        backlog=4096,
+        proxy_headers=False,
+        server_header=False,
+        date_header=False,
+    )
+    try:
+        await _Server(config, on_ready).serve(sockets=[sock])
+    finally:
+        await service.aclose()
+        sock.close()
+
+
+def run_worker(settings: ProxySettings, sock: socket.socket, on_ready: Any) -> None:
+    gc.set_threshold(50_000, 20, 100)  # fewer young collections on the hot path
+    uvloop.run(serve(settings, sock, on_ready))
+
+
+def run_workers(settings: ProxySettings) -> int:
+    """Fork ``settings.workers`` processes on one port; print one ready line for all."""
+    placeholder = bind(settings.host, settings.port, reuse_port=True)
+    line = ready_line(placeholder)
+    port = placeholder.getsockname()[1]
+    read_end, write_end = os.pipe()
+    children = [_fork_worker(settings, port, write_end, read_end) for _ in range(settings.workers)]
+    os.close(write_end)
+    stop = _forward_signals(children)
+    ready = b""
+    while len(ready) < settings.workers:
+        piece = os.read(read_end, settings.workers)
+        if not piece:
+            break
+        ready += piece
+    os.close(read_end)
+    placeholder.close()
+    if len(ready) == settings.workers and not stop:
+        print(line, flush=True)
+    return _wait(children)
+
+
+def _fork_worker(settings: ProxySettings, port: int, write_end: int, read_end: int) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    os.close(read_end)
+    status = 0
+    try:
+        sock = bind(settings.host, port, reuse_port=True)
+        run_worker(settings, sock, lambda: os.write(write_end, b"1"))
+    except BaseException as exc:
+        if not isinstance(exc, KeyboardInterrupt | SystemExit):
+            log.exception("worker failed")
+            status = 1
+    os._exit(status)
+
+
+def _forward_signals(children: list[int]) -> list[int]:
+    stopped: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        stopped.append(signum)
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    return stopped
+
+
+def _wait(children: list[int]) -> int:
+    status = 0
+    remaining = set(children)
+    while remaining:
+        try:
+            pid, code = os.wait()
+        except ChildProcessError:
+            break
+        remaining.discard(pid)
+        if code and remaining:  # one worker died: stop the rest, let the supervisor restart
+            status = 1
+            for other in remaining:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(other, signal.SIGTERM)
+    return status
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message and any ``extra`` fields."""
+
+    _STANDARD = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "ts": round(record.created, 3),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+            "pid": record.process,
+        }
+        entry |= {k: v for k, v in record.__dict__.items() if k not in self._STANDARD}
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def configure_logging(level: str) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        load_settings(argv)
+        settings = load_settings(argv)
+        configure_logging(settings.log_level)
+        if settings.workers > 1:
+            return run_workers(settings)
+        sock = bind(settings.host, settings.port, reuse_port=False)
     except SettingsRefused as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
-    print(f"{PROG}: the proxy's HTTP service is not built yet (issue 10)", file=sys.stderr)
-    return 1
+    line = ready_line(sock)
+    with contextlib.suppress(KeyboardInterrupt):
+        run_worker(settings, sock, lambda: print(line, flush=True))
+    return 0

@@ -28,14 +28,18 @@ END_SEQ = b"\xff" * 8
 
 
 class SimProcess:
+    """A ``kvroute-sim`` process; subclasses run other kvroute servers the same way."""
+
+    ready_prefix = READY
+    default_args: tuple[str, ...] = (
+        str(SIM),
+        "--port=0",
+        "--kv-events-endpoint=tcp://127.0.0.1:0",
+        "--replay-endpoint=tcp://127.0.0.1:0",
+    )
+
     def __init__(self, *args: str, start_timeout: float = 20.0) -> None:
-        self.args = [
-            str(SIM),
-            "--port=0",
-            "--kv-events-endpoint=tcp://127.0.0.1:0",
-            "--replay-endpoint=tcp://127.0.0.1:0",
-            *args,
-        ]
+        self.args = [*self.default_args, *args]
         self.start_timeout = start_timeout
         self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in __exit__
         self.proc: subprocess.Popen[bytes] | None = None
@@ -49,9 +53,12 @@ class SimProcess:
         except RuntimeError:
             self.__exit__(None, None, None)
             raise
-        fields = dict(part.split("=", 1) for part in line.split()[2:])
-        self.url, self.events, self.replay = fields["http"], fields["events"], fields["replay"]
+        self.on_ready(dict(part.split("=", 1) for part in line.split()[2:]))
         return self
+
+    def on_ready(self, fields: dict[str, str]) -> None:
+        """Read the addresses the ready line names."""
+        self.url, self.events, self.replay = fields["http"], fields["events"], fields["replay"]
 
     def _ready_line(self) -> str:
         assert self.proc is not None and self.proc.stdout is not None
@@ -61,12 +68,13 @@ class SimProcess:
             while (left := deadline - time.monotonic()) > 0:
                 if sel.select(left):
                     line = self.proc.stdout.readline().decode()
-                    if line.startswith(READY):
+                    if line.startswith(self.ready_prefix):
                         return line.strip()
                     if not line:
                         break
         code = self.proc.wait(timeout=self.start_timeout)
-        raise RuntimeError(f"kvroute-sim did not start (exit {code}): {self.stderr_text()}")
+        name = Path(self.args[0]).name
+        raise RuntimeError(f"{name} did not start (exit {code}): {self.stderr_text()}")
 
     def stderr_text(self) -> str:
         self.stderr.seek(0)

@@ -1,0 +1,200 @@
+"""One inference request through the fleet: route, send, retry before the first byte,
+relay the answer, and count what the engine said it had cached.
+
+Attempts: the workload's policy picks a replica (leaving out those a circuit breaker
+holds and those this request already tried); a :class:`~dataplane.upstream.Retriable`
+failure (nothing reached the client yet) tries the next-best replica, at most
+``retry_attempts`` times and only while the :class:`~dataplane.breaker.RetryBudget`
+allows. No replica left -> 503 with ``Retry-After``.
+
+Every request ends in :meth:`Exchange.finish`, whatever happened: the in-flight count
+is released, the fidelity counters (predicted vs engine-reported cached tokens) go to
+Prometheus and to the control-plane reporter, and the outcome is counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from dataplane.breaker import CircuitBreakers, RetryBudget
+from dataplane.fleet_state import Endpoint, FleetState, InflightTicket
+from dataplane.http_errors import NoReplica
+from dataplane.metrics import ProxyMetrics
+from dataplane.openai_request import InferenceRequest
+from dataplane.relay import Usage
+from dataplane.routing import Prepared, Router
+from dataplane.upstream import Opened, Retriable, Upstream
+from kvcore.policies import Decision
+
+log = logging.getLogger("dataplane")
+
+
+class Reporter(Protocol):
+    """The control-plane reporter (``dataplane.reporter``)."""
+
+    def record(
+        self,
+        workload: str,
+        pool: str,
+        replica_id: str,
+        prompt_tokens: int,
+        predicted_cached: int,
+        measured_cached: int | None,
+        error: bool,
+    ) -> None: ...
+
+
+@dataclass(slots=True)
+class Policies:
+    """How hard to try: from the proxy's settings."""
+
+    retry_attempts: int
+    retry_after_s: int
+
+
+@dataclass(slots=True)
+class Attempt:
+    """The replica that answered, with what routing expected of it."""
+
+    opened: Opened
+    decision: Decision
+    endpoint: Endpoint
+    predicted: int
+    ticket: InflightTicket | None
+    tried: int  # replicas tried, this one included
+
+
+@dataclass(slots=True)
+class Exchange:
+    """The state of one request from routing to its last byte."""
+
+    request: InferenceRequest
+    prepared: Prepared
+    attempt: Attempt | None = None
+    usage: Usage | None = None
+    outcome: str = "ok"
+    tried: list[str] = field(default_factory=list)
+
+
+class Dispatcher:
+    """Sends prepared requests to replicas; one per worker process."""
+
+    def __init__(
+        self,
+        fleet: FleetState,
+        router: Router,
+        upstream: Upstream,
+        metrics: ProxyMetrics,
+        policies: Policies,
+        breakers: CircuitBreakers,
+        budget: RetryBudget,
+        reporter: Reporter | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.fleet = fleet
+        self.router = router
+        self.upstream = upstream
+        self.metrics = metrics
+        self.policies = policies
+        self.breakers = breakers
+        self.budget = budget
+        self.reporter = reporter
+        self._clock = clock
+
+    async def send(
+        self, exchange: Exchange, path: str, body: bytes, headers: Sequence[tuple[str, str]]
+    ) -> Attempt:
+        """The first replica that answers; raises :class:`NoReplica` when none can."""
+        self.budget.on_request()
+        exclude: frozenset[int] = frozenset()
+        last_failure = "no replica serves this model"
+        for tries in range(1, self.policies.retry_attempts + 2):
+            now = self._clock()
+            decision, predicted = self.router.choose(
+                exchange.prepared, now=now, exclude=exclude | self.breakers.excluded(now)
+            )
+            endpoint = None if decision.ordinal is None else self.fleet.endpoint(decision.ordinal)
+            if endpoint is None:
+                break
+            exchange.tried.append(endpoint.replica_id)
+            self.fleet.apply_speculative(decision)
+            try:
+                opened, ticket = await self._open(endpoint, now, path, body, headers)
+            except Retriable as failure:
+                last_failure = f"{endpoint.replica_id}: {failure}"
+                exclude |= {endpoint.ordinal}
+                if not self._may_retry(failure, tries):
+                    break
+                continue
+            return Attempt(opened, decision, endpoint, predicted, ticket, tries)
+        exchange.outcome = "no_replica"
+        raise NoReplica(
+            f"No replica could take the request ({last_failure}).", self.policies.retry_after_s
+        )
+
+    async def _open(
+        self,
+        endpoint: Endpoint,
+        now: float,
+        path: str,
+        body: bytes,
+        headers: Sequence[tuple[str, str]],
+    ) -> tuple[Opened, InflightTicket | None]:
+        ticket = self.fleet.on_sent(endpoint.ordinal, time.time())
+        self.breakers.on_sent(endpoint.replica_id, endpoint.ordinal, now)
+        try:
+            opened = await self.upstream.open("POST", endpoint.base_url + path, body, headers)
+        except Retriable:
+            self.fleet.on_done(ticket)
+            self.breakers.on_failure(endpoint.replica_id, endpoint.ordinal, self._clock())
+            raise
+        except BaseException:
+            self.fleet.on_done(ticket)
+            self.breakers.on_abandoned(endpoint.replica_id, self._clock())
+            raise
+        self.breakers.on_success(endpoint.replica_id, self._clock())
+        self.metrics.ttfb.labels(endpoint.replica_id).observe(opened.ttfb_s)
+        return opened, ticket
+
+    def _may_retry(self, failure: Retriable, tries: int) -> bool:
+        if tries > self.policies.retry_attempts:
+            return False
+        if not self.budget.try_spend(self._clock()):
+            self.metrics.retries_refused.inc()
+            return False
+        self.metrics.retries.labels(failure.reason).inc()
+        return True
+
+    def finish(self, exchange: Exchange) -> None:
+        """Release the in-flight count and count the request; call exactly once."""
+        attempt = exchange.attempt
+        workload = exchange.prepared.workload.name
+        if attempt is None:
+            self.metrics.requests.labels(workload, "", exchange.outcome).inc()
+            return
+        self.fleet.on_done(attempt.ticket)
+        replica = attempt.endpoint.replica_id
+        if exchange.outcome == "ok" and attempt.opened.status >= 400:
+            exchange.outcome = "client_error" if attempt.opened.status < 500 else "upstream_error"
+        self.metrics.requests.labels(workload, replica, exchange.outcome).inc()
+        if exchange.outcome == "cancelled":
+            return
+        self._fidelity(exchange, attempt, workload)
+
+    def _fidelity(self, exchange: Exchange, attempt: Attempt, workload: str) -> None:
+        usage = exchange.usage
+        measured = None if usage is None else usage.cached_tokens
+        prompt = exchange.prepared.prompt_tokens
+        if usage is not None and usage.prompt_tokens is not None:
+            prompt = usage.prompt_tokens
+        replica = attempt.endpoint.replica_id
+        self.metrics.fidelity(workload, replica, prompt, attempt.predicted, measured)
+        if self.reporter is not None:
+            error = exchange.outcome != "ok"
+            self.reporter.record(
+                workload, attempt.endpoint.pool, replica, prompt, attempt.predicted, measured, error
+            )

@@ -1,0 +1,166 @@
+"""An inference request's body, checked just enough to route it and never to crash on it.
+
+The proxy forwards the client's body as it came (re-encoding it only when it must add
+``stream_options.include_usage`` or ``cache_salt``), so this module checks only what
+routing reads: the body is a JSON object, ``model`` is a string, chat ``messages`` are a
+non-empty list of objects with a string ``role``, a completion ``prompt`` is a string, a
+list of token ids, or a list of those, and the streaming and tenant fields have their
+types. Anything else is the engine's to judge. Every problem is a :class:`BadRequest`
+naming the field, in OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+
+from dataplane.http_errors import BadRequest
+
+Kind = Literal["chat", "completion"]
+_decode = msgspec.json.decode
+_MAX_TOKEN_ID = 2**32
+
+
+@dataclass(slots=True)
+class InferenceRequest:
+    """A checked chat or completion request; ``body`` is the decoded JSON object."""
+
+    kind: Kind
+    raw: bytes
+    body: dict[str, Any]
+    model: str
+    stream: bool
+    wants_usage: bool  # the client asked for stream_options.include_usage
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        return self.body["messages"]  # type: ignore[no-any-return]
+
+    @property
+    def first_prompt(self) -> str | list[int]:
+        """The prompt routing keys on (the first of a batch)."""
+        prompt = self.body["prompt"]
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            return prompt[0]  # type: ignore[no-any-return]
+        return prompt  # type: ignore[no-any-return]
+
+    def text_field(self, name: str) -> str | None:
+        """A string field of the body, or None when absent."""
+        value = self.body.get(name)
+        return value if isinstance(value, str) else None
+
+    def upstream_body(self, *, include_usage: bool, cache_salt: str | None) -> bytes:
+        """The body to send upstream: the client's bytes unless a field must change."""
+        if not include_usage and cache_salt is None:
+            return self.raw
+        body = dict(self.body)
+        if include_usage:
+            options = dict(body.get("stream_options") or {})
+            options["include_usage"] = True
+            body["stream_options"] = options
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        return msgspec.json.encode(body)
+
+
+def parse_inference(raw: bytes, kind: Kind) -> InferenceRequest:
+    """``raw`` checked as a ``kind`` request; :class:`BadRequest` says what is wrong."""
+    body = decode_object(raw)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required and must be a non-empty string.", "model")
+    if kind == "chat":
+        _check_messages(body.get("messages"))
+    else:
+        _check_prompt(body.get("prompt"))
+    _check_types(body)
+    stream = body.get("stream") is True
+    options = body.get("stream_options") or {}
+    return InferenceRequest(kind, raw, body, model, stream, options.get("include_usage") is True)
+
+
+def decode_object(raw: bytes) -> dict[str, Any]:
+    """``raw`` as a JSON object, or :class:`BadRequest`."""
+    try:
+        body = _decode(raw)
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"The request body must be a JSON object, got {_kind(body)}.")
+    return body
+
+
+def _check_messages(messages: object) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' is required and must be a non-empty array.", "messages")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise BadRequest(f"messages[{index}] must be an object.", "messages")
+        if not isinstance(message.get("role"), str):
+            raise BadRequest(f"messages[{index}].role must be a string.", "messages")
+        content = message.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise BadRequest(f"messages[{index}].content must be a string or an array.", "messages")
+
+
+def _check_prompt(prompt: object) -> None:
+    if isinstance(prompt, str):
+        return
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(item, str) for item in prompt):
+            return
+        if _token_ids(prompt) or all(_token_ids(item) for item in prompt):
+            return
+    raise BadRequest(
+        "'prompt' is required: a string, an array of strings, an array of token ids, "
+        "or an array of those.",
+        "prompt",
+    )
+
+
+def _token_ids(value: object) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(
+            type(token) is int and 0 <= token < _MAX_TOKEN_ID  # bool is not a token id
+            for token in value
+        )
+    )
+
+
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "stream": (bool,),
+    "stream_options": (dict,),
+    "cache_salt": (str,),
+    "prompt_cache_key": (str,),
+    "tools": (list,),
+    "user": (str,),
+}
+
+
+def _check_types(body: dict[str, Any]) -> None:
+    for name, types in _FIELD_TYPES.items():
+        value = body.get(name)
+        if value is not None and not isinstance(value, types):
+            expected = " or ".join(_NAMES[t] for t in types)
+            raise BadRequest(f"'{name}' must be {expected}, got {_kind(value)}.", name)
+    options = body.get("stream_options")
+    if options and not isinstance(options.get("include_usage", False), bool):
+        raise BadRequest("'stream_options.include_usage' must be a boolean.", "stream_options")
+    salt = body.get("cache_salt")
+    if salt is not None and not salt:
+        raise BadRequest("'cache_salt' must not be empty.", "cache_salt")
+
+
+_NAMES = {bool: "a boolean", dict: "an object", str: "a string", list: "an array"}
+
+
+def _kind(value: object) -> str:
+    if value is None:
+        return "null"
+    return {bool: "a boolean", dict: "an object", str: "a string", list: "an array"}.get(
+        type(value), "a number"
+    )

@@ -1,0 +1,110 @@
+"""Responses passed back untouched, except for the usage the proxy asked for on its own.
+
+The proxy compares every response's ``usage.prompt_tokens_details.cached_tokens`` with
+the cached tokens it predicted. A non-streaming body carries usage; a stream carries it
+only in a final chunk (``"choices": []``) that engines send when the request had
+``stream_options.include_usage``. So the proxy always asks for it, and when the client
+had not, :class:`SseRelay` removes that chunk: the client sees exactly the events it
+would have seen. Events are forwarded as soon as they are complete (the engines write one
+whole event per write, so in practice as each chunk arrives); only a partial trailing
+event is held back until its end arrives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+
+class _Details(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    prompt_tokens_details: _Details | None = None
+
+
+class _Envelope(msgspec.Struct):
+    usage: _Usage | None = None
+    choices: msgspec.Raw = msgspec.Raw(b"null")
+
+
+_envelope = msgspec.json.Decoder(_Envelope)
+_EVENT_END = b"\n\n"
+_DATA = b"data:"
+_USAGE = b'"usage"'
+
+
+@dataclass(slots=True)
+class Usage:
+    """What the engine reported for one request (None: it did not say)."""
+
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
+def usage_of(body: bytes) -> Usage | None:
+    """The usage of a JSON response body, or None when it has none or is not JSON."""
+    envelope = _decode(body)
+    return None if envelope is None else _usage(envelope)
+
+
+def _decode(data: bytes) -> _Envelope | None:
+    try:
+        return _envelope.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def _usage(envelope: _Envelope) -> Usage | None:
+    usage = envelope.usage
+    if usage is None:
+        return None
+    details = usage.prompt_tokens_details
+    return Usage(usage.prompt_tokens, None if details is None else details.cached_tokens)
+
+
+class SseRelay:
+    """One ``text/event-stream`` on its way to the client; ``strip_usage`` removes the
+    usage-only event the proxy asked for on the client's behalf."""
+
+    __slots__ = ("_pending", "strip_usage", "usage")
+
+    def __init__(self, *, strip_usage: bool) -> None:
+        self.strip_usage = strip_usage
+        self.usage: Usage | None = None
+        self._pending = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The bytes to forward now (whole events) for ``chunk`` just received."""
+        data = self._pending + chunk if self._pending else chunk
+        end = data.rfind(_EVENT_END)
+        if end < 0:
+            self._pending = data
+            return b""
+        end += len(_EVENT_END)
+        self._pending = data[end:]
+        complete = data[:end] if self._pending else data
+        if _USAGE not in complete:
+            return complete
+        return b"".join(self._keep(event) for event in complete.split(_EVENT_END)[:-1])
+
+    def flush(self) -> bytes:
+        """What is left when the upstream stream ends (an event without its end)."""
+        rest, self._pending = self._pending, b""
+        return rest
+
+    def _keep(self, event: bytes) -> bytes:
+        if _USAGE in event and event.startswith(_DATA):
+            envelope = _decode(event[len(_DATA) :])
+            if envelope is not None and envelope.usage is not None:
+                self.usage = _usage(envelope)
+                if self.strip_usage and _empty(envelope.choices):
+                    return b""
+        return event + _EVENT_END
+
+
+def _empty(choices: msgspec.Raw) -> bool:
+    return bytes(choices).strip() == b"[]"

@@ -1,0 +1,288 @@
+"""Routing one request: workload, tenant, tokens, block keys, then the workload's policy.
+
+:meth:`Router.prepare` does the per-request work once (classify into a workload, find
+the tenant's cache namespace, render and tokenize with the model's tokenizer through a
+per-thread :class:`~kvcore.tokenize.PrefixTokenCache`, key the blocks through a
+per-thread :class:`~dataplane.prompt_keys.PromptKeyCache`); :meth:`Router.choose` runs
+the workload's policy and may run again with replicas excluded (a retry). Policies are
+built once per workload and rebuilt when the routing config object changes.
+
+Tenant namespace (the ``namespace`` of the block keys must be the ``cache_salt`` the
+engine sees, since the sidecar keys the engine's blocks under it):
+
+- a ``cache_salt`` in the body is the namespace, whatever the workload says;
+- otherwise, when the workload isolates tenants, the tenant is the API key's tenant,
+  else ``prompt_cache_key``, else the configured tenant header; the proxy sets it as
+  ``cache_salt`` upstream so the engine isolates tenants too;
+- otherwise the namespace is empty.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from dataplane.fleet_state import FleetState, FleetView
+from dataplane.http_errors import BadRequest, NotFound
+from dataplane.openai_request import InferenceRequest
+from dataplane.prompt_keys import PromptKeyCache
+from kvcore.keys import root_key
+from kvcore.pb import routing_pb2
+from kvcore.policies import Decision, Policy, RouteContext, create_policy
+from kvcore.tokenize import PrefixTokenCache, Tokenizer, TokenizerError, load_tokenizer
+from kvcore.workload import (
+    RequestInfo,
+    RoutingConfig,
+    UnknownWorkload,
+    Workload,
+    parse_workload,
+)
+from kvcore.workload.classify import WORKLOAD_HEADER
+
+
+@dataclass(frozen=True, slots=True)
+class Defaults:
+    """Tokenizer and block size of models the registry does not name."""
+
+    tokenizer: str = "builtin"
+    block_size: int = 16
+    tenant_header: str = ""
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A request ready for its policy: everything computed once per request."""
+
+    workload: Workload
+    policy: Policy
+    model: str  # the name the client asked for (what the view is keyed by)
+    key_model: str  # the canonical model id in block-key roots
+    block_size: int
+    namespace: str
+    upstream_salt: str | None  # cache_salt to set upstream (None: leave the body alone)
+    prompt_tokens: int
+    block_keys: list[int]
+    session_id: str | None
+    request_id: str
+
+
+class TokenizerPool:
+    """Tokenizers by spec, loaded once, and one prefix cache (tokens, keys) per thread."""
+
+    def __init__(self) -> None:
+        self._tokenizers: dict[str, Tokenizer] = {}
+        self._local = threading.local()
+        self._lock = threading.Lock()
+
+    def loaded(self, spec: str) -> bool:
+        return spec in self._tokenizers
+
+    def load(self, spec: str) -> Tokenizer:
+        """Load ``spec`` (file I/O: call it off the event loop); raises TokenizerError."""
+        with self._lock:
+            tokenizer = self._tokenizers.get(spec)
+            if tokenizer is None:
+                tokenizer = self._tokenizers[spec] = load_tokenizer(spec)
+            return tokenizer
+
+    def token_cache(self, spec: str) -> PrefixTokenCache:
+        caches: dict[str, PrefixTokenCache] | None = getattr(self._local, "caches", None)
+        if caches is None:
+            caches = self._local.caches = {}
+        cache = caches.get(spec)
+        if cache is None:
+            cache = caches[spec] = PrefixTokenCache(self.load(spec))
+        return cache
+
+    def key_cache(self) -> PromptKeyCache:
+        cache: PromptKeyCache | None = getattr(self._local, "keys", None)
+        if cache is None:
+            cache = self._local.keys = PromptKeyCache()
+        return cache
+
+
+class Router:
+    """Prepares requests and chooses replicas; one per worker process."""
+
+    def __init__(
+        self, fleet: FleetState, defaults: Defaults, rng: random.Random | None = None
+    ) -> None:
+        self.fleet = fleet
+        self.defaults = defaults
+        self.tokenizers = TokenizerPool()
+        self._rng = rng or random.Random()
+        self._config: RoutingConfig | None = None
+        self._policies: dict[str, Policy] = {}
+        self._forward_workload = parse_workload({"name": "forward", "strategy": "least_load"})
+        self._least_load = create_policy(self._forward_workload, rng=self._rng)
+
+    def tokenizer_spec(self, model: str) -> str:
+        entry = self.fleet.model_entry(model)
+        return entry.tokenizer if entry is not None and entry.tokenizer else self.defaults.tokenizer
+
+    def prepare(
+        self,
+        request: InferenceRequest,
+        *,
+        path: str,
+        headers: Mapping[str, str],
+        api_key: routing_pb2.ApiKey | None,
+        request_id: str,
+    ) -> Prepared:
+        """Workload, tenant, tokens and keys of ``request``; 400/404 when it cannot route."""
+        key_model = self.fleet.canonical_model(request.model)
+        if key_model is None:
+            raise NotFound(
+                f"The model `{request.model}` does not exist.", "model", "model_not_found"
+            )
+        workload = self.classify(request, path, headers, api_key)
+        namespace, salt = self._tenant(request, workload, headers, api_key)
+        entry = self.fleet.model_entry(request.model)
+        block_size = entry.block_size if entry is not None and entry.block_size else None
+        block_size = block_size or self.defaults.block_size
+        tokens = self._tokens(request, self.tokenizer_spec(request.model))
+        root = root_key(model=key_model, namespace=namespace)
+        keys = self.tokenizers.key_cache().keys(tokens, root=root, block_size=block_size)
+        return Prepared(
+            workload=workload,
+            policy=self._policy(workload),
+            model=request.model,
+            key_model=key_model,
+            block_size=block_size,
+            namespace=namespace,
+            upstream_salt=salt,
+            prompt_tokens=len(tokens),
+            block_keys=keys,
+            session_id=_session_id(workload, request, headers),
+            request_id=request_id,
+        )
+
+    def choose(
+        self, prepared: Prepared, *, now: float, exclude: frozenset[int] = frozenset()
+    ) -> tuple[Decision, int]:
+        """The policy's decision and the predicted cached tokens on its replica."""
+        ctx = RouteContext(
+            workload=prepared.workload,
+            model=prepared.key_model,
+            block_keys=prepared.block_keys,
+            block_size=prepared.block_size,
+            session_id=prepared.session_id,
+            now=now,
+            exclude=exclude,
+            request_id=prepared.request_id,
+        )
+        view = self.fleet.view(prepared.model)
+        decision = prepared.policy.select(ctx, view)
+        return decision, self._predicted(prepared, decision, view, now)
+
+    def least_loaded(self, model: str) -> int | None:
+        """The least-loaded replica serving ``model`` (routes other than inference)."""
+        key_model = self.fleet.canonical_model(model)
+        if key_model is None:
+            return None
+        ctx = RouteContext(workload=self._forward_workload, model=key_model)
+        return self._least_load.select(ctx, self.fleet.view(model)).ordinal
+
+    def classify(
+        self,
+        request: InferenceRequest,
+        path: str,
+        headers: Mapping[str, str],
+        api_key: routing_pb2.ApiKey | None,
+    ) -> Workload:
+        """Header, else the first matching rule, else the key's default, else the config's."""
+        config = self.fleet.routing_config()
+        info = RequestInfo(
+            path=path,
+            model=request.model,
+            api_key=api_key.key_sha256 if api_key is not None else None,
+            headers=headers,
+        )
+        try:
+            if WORKLOAD_HEADER in headers or api_key is None or not api_key.default_workload:
+                return config.classify(info)
+            for rule in config.rules:
+                if rule.matches(info):
+                    return config.workload(rule.workload)
+            return config.workload(api_key.default_workload)
+        except UnknownWorkload as exc:
+            raise BadRequest(str(exc), WORKLOAD_HEADER, "unknown_workload") from None
+
+    def _policy(self, workload: Workload) -> Policy:
+        config = self.fleet.routing_config()
+        if config is not self._config:
+            self._config, self._policies = config, {}
+        policy = self._policies.get(workload.name)
+        if policy is None:
+            policy = self._policies[workload.name] = create_policy(workload, rng=self._rng)
+        return policy
+
+    def _tenant(
+        self,
+        request: InferenceRequest,
+        workload: Workload,
+        headers: Mapping[str, str],
+        api_key: routing_pb2.ApiKey | None,
+    ) -> tuple[str, str | None]:
+        salt = request.text_field("cache_salt")
+        if salt is not None:
+            return salt, None
+        if not workload.tenant_isolation:
+            return "", None
+        tenant = api_key.tenant if api_key is not None and api_key.tenant else None
+        tenant = tenant or request.text_field("prompt_cache_key")
+        if tenant is None and self.defaults.tenant_header:
+            tenant = headers.get(self.defaults.tenant_header)
+        if not tenant:
+            return "", None
+        return tenant, tenant
+
+    def _tokens(self, request: InferenceRequest, spec: str) -> list[int]:
+        cache = self.tokenizers.token_cache(spec)
+        try:
+            if request.kind == "chat":
+                text = cache.tokenizer.apply_chat_template(
+                    request.messages,
+                    add_generation_prompt=request.body.get("add_generation_prompt", True)
+                    is not False,
+                    tools=request.body.get("tools"),
+                )
+                return cache.encode(text, add_special_tokens=False)
+            prompt = request.first_prompt
+            if isinstance(prompt, list):
+                return prompt
+            return cache.encode(prompt, add_special_tokens=True)
+        except TokenizerError as exc:
+            raise BadRequest(
+                f"The prompt cannot be tokenized: {exc}", _prompt_field(request)
+            ) from None
+
+    def _predicted(
+        self, prepared: Prepared, decision: Decision, view: FleetView, now: float
+    ) -> int:
+        """Cached tokens the router expects the engine to report (its leading run, capped
+        as vLLM caps a hit: at least the prompt's last token is computed)."""
+        ordinal = decision.ordinal
+        if ordinal is None or not prepared.block_keys:
+            return 0
+        run = view.leading_runs(prepared.block_keys, now=now).get(ordinal, 0)
+        size = prepared.block_size
+        return min(run, max(prepared.prompt_tokens - 1, 0) // size) * size
+
+
+def _prompt_field(request: InferenceRequest) -> str:
+    return "messages" if request.kind == "chat" else "prompt"
+
+
+def _session_id(
+    workload: Workload, request: InferenceRequest, headers: Mapping[str, str]
+) -> str | None:
+    key = getattr(workload, "session_key", None)
+    if key is None:
+        return None
+    if key.startswith("body."):
+        value = request.body.get(key[5:])
+        return None if value is None else str(value)
+    return headers.get(key)

@@ -1,0 +1,138 @@
+"""One worker's proxy, built from settings: state, router, upstream pool, app.
+
+:class:`ProxyService` owns every part of one serving process and their lifetimes
+(``async start()`` / ``aclose()``); ``main.py`` runs one per worker. In static mode
+(``--static-replicas``) the fleet is fixed and each replica's ``/v1/models`` tells what it
+serves (asked at start and every ``STATIC_REFRESH_S``); otherwise the state comes from a
+control plane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from dataplane.app import AppOptions, ProxyApp
+from dataplane.breaker import CircuitBreakers, RetryBudget
+from dataplane.exchange import Dispatcher, Policies
+from dataplane.fleet_state import FleetState
+from dataplane.metrics import ProxyMetrics
+from dataplane.routing import Defaults, Router
+from dataplane.settings import ProxySettings
+from dataplane.upstream import Upstream
+from kvcore.workload import RoutingConfig, parse_workload
+
+log = logging.getLogger("dataplane")
+STATIC_REFRESH_S = 10.0
+
+
+def static_routing(settings: ProxySettings) -> RoutingConfig:
+    """The one workload of static mode (``--static-strategy``)."""
+    workload = parse_workload({"name": "default", "strategy": settings.static_strategy})
+    return RoutingConfig(workloads=(workload,), rules=(), default_workload="default")
+
+
+class ProxyService:
+    """Everything one worker process serves with."""
+
+    def __init__(self, settings: ProxySettings) -> None:
+        self.settings = settings
+        if settings.static:
+            self.fleet = FleetState.from_static(
+                settings.static_replicas, default_routing=static_routing(settings)
+            )
+        else:
+            self.fleet = FleetState(max_age_s=settings.state_max_age_s)
+        self.metrics = ProxyMetrics()
+        self.router = Router(
+            self.fleet,
+            Defaults(settings.tokenizer, settings.block_size, settings.tenant_header),
+            random.Random(),
+        )
+        self.upstream = Upstream(settings.connect_timeout_s, settings.upstream_timeout_s)
+        self.breakers = CircuitBreakers(settings.breaker_failures, settings.breaker_open_s)
+        self.dispatcher = Dispatcher(
+            self.fleet,
+            self.router,
+            self.upstream,
+            self.metrics,
+            Policies(settings.retry_attempts, settings.retry_after_s),
+            self.breakers,
+            RetryBudget(settings.retry_budget, settings.retry_min_per_s, time.monotonic()),
+        )
+        options = AppOptions(
+            max_body_bytes=settings.max_body_bytes,
+            auth=settings.auth,
+            debug_headers=settings.debug_headers,
+            static=settings.static,
+            state_max_age_s=settings.state_max_age_s,
+        )
+        self.app = ProxyApp(
+            options, self.fleet, self.router, self.dispatcher, self.metrics, self._readiness
+        )
+        self.metrics.watch(self._state_age, self._open_breakers)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        await self.upstream.start()
+        await asyncio.to_thread(self.router.tokenizers.load, self.settings.tokenizer)
+        if self.settings.static:
+            await self._discover_static()
+            self._tasks.append(asyncio.create_task(self._refresh_static()))
+
+    async def aclose(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.upstream.aclose()
+
+    # -- static mode ---------------------------------------------------------------
+
+    async def _refresh_static(self) -> None:
+        while True:
+            await asyncio.sleep(STATIC_REFRESH_S)
+            await self._discover_static()
+
+    async def _discover_static(self) -> None:
+        """Ask every static replica what it serves (``/v1/models``)."""
+        timeout = aiohttp.ClientTimeout(total=self.settings.connect_timeout_s + 2)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            for endpoint in self.fleet.endpoints():
+                names = await _served_names(session, endpoint.base_url)
+                if names:
+                    self.fleet.set_served_names(endpoint.ordinal, names)
+
+    # -- what /metrics and /readyz read ---------------------------------------------
+
+    def _state_age(self) -> float:
+        return 0.0 if self.settings.static else self.fleet.age_s()
+
+    def _open_breakers(self) -> float:
+        return len(self.breakers.open_ids(time.monotonic()))
+
+    def _readiness(self) -> dict[str, Any]:
+        return {"circuit_open": self.breakers.open_ids(time.monotonic())}
+
+
+async def _served_names(session: aiohttp.ClientSession, base_url: str) -> list[str]:
+    try:
+        async with session.get(base_url + "/v1/models") as response:
+            if response.status != 200:
+                return []
+            body = msgspec.json.decode(await response.read())
+    except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError) as exc:
+        log.warning("static replica unreachable", extra={"url": base_url, "error": str(exc)})
+        return []
+    cards = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(cards, list):
+        return []
+    return [c["id"] for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str)]

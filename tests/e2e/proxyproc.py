@@ -1,0 +1,37 @@
+"""Run a real ``kvroute-proxy`` process for tests, the way ``SimProcess`` runs a simulator."""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from tests.unit.enginesim.simproc import SimProcess
+
+PROXY = Path(sys.executable).parent / "kvroute-proxy"
+
+
+class ProxyProcess(SimProcess):
+    """``kvroute-proxy --port 0 ARGS``, ready once it prints its ready line."""
+
+    ready_prefix = "kvroute-proxy ready"
+    default_args = (str(PROXY), "--port=0")
+
+    def on_ready(self, fields: dict[str, str]) -> None:
+        self.url = fields["http"]
+
+    def request(
+        self, path: str, body: Any = None, *, raw: bytes | None = None, method: str = "POST"
+    ) -> tuple[int, dict[str, str], bytes]:
+        """``(status, headers, body)`` of one request, errors included."""
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        request = urllib.request.Request(self.url + path, data=data, method=method)
+        request.add_header("content-type", "application/json")
+        try:
+            with urllib.request.urlopen(request, timeout=30) as resp:
+                return resp.status, dict(resp.headers.items()), resp.read()
+        except urllib.error.HTTPError as err:
+            return err.code, dict(err.headers.items()), err.read()

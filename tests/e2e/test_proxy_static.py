@@ -1,0 +1,223 @@
+"""kvroute-proxy in static mode (no control plane) in front of real kvroute-sim replicas.
+
+What a user of the proxy notices: the official OpenAI client works through it exactly as
+against a replica; prompts that share a beginning land on the replica that caches it; bad
+input gets OpenAI-shaped 4xx answers and never a 500; a client that goes away stops the
+engine's work; a replica killed under load costs no request that had not started
+streaming.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from typing import Any
+
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.e2e.proxyproc import ProxyProcess
+from tests.unit.enginesim.simproc import SimProcess
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "sim-model"
+SYSTEM = "You are a careful assistant who answers every question in one short line. " * 40
+SIM_ARGS = ("--instant", f"--model={MODEL}", "--max-model-len=4096", "--replay-endpoint=")
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[tuple[list[SimProcess], ProxyProcess]]:
+    with ExitStack() as stack:
+        sims = [stack.enter_context(SimProcess(*SIM_ARGS)) for _ in range(3)]
+        urls = ",".join(sim.url for sim in sims)
+        proxy = stack.enter_context(
+            ProxyProcess(f"--static-replicas={urls}", "--debug-headers", "--max-body-bytes=65536")
+        )
+        yield sims, proxy
+
+
+def client_of(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def strip_ids(events: list[Any]) -> list[Any]:
+    """Events without the fields that differ between two runs of one request."""
+    return [{k: v for k, v in e.items() if k not in ("id", "created")} for e in events]
+
+
+def test_openai_client_sees_what_the_replica_itself_answers(fleet: Any) -> None:
+    sims, proxy = fleet
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi?"}]
+    results = []
+    for url in (proxy.url, sims[0].url):
+        with client_of(url) as client:
+            chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)
+            completion = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=4)
+            chunks = client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=6, stream=True
+            )
+            streamed = [c.model_dump(exclude={"id", "created"}) for c in chunks]
+            with_usage = client.completions.create(
+                model=MODEL, prompt="Once", max_tokens=3, stream=True,
+                stream_options={"include_usage": True},
+            )  # fmt: skip
+            usage_chunks = [c.model_dump(exclude={"id", "created", "usage"}) for c in with_usage]
+            models = [m.id for m in client.models.list()]
+        results.append(
+            (chat.choices[0].message.content, completion.choices[0].text, streamed,
+             usage_chunks, models)
+        )  # fmt: skip
+    assert results[0] == results[1]
+    assert results[0][0] and len(results[0][2]) == 7  # role chunk + 6 tokens, no usage chunk
+    assert results[0][3][-1]["choices"] == []  # asked for: the usage chunk is there
+
+
+def test_raw_stream_without_usage_is_event_for_event_the_replicas(fleet: Any) -> None:
+    sims, proxy = fleet
+    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 5, "stream": True}
+    via_proxy, direct = (_events(url, body) for url in (proxy.url, sims[1].url))
+    assert strip_ids(via_proxy[:-1]) == strip_ids(direct[:-1])
+    assert via_proxy[-1] == direct[-1] == "[DONE]"
+    assert all("usage" not in e for e in via_proxy[:-1])
+
+
+def _events(url: str, body: dict[str, Any]) -> list[Any]:
+    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode())
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        text = resp.read().decode()
+    events = [part[6:] for part in text.split("\n\n") if part.startswith("data: ")]
+    return [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+def test_prompts_sharing_a_system_prompt_land_together_and_hit_its_cache(fleet: Any) -> None:
+    _, proxy = fleet
+    replicas, cached = set(), []
+    for question in ("What is a KV cache?", "And prefix caching?", "Why route by prefix?"):
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+        body = {"model": MODEL, "max_tokens": 2, "messages": messages}
+        status, headers, answer = proxy.request("/v1/chat/completions", body)
+        assert status == 200
+        replicas.add(headers["x-kvroute-replica"])
+        cached.append(json.loads(answer)["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert len(replicas) == 1
+    assert cached[1] > 400 and cached[2] >= cached[1]
+
+
+USER = [{"role": "user", "content": "x"}]
+
+
+def _json(**body: Any) -> bytes:
+    return json.dumps(body).encode()
+
+
+BAD = [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    (_json(model=MODEL), 400, "messages"),
+    (_json(model=MODEL, messages=[]), 400, "messages"),
+    (_json(model=MODEL, messages=[{"content": "x"}]), 400, "messages"),
+    (_json(messages=USER), 400, "model"),
+    (_json(model=7, messages=USER), 400, "model"),
+    (_json(model=MODEL, messages=USER, stream="yes"), 400, "stream"),
+    (_json(model="nope", messages=USER), 404, "model"),
+    (b"{" + b" " * 70_000 + b"}", 413, None),
+]
+
+
+@pytest.mark.parametrize(("raw", "status", "param"), BAD)
+def test_bad_input_gets_an_openai_shaped_4xx(
+    fleet: Any, raw: bytes, status: int, param: str | None
+) -> None:
+    _, proxy = fleet
+    got, _, body = proxy.request("/v1/chat/completions", raw=raw)
+    assert got == status
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4)
+    | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)  # fmt: skip
+FIELDS = ["model", "messages", "prompt", "stream", "stream_options", "max_tokens",
+          "cache_salt", "prompt_cache_key", "tools", "user", "n"]  # fmt: skip
+BODIES = st.dictionaries(
+    st.sampled_from(FIELDS), JSON_VALUES | st.just(MODEL), max_size=6
+) | st.builds(
+    lambda extra, messages: {"model": MODEL, "messages": messages, **extra},
+    st.dictionaries(st.sampled_from(FIELDS[3:]), JSON_VALUES, max_size=3),
+    st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]),
+                                    "content": JSON_VALUES}), max_size=3),
+)  # fmt: skip
+
+
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(body=BODIES, path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
+def test_fuzzed_bodies_never_get_a_500(fleet: Any, body: dict[str, Any], path: str) -> None:
+    _, proxy = fleet
+    status, _, answer = proxy.request(path, body)
+    assert status != 500, answer
+    if status >= 400:
+        assert set(json.loads(answer)["error"]) >= {"message", "type"}
+
+
+def test_a_client_that_goes_away_stops_the_engine_at_once() -> None:
+    with (
+        SimProcess(f"--model={MODEL}", "--replay-endpoint=", "--time-scale=0") as sim,
+        ProxyProcess(f"--static-replicas={sim.url}") as proxy,
+    ):
+        sim.post("/sim/faults", {"delay_ms": 20})  # 50 tokens a second
+        body = {"model": MODEL, "prompt": "Tell me a story", "max_tokens": 2000, "stream": True}
+        request = urllib.request.Request(f"{proxy.url}/v1/completions", json.dumps(body).encode())
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            assert resp.readline().startswith(b"data: ")
+            assert _running(sim) == 1
+        deadline = time.monotonic() + 5
+        while _running(sim) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _running(sim) == 0
+
+
+def _running(sim: SimProcess) -> int:
+    return int(sim.metric("vllm:num_requests_running"))
+
+
+def test_a_replica_killed_under_load_loses_no_request() -> None:
+    with ExitStack() as stack:
+        sims = [stack.enter_context(SimProcess(*SIM_ARGS)) for _ in range(3)]
+        for sim in sims:
+            sim.post("/sim/faults", {"delay_ms": 5})
+        urls = ",".join(sim.url for sim in sims)
+        proxy = stack.enter_context(
+            ProxyProcess(f"--static-replicas={urls}", "--static-strategy=least_load")
+        )
+        done = threading.Event()
+
+        def one(i: int) -> int:
+            body = {"model": MODEL, "prompt": f"request {i} " * 20, "max_tokens": 8}
+            status, _, _ = proxy.request("/v1/completions", body)
+            if i == 30:
+                done.set()
+            return status
+
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(one, i) for i in range(120)]
+            assert done.wait(30)
+            assert sims[0].proc is not None
+            sims[0].proc.send_signal(signal.SIGKILL)
+            statuses = [f.result() for f in futures]
+        assert statuses == [200] * 120

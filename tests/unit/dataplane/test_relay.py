@@ -1,0 +1,53 @@
+"""Responses reach the client as the engine sent them, minus only the usage the proxy asked for."""
+
+from __future__ import annotations
+
+import json
+from itertools import pairwise
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dataplane.relay import SseRelay, usage_of
+
+TOKEN = b'data: {"id":"c","choices":[{"index":0,"text":" x"}]}\n\n'
+USAGE = (
+    b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":40,'
+    b'"prompt_tokens_details":{"cached_tokens":32}}}\n\n'
+)
+DONE = b"data: [DONE]\n\n"
+STREAM = TOKEN * 3 + USAGE + DONE
+
+
+def relay(chunks: list[bytes], strip: bool) -> tuple[bytes, SseRelay]:
+    r = SseRelay(strip_usage=strip)
+    out = b"".join(r.feed(c) for c in chunks) + r.flush()
+    return out, r
+
+
+@settings(max_examples=60)
+@given(cuts=st.lists(st.integers(0, len(STREAM)), max_size=8))
+def test_however_the_stream_is_cut_the_client_gets_the_same_events(cuts: list[int]) -> None:
+    bounds = [0, *sorted(cuts), len(STREAM)]
+    chunks = [STREAM[a:b] for a, b in pairwise(bounds)]
+    kept, r = relay(chunks, strip=False)
+    stripped, s = relay(chunks, strip=True)
+    assert kept == STREAM
+    assert stripped == TOKEN * 3 + DONE
+    assert r.usage is not None and s.usage is not None
+    assert (s.usage.prompt_tokens, s.usage.cached_tokens) == (40, 32)
+
+
+def test_complete_events_are_forwarded_at_once_and_a_partial_one_waits() -> None:
+    r = SseRelay(strip_usage=True)
+    assert r.feed(TOKEN + TOKEN[:10]) == TOKEN
+    assert r.feed(TOKEN[10:]) == TOKEN
+    assert r.feed(b'data: not json with "usage"\n\n') == b'data: not json with "usage"\n\n'
+    assert r.usage is None
+
+
+def test_usage_of_a_body_and_of_what_is_not_json() -> None:
+    body = {"choices": [], "usage": {"prompt_tokens": 5, "prompt_tokens_details": None}}
+    usage = usage_of(json.dumps(body).encode())
+    assert usage is not None and (usage.prompt_tokens, usage.cached_tokens) == (5, None)
+    assert usage_of(b"<html>") is None and usage_of(b'{"error": {}}') is None
