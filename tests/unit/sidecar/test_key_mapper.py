@@ -218,3 +218,61 @@ def test_data_parallel_ranks_keep_their_own_chains_and_share_keys() -> None:
     assert removed == [RouterRemoved((*stored.keys, *block_keys(list(range(48)), model=MODEL)[2:]))]  # type: ignore[union-attr]
     assert held_keys(mapper) == set(keys)
     assert mapper.apply(AllBlocksCleared(), rank=0) == [RouterCleared()]
+
+
+def test_evicting_any_contributor_of_a_router_block_releases_its_key() -> None:
+    """Engine 16, router 32: router key 1 spans engine blocks 2 and 3; the engine serves
+    only 32 tokens once block 2 goes, so key 1 must go with it, whichever block leaves."""
+    mapper = KeyMapper(MODEL, 32)
+    tokens = list(range(64))
+    k0, k1 = block_keys(tokens, model=MODEL, block_size=32)
+    mapper.apply(BlockStored((1, 2, 3, 4), None, tuple(tokens), 16))
+    assert held_keys(mapper) == {k0, k1}
+    assert mapper.apply(BlockRemoved((3,))) == [RouterRemoved((k1,))]
+    assert mapper.apply(BlockRemoved((1,))) == [RouterRemoved((k0,))]
+    assert held_keys(mapper) == set()
+    assert mapper.apply(BlockRemoved((4,))) == [] and mapper.apply(BlockRemoved((2,))) == []
+
+
+def test_sglang_single_token_pages_release_a_key_when_any_page_of_it_goes() -> None:
+    mapper = KeyMapper(MODEL, 4)
+    tokens = list(range(8))
+    hashes = store_prompt(mapper, tokens, 1)
+    k0, k1 = block_keys(tokens, model=MODEL, block_size=4)
+    assert mapper.apply(BlockRemoved((hashes[5],))) == [RouterRemoved((k1,))]
+    assert mapper.apply(BlockRemoved((hashes[0],))) == [RouterRemoved((k0,))]
+    assert mapper.router_keys == 0
+
+
+def test_a_re_stored_contributor_brings_back_the_key_it_completes_again() -> None:
+    """Out of order: block 2 leaves (key 1 goes), then is computed and stored again while
+    block 3 stayed cached: key 1 is backed again and held again."""
+    mapper = KeyMapper(MODEL, 32)
+    tokens = list(range(64))
+    k0, k1 = block_keys(tokens, model=MODEL, block_size=32)
+    mapper.apply(BlockStored((1, 2, 3, 4), None, tuple(tokens), 16))
+    mapper.apply(BlockRemoved((3,)))
+    assert mapper.apply(BlockStored((3,), 2, tuple(tokens[32:48]), 16)) == [
+        RouterStored((k1,), k0)
+    ]
+    assert held_keys(mapper) == {k0, k1}
+
+
+def assert_parents_first(mapper: KeyMapper) -> None:
+    seen: set[tuple[str, int]] = set()
+    held = {(medium, key) for medium, key, _ in mapper.held()}
+    for medium, key, parent in mapper.held():
+        if parent is not None and (medium, parent) in held:
+            assert (medium, parent) in seen, f"{key} listed before its parent {parent}"
+        seen.add((medium, key))
+
+
+def test_held_lists_parents_first_after_a_parent_is_removed_and_stored_again() -> None:
+    mapper = KeyMapper(MODEL, 16)
+    tokens = list(range(48))
+    store_prompt(mapper, tokens, 16)
+    hashes = store_prompt(KeyMapper(MODEL, 16), tokens, 16)
+    mapper.apply(BlockRemoved((hashes[0],)))
+    mapper.apply(BlockStored((hashes[0],), None, tuple(tokens[:16]), 16))
+    assert len(list(mapper.held())) == 3
+    assert_parents_first(mapper)
