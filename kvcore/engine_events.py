@@ -78,6 +78,10 @@ class BlockStored:
     ``token_ids`` holds the tokens of all ``block_hashes`` (``block_size`` each; for
     SGLang the last block may be shorter). ``namespace`` and ``lora_name`` only matter
     when ``parent_hash`` is ``None``: a chained run inherits them from its parent.
+    ``opaque_from`` is the index of the first block whose engine hash depends on more
+    than its tokens, LoRA and salt (a multimodal input, prompt embeddings, or extra keys
+    that cannot be told apart from a salt): router keys are computed from token ids
+    alone, so that block and every block chained after it cannot be keyed.
     """
 
     block_hashes: tuple[int, ...]
@@ -88,6 +92,7 @@ class BlockStored:
     group: int = 0
     lora_name: str = ""
     namespace: str = ""
+    opaque_from: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,9 +114,14 @@ EngineEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 @dataclass(frozen=True, slots=True)
 class EngineEventBatch:
-    """One engine batch: its decodable events in order, and why the others were skipped."""
+    """One engine batch: its decodable events in order, and why the others were skipped.
+
+    ``removals_lost`` is set when a skipped event may have been a removal (a
+    ``BlockRemoved`` that could not be read, or an event whose type could not be read):
+    the blocks it named may still look cached to whoever applies this batch."""
 
     ts: float
     events: tuple[EngineEvent, ...]
     dp_rank: int | None = None
     rejected: tuple[str, ...] = field(default_factory=tuple)
+    removals_lost: bool = False

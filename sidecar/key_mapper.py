@@ -4,27 +4,40 @@ The proxy cannot reproduce an engine's hashes, so the sidecar re-keys every bloc
 router space (``kvcore.keys``): a ``BlockStored`` chains router keys from its parent's
 position with ``chain_keys``, cutting the tokens at the *router* block size, which need
 not be the engine's (SGLang's page size is 1). Each engine block therefore maps to a
-:class:`ChainPoint`: the router key of the last complete router block up to and including
-it (``anchor``), the tokens after that boundary (``tail``, shorter than a router block)
-and the router keys this block completed (``owned``). A child continues from its parent's
-point, so partial remainders carry across events and across engine blocks.
+:class:`_Block`: the router key of the last complete router block up to and including it
+(``anchor``), the tokens after that boundary (``tail``, shorter than a router block) and
+the router keys this block completes (``keys``). A child continues from its parent's
+position, so partial remainders carry across events and across engine blocks.
 
-A router key is held while at least one engine block owns it (per medium): two engine
-blocks can complete the same router key (hybrid-model groups, multimodal prompts whose
-engine hashes differ but whose tokens do not), and it leaves only with the last of them.
-Removed engine blocks leave the map, so memory follows what the engine holds.
+The guarantee is **keys may be missing, never wrong**: a router key is held only while
+every engine block that contributed tokens to it is cached. With engine blocks smaller
+than router blocks, several engine blocks make up one router block (its *window*); the
+block that completes it holds the key, and each block of the window links to the one
+before (``window_parent``). Evicting any block of a window releases the key, in whatever
+order the engine evicts (CPU tiers, sliding windows and hybrid models evict out of
+order); an evicted block that later windows still lean on stays as a non-resident
+*ghost*, so that storing it again brings their keys back.
 
-Data-parallel engines publish one stream per rank, each with its own cache: chains are
-kept per rank, while a router key stays held as long as any rank holds it.
+A router key is held while at least one engine block holds it (per medium): two engine
+blocks can complete the same router key (hybrid-model groups, data-parallel ranks), and
+it leaves only with the last of them. Data-parallel engines publish one stream per rank,
+each with its own cache: blocks are kept per rank.
 
-Never mis-keyed: a store whose parent is unknown cannot be keyed, so it is counted and
-skipped (:attr:`MapperStats.unknown_parents`); the service then tries to repair the state
-from the engine's replay buffer.
+Never mis-keyed:
+
+- a store whose parent is unknown cannot be keyed, so it is counted and skipped
+  (:attr:`MapperStats.unknown_parents`); the service then tries to repair the state from
+  the engine's replay buffer;
+- blocks whose engine hash depends on more than their tokens (``opaque_from``: images,
+  prompt embeddings, unreadable extra keys) and everything chained after them hold no key;
+- when events were lost, :meth:`KeyMapper.withdraw_rank` releases every key of the rank
+  and keeps its blocks only as positions to chain later stores from: a key is held again
+  only once every block it needs has been stored again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvcore.engine_events import MEDIUM_GPU, BlockRemoved, BlockStored, EngineEvent
@@ -32,6 +45,7 @@ from kvcore.keys import chain_keys, root_key
 
 ChainId = tuple[int, int, str, int]  # (DP rank, group, medium, engine hash)
 HeldKey = tuple[str, int]  # (medium, router key)
+HeldEntry = tuple[str, int, int | None]  # (medium, router key, parent key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,14 +69,6 @@ class RouterCleared:
 RouterEvent = RouterStored | RouterRemoved | RouterCleared
 
 
-@dataclass(frozen=True, slots=True)
-class ChainPoint:
-    anchor: int
-    tail: tuple[int, ...]
-    owned: tuple[int, ...]
-    rooted_at_root: bool  # anchor is a root key (no router block completed yet)
-
-
 @dataclass(slots=True)
 class MapperStats:
     stored_blocks: int = 0
@@ -70,12 +76,46 @@ class MapperStats:
     unknown_parents: int = 0
     unknown_removals: int = 0
     clears: int = 0
+    withdrawals: int = 0
+    opaque_blocks: int = 0
+
+
+@dataclass(eq=False, slots=True)
+class _Block:
+    """One engine block: its position in router space and what it holds."""
+
+    chain_id: ChainId
+    anchor: int
+    tail: tuple[int, ...]
+    rooted_at_root: bool  # anchor is a root key (no router block completed yet)
+    keys: tuple[int, ...]  # router keys completed in this block, in order
+    first_parent: int | None  # the router key before keys[0]
+    window_parent: _Block | None  # the block before, when both hold tokens of one key
+    opaque: bool = False
+    resident: bool = True
+    lost: bool = False  # a ghost kept after a loss, only as a position to chain from
+    first_held: bool = False  # keys[0] counts as held (its whole window is resident)
+    window_children: list[_Block] | None = None
+
+    @property
+    def medium(self) -> str:
+        return self.chain_id[2]
+
+    def adopt(self, child: _Block) -> None:
+        if self.window_children is None:
+            self.window_children = []
+        self.window_children.append(child)
 
 
 @dataclass(slots=True)
 class _Held:
     owners: int
     parent: int | None
+
+
+def _root_block(event: BlockStored, model: str) -> _Block:
+    root = root_key(model=model, lora_name=event.lora_name, namespace=event.namespace)
+    return _Block((0, 0, "", 0), root, (), True, (), None, None)
 
 
 @dataclass(slots=True)
@@ -85,8 +125,9 @@ class KeyMapper:
     model: str
     block_size: int
     stats: MapperStats = field(default_factory=MapperStats)
-    _chains: dict[ChainId, ChainPoint] = field(default_factory=dict)
+    _chains: dict[ChainId, _Block] = field(default_factory=dict)
     _held: dict[HeldKey, _Held] = field(default_factory=dict)
+    _resident: int = 0
 
     def apply(self, event: EngineEvent, rank: int = 0) -> list[RouterEvent]:
         if isinstance(event, BlockStored):
@@ -97,10 +138,9 @@ class KeyMapper:
         return self.clear_rank(rank)
 
     # -- BlockStored -----------------------------------------------------------------
-    def _start(self, event: BlockStored, rank: int) -> ChainPoint | None:
+    def _start(self, event: BlockStored, rank: int) -> _Block | None:
         if event.parent_hash is None:
-            root = root_key(model=self.model, lora_name=event.lora_name, namespace=event.namespace)
-            return ChainPoint(root, (), (), True)
+            return _root_block(event, self.model)
         return self._chains.get((rank, event.group, event.medium, event.parent_hash))
 
     def _stored(self, event: BlockStored, rank: int) -> list[RouterEvent]:
@@ -108,91 +148,218 @@ class KeyMapper:
         if start is None:
             self.stats.unknown_parents += 1
             return []
+        size = self.block_size
         pending = start.tail + event.token_ids if start.tail else event.token_ids
-        keys = chain_keys(start.anchor, pending, self.block_size)  # the whole run at once
+        keys = chain_keys(start.anchor, pending, size)  # the whole run at once
+        opaque_from = 0 if start.opaque else event.opaque_from
         parent_key = None if start.rooted_at_root else start.anchor
-        fresh: list[int] = []  # indexes into keys of the router keys that became held
-        offset, done = len(start.tail), 0
-        for engine_hash, length in zip(event.block_hashes, _lengths(event), strict=True):
+        fresh: list[HeldEntry] = []
+        previous, offset, done = start, len(start.tail), 0
+        for index, (engine_hash, length) in enumerate(
+            zip(event.block_hashes, _lengths(event), strict=True)
+        ):
             offset += length
-            completed = offset // self.block_size  # router blocks ending in this one or before
+            completed = offset // size  # router blocks ending in this one or before
             chain_id = (rank, event.group, event.medium, engine_hash)
-            if chain_id not in self._chains:  # a re-reported block is already held
-                self._chains[chain_id] = ChainPoint(
+            block = self._chains.get(chain_id)
+            if block is None:
+                block = _Block(
+                    chain_id,
                     keys[completed - 1] if completed else start.anchor,
-                    pending[completed * self.block_size : offset],
-                    tuple(keys[done:completed]),
+                    pending[completed * size : offset],
                     start.rooted_at_root and not completed,
+                    tuple(keys[done:completed]),
+                    keys[done - 1] if done else parent_key,
+                    previous if previous.tail else None,
+                    opaque=opaque_from is not None and index >= opaque_from,
                 )
-                for index in range(done, completed):
-                    parent = keys[index - 1] if index else parent_key
-                    if self._hold(event.medium, keys[index], parent):
-                        fresh.append(index)
-            done = completed
+                self._add(block, fresh)
+            elif not block.resident:  # stored again: it and the windows leaning on it
+                self._revive(block, fresh)
+            previous, done = block, completed
         self.stats.stored_blocks += len(event.block_hashes)
-        return _runs(keys, fresh, parent_key, event.medium)
+        return list(chain_runs(fresh))
 
-    def _hold(self, medium: str, key: int, parent: int | None) -> bool:
-        """Count one more owner of ``key``; ``True`` if it was not held before."""
+    def _add(self, block: _Block, fresh: list[HeldEntry]) -> None:
+        self._chains[block.chain_id] = block
+        self._resident += 1
+        if block.window_parent is not None:
+            block.window_parent.adopt(block)
+        if block.opaque:
+            self.stats.opaque_blocks += 1
+        self._hold_block(block, fresh)
+
+    def _hold_block(self, block: _Block, fresh: list[HeldEntry]) -> None:
+        """Hold the keys ``block`` completes whose every contributor is resident."""
+        if block.opaque or not block.keys:
+            return
+        medium, keys = block.medium, block.keys
+        if _first_key_backed(block):
+            block.first_held = True
+            self._hold(medium, keys[0], block.first_parent, fresh)
+        for i in range(1, len(keys)):
+            self._hold(medium, keys[i], keys[i - 1], fresh)
+
+    def _revive(self, block: _Block, fresh: list[HeldEntry]) -> None:
+        block.resident, block.lost = True, False
+        self._resident += 1
+        self._hold_block(block, fresh)
+        for later in _window_descendants(block):
+            if not later.first_held and later.resident and _first_key_backed(later):
+                later.first_held = True
+                self._hold(later.medium, later.keys[0], later.first_parent, fresh)
+
+    def _hold(self, medium: str, key: int, parent: int | None, fresh: list[HeldEntry]) -> None:
+        """Count one more owner of ``key``; listed in ``fresh`` if it was not held before."""
         held = self._held.get((medium, key))
         if held is None:
             self._held[(medium, key)] = _Held(1, parent)
-            return True
-        held.owners += 1
-        return False
+            fresh.append((medium, key, parent))
+        else:
+            held.owners += 1
 
     # -- BlockRemoved / AllBlocksCleared ---------------------------------------------
     def _removed(self, event: BlockRemoved, rank: int) -> list[RouterEvent]:
         gone: list[int] = []
         for engine_hash in event.block_hashes:
-            point = self._chains.pop((rank, event.group, event.medium, engine_hash), None)
-            if point is None:
+            block = self._chains.get((rank, event.group, event.medium, engine_hash))
+            if block is None or (not block.resident and not block.lost):
                 self.stats.unknown_removals += 1
                 continue
             self.stats.removed_blocks += 1
-            for key in point.owned:
-                self._release(event.medium, key, gone)
+            if block.resident:
+                self._evict(block, gone)
+            block.lost = False
+            self._forget(block)
         return [RouterRemoved(tuple(gone), event.medium)] if gone else []
+
+    def _evict(self, block: _Block, gone: list[int]) -> None:
+        """``block`` left the cache: its keys go, and so do the keys of later blocks whose
+        router block it contributed tokens to."""
+        block.resident = False
+        self._resident -= 1
+        self._release_block(block, gone)
+        for later in _window_descendants(block):
+            if later.first_held:
+                later.first_held = False
+                self._release(later.medium, later.keys[0], gone)
+
+    def _release_block(self, block: _Block, gone: list[int]) -> None:
+        if block.opaque or not block.keys:
+            return
+        if block.first_held:
+            block.first_held = False
+            self._release(block.medium, block.keys[0], gone)
+        for key in block.keys[1:]:
+            self._release(block.medium, key, gone)
+
+    def _forget(self, block: _Block | None) -> None:
+        """Drop ghosts no window leans on any more, walking back along the window."""
+        while block is not None and not (block.resident or block.lost or block.window_children):
+            if self._chains.get(block.chain_id) is block:
+                del self._chains[block.chain_id]
+            parent = block.window_parent
+            if parent is not None and parent.window_children:
+                parent.window_children.remove(block)
+            block = parent
 
     def _release(self, medium: str, key: int, gone: list[int]) -> None:
         held = self._held.get((medium, key))
-        if held is None:  # pragma: no cover - owned keys are always held
+        if held is None:  # pragma: no cover - a block's held keys are always in the map
             return
         held.owners -= 1
         if held.owners == 0:
             del self._held[(medium, key)]
             gone.append(key)
 
-    def clear_rank(self, rank: int) -> list[RouterEvent]:
-        """Forget one rank's blocks: a clear if no other rank holds any, else removals."""
-        mine = [chain_id for chain_id in self._chains if chain_id[0] == rank]
-        if len(mine) == len(self._chains):
-            self.clear()
+    def _rank_blocks(self, rank: int) -> list[_Block]:
+        return [block for chain_id, block in self._chains.items() if chain_id[0] == rank]
+
+    def _released(self, gone: dict[str, list[int]]) -> list[RouterEvent]:
+        if not self._held:  # nothing left anywhere: one clear says it all
             return [RouterCleared()]
-        gone: dict[str, list[int]] = {}
-        for chain_id in mine:
-            medium = chain_id[2]
-            for key in self._chains.pop(chain_id).owned:
-                self._release(medium, key, gone.setdefault(medium, []))
         return [RouterRemoved(tuple(keys), medium) for medium, keys in gone.items() if keys]
+
+    def clear_rank(self, rank: int) -> list[RouterEvent]:
+        """Forget one rank's blocks: a clear if no other rank holds any key, else removals."""
+        gone: dict[str, list[int]] = {}
+        for block in self._rank_blocks(rank):
+            if block.resident:
+                self._resident -= 1
+                self._release_block(block, gone.setdefault(block.medium, []))
+            del self._chains[block.chain_id]
+        return self._released(gone)
+
+    def withdraw_rank(self, rank: int) -> list[RouterEvent]:
+        """Events of one rank were lost: release every key it holds. Its blocks stay as
+        positions (ghosts) that later stores can chain from; a block's keys are held again
+        only when it is stored again and so is the rest of their window."""
+        self.stats.withdrawals += 1
+        gone: dict[str, list[int]] = {}
+        for block in self._rank_blocks(rank):
+            if not block.resident:  # a ghost from before: not worth keeping
+                del self._chains[block.chain_id]
+                continue
+            self._resident -= 1
+            self._release_block(block, gone.setdefault(block.medium, []))
+            block.resident, block.lost = False, True
+        return self._released(gone)
 
     # -- state -----------------------------------------------------------------------
     def clear(self) -> None:
         self._chains.clear()
         self._held.clear()
+        self._resident = 0
 
     @property
     def engine_blocks(self) -> int:
-        return len(self._chains)
+        """Engine blocks believed cached (ghosts not counted)."""
+        return self._resident
 
     @property
     def router_keys(self) -> int:
         return len(self._held)
 
-    def held(self) -> Iterator[tuple[str, int, int | None]]:
-        """Every held router key as ``(medium, key, parent key)``, parents first."""
+    def held(self) -> Iterator[HeldEntry]:
+        """Every held router key as ``(medium, key, parent key)``, each chain in order:
+        a key whose parent is held comes after its parent."""
+        children: dict[HeldKey, list[int]] = {}
+        roots: list[HeldKey] = []
         for (medium, key), held in self._held.items():
-            yield medium, key, held.parent
+            if held.parent is not None and (medium, held.parent) in self._held:
+                children.setdefault((medium, held.parent), []).append(key)
+            else:
+                roots.append((medium, key))
+        for medium, root in roots:
+            stack = [root]
+            while stack:
+                key = stack.pop()
+                yield medium, key, self._held[(medium, key)].parent
+                stack.extend(reversed(children.get((medium, key), ())))
+
+
+def _window_resident(block: _Block | None) -> bool:
+    """``True`` if ``block`` and the blocks before it in its window are all cached."""
+    while block is not None:
+        if not block.resident:
+            return False
+        block = block.window_parent
+    return True
+
+
+def _first_key_backed(block: _Block) -> bool:
+    """The first key ``block`` completes has every contributor before it resident."""
+    return bool(block.keys) and not block.opaque and _window_resident(block.window_parent)
+
+
+def _window_descendants(block: _Block) -> Iterator[_Block]:
+    """Later blocks whose first key's window includes ``block``."""
+    stack = list(block.window_children or ())
+    while stack:
+        later = stack.pop()
+        yield later
+        if not later.keys and later.window_children:  # its window goes on past it
+            stack.extend(later.window_children)
 
 
 def _lengths(event: BlockStored) -> list[int]:
@@ -203,16 +370,15 @@ def _lengths(event: BlockStored) -> list[int]:
     return [size] * (n - 1) + [len(event.token_ids) - (n - 1) * size]
 
 
-def _runs(
-    keys: list[int], fresh: list[int], root_parent: int | None, medium: str
-) -> list[RouterEvent]:
-    """The newly held keys as stores, one per unbroken run, each with its parent key."""
-    runs: list[RouterEvent] = []
-    start = 0
-    for i in range(1, len(fresh) + 1):
-        if i == len(fresh) or fresh[i] != fresh[i - 1] + 1:
-            first = fresh[start]
-            parent = keys[first - 1] if first else root_parent
-            runs.append(RouterStored(tuple(keys[first : fresh[i - 1] + 1]), parent, medium))
-            start = i
-    return runs
+def chain_runs(held: Iterable[HeldEntry]) -> Iterator[RouterStored]:
+    """Keys as stores: consecutive keys that chain form one store with its parent."""
+    medium, keys, parent = "", list[int](), None
+    for key_medium, key, key_parent in held:
+        if keys and key_medium == medium and key_parent == keys[-1]:
+            keys.append(key)
+            continue
+        if keys:
+            yield RouterStored(tuple(keys), parent, medium)
+        medium, keys, parent = key_medium, [key], key_parent
+    if keys:
+        yield RouterStored(tuple(keys), parent, medium)

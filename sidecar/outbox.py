@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from kvcore.engine_events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU
 from kvcore.pb import events_pb2
-from sidecar.key_mapper import RouterEvent, RouterRemoved, RouterStored
+from sidecar.key_mapper import RouterEvent, RouterRemoved, RouterStored, chain_runs
 
 MEDIUM_PB = {
     MEDIUM_GPU: events_pb2.MEDIUM_GPU,
@@ -194,20 +194,6 @@ class Outbox:
                 fill_event(batch.events.add(), run)
             out.append(OutgoingBatch(batch.seq, batch.SerializeToString(), len(group), None))
         return out
-
-
-def chain_runs(held: Iterable[tuple[str, int, int | None]]) -> Iterable[RouterStored]:
-    """Held keys as stores: consecutive keys that chain form one store with its parent."""
-    medium, keys, parent = "", list[int](), None
-    for key_medium, key, key_parent in held:
-        if keys and key_medium == medium and key_parent == keys[-1]:
-            keys.append(key)
-            continue
-        if keys:
-            yield RouterStored(tuple(keys), parent, medium)
-        medium, keys, parent = key_medium, [key], key_parent
-    if keys:
-        yield RouterStored(tuple(keys), parent, medium)
 
 
 def _group_runs(runs: list[RouterStored], limit: int) -> list[list[RouterStored]]:

@@ -211,7 +211,9 @@ def decode_batch(
     ts, raw_events, rank = batch_parts(decode_msgpack(payload), rank_field)
     events: list[EngineEvent] = []
     rejected: list[str] = []
+    removals_lost = False
     for raw in raw_events:
+        tag: str | None = None
         try:
             tag, fields = event_fields(raw, layouts)
             parser = parsers.get(tag)
@@ -220,9 +222,16 @@ def decode_batch(
             events.append(parser(fields))
         except FrameError as exc:
             rejected.append(exc.reason)
+            removals_lost = removals_lost or tag in (None, "BlockRemoved")
         except IgnoredEvent:
             rejected.append("unknown_event_type")
-    return EngineEventBatch(ts=ts, events=tuple(events), dp_rank=rank, rejected=tuple(rejected))
+    return EngineEventBatch(
+        ts=ts,
+        events=tuple(events),
+        dp_rank=rank,
+        rejected=tuple(rejected),
+        removals_lost=removals_lost,
+    )
 
 
 @dataclass(frozen=True, slots=True)

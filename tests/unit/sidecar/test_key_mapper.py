@@ -252,9 +252,7 @@ def test_a_re_stored_contributor_brings_back_the_key_it_completes_again() -> Non
     k0, k1 = block_keys(tokens, model=MODEL, block_size=32)
     mapper.apply(BlockStored((1, 2, 3, 4), None, tuple(tokens), 16))
     mapper.apply(BlockRemoved((3,)))
-    assert mapper.apply(BlockStored((3,), 2, tuple(tokens[32:48]), 16)) == [
-        RouterStored((k1,), k0)
-    ]
+    assert mapper.apply(BlockStored((3,), 2, tuple(tokens[32:48]), 16)) == [RouterStored((k1,), k0)]
     assert held_keys(mapper) == {k0, k1}
 
 

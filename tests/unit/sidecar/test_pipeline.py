@@ -8,6 +8,7 @@ import msgspec
 import pytest
 
 from kvcore.engine_events import EngineEvent
+from kvcore.keys import block_keys
 from sidecar.adapters import adapter_for
 from sidecar.adapters.encoders import FORMATS, encode_batch
 from sidecar.errors import FrameError
@@ -116,7 +117,10 @@ def bad_frames(payload: bytes, rng: random.Random, wanted: int) -> list[bytes]:
     return found
 
 
-def test_fuzz_thousands_of_bad_frames_leave_the_good_ones_translated_exactly() -> None:
+def test_fuzz_thousands_of_bad_frames_never_leave_a_wrong_key() -> None:
+    """Bad frames never stop the pipeline nor leave published a key the engine dropped:
+    one that may have held removals withdraws the keys. Once the engine's state is known
+    again (it clears its cache), the good frames are translated exactly as without noise."""
     rng = random.Random(1234)
     cache = FakeCache(16)
     good = [encode_batch(events, "vllm-0.33") for events in workload(cache, rng, 150)]
@@ -131,14 +135,20 @@ def test_fuzz_thousands_of_bad_frames_leave_the_good_ones_translated_exactly() -
         noisy.handle(Frame(b"", seq, payload, 0))
         publish_all(clean, clean_mirror)
         publish_all(noisy, noisy_mirror)
+        assert noisy_mirror.gpu_keys() <= clean_mirror.gpu_keys()
     assert bad_count == 3000
     skipped = sum(noisy.stats.frames_undecodable.values()) + sum(
         noisy.stats.events_rejected.values()
     )
-    assert skipped >= bad_count
+    assert skipped >= bad_count and noisy.state_incomplete
     assert clean_mirror.gpu_keys() == cache.router_keys(16)
-    assert noisy_mirror.gpu_keys() == clean_mirror.gpu_keys()
-    assert noisy.mapper.engine_blocks == len(cache.blocks)
+    after = [[cache.clear()], *workload(cache, rng, 30)]
+    for seq, events in enumerate(after, len(good)):
+        for pipeline, mirror in ((clean, clean_mirror), (noisy, noisy_mirror)):
+            pipeline.handle(frame(seq, events, "vllm-0.33"))
+            publish_all(pipeline, mirror)
+    assert noisy_mirror.gpu_keys() == clean_mirror.gpu_keys() == cache.router_keys(16)
+    assert noisy.mapper.engine_blocks == len(cache.blocks) and not noisy.state_incomplete
 
 
 def test_engine_restart_clears_state_and_opens_a_new_epoch() -> None:
@@ -186,8 +196,12 @@ def test_a_restarted_rank_of_several_loses_only_its_blocks_in_the_same_epoch() -
     pipeline.handle(frame(0, list(rank1.store(list(range(500, 564)))), "vllm-0.23"), rank=1)
     pipeline.handle(FramesLost(1, 1), rank=1)
     publish_all(pipeline, mirror)
-    assert mirror.gpu_keys() == rank0.router_keys(16) | rank1.router_keys(16)
+    assert mirror.gpu_keys() == rank0.router_keys(16)  # rank 1's keys withdrawn, not rank 0's
     assert pipeline.state_incomplete
+    later = list(range(700, 732))
+    pipeline.handle(frame(2, list(rank1.store(later)), "vllm-0.23"), rank=1)
+    publish_all(pipeline, mirror)
+    assert mirror.gpu_keys() == rank0.router_keys(16) | set(block_keys(later, model="m"))
     pipeline.handle(EngineRestarted(0), rank=1)
     publish_all(pipeline, mirror)
     assert mirror.gpu_keys() == rank0.router_keys(16)
@@ -209,3 +223,79 @@ def test_a_long_history_rebuilds_in_steps_that_leave_the_loop_free_between_them(
     for batch in pipeline.outbox.snapshot(pipeline.mapper.held(), 0):
         mirror.apply(batch.payload)
     assert mirror.gpu_keys() == cache.router_keys(16)
+
+
+def stored_then(pipeline: Pipeline, mirror: ResidencyMirror, cache: FakeCache) -> None:
+    pipeline.handle(frame(0, list(cache.store(list(range(64)))), "vllm-0.23"))
+    publish_all(pipeline, mirror)
+    assert mirror.gpu_keys() == cache.router_keys(16) != set()
+
+
+def test_a_lost_range_without_history_withdraws_the_ranks_keys() -> None:
+    """The lost batches may have evicted anything: what was held must go, not linger."""
+    pipeline, mirror, cache = make_pipeline(), ResidencyMirror(), FakeCache(16)
+    stored_then(pipeline, mirror, cache)
+    cache.evict(2)  # inside the lost range: the sidecar never sees these removals
+    pipeline.handle(FramesLost(1, 3))
+    publish_all(pipeline, mirror)
+    assert pipeline.state_incomplete
+    assert mirror.gpu_keys() == set() and pipeline.mapper.router_keys == 0
+
+
+def test_after_a_loss_later_stores_are_keyed_again_from_what_arrives() -> None:
+    pipeline, mirror, cache = make_pipeline(), ResidencyMirror(), FakeCache(16)
+    stored_then(pipeline, mirror, cache)
+    pipeline.handle(FramesLost(1, 3))
+    longer = list(range(64)) + list(range(1000, 1032))  # extends a block stored before
+    pipeline.handle(frame(4, list(cache.store(longer)), "vllm-0.23"))
+    fresh = FakeCache(16)
+    pipeline.handle(frame(5, list(fresh.store(list(range(500, 532)))), "vllm-0.23"))
+    publish_all(pipeline, mirror)
+    tail_keys = set(block_keys(longer, model="m")[4:])
+    assert mirror.gpu_keys() == tail_keys | fresh.router_keys(16)
+    assert pipeline.state_incomplete
+
+
+def test_an_undecodable_frame_withdraws_and_marks_the_state_incomplete() -> None:
+    pipeline, mirror, cache = make_pipeline(), ResidencyMirror(), FakeCache(16)
+    stored_then(pipeline, mirror, cache)
+    pipeline.handle(Frame(b"", 1, b"\xc1 not msgpack", 0))  # it may have held removals
+    publish_all(pipeline, mirror)
+    assert pipeline.state_incomplete and mirror.gpu_keys() == set()
+
+
+def test_a_rejected_removal_withdraws_and_marks_the_state_incomplete() -> None:
+    pipeline, mirror, cache = make_pipeline(), ResidencyMirror(), FakeCache(16)
+    stored_then(pipeline, mirror, cache)
+    bad = msgspec.msgpack.encode([1.0, [["BlockRemoved", "not-a-list", "GPU", 0]], 0])
+    pipeline.handle(Frame(b"", 1, bad, 0))
+    publish_all(pipeline, mirror)
+    assert pipeline.stats.events_rejected == {"bad_hash": 1}
+    assert pipeline.state_incomplete and mirror.gpu_keys() == set()
+
+
+def test_a_rejected_store_only_misses_its_keys() -> None:
+    pipeline, mirror, cache = make_pipeline(), ResidencyMirror(), FakeCache(16)
+    stored_then(pipeline, mirror, cache)
+    bad = msgspec.msgpack.encode([1.0, [["BlockStored", [9], None, [1, 2], 16]], 0])
+    pipeline.handle(Frame(b"", 1, bad, 0))
+    publish_all(pipeline, mirror)
+    assert mirror.gpu_keys() == cache.router_keys(16) and not pipeline.state_incomplete
+
+
+def test_a_history_with_an_undecodable_frame_keeps_nothing_from_before_it() -> None:
+    cache = FakeCache(16)
+    first = frame(0, list(cache.store(list(range(64)))), "vllm-0.23")
+    evicted = list(cache.evict(4))  # this frame reaches the sidecar corrupted
+    later = frame(2, list(cache.store(list(range(300, 332)))), "vllm-0.23")
+    history = HistoryReplay((first, Frame(b"", 1, b"\xc1", 0), later))
+    pipeline, mirror = make_pipeline(), ResidencyMirror()
+    list(pipeline.rebuild_steps(history))
+    for batch in pipeline.outbox.snapshot(pipeline.mapper.held(), 0):
+        mirror.apply(batch.payload)
+    assert evicted and pipeline.state_incomplete
+    assert (
+        mirror.gpu_keys()
+        == cache.router_keys(16)
+        == set(block_keys(list(range(300, 332)), model="m"))
+    )
