@@ -53,8 +53,9 @@ class HFTokenizer:
         self.bos_token_id: int | None = self._token_id(self.special_tokens.get("bos_token"))
         self._templates = _templates(config, self.directory / TEMPLATE_FILE)
         self._renderers = {name: compile_chat_template(src) for name, src in self._templates}
-        self._lstrip_tokens, self.segmentable = _segmentation_facts(self._fast)
+        self._lstrip_tokens, segmentable = _segmentation_facts(self._fast)
         self._anchor_ids = self._fast.encode(_ANCHOR, add_special_tokens=False).ids
+        self.segmentable = segmentable and self._cuts_exact_after_added_tokens()
 
     @property
     def fast(self) -> FastTokenizer:
@@ -112,6 +113,22 @@ class HFTokenizer:
             if wrapped[start : start + len(bare)] == bare:
                 return wrapped[:start], wrapped[start + len(bare) :]
         return None
+
+    def _cuts_exact_after_added_tokens(self) -> bool:
+        """Whether a cut after ``<added token>\n`` is exact. The text between added
+        tokens is pre-tokenized piece by piece, and ByteLevel's ``add_prefix_space``
+        adds a space to each piece: whole, ``"\ncd"`` after the token reads ``" \ncd"``;
+        cut, the head's last piece reads ``" \n"``, which a merge may make one token."""
+        for token in self._fast.get_added_tokens_decoder().values():
+            if not token.content or token.content[-1].isspace():
+                continue  # no cut point right after it
+            text = f"ab{token.content}\ncd"
+            head, tail = text[:-2], text[-2:]
+            pieces = self.encode_segments([head, tail], at_start=True)
+            whole = self.encode(text, add_special_tokens=False)
+            if pieces is None or pieces[0] + pieces[1] != whole:
+                return False
+        return True
 
     def _before_lstrip_token(self, text: str) -> Callable[[int], bool]:
         tokens = self._lstrip_tokens

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import pre_tokenizers, processors
 
-from bench.micro.model_files import train_tiny_bpe, write_config
+from bench.micro.model_files import CORPUS, train_tiny_bpe, write_config
 from kvcore.tokenize import (
     BuiltinTokenizer,
     HFTokenizer,
@@ -183,6 +183,24 @@ def test_added_tokens_that_strip_whitespace_before_them_stay_exact(tmp_path: Pat
         assert cache.encode(text, add_special_tokens=False) == tokenizer.encode(
             text, add_special_tokens=False
         )
+
+
+@pytest.mark.parametrize(("style", "segmentable"), [("gpt2-prefix-space", False), ("gpt2", True)])
+def test_a_prefix_space_per_piece_after_an_added_token_is_not_cut(
+    tmp_path: Path, style: str, segmentable: bool
+) -> None:
+    """ByteLevel with add_prefix_space adds a space to each piece between added tokens:
+    ``<|im_end|>\ncd`` reads `` \ncd`` whole, but a cut after the newline leaves a head
+    ending in `` \n``, which this vocabulary merges into one token."""
+    fast = train_tiny_bpe(tmp_path, style=style, corpus=[*CORPUS, *["end \nnext \nmore \n"] * 20])
+    assert fast.token_to_id("\u0120\u010a") is not None  # the merge of " \n"
+    tokenizer = HFTokenizer(tmp_path)
+    assert tokenizer.segmentable is segmentable
+    cache = PrefixTokenCache(tokenizer, min_gap=1)
+    for text in ("ab<|im_end|>\ncd", "ab<|im_end|>\ncd ef"):
+        whole = tokenizer.encode(text, add_special_tokens=False)
+        assert cache.encode(text, add_special_tokens=False) == whole, repr(text)
+    assert cache.stats.hits == int(segmentable)
 
 
 def test_invalid_settings_are_refused() -> None:
