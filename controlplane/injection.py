@@ -32,6 +32,9 @@ Annotations (all optional but the model, which can also come from the engine's
 ``kvroute.io/replay-port``            ZMQ replay port (5558)
 ``kvroute.io/served-names``           other names served, comma-separated
 ``kvroute.io/block-size``             router block size (the sidecar's default, 16)
+``kvroute.io/patch-engine-args``      ``"false"``: leave the engine's arguments as they
+                                      are (an engine that publishes events without
+                                      flags, such as ``kvroute-sim``)
 ====================================  ==========================================
 
 The replica id is the pod's name (downward API), so it must be a valid subject token
@@ -91,6 +94,7 @@ class EngineSpec:
     served_names: str
     block_size: str
     has_events_config: bool
+    patch_args: bool
 
 
 # --- the entry points -------------------------------------------------------------------
@@ -183,6 +187,7 @@ def read_engine(containers: list[Any], annotations: Mapping[str, str]) -> Engine
         served_names=annotations.get(ANNOTATION_PREFIX + "served-names", ""),
         block_size=annotations.get(ANNOTATION_PREFIX + "block-size", ""),
         has_events_config=has_config,
+        patch_args=annotations.get(ANNOTATION_PREFIX + "patch-engine-args") != "false",
     )
 
 
@@ -291,7 +296,7 @@ def engine_arg_ops(container: Json, engine: EngineSpec, warnings: list[str]) -> 
     """Patch operations adding what the engine needs to publish events and load."""
     argv = _argv(container)
     missing = _missing_flags(argv, engine)
-    if not missing:
+    if not missing or not engine.patch_args:
         return []
     if _shell_wrapped(argv):
         flags = " and ".join(arg for arg in missing if arg.startswith("--"))

@@ -200,6 +200,15 @@ def test_vllm_serve_positional_model_and_no_args_field() -> None:
     assert env_of(sidecar)["KVROUTE_MODEL"] == "Qwen/Qwen3-8B"
 
 
+def test_engine_args_can_be_left_alone() -> None:
+    pod = sglang_pod()
+    pod["metadata"]["annotations"] = {"kvroute.io/patch-engine-args": "false"}
+    _, patched = admit(pod)
+    engine, sidecar = patched["spec"]["containers"]
+    assert engine == pod["spec"]["containers"][0]
+    assert env_of(sidecar)["KVROUTE_KV_EVENTS_ENDPOINT"] == "tcp://127.0.0.1:5557"
+
+
 def test_nats_secret_becomes_the_sidecars_env() -> None:
     config = InjectionConfig(sidecar_image="s", nats_url="nats://n:4222", nats_secret="nats-auth")
     answer = mutate_review(review(vllm_pod()), config)

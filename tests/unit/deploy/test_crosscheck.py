@@ -1,0 +1,229 @@
+"""Nothing in deploy/ names a flag, environment variable, port, probe path or metric that
+kvroute does not have.
+
+Every kvroute container of every rendered kustomization (and every sidecar the webhook
+injects into the engine pods there) is started the way its component's ``main`` starts:
+its args go through the component's own flag parser and its ``KVROUTE_*`` environment
+through its settings class, so an unknown flag, an unknown variable or a bad value fails
+here. Its container ports must be ports the settings make it listen on, and its probes
+and Prometheus annotations must name routes its HTTP app really serves.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+from pydantic import BaseModel
+
+from controlplane.injection import InjectionConfig, mutate_review
+from enginesim.http import SimApp
+from enginesim.settings import SimSettings, parse_settings
+from sidecar.main import load_settings as load_sidecar_settings
+from sidecar.observability import create_app as create_sidecar_app
+from sidecar.service import SidecarService
+from sidecar.settings import SidecarSettings
+from tests.unit.deploy.manifests import (
+    KUBERNETES,
+    containers,
+    image_repository,
+    kustomizations,
+    name_of,
+    pod_of,
+    render,
+    workloads,
+)
+from tests.unit.deploy.schemas import problems
+
+SIDECAR_IMAGE = "kvroute/sidecar:0.1.0"
+INJECTION = InjectionConfig(sidecar_image=SIDECAR_IMAGE, nats_url="nats://kvroute-nats:4222")
+
+
+@dataclass(frozen=True)
+class Component:
+    settings_class: type[BaseModel]
+    load: Callable[[list[str]], Any]  # the component's own argv -> settings
+    routes: Callable[[Any], set[str]]  # settings -> HTTP paths served
+    ports: Callable[[Any], set[int]]  # settings -> TCP ports listened on
+
+
+def sim_routes(settings: SimSettings) -> set[str]:
+    return set(SimApp(settings, cast(Any, None), cast(Any, None)).routes)
+
+
+def sidecar_routes(settings: SidecarSettings) -> set[str]:
+    app = create_sidecar_app(SidecarService(settings))
+    return {route.resource.canonical for route in app.router.routes() if route.resource}
+
+
+COMPONENTS: dict[str, Component] = {
+    "kvroute/sim": Component(SimSettings, parse_settings, sim_routes, lambda s: {s.port}),
+    "kvroute/sidecar": Component(
+        SidecarSettings, load_sidecar_settings, sidecar_routes, lambda s: {s.port}
+    ),
+}
+
+
+def inject(pod: dict[str, Any]) -> dict[str, Any]:
+    """The pod as the API server stores it after the webhook's patch."""
+    import jsonpatch
+
+    review = {"request": {"uid": "u", "operation": "CREATE", "object": pod}}
+    response = mutate_review(review, INJECTION)["response"]
+    if "patch" not in response:
+        return pod
+    return cast(
+        dict[str, Any], jsonpatch.apply_patch(pod, json.loads(base64.b64decode(response["patch"])))
+    )
+
+
+def env_values(container: dict[str, Any], pod_name: str) -> dict[str, str]:
+    """The container's environment as the kubelet would set it (secrets as placeholders)."""
+    values = {}
+    for entry in container.get("env", []):
+        if "value" in entry:
+            values[entry["name"]] = str(entry["value"])
+        elif entry.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.name":
+            values[entry["name"]] = pod_name
+        else:
+            values[entry["name"]] = "from-a-secret"
+    return values
+
+
+def flags_in(args: list[str]) -> list[str]:
+    """Setting names of the ``--flag`` / ``--flag=value`` in ``args``."""
+    names = []
+    for arg in args:
+        if arg.startswith("--"):
+            name = arg[2:].split("=", 1)[0].replace("-", "_")
+            names.append(name)
+    return names
+
+
+def resolve_port(container: dict[str, Any], port: object) -> int | None:
+    for entry in container.get("ports", []):
+        if port in (entry.get("name"), entry["containerPort"]):
+            return int(entry["containerPort"])
+    return None
+
+
+def check_container(
+    container: dict[str, Any], pod_name: str, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[str], set[str]]:
+    """Problems with one kvroute container, and the routes it serves."""
+    component = COMPONENTS[image_repository(container)]
+    env = env_values(container, pod_name)
+    found = []
+    for name in env:
+        field = name.removeprefix("KVROUTE_").lower()
+        if name.startswith("KVROUTE_") and field not in component.settings_class.model_fields:
+            found.append(f"env {name}: no setting {field}")
+    args = list(container.get("args", []))
+    fields = component.settings_class.model_fields
+    for flag in flags_in(args):
+        if flag not in fields and flag.removeprefix("no_") not in fields:
+            found.append(f"flag --{flag.replace('_', '-')}: no setting {flag}")
+    with monkeypatch.context() as patch, contextlib.redirect_stderr(io.StringIO()) as err:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        try:
+            settings = component.load(args)
+        except (Exception, SystemExit) as exc:
+            refused = f"args/env refused by the component: {exc} {err.getvalue()[-300:]}"
+            return [*found, refused], set()
+    routes = component.routes(settings)
+    listening = component.ports(settings)
+    for entry in container.get("ports", []):
+        if entry["containerPort"] not in listening:
+            found.append(f"containerPort {entry['containerPort']} not in {listening}")
+    for probe_name in ("startupProbe", "readinessProbe", "livenessProbe"):
+        probe = container.get(probe_name, {}).get("httpGet")
+        if probe is None:
+            continue
+        if probe["path"].split("?")[0] not in routes:
+            found.append(f"{probe_name} path {probe['path']} is not a route")
+        if resolve_port(container, probe["port"]) not in listening:
+            found.append(f"{probe_name} port {probe['port']} is not listened on")
+    return found, routes
+
+
+def check_pod(pod: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    found = []
+    served: dict[int, set[str]] = {}
+    for container in containers(pod):
+        if image_repository(container) not in COMPONENTS:
+            continue
+        own, routes = check_container(container, pod["metadata"]["name"], monkeypatch)
+        found += [f"{container['name']}: {problem}" for problem in own]
+        for entry in container.get("ports", []):
+            served[int(entry["containerPort"])] = routes
+    annotations = pod["metadata"].get("annotations", {})
+    if annotations.get("prometheus.io/scrape") == "true":
+        port = int(annotations["prometheus.io/port"])
+        ports = {p["containerPort"] for c in containers(pod) for p in c.get("ports", [])}
+        if port not in ports:
+            found.append(f"prometheus.io/port {port} is not a container port")
+        path = annotations.get("prometheus.io/path", "/metrics")
+        if port in served and path not in served[port]:
+            found.append(f"prometheus.io/path {path} is not a route on port {port}")
+    return found
+
+
+def kvroute_pods(directory: Path) -> list[tuple[str, dict[str, Any]]]:
+    pods = []
+    for workload in workloads(render(directory)):
+        pod = inject(pod_of(workload))
+        pods.append((name_of(workload), pod))
+    return pods
+
+
+@pytest.mark.parametrize(
+    "directory", kustomizations(), ids=[str(p.relative_to(KUBERNETES)) for p in kustomizations()]
+)
+def test_kvroute_containers_start_with_what_deploy_gives_them(
+    directory: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, pod in kvroute_pods(directory):
+        assert check_pod(pod, monkeypatch) == [], name
+
+
+@pytest.mark.parametrize("engines", ["engines/vllm", "engines/sglang", "engines/sim"])
+def test_injected_engine_pods_are_valid_pods_with_a_working_sidecar(
+    engines: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, pod in kvroute_pods(KUBERNETES / engines):
+        sidecars = [c for c in containers(pod) if c["name"] == "kvroute-sidecar"]
+        assert len(sidecars) == 1, name
+        assert sidecars[0]["image"] == SIDECAR_IMAGE
+        assert problems(pod, "1.30.0") == [], name
+        assert check_pod(pod, monkeypatch) == [], name
+
+
+def test_the_crosscheck_catches_what_the_code_does_not_have(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    (_, pod), *_ = kvroute_pods(KUBERNETES / "engines" / "sim")
+    sim, sidecar = containers(pod)
+    sim["args"] = [*sim["args"], "--no-such-flag", "1"]
+    sim["readinessProbe"]["httpGet"]["path"] = "/ready"
+    sidecar["env"].append({"name": "KVROUTE_NATS_URLS", "value": "x"})
+    sidecar["ports"][0]["containerPort"] = 9101
+    pod["metadata"]["annotations"]["prometheus.io/path"] = "/stats"
+    found = check_pod(pod, monkeypatch)
+    assert any("flag --no-such-flag: no setting" in p for p in found), found
+    assert any("sim: args/env refused" in p and "--no-such-flag" in p for p in found), found
+    assert any("KVROUTE_NATS_URLS" in p for p in found), found
+    assert any("containerPort 9101" in p for p in found), found
+    pod_ok = kvroute_pods(KUBERNETES / "engines" / "sim")[0][1]
+    containers(pod_ok)[0]["readinessProbe"]["httpGet"]["path"] = "/ready"
+    pod_ok["metadata"]["annotations"]["prometheus.io/path"] = "/stats"
+    found = check_pod(pod_ok, monkeypatch)
+    assert any("readinessProbe path /ready" in p for p in found), found
+    assert any("prometheus.io/path /stats" in p for p in found), found

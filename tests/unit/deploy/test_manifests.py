@@ -1,0 +1,179 @@
+"""deploy/kubernetes without a cluster: every kustomization renders, every object is
+valid against the Kubernetes schemas (strict: an unknown field is an error), and the
+overlays hold what a platform engineer relies on (HA counts, volumes, budgets, probes,
+resources, pod security, no API access, who may reach whom)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.unit.deploy.manifests import (
+    KUBERNETES,
+    containers,
+    find,
+    kustomizations,
+    name_of,
+    overlays,
+    pod_of,
+    render,
+    workloads,
+)
+from tests.unit.deploy.network_policy import Pod, ingress_allowed
+from tests.unit.deploy.schemas import problems
+
+OLDEST_KUBERNETES = "1.30.0"
+NEWEST_KUBERNETES = "1.37.0"
+CRD_KINDS = {"Certificate", "Issuer"}  # cert-manager's, checked in test_webhook_config
+
+
+def ids(paths: list[Path]) -> list[str]:
+    return [str(p.relative_to(KUBERNETES)) for p in paths]
+
+
+def validate(doc: dict[str, Any], version: str) -> None:
+    found = problems(doc, version)
+    assert not found, f"{name_of(doc)} is not a valid {doc['kind']}: {found}"
+
+
+@pytest.mark.parametrize("directory", kustomizations(), ids=ids(kustomizations()))
+def test_every_kustomization_renders_valid_objects(directory: Path) -> None:
+    docs = render(directory)
+    assert docs
+    names = [name_of(d) for d in docs]
+    assert len(names) == len(set(names)), "an object is rendered twice"
+    for doc in docs:
+        if doc["kind"] not in CRD_KINDS:
+            validate(doc, OLDEST_KUBERNETES)
+
+
+@pytest.mark.parametrize("directory", overlays(), ids=ids(overlays()))
+def test_overlays_are_valid_on_the_newest_kubernetes(directory: Path) -> None:
+    for doc in render(directory):
+        if doc["kind"] not in CRD_KINDS:
+            validate(doc, NEWEST_KUBERNETES)
+
+
+@pytest.mark.parametrize("directory", overlays(), ids=ids(overlays()))
+def test_nats_and_etcd_are_three_node_clusters(directory: Path) -> None:
+    docs = render(directory)
+    for name in ("kvroute-nats", "kvroute-etcd"):
+        sts = find(docs, "StatefulSet", name)
+        assert sts["spec"]["replicas"] == 3
+        headless = find(docs, "Service", sts["spec"]["serviceName"])
+        assert headless["spec"]["clusterIP"] == "None"
+        assert find(docs, "PodDisruptionBudget", name)
+    etcd = find(docs, "StatefulSet", "kvroute-etcd")
+    (claim,) = etcd["spec"]["volumeClaimTemplates"]
+    mounts = containers(pod_of(etcd))[0]["volumeMounts"]
+    assert {"name": claim["metadata"]["name"], "mountPath": "/var/lib/etcd"} in mounts
+    routes = find(docs, "ConfigMap", "kvroute-nats")["data"]["nats.conf"]
+    for node in range(3):
+        assert f"kvroute-nats-{node}.kvroute-nats-headless:6222" in routes
+    members = {e["name"]: e.get("value") for e in containers(pod_of(etcd))[0]["env"]}
+    for node in range(3):
+        assert f"kvroute-etcd-{node}=http://kvroute-etcd-{node}." in members["ETCD_INITIAL_CLUSTER"]
+
+
+@pytest.mark.parametrize("directory", overlays(), ids=ids(overlays()))
+def test_every_container_has_resources_and_probes(directory: Path) -> None:
+    for workload in workloads(render(directory)):
+        for container in containers(pod_of(workload)):
+            where = f"{name_of(workload)} {container['name']}"
+            resources = container.get("resources", {})
+            assert {"cpu", "memory"} <= set(resources.get("requests", {})), where
+            assert "memory" in resources.get("limits", {}), where
+            assert "readinessProbe" in container, where
+            assert "livenessProbe" in container, where
+
+
+@pytest.mark.parametrize("directory", overlays(), ids=ids(overlays()))
+def test_kvroute_namespace_pods_meet_the_restricted_pod_security_standard(
+    directory: Path,
+) -> None:
+    docs = render(directory)
+    namespace = find(docs, "Namespace", "kvroute")
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    for workload in workloads(docs):
+        if workload["metadata"]["namespace"] != "kvroute":
+            continue
+        spec = pod_of(workload)["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for container in spec["containers"]:
+            context = container["securityContext"]
+            assert context["allowPrivilegeEscalation"] is False
+            assert context["capabilities"] == {"drop": ["ALL"]}
+            assert context["readOnlyRootFilesystem"] is True
+
+
+@pytest.mark.parametrize("directory", overlays(), ids=ids(overlays()))
+def test_no_workload_can_use_the_kubernetes_api(directory: Path) -> None:
+    """kvroute needs no Kubernetes API access: least privilege is no token at all."""
+    docs = render(directory)
+    accounts = {
+        (d["metadata"]["namespace"], d["metadata"]["name"])
+        for d in docs
+        if d["kind"] == "ServiceAccount"
+    }
+    for doc in docs:
+        assert doc["kind"] not in {"Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"}
+        if doc["kind"] == "ServiceAccount":
+            assert doc["automountServiceAccountToken"] is False
+    for workload in workloads(docs):
+        spec = pod_of(workload)["spec"]
+        assert (workload["metadata"]["namespace"], spec["serviceAccountName"]) in accounts
+        assert spec["automountServiceAccountToken"] is False
+
+
+def _pods(docs: tuple[dict[str, Any], ...]) -> dict[str, Pod]:
+    found = {}
+    for workload in workloads(docs):
+        pod = pod_of(workload)
+        ports = {
+            p["name"]: p["containerPort"]
+            for c in containers(pod)
+            for p in c.get("ports", [])
+            if "name" in p
+        }
+        labels = pod["metadata"].get("labels", {})
+        if labels.get("kvroute.io/inject") == "true":
+            ports["kvroute-sidecar"] = 9100  # added by the webhook
+        role = labels.get("app.kubernetes.io/component") or "engine"
+        found[role] = Pod(pod["metadata"]["namespace"], labels, ports)
+    return found
+
+
+@pytest.mark.parametrize("directory", overlays(), ids=ids(overlays()))
+def test_network_policies_let_only_the_right_pods_in(directory: Path) -> None:
+    docs = render(directory)
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    pods = _pods(docs)
+    monitoring = Pod("monitoring", {"app": "prometheus"})
+    stranger = Pod("kvroute", {"app": "debug"})
+    etcd, nats = pods["etcd"], pods["nats"]
+    assert ingress_allowed(policies, nats, etcd, 2379) is False
+    assert ingress_allowed(policies, stranger, etcd, 2379) is False
+    assert ingress_allowed(policies, etcd, etcd, 2380) is True
+    assert ingress_allowed(policies, nats, nats, 6222) is True
+    assert ingress_allowed(policies, stranger, nats, 4222) is False
+    assert ingress_allowed(policies, monitoring, nats, 8222) is True
+    assert ingress_allowed(policies, monitoring, nats, 4222) is False
+    if "engine" in pods:
+        engine = pods["engine"]
+        http = engine.ports["http"]
+        assert ingress_allowed(policies, engine, nats, 4222) is True  # its sidecar
+        assert ingress_allowed(policies, engine, etcd, 2379) is False
+        assert ingress_allowed(policies, stranger, engine, http) is False
+        assert ingress_allowed(policies, monitoring, engine, 9100) is True
+        assert ingress_allowed(policies, Pod("other", {}), engine, 5557) is False
+
+
+def test_the_schema_check_refuses_unknown_fields_and_wrong_types() -> None:
+    sts = find(render(KUBERNETES / "base" / "etcd"), "StatefulSet", "kvroute-etcd")
+    broken = {**sts, "spec": {**sts["spec"], "replicas": "3", "replicaz": 3}}
+    found = problems(broken, OLDEST_KUBERNETES)
+    assert any("replicaz" in p for p in found)
+    assert any(p.startswith("spec/replicas") for p in found)
