@@ -175,11 +175,11 @@ async def run(batches: int, seconds: float) -> None:
         )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=5000, help="engine batches, part 1")
     parser.add_argument("--seconds", type=float, default=3.0, help="duration of part 2")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     tune_gc()  # as kvroute-sidecar does
     logging.basicConfig(level=logging.ERROR)
     run_loop(run(args.batches, args.seconds))

@@ -1,5 +1,9 @@
 """The ``kvroute`` command: run kvroute locally, benchmark it, explain a routing decision.
 
+``kvroute bench NAME [ARGS...]`` runs one benchmark of ``BENCHMARKS`` (each a
+``module:function`` taking its own argument list and returning an exit status), so that
+a new benchmark is one line in that table.
+
 ``kvroute up`` will run a whole local fleet (engines, sidecars, control plane, proxy). Until
 those parts exist it runs the fleet's infrastructure smoke check: it starts real
 nats-server and etcd processes on free loopback ports, proves a kvroute message round
@@ -10,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import sys
 import time
 from collections.abc import Sequence
@@ -21,12 +26,30 @@ from kvcore import subjects
 from kvcore.pb import events_pb2
 from kvroute.servers import EtcdServer, NatsServer, ServerStartError
 
+# name -> (module:function taking argv and returning an exit status, what it measures)
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "sim": ("bench.sim.__main__:main", "discrete-event simulation: strategies, peers, oracle"),
+    "micro": ("bench.micro.__main__:main", "routing core micro benchmarks"),
+    "sidecar": ("bench.sidecar_throughput:main", "sidecar events/s and publish latency"),
+    "enginesim": ("bench.enginesim_capacity:main", "one kvroute-sim's request capacity"),
+    # "e2e": ("bench.e2e.__main__:main", "real processes, kvroute beside the peer routers"),
+    # "proxy": ("bench.proxy:main", "the proxy's overhead and throughput"),
+    # "controlplane": ("bench.controlplane:main", "control-plane ingest and fan-out"),
+}
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvroute", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("up", help="run kvroute locally on embedded defaults")
-    commands.add_parser("bench", help="benchmarks (not implemented yet)")
+    bench = commands.add_parser(
+        "bench",
+        help="benchmarks: " + ", ".join(BENCHMARKS),
+        description="\n".join(f"{name}: {what}" for name, (_, what) in BENCHMARKS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_argument("benchmark", choices=sorted(BENCHMARKS))
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
     commands.add_parser("explain", help="explain a routing decision (not implemented yet)")
     return parser
 
@@ -75,9 +98,19 @@ def smoke_check() -> int:
     return 0
 
 
+def run_benchmark(name: str, argv: list[str]) -> int:
+    """Run benchmark ``name`` of ``BENCHMARKS`` with its own arguments."""
+    module_name, _, function = BENCHMARKS[name][0].partition(":")
+    entry = getattr(importlib.import_module(module_name), function)
+    status = entry(argv)
+    return int(status or 0)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "up":
         return smoke_check()
+    if args.command == "bench":
+        return run_benchmark(args.benchmark, args.args)
     print(f"kvroute {args.command}: not implemented yet", file=sys.stderr)
     return 2

@@ -1,1 +1,0 @@
-"""Control-plane benchmarks (``python -m bench.controlplane``) and their minimal watcher."""

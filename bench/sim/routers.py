@@ -1,0 +1,179 @@
+"""kvroute's own strategies in the simulator: the real ``kvcore.policies`` code.
+
+A :class:`KvrouteRouter` is one proxy: it builds ``ReplicaState`` rows the way the proxy
+does (engine-reported running, waiting and KV usage from the last load sample, plus its
+own requests still in flight that were sent after that sample, from an
+``InflightLedger``, as ``unreported``), keeps its own copy of the
+residency map in a ``kvcore.index.BitmaskResidencyIndex`` fed by the engines' events,
+calls ``create_policy(workload).select(ctx, view)`` and records the decision's
+speculative residency, exactly as the proxy will.
+
+Policy specs: ``STRATEGY`` or ``STRATEGY:field=value,field=value`` with any field of the
+strategy's workload model (``kv_aware:locality_weight=0.5,min_hit=0.2``).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from bench.sim.engine import EngineShape
+from bench.sim.simulator import FleetReadout
+from bench.sim.workloads import Request
+from kvcore.index import BitmaskResidencyIndex
+from kvcore.policies import InflightLedger, ReplicaState, RouteContext, create_policy
+from kvcore.workload import STRATEGIES, Workload, parse_workload
+
+MODEL = "sim-model"
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``name:field=value,...`` -> (name, fields); values parsed as JSON scalars if they can be."""
+    name, _, rest = spec.partition(":")
+    fields: dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"policy {spec!r}: expected field=value, got {item!r}")
+        fields[key.strip()] = _scalar(raw.strip())
+    return name.strip(), fields
+
+
+def _scalar(raw: str) -> Any:
+    lowered = raw.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+def is_kvroute(spec: str) -> bool:
+    return spec.partition(":")[0].strip() in STRATEGIES
+
+
+class _View:
+    """The ``StateView`` a proxy would hand its policy."""
+
+    def __init__(self, router: KvrouteRouter) -> None:
+        self._router = router
+
+    def replicas(self) -> Sequence[ReplicaState]:
+        return self._router.states
+
+    def leading_runs(self, keys: Sequence[int], *, now: float | None) -> dict[int, int]:
+        return self._router.index.leading_runs(keys, now=now)
+
+    def has_residency(self) -> bool:
+        return self._router.index.key_count() > 0
+
+
+class KvrouteRouter:
+    """One kvroute proxy instance running a real ``kvcore`` policy."""
+
+    wants_residency = True
+
+    def __init__(
+        self, spec: str, fleet: FleetReadout, shape: EngineShape, seed: int, load_period_s: float
+    ) -> None:
+        name, fields = parse_spec(spec)
+        self.name = spec
+        self.workload: Workload = parse_workload({"strategy": name, **fields})
+        self.policy = create_policy(self.workload, rng=random.Random(seed))
+        self.fleet = fleet
+        self.shape = shape
+        self.load_period_s = load_period_s
+        self.index = BitmaskResidencyIndex()
+        self.view = _View(self)
+        n = len(fleet.replicas)
+        self._ledger = InflightLedger()
+        self._tickets: dict[int, int] = {}  # request id -> ledger ticket
+        self._epoch = -1
+        self._taken_at = -1e18
+        self.states = [self._state(i) for i in range(n)]
+        self._next_expiry = 1.0
+
+    def _state(self, ordinal: int) -> ReplicaState:
+        sample = self.fleet.samples[ordinal]
+        return ReplicaState(
+            ordinal,
+            f"replica-{ordinal}",
+            running=sample.running,
+            waiting=sample.waiting,
+            kv_usage=sample.kv_usage,
+            unreported=self._ledger.unreported(ordinal, self._taken_at),
+            capacity=self.shape.max_num_seqs,
+        )
+
+    def _refresh(self) -> None:
+        fleet = self.fleet
+        if (
+            fleet.epoch != self._epoch
+            and fleet.sampled_at - self._taken_at >= self.load_period_s - 1e-9
+        ):
+            self._epoch, self._taken_at = fleet.epoch, fleet.sampled_at
+            self.states = [self._state(i) for i in range(len(self.states))]
+
+    def route(self, req: Request, now: float) -> int:
+        self._refresh()
+        if now >= self._next_expiry:
+            self.index.expire(now)
+            self._next_expiry = now + 1.0
+        ctx = RouteContext(
+            self.workload,
+            MODEL,
+            req.keys,
+            block_size=self.shape.block_size,
+            session_id=req.session,
+            now=now,
+        )
+        decision = self.policy.select(ctx, self.view)
+        record = decision.speculative
+        if record is not None:
+            self.index.add_speculative(record.replica, record.keys, expires_at=record.expires_at)
+        ordinal = decision.ordinal if decision.ordinal is not None else 0
+        self._tickets[req.rid] = self._ledger.sent(ordinal, now)
+        self.states[ordinal] = self._state(ordinal)
+        return ordinal
+
+    def apply_residency(self, replica: int, stored: list[int], removed: list[int]) -> None:
+        if stored:  # a delivery is stores, then the removals that followed them
+            self.index.add(replica, stored)
+        if removed:
+            self.index.remove(replica, removed)
+
+    def on_first_token(self, req: Request, now: float) -> None:
+        del req, now
+
+    def on_finished(self, req: Request, now: float) -> None:
+        self._ledger.done(req.replica, self._tickets.pop(req.rid))
+        self.states[req.replica] = self._state(req.replica)
+
+
+class RandomRouter:
+    """Uniformly random replicas: the baseline Mooncake and llm-d report against."""
+
+    name = "random"
+    wants_residency = False
+    load_period_s = float("inf")
+
+    def __init__(self, fleet: FleetReadout, seed: int) -> None:
+        self._n = len(fleet.replicas)
+        self._rng = random.Random(seed)
+
+    def route(self, req: Request, now: float) -> int:
+        del req, now
+        return self._rng.randrange(self._n)
+
+    def apply_residency(self, replica: int, stored: list[int], removed: list[int]) -> None:
+        del replica, stored, removed
+
+    def on_first_token(self, req: Request, now: float) -> None:
+        del req, now
+
+    def on_finished(self, req: Request, now: float) -> None:
+        del req, now

@@ -1,0 +1,200 @@
+"""Runs scenarios and checks the goals the reports must show.
+
+Each contender replays the same stream (open-loop workloads are regenerated from the
+same seed; chat sessions follow the same turns, timed by their own answers) on a fresh
+fleet. Goals are checked from the figures of one run, side by side, and reported met or
+missed plainly; a goal whose contenders were not run is reported as not checked.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from bench.sim.contenders import router_factory
+from bench.sim.metrics import RunMetrics, summarize
+from bench.sim.scenarios import Inputs, Scenario
+from bench.sim.simulator import SimConfig, Simulation
+
+
+@dataclass
+class GoalCheck:
+    goal: str
+    met: bool | None  # None: the contenders it compares were not run
+    detail: str
+
+    @property
+    def verdict(self) -> str:
+        return {True: "met", False: "MISSED", None: "not checked"}[self.met]
+
+
+@dataclass
+class ScenarioResult:
+    name: str
+    regime: str
+    replicas: int
+    router_instances: int
+    residency_delay_s: float
+    load_period_s: float
+    runs: list[RunMetrics] = field(default_factory=list)
+    goals: list[GoalCheck] = field(default_factory=list)
+    skipped: str = ""
+
+    def run(self, policy: str) -> RunMetrics | None:
+        return next((r for r in self.runs if r.policy == policy), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "scenario": self.name,
+            "regime": self.regime,
+            "replicas": self.replicas,
+            "router_instances": self.router_instances,
+            "residency_delay_s": self.residency_delay_s,
+            "load_period_s": self.load_period_s,
+            "skipped": self.skipped,
+            "runs": [r.to_dict() for r in self.runs],
+            "goals": [
+                {"goal": g.goal, "verdict": g.verdict, "detail": g.detail} for g in self.goals
+            ],
+        }
+
+
+def run_scenario(
+    scenario: Scenario,
+    inputs: Inputs,
+    *,
+    policies: Sequence[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+    progress: Callable[[str], None] = lambda line: None,
+) -> ScenarioResult:
+    """Every contender of ``scenario`` (or ``policies``) on the same stream."""
+    config: SimConfig = replace(scenario.config, **(overrides or {}))
+    result = ScenarioResult(
+        scenario.name,
+        scenario.regime,
+        config.replicas,
+        config.router_instances,
+        config.residency_delay_s,
+        config.load_period_s,
+    )
+    if scenario.workload(inputs) is None:
+        result.skipped = f"input file not found (--trace {inputs.trace})"
+        progress(f"{scenario.name}: skipped, {result.skipped}")
+        return result
+    for spec in policies or scenario.policies:
+        workload = scenario.workload(inputs)
+        assert workload is not None
+        factory = router_factory(
+            spec, config.shape, seed=inputs.seed, load_period_s=config.load_period_s
+        )
+        outcome = Simulation(config, workload, factory).run()
+        metrics = summarize(spec, outcome, config.shape.block_size)
+        result.runs.append(metrics)
+        progress(_progress_line(scenario.name, metrics))
+    result.goals = check_goals(scenario, result)
+    return result
+
+
+def _progress_line(name: str, m: RunMetrics) -> str:
+    return (
+        f"{name:24s} {m.policy:34s} hit {m.hit_rate:6.1%} (oracle {m.oracle_hit_rate:6.1%})  "
+        f"TTFT mean {m.ttft_mean_s:7.3f} s p99 {m.ttft_p99_s:7.3f} s  "
+        f"imbalance {m.load_imbalance:5.2f}  lost {m.lost}  [{m.wall_s:.1f} s]"
+    )
+
+
+def best_kvroute(result: ScenarioResult) -> RunMetrics | None:
+    """kvroute's strategy with the lowest mean TTFT in this scenario."""
+    from bench.sim.routers import is_kvroute
+
+    ours = [r for r in result.runs if is_kvroute(r.policy)]
+    return min(ours, key=lambda r: r.ttft_mean_s, default=None)
+
+
+def check_goals(scenario: Scenario, result: ScenarioResult) -> list[GoalCheck]:
+    checks = [GOALS[goal](result) for goal in scenario.goals]
+    return [*checks, *invariants(result)]
+
+
+def invariants(result: ScenarioResult) -> list[GoalCheck]:
+    """What must hold in every run: nothing lost, nobody above the oracle."""
+    lost = [f"{r.policy}: {r.lost}" for r in result.runs if r.lost]
+    above = [
+        f"{r.policy}: {r.hit_rate:.4f} > {r.oracle_hit_rate:.4f}"
+        for r in result.runs
+        if r.hit_rate > r.oracle_hit_rate + 1e-9
+    ]
+    return [
+        GoalCheck("no lost requests", not lost, "; ".join(lost) or "every routed request answered"),
+        GoalCheck(
+            "oracle is an upper bound", not above, "; ".join(above) or "every hit rate <= oracle's"
+        ),
+    ]
+
+
+def _hit_vs_oracle(result: ScenarioResult) -> GoalCheck:
+    goal = "kv_aware hit rate >= 90% of the oracle's with load imbalance <= 1.25"
+    kv = result.run("kv_aware")
+    if kv is None:
+        return GoalCheck(goal, None, "kv_aware not run")
+    met = kv.oracle_ratio >= 0.9 and kv.load_imbalance <= 1.25
+    detail = f"{kv.oracle_ratio:.1%} of the oracle, imbalance {kv.load_imbalance:.2f}"
+    return GoalCheck(goal, met, detail)
+
+
+def _ahead_of_sglang(result: ScenarioResult) -> GoalCheck:
+    goal = "kv_aware ahead of the modelled SGLang cache_aware on TTFT (mean)"
+    kv, sg = result.run("kv_aware"), result.run("sglang:cache_aware")
+    if kv is None or sg is None:
+        return GoalCheck(goal, None, "kv_aware or sglang:cache_aware not run")
+    detail = f"{kv.ttft_mean_s:.3f} s vs {sg.ttft_mean_s:.3f} s"
+    return GoalCheck(goal, kv.ttft_mean_s < sg.ttft_mean_s, detail)
+
+
+def _kv_beats_rr(result: ScenarioResult) -> GoalCheck:
+    goal = "kv_aware beats round_robin on hit rate and mean TTFT"
+    kv, rr = result.run("kv_aware"), result.run("round_robin")
+    if kv is None or rr is None:
+        return GoalCheck(goal, None, "kv_aware or round_robin not run")
+    met = kv.hit_rate > rr.hit_rate and kv.ttft_mean_s < rr.ttft_mean_s
+    detail = (
+        f"hit {kv.hit_rate:.1%} vs {rr.hit_rate:.1%}; "
+        f"TTFT {kv.ttft_mean_s:.3f} s vs {rr.ttft_mean_s:.3f} s"
+    )
+    return GoalCheck(goal, met, detail)
+
+
+def _mooncake_ttft(result: ScenarioResult) -> GoalCheck:
+    goal = "best kvroute mean TTFT <= 1/6 of random's and <= 0.6x least_load's"
+    best, rnd, ll = best_kvroute(result), result.run("random"), result.run("least_load")
+    if best is None or rnd is None or ll is None:
+        return GoalCheck(goal, None, "kvroute strategies, random or least_load not run")
+    met = best.ttft_mean_s <= rnd.ttft_mean_s / 6 and best.ttft_mean_s <= 0.6 * ll.ttft_mean_s
+    detail = (
+        f"{best.policy} {best.ttft_mean_s:.3f} s = {best.ttft_mean_s / rnd.ttft_mean_s:.3f}x "
+        f"random ({rnd.ttft_mean_s:.3f} s), {best.ttft_mean_s / ll.ttft_mean_s:.3f}x "
+        f"least_load ({ll.ttft_mean_s:.3f} s)"
+    )
+    return GoalCheck(goal, met, detail)
+
+
+def _no_reuse(result: ScenarioResult) -> GoalCheck:
+    goal = "kv_aware within 5% of round_robin's mean TTFT and throughput"
+    kv, rr = result.run("kv_aware"), result.run("round_robin")
+    if kv is None or rr is None:
+        return GoalCheck(goal, None, "kv_aware or round_robin not run")
+    ttft = kv.ttft_mean_s / rr.ttft_mean_s if rr.ttft_mean_s else math.inf
+    thr = kv.throughput_tok_s / rr.throughput_tok_s if rr.throughput_tok_s else 0.0
+    met = ttft <= 1.05 and thr >= 0.95
+    return GoalCheck(goal, met, f"TTFT {ttft:.3f}x, throughput {thr:.3f}x round_robin's")
+
+
+GOALS: dict[str, Callable[[ScenarioResult], GoalCheck]] = {
+    "hit_vs_oracle": _hit_vs_oracle,
+    "ahead_of_sglang": _ahead_of_sglang,
+    "kv_beats_rr": _kv_beats_rr,
+    "mooncake_ttft": _mooncake_ttft,
+    "no_reuse": _no_reuse,
+}

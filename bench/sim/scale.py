@@ -1,0 +1,259 @@
+"""Scale mode: how one routing decision and the residency map grow with the fleet.
+
+Measured on the real code (``kvcore.policies`` over a ``BitmaskResidencyIndex``), outside
+the event loop, as wall-clock medians:
+
+1. decision time against fleet size (8 ... 512 replicas) at a fixed prompt (128 blocks,
+   2,048 tokens), the prompt partly resident on a few replicas, loads random;
+2. decision time against prompt length (32 ... 2,048 blocks) at 64 replicas;
+3. the residency map's memory (RSS growth) and decision time as it grows to 10M keys
+   (each key held by 1-2 of 64 replicas).
+
+Goals: decision time flat in fleet size (within 2x from 8 to 512 replicas), linear in
+prompt blocks (a straight-line fit explains >= 95% of the variance).
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvcore.index import BitmaskResidencyIndex
+from kvcore.policies import ReplicaState, RouteContext, StaticStateView, create_policy
+from kvcore.workload import parse_workload
+
+MODEL = "sim-model"
+STRATEGIES = ("round_robin", "kv_aware", "kv_cost")
+
+
+@dataclass
+class ScaleResult:
+    fleet: list[dict[str, Any]] = field(default_factory=list)  # replicas, strategy, us
+    prompt: list[dict[str, Any]] = field(default_factory=list)  # blocks, strategy, us
+    map_size: list[dict[str, Any]] = field(default_factory=list)  # keys, MB, B/key, us
+    goals: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "fleet": self.fleet,
+            "prompt": self.prompt,
+            "map_size": self.map_size,
+            "goals": self.goals,
+        }
+
+    def markdown(self) -> list[str]:
+        lines = [
+            "## scale",
+            "",
+            "| replicas | " + " | ".join(STRATEGIES) + " |",
+            "|---|" + "---|" * len(STRATEGIES),
+        ]
+        lines += _rows(self.fleet, "replicas")
+        lines += [
+            "",
+            "| prompt blocks (64 replicas) | " + " | ".join(STRATEGIES) + " |",
+            "|---|" + "---|" * len(STRATEGIES),
+        ]
+        lines += _rows(self.prompt, "blocks")
+        lines += [
+            "",
+            "| residency keys | RSS growth | bytes/key | kv_aware decision |",
+            "|---|---|---|---|",
+        ]
+        for row in self.map_size:
+            lines.append(
+                f"| {row['keys']:,} | {row['rss_mb']:.0f} MB | {row['bytes_per_key']:.0f} | "
+                f"{row['kv_aware_us']:.0f} us |"
+            )
+        lines += ["", *(f"- {g['verdict']}: {g['goal']} ({g['detail']})" for g in self.goals), ""]
+        return lines
+
+    def plot(self, path: Path) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (by_fleet, by_prompt) = plt.subplots(1, 2, figsize=(11, 4))
+        for strategy in STRATEGIES:
+            rows = [r for r in self.fleet if r["strategy"] == strategy]
+            by_fleet.plot(
+                [r["replicas"] for r in rows], [r["us"] for r in rows], "o-", label=strategy
+            )
+            rows = [r for r in self.prompt if r["strategy"] == strategy]
+            by_prompt.plot(
+                [r["blocks"] for r in rows], [r["us"] for r in rows], "o-", label=strategy
+            )
+        by_fleet.set(
+            xscale="log",
+            yscale="log",
+            title="decision time vs fleet size (128 blocks)",
+            xlabel="replicas",
+            ylabel="us per decision",
+        )
+        by_prompt.set(
+            xscale="log",
+            yscale="log",
+            title="decision time vs prompt (64 replicas)",
+            xlabel="prompt blocks",
+            ylabel="us per decision",
+        )
+        by_fleet.legend()
+        by_prompt.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=70)
+        plt.close(fig)
+
+
+def _rows(rows: list[dict[str, Any]], key: str) -> list[str]:
+    values = sorted({r[key] for r in rows})
+    out = []
+    for value in values:
+        cells = [
+            next((f"{r['us']:.0f} us" for r in rows if r[key] == value and r["strategy"] == s), "")
+            for s in STRATEGIES
+        ]
+        out.append(f"| {value} | " + " | ".join(cells) + " |")
+    return out
+
+
+def _view(replicas: int, keys: Sequence[int], rng: random.Random) -> StaticStateView:
+    states = [
+        ReplicaState(
+            i,
+            f"replica-{i}",
+            running=rng.randrange(48),
+            waiting=rng.randrange(4),
+            kv_usage=rng.random() * 0.8,
+            capacity=64,
+        )
+        for i in range(replicas)
+    ]
+    view = StaticStateView(states)
+    for holder in rng.sample(range(replicas), min(4, replicas)):
+        view.index.add(holder, keys[: rng.randrange(1, len(keys) + 1)])
+    return view
+
+
+def decision_us(strategy: str, view: StaticStateView, keys: Sequence[int], repeat: int) -> float:
+    """Median wall time of one ``select`` in microseconds."""
+    fields: dict[str, Any] = {"strategy": strategy}
+    if strategy.startswith("kv"):
+        fields["speculative_ttl_s"] = 0  # keep the index unchanged between repeats
+    workload = parse_workload(fields)
+    policy = create_policy(workload, rng=random.Random(1))
+    ctx = RouteContext(workload, MODEL, keys, now=1.0)
+    samples = []
+    for _ in range(repeat):
+        started = time.perf_counter_ns()
+        policy.select(ctx, view)
+        samples.append((time.perf_counter_ns() - started) / 1000)
+    return statistics.median(samples)
+
+
+def _prompt(blocks: int, rng: random.Random) -> list[int]:
+    return [rng.getrandbits(64) for _ in range(blocks)]
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    import os
+
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def run(*, quick: bool = False) -> ScaleResult:
+    rng = random.Random(7)
+    result = ScaleResult()
+    repeat = 60 if quick else 300
+    keys = _prompt(128, rng)
+    for replicas in (8, 64) if quick else (8, 32, 64, 128, 256, 512):
+        view = _view(replicas, keys, rng)
+        for strategy in STRATEGIES:
+            us = decision_us(strategy, view, keys, repeat)
+            result.fleet.append({"replicas": replicas, "strategy": strategy, "us": us})
+    for blocks in (32, 128) if quick else (32, 128, 512, 2048):
+        prompt = _prompt(blocks, rng)
+        view = _view(64, prompt, rng)
+        for strategy in STRATEGIES:
+            us = decision_us(strategy, view, prompt, repeat)
+            result.prompt.append({"blocks": blocks, "strategy": strategy, "us": us})
+    result.map_size = _map_growth((10_000, 100_000) if quick else (100_000, 1_000_000, 10_000_000))
+    result.goals = _goals(result)
+    return result
+
+
+def _map_growth(sizes: Sequence[int]) -> list[dict[str, Any]]:
+    rng = random.Random(11)
+    rows = []
+    prompt = _prompt(128, rng)
+    for size in sizes:
+        gc.collect()
+        before = _rss_mb()
+        index = BitmaskResidencyIndex()
+        batch = 100_000
+        for start in range(0, size, batch):
+            chunk = [rng.getrandbits(64) for _ in range(min(batch, size - start))]
+            index.add(rng.randrange(64), chunk)
+            index.add(rng.randrange(64), chunk[: len(chunk) // 2])
+        grown = _rss_mb() - before
+        view = _view(64, prompt, rng)
+        view.index = index
+        for holder in range(4):
+            index.add(holder, prompt[: 32 * (holder + 1)])
+        us = decision_us("kv_aware", view, prompt, 200)
+        rows.append(
+            {
+                "keys": size,
+                "rss_mb": grown,
+                "bytes_per_key": grown * 2**20 / size,
+                "kv_aware_us": us,
+            }
+        )
+        del index, view
+    return rows
+
+
+def _goals(result: ScaleResult) -> list[dict[str, Any]]:
+    goals = []
+    for strategy in ("kv_aware", "kv_cost"):
+        rows = sorted(
+            (r for r in result.fleet if r["strategy"] == strategy), key=lambda r: r["replicas"]
+        )
+        growth = rows[-1]["us"] / rows[0]["us"]
+        goals.append(
+            {
+                "goal": f"{strategy} decision time within 2x from {rows[0]['replicas']} to "
+                f"{rows[-1]['replicas']} replicas",
+                "verdict": "met" if growth <= 2 else "MISSED",
+                "detail": f"{rows[0]['us']:.0f} us -> {rows[-1]['us']:.0f} us ({growth:.1f}x)",
+            }
+        )
+        rows = [r for r in result.prompt if r["strategy"] == strategy]
+        r2, slope = _linear_fit([r["blocks"] for r in rows], [r["us"] for r in rows])
+        goals.append(
+            {
+                "goal": f"{strategy} decision time linear in prompt blocks (R^2 >= 0.95)",
+                "verdict": "met" if r2 >= 0.95 else "MISSED",
+                "detail": f"R^2 {r2:.3f}, {slope:.2f} us per block",
+            }
+        )
+    return goals
+
+
+def _linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """(R^2, slope) of the least-squares line through the points."""
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
+    slope = sxy / sxx if sxx else 0.0
+    ss_res = sum((y - mean_y - slope * (x - mean_x)) ** 2 for x, y in zip(xs, ys, strict=True))
+    ss_tot = sum((y - mean_y) ** 2 for y in ys)
+    return (1 - ss_res / ss_tot if ss_tot else 1.0), slope

@@ -1,0 +1,156 @@
+"""The named runs of ``kvroute bench sim``: a workload, a fleet, and the contenders.
+
+Each scenario states its regime (how the caches compare with the working set, how many
+router instances) because the regime decides who can win: where every prefix fits every
+replica and one router sees all traffic, an approximate tree already reaches the oracle.
+``quick`` shrinks every scenario so that the whole set runs in seconds (CI).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from bench.sim.contenders import KVROUTE, PEERS
+from bench.sim.engine import EngineShape
+from bench.sim.simulator import SimConfig
+from bench.sim.workloads import MooncakeTrace, MultiTurn, NoReuse, Rag, SharedPrefix, Workload
+
+DEFAULT_TRACE = Path("../shared/data/mooncake_conversation_trace.jsonl")
+DEFAULT_SHAREGPT = Path("../shared/data/sharegpt_v3_partial_turn_lengths.jsonl")
+LINEUP = (*KVROUTE, "kv_aware:locality_weight=0.5", *PEERS)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What the command line passes to every scenario."""
+
+    quick: bool = False
+    trace: Path = DEFAULT_TRACE
+    data: Path = DEFAULT_SHAREGPT
+    requests: int | None = None  # overrides a scenario's request count where it has one
+    seed: int = 1
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    regime: str
+    config: SimConfig
+    workload: Callable[[Inputs], Workload | None]  # None: its input file is missing
+    policies: tuple[str, ...] = LINEUP
+    goals: tuple[str, ...] = field(default=())
+
+
+def _shape(num_blocks: int, max_num_seqs: int = 64) -> EngineShape:
+    return EngineShape(num_blocks=num_blocks, max_num_seqs=max_num_seqs)
+
+
+def _shared_prefix(inputs: Inputs) -> Workload:
+    if inputs.quick:
+        return SharedPrefix(groups=16, prompts_per_group=8, rate=12.0, seed=inputs.seed)
+    per_group = (inputs.requests or 1024) // 64
+    return SharedPrefix(prompts_per_group=max(per_group, 1), rate=30.0, seed=inputs.seed)
+
+
+def _shared_prefix_llmd(inputs: Inputs) -> Workload:
+    groups, per_group = (30, 5) if inputs.quick else (150, 5)
+    return SharedPrefix(
+        groups=groups,
+        prompts_per_group=per_group,
+        system_tokens=6000,
+        question_tokens=1200,
+        output_tokens=1000,
+        rate=6.0,
+        seed=inputs.seed,
+        name="shared_prefix_llmd",
+    )
+
+
+def _multi_turn(inputs: Inputs) -> Workload:
+    sessions = 60 if inputs.quick else (inputs.requests or 3000) // 3
+    return MultiTurn(sessions=sessions, rate=4.0, data=inputs.data, seed=inputs.seed)
+
+
+def _rag(inputs: Inputs) -> Workload:
+    requests = 300 if inputs.quick else inputs.requests or 5000
+    return Rag(requests=requests, rate=25.0, seed=inputs.seed)
+
+
+def _no_reuse(inputs: Inputs) -> Workload:
+    requests = 300 if inputs.quick else inputs.requests or 5000
+    return NoReuse(requests=requests, rate=40.0, seed=inputs.seed)
+
+
+def _mooncake(inputs: Inputs) -> Workload | None:
+    if not inputs.trace.exists():
+        return None
+    limit = 1500 if inputs.quick else inputs.requests
+    return MooncakeTrace(path=inputs.trace, speedup=3.0, limit=limit)
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario(
+            "shared_prefix",
+            "SGLang's generated-shared-prefix defaults (64 groups x 16, 2048/128/256), "
+            "8 replicas of 4,096 blocks: all prefixes are 2x one replica's cache; "
+            "one router instance",
+            SimConfig(replicas=8, shape=_shape(4096)),
+            _shared_prefix,
+            goals=("hit_vs_oracle", "ahead_of_sglang", "kv_beats_rr"),
+        ),
+        Scenario(
+            "shared_prefix_4_routers",
+            "the same stream through 4 router instances behind a round-robin L4 balancer "
+            "(each peer instance learns its own tree; kvroute's share one residency map)",
+            SimConfig(replicas=8, shape=_shape(4096), router_instances=4),
+            _shared_prefix,
+        ),
+        Scenario(
+            "shared_prefix_llmd",
+            "llm-d's benchmark shape (150 groups x 5, 6000/1200/1000), 8 replicas of "
+            "8,192 blocks (prefixes 3.4x one replica's cache)",
+            SimConfig(replicas=8, shape=_shape(8192)),
+            _shared_prefix_llmd,
+        ),
+        Scenario(
+            "multi_turn",
+            "chat sessions with ShareGPT turn lengths (synthetic when the file is absent), "
+            "closed loop, 16 replicas of 8,192 blocks",
+            SimConfig(replicas=16, shape=_shape(8192)),
+            _multi_turn,
+        ),
+        Scenario(
+            "rag",
+            "RAG: 512-token system prompt + 3 of 1,000 documents (Zipf s=1.1, 1,024 tokens "
+            "each) + question, 8 replicas of 4,096 blocks",
+            SimConfig(replicas=8, shape=_shape(4096)),
+            _rag,
+        ),
+        Scenario(
+            "mooncake",
+            "Mooncake conversation trace, time compressed 3x, 16 replicas of 16,384 blocks",
+            SimConfig(replicas=16, shape=_shape(16384)),
+            _mooncake,
+            goals=("mooncake_ttft",),
+        ),
+        Scenario(
+            "no_reuse",
+            "unique 1,024-token prompts (negative control), 8 replicas of 4,096 blocks",
+            SimConfig(replicas=8, shape=_shape(4096)),
+            _no_reuse,
+            goals=("no_reuse",),
+        ),
+    )
+}
+
+QUICK_POLICIES = ("round_robin", "kv_aware")
+
+
+def quick(scenario: Scenario) -> Scenario:
+    """The CI-sized version: kvroute's round_robin and kv_aware only, at most 4 replicas."""
+    config = replace(scenario.config, replicas=min(scenario.config.replicas, 4))
+    return replace(scenario, config=config, policies=QUICK_POLICIES)

@@ -1,0 +1,235 @@
+"""The discrete-event loop: requests, routers, replicas and the residency feed in virtual time.
+
+One run replays one workload through one router *group* (N instances of a policy behind
+a round-robin L4 balancer: request i goes to instance i mod N) onto a fresh fleet of
+:class:`~bench.sim.engine.ReplicaModel`. What the routers learn reaches them the way it
+would in production:
+
+- **residency**: each replica's stored/evicted blocks are delivered to every router that
+  keeps a residency map ``residency_delay_s`` after the step that produced them (the
+  sidecar -> NATS -> control plane -> proxy path);
+- **load**: engine-reported (running, waiting, KV usage) is sampled every
+  ``load_period_s`` (the sidecar's heartbeat); a router adds what it sent since;
+- **its own history**: routers that count their own in-flight requests get told of each
+  first token and each finished request.
+
+Nothing here is random except through the workload's and the routers' seeded generators,
+so a run is reproducible.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, cast
+
+from bench.sim.engine import EngineShape, ReplicaModel
+from bench.sim.workloads import Request, Workload
+from enginesim.blockpool import BlockEvicted, BlocksStored, PoolEvent
+
+_ARRIVAL, _WAKE, _RESIDENCY, _LOAD = 0, 1, 2, 3
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSample:
+    """What an engine reports about its load (the sidecar's ``LoadReport``)."""
+
+    running: int
+    waiting: int
+    kv_usage: float
+
+
+class FleetReadout:
+    """The routers' window on the fleet: load samples and the engines' truth."""
+
+    def __init__(self, replicas: Sequence[ReplicaModel]) -> None:
+        self.replicas = replicas
+        self.samples: list[LoadSample] = [LoadSample(0, 0, 0.0) for _ in replicas]
+        self.sampled_at = 0.0
+        self.epoch = 0  # bumps at every sample
+
+    def sample(self, now: float) -> None:
+        self.samples = [LoadSample(r.running, r.num_waiting, r.kv_usage) for r in self.replicas]
+        self.sampled_at = now
+        self.epoch += 1
+
+
+class SimRouter(Protocol):
+    """One router instance as the simulator drives it."""
+
+    name: str
+    wants_residency: bool
+    load_period_s: float  # how often it takes a new load sample (inf: never)
+
+    def route(self, req: Request, now: float) -> int:
+        """The ordinal of the replica ``req`` goes to."""
+        ...
+
+    def apply_residency(self, replica: int, stored: list[int], removed: list[int]) -> None: ...
+
+    def on_first_token(self, req: Request, now: float) -> None: ...
+
+    def on_finished(self, req: Request, now: float) -> None: ...
+
+
+RouterFactory = Callable[[FleetReadout, int], SimRouter]  # (fleet, instance index)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    replicas: int = 8
+    shape: EngineShape = field(default_factory=EngineShape)
+    router_instances: int = 1
+    residency_delay_s: float = 0.05
+    load_period_s: float = 0.5
+
+
+@dataclass
+class RunOutcome:
+    """Everything a run produced, for :mod:`bench.sim.metrics`."""
+
+    requests: list[Request]
+    rejected: int
+    busy_s: list[float]
+    served: list[int]
+    routed: int
+    decide_s: float  # wall time spent in routers' decisions
+    wall_s: float
+    end: float
+
+
+class Simulation:
+    """One workload through one router group on a fresh fleet."""
+
+    def __init__(self, config: SimConfig, workload: Workload, router: RouterFactory) -> None:
+        self.config = config
+        self.workload = workload
+        self._heap: list[tuple[float, int, int, object]] = []
+        self._seq = itertools.count()
+        self.replicas = [
+            ReplicaModel(i, config.shape, self._schedule_wake, self._publish)
+            for i in range(config.replicas)
+        ]
+        for replica in self.replicas:
+            replica.finished_callback = self._finished
+            replica.first_token_callback = self._first_token
+        self.readout = FleetReadout(self.replicas)
+        self.routers = [router(self.readout, i) for i in range(config.router_instances)]
+        self._owner: dict[int, SimRouter] = {}
+        self._feeds = [r for r in self.routers if r.wants_residency]
+        self.requests: list[Request] = []
+        self.rejected = 0
+        self._decide_s = 0.0
+
+    # -- scheduling --------------------------------------------------------------------------
+
+    def _push(self, at: float, kind: int, payload: object) -> None:
+        heapq.heappush(self._heap, (at, next(self._seq), kind, payload))
+
+    def _schedule_wake(self, at: float, replica: ReplicaModel, step: int, version: int) -> None:
+        self._push(at, _WAKE, (replica, step, version))
+
+    def _publish(self, replica: int, events: list[PoolEvent], at: float) -> None:
+        if not self._feeds:
+            return
+        delay = self.config.residency_delay_s
+        if delay <= 0:
+            self._apply_residency(replica, events)
+        else:
+            self._push(at + delay, _RESIDENCY, (replica, events))
+
+    def _apply_residency(self, replica: int, events: list[PoolEvent]) -> None:
+        stored: list[int] = []
+        removed: list[int] = []
+        for event in events:
+            if isinstance(event, BlocksStored):
+                if removed:
+                    self._deliver(replica, stored, removed)
+                    stored, removed = [], []
+                stored.extend(event.digests)  # type: ignore[arg-type]  # router keys
+            elif isinstance(event, BlockEvicted):
+                removed.append(event.digest)  # type: ignore[arg-type]
+        self._deliver(replica, stored, removed)
+
+    def _deliver(self, replica: int, stored: list[int], removed: list[int]) -> None:
+        for router in self._feeds:
+            router.apply_residency(replica, stored, removed)
+
+    # -- callbacks from replicas ---------------------------------------------------------
+
+    def _first_token(self, req: Request, now: float) -> None:
+        self._owner[req.rid].on_first_token(req, now)
+
+    def _finished(self, req: Request, now: float) -> None:
+        self._owner.pop(req.rid).on_finished(req, now)
+        follow = self.workload.follow_up(req, now)
+        if follow is not None:
+            self._push(follow.arrival, _ARRIVAL, follow)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _arrive(self, req: Request, now: float) -> None:
+        self.requests.append(req)
+        shape = self.config.shape
+        needed = -(-(req.prompt_tokens + req.output_tokens - 1) // shape.block_size)
+        if needed > shape.num_blocks:
+            self.rejected += 1
+            return
+        router = self.routers[len(self.requests) % len(self.routers)]
+        started = time.perf_counter()
+        ordinal = router.route(req, now)
+        self._decide_s += time.perf_counter() - started
+        req.replica = ordinal
+        self._owner[req.rid] = router
+        self.replicas[ordinal].arrive(req, now)
+
+    def run(self) -> RunOutcome:
+        started = time.perf_counter()
+        arrivals = iter(self.workload.arrivals())
+        pending = next(arrivals, None)
+        period = min([self.config.load_period_s, *(r.load_period_s for r in self.routers)])
+        next_sample = period if period > 0 else math.inf
+        now = 0.0
+        heap = self._heap
+        payload: object
+        while pending is not None or heap:
+            if pending is not None and (not heap or pending.arrival <= heap[0][0]):
+                at, kind, payload = pending.arrival, _ARRIVAL, pending
+                pending = next(arrivals, None)
+            else:
+                at, _, kind, payload = heapq.heappop(heap)
+            while next_sample <= at:
+                self.readout.sample(next_sample)
+                next_sample += period
+            now = at
+            if period <= 0:
+                self.readout.sample(now)
+            self._dispatch(kind, payload, now)
+        return self._outcome(now, time.perf_counter() - started)
+
+    def _dispatch(self, kind: int, payload: object, now: float) -> None:
+        if kind == _WAKE:
+            replica, step, version = cast(tuple[ReplicaModel, int, int], payload)
+            if version == replica.version:
+                replica.wake(now, step)
+        elif kind == _ARRIVAL:
+            self._arrive(cast(Request, payload), now)
+        elif kind == _RESIDENCY:
+            ordinal, events = cast(tuple[int, list[PoolEvent]], payload)
+            self._apply_residency(ordinal, events)
+
+    def _outcome(self, end: float, wall_s: float) -> RunOutcome:
+        return RunOutcome(
+            requests=self.requests,
+            rejected=self.rejected,
+            busy_s=[r.busy_s for r in self.replicas],
+            served=[r.served for r in self.replicas],
+            routed=len(self.requests) - self.rejected,
+            decide_s=self._decide_s,
+            wall_s=wall_s,
+            end=end,
+        )

@@ -1,0 +1,46 @@
+"""``kvroute bench sim --quick``: what must hold on every run, checked from its report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvroute.cli import main
+
+
+def test_quick_sim_orders_policies_and_respects_the_oracle(tmp_path: Path, capsys) -> None:
+    status = main(["bench", "sim", "--quick", "--out", str(tmp_path)])
+    assert status == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "report.json").read_text())
+    scenarios = {s["scenario"]: s for s in report["scenarios"]}
+    assert set(scenarios) == {"shared_prefix", "no_reuse"}
+    for scenario in scenarios.values():
+        for run in scenario["runs"]:
+            assert run["lost"] == 0 and run["completed"] == run["requests"] > 0
+            assert run["hit_rate"] <= run["oracle_hit_rate"] + 1e-9
+    runs = {r["policy"]: r for r in scenarios["shared_prefix"]["runs"]}
+    kv, rr = runs["kv_aware"], runs["round_robin"]
+    assert kv["hit_rate"] > rr["hit_rate"]
+    assert kv["ttft_mean_s"] < rr["ttft_mean_s"]
+    assert (tmp_path / "shared_prefix.png").stat().st_size > 10_000
+    assert "| `kv_aware` |" in (tmp_path / "report.md").read_text()
+
+
+def test_bad_policy_spec_is_refused_by_name(tmp_path: Path, capsys) -> None:
+    status = main(
+        [
+            "bench",
+            "sim",
+            "--quick",
+            "--no-plots",
+            "--out",
+            str(tmp_path),
+            "--policy",
+            "kv_aware:locality_weight=2",
+        ]
+    )
+    assert status == 2
+    assert "locality_weight" in capsys.readouterr().err
+    status = main(["bench", "sim", "--quick", "--out", str(tmp_path), "--policy", "nginx"])
+    assert status == 2
+    assert "unknown policy 'nginx'" in capsys.readouterr().err
