@@ -139,9 +139,10 @@ class Fleet:
         if asked is not None and now - asked < self.resync_retry_s:
             return
         stream.resync_asked_at = now
-        stream.asked_id = next(self._snapshot_ids)
+        snapshot_id = next(self._snapshot_ids)
+        stream.asked_ids.append(snapshot_id)
         self.stats.resyncs[reason] = self.stats.resyncs.get(reason, 0) + 1
-        self.resync(record, reason, stream.asked_id)
+        self.resync(record, reason, snapshot_id)
 
     def set_draining(self, replica_id: str, draining: bool) -> ReplicaRecord | None:
         """Drain or undrain, also a replica not seen yet (it starts drained)."""

@@ -8,7 +8,12 @@ bind ends it with status 1.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import logging
+import signal
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any, Literal, NoReturn, get_args, get_origin
 
@@ -16,9 +21,11 @@ from pydantic import SecretStr, ValidationError
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
+from controlplane.service import ControlPlane, ServiceError
 from controlplane.settings import ENV_ONLY, ControlPlaneSettings
 
 PROG = "kvroute-controlplane"
+log = logging.getLogger("controlplane")
 
 
 class SettingsError(ValueError):
@@ -96,12 +103,61 @@ def _names(field: str) -> str:
     return env if field in ENV_ONLY else f"--{field.replace('_', '-')} / {env}"
 
 
+async def serve(settings: ControlPlaneSettings) -> None:
+    """Run until SIGTERM/SIGINT; print the ready line once everything listens."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    service = ControlPlane(settings)
+    try:
+        await service.start()
+        print(service.ready_line, flush=True)
+        await stop.wait()
+    finally:
+        await service.aclose()
+
+
+class _JsonFormatter(logging.Formatter):
+    _SKIP = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "ts": round(time.time(), 3),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        entry.update({k: v for k, v in vars(record).items() if k not in self._SKIP})
+        return json.dumps(entry, default=str)
+
+
+def configure_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter())
+    logging.basicConfig(level=level, handlers=[handler], force=True)
+
+
+def run_loop(settings: ControlPlaneSettings) -> None:
+    """On uvloop where available."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+        asyncio.run(serve(settings))
+        return
+    uvloop.run(serve(settings))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = load_settings(argv)
     except SettingsError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
-    print(f"{PROG}: settings are valid; the service is not built yet", file=sys.stderr)
-    del settings
-    return 1
+    configure_logging(settings.log_level)
+    try:
+        run_loop(settings)
+    except ServiceError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -16,7 +16,9 @@ decided here and nowhere else, with no I/O, so that every case can be tested alo
   and replaces the residency when the
   ``snapshot_done`` part arrives. A part that is missing, or an ordinary batch inside a
   snapshot, abandons it and asks for a resync;
-- a snapshot this instance asked for (its ``snapshot_id``) is known from its first part;
+- a snapshot this instance asked for (the ``snapshot_id`` of any of its recent requests:
+  under load a snapshot may arrive after the request was repeated) is known from its
+  first part;
 - an unknown stream (first sight of the replica, after it was marked down) asks for a
   resync unless it starts at seq 0 of its epoch.
 
@@ -25,6 +27,7 @@ The caller (``controlplane.fleet``) gets back a :class:`Verdict` per batch.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -66,7 +69,7 @@ class ReplicaStream:
         # when it reports state_incomplete)
         self.snapshot: _Snapshot | None = None
         self.expected_first: tuple[int, int] | None = None  # (epoch, seq) from a reply
-        self.asked_id: int | None = None  # snapshot_id of our last resync request
+        self.asked_ids: deque[int] = deque(maxlen=8)  # our recent resync requests' ids
         self.resync_asked_at: float | None = None
         self.open_part = False  # the last batch seen was a snapshot part, not the last
 
@@ -154,7 +157,7 @@ class ReplicaStream:
         on different subscriptions, so either may be processed first)."""
         if self.expected_first == (batch.epoch, batch.seq):
             return True
-        ours = batch.snapshot_id != 0 and batch.snapshot_id == self.asked_id
+        ours = batch.snapshot_id != 0 and batch.snapshot_id in self.asked_ids
         return ours and (self.snapshot is None or self.snapshot.snapshot_id != batch.snapshot_id)
 
     def _snapshot_start(self, batch: events_pb2.KvEventBatch) -> Verdict:

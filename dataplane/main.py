@@ -89,7 +89,7 @@ def describe(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-class _Server(uvicorn.Server):
+class ReadyServer(uvicorn.Server):
     """uvicorn's server, telling the launcher once it accepts connections."""
 
     def __init__(self, config: uvicorn.Config, on_ready: Any) -> None:
@@ -140,7 +140,7 @@ async def serve(settings: ProxySettings, sock: socket.socket, on_ready: Any) -> 
         date_header=False,
     )
     try:
-        await _Server(config, on_ready).serve(sockets=[sock])
+        await ReadyServer(config, on_ready).serve(sockets=[sock])
     finally:
         await service.aclose()
         sock.close()

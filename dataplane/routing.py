@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from dataplane.fleet_state import FleetState, FleetView
@@ -30,7 +30,7 @@ from dataplane.openai_request import InferenceRequest
 from dataplane.prompt_keys import PromptKeyCache
 from kvcore.keys import root_key
 from kvcore.pb import routing_pb2
-from kvcore.policies import Decision, Policy, RouteContext, create_policy
+from kvcore.policies import Decision, Policy, ReplicaState, RouteContext, create_policy
 from kvcore.tokenize import PrefixTokenCache, Tokenizer, TokenizerError, load_tokenizer
 from kvcore.workload import (
     RequestInfo,
@@ -173,7 +173,7 @@ class Router:
             exclude=exclude,
             request_id=prepared.request_id,
         )
-        view = self.fleet.view(prepared.model)
+        view = _RunsOnce(self.fleet.view(prepared.model))
         decision = prepared.policy.select(ctx, view)
         return decision, self._predicted(prepared, decision, view, now)
 
@@ -260,7 +260,7 @@ class Router:
             ) from None
 
     def _predicted(
-        self, prepared: Prepared, decision: Decision, view: FleetView, now: float
+        self, prepared: Prepared, decision: Decision, view: _RunsOnce, now: float
     ) -> int:
         """Cached tokens the router expects the engine to report (its leading run, capped
         as vLLM caps a hit: at least the prompt's last token is computed)."""
@@ -270,6 +270,31 @@ class Router:
         run = view.leading_runs(prepared.block_keys, now=now).get(ordinal, 0)
         size = prepared.block_size
         return min(run, max(prepared.prompt_tokens - 1, 0) // size) * size
+
+
+class _RunsOnce:
+    """One decision's view of the fleet: the leading runs the policy looked up are the
+    ones the prediction reads, without a second lookup."""
+
+    __slots__ = ("_keys", "_now", "_runs", "_view")
+
+    def __init__(self, view: FleetView) -> None:
+        self._view = view
+        self._keys: Sequence[int] | None = None
+        self._now: float | None = None
+        self._runs: dict[int, int] = {}
+
+    def replicas(self) -> Sequence[ReplicaState]:
+        return self._view.replicas()
+
+    def has_residency(self) -> bool:
+        return self._view.has_residency()
+
+    def leading_runs(self, keys: Sequence[int], *, now: float | None) -> dict[int, int]:
+        if keys is not self._keys or now != self._now:
+            self._runs = self._view.leading_runs(keys, now=now)
+            self._keys, self._now = keys, now
+        return self._runs
 
 
 def _prompt_field(request: InferenceRequest) -> str:

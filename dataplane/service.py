@@ -4,7 +4,7 @@
 (``async start()`` / ``aclose()``); ``main.py`` runs one per worker. In static mode
 (``--static-replicas``) the fleet is fixed and each replica's ``/v1/models`` tells what it
 serves (asked at start and every ``STATIC_REFRESH_S``); otherwise the state comes from a
-control plane.
+control plane through :class:`~dataplane.state_client.StateClient`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from dataplane.fleet_state import FleetState
 from dataplane.metrics import ProxyMetrics
 from dataplane.routing import Defaults, Router
 from dataplane.settings import ProxySettings
+from dataplane.state_client import StateClient
 from dataplane.upstream import Upstream
 from kvcore.workload import RoutingConfig, parse_workload
 
@@ -50,6 +51,7 @@ class ProxyService:
             )
         else:
             self.fleet = FleetState(max_age_s=settings.state_max_age_s)
+        self.state_client = None if settings.static else StateClient(settings, self.fleet)
         self.metrics = ProxyMetrics()
         self.router = Router(
             self.fleet,
@@ -83,7 +85,9 @@ class ProxyService:
     async def start(self) -> None:
         await self.upstream.start()
         await asyncio.to_thread(self.router.tokenizers.load, self.settings.tokenizer)
-        if self.settings.static:
+        if self.state_client is not None:
+            await self.state_client.start()
+        else:
             await self._discover_static()
             self._tasks.append(asyncio.create_task(self._refresh_static()))
 
@@ -93,6 +97,8 @@ class ProxyService:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self.state_client is not None:
+            await self.state_client.aclose()
         await self.upstream.aclose()
 
     # -- static mode ---------------------------------------------------------------
@@ -120,7 +126,11 @@ class ProxyService:
         return len(self.breakers.open_ids(time.monotonic()))
 
     def _readiness(self) -> dict[str, Any]:
-        return {"circuit_open": self.breakers.open_ids(time.monotonic())}
+        detail: dict[str, Any] = {"circuit_open": self.breakers.open_ids(time.monotonic())}
+        if self.state_client is not None:
+            detail["state"] = self.state_client.status()
+            detail["config_error"] = self.fleet.config_error
+        return detail
 
 
 async def _served_names(session: aiohttp.ClientSession, base_url: str) -> list[str]:

@@ -18,6 +18,7 @@ etcd keys, below a configurable prefix (default ``/kvroute/v1/``)::
     pools/<pool>/replicas/<replica>       membership, on the leader's lease
     pools/<pool>/shard                    which shard serves the pool
     shards/<shard>/leader                 leader election
+    draining/<pool>/<replica>             an operator drained the replica (no lease)
 """
 
 from __future__ import annotations
@@ -139,6 +140,22 @@ class EtcdKeys:
 
     def shard_leader(self, shard: str) -> str:
         return f"{self.prefix}shards/{check_name('shard', shard)}/leader"
+
+    def drains_prefix(self) -> str:
+        return f"{self.prefix}draining/"
+
+    def replica_drain(self, pool: str, replica: str) -> str:
+        return f"{self.drains_prefix()}{check_name('pool', pool)}/{check_name('replica', replica)}"
+
+    def drain_parts(self, key: str) -> tuple[str, str]:
+        """``(pool, replica)`` of a key made by :meth:`replica_drain`."""
+        pool, _, replica = self.name_in_path(key, self.drains_prefix()).partition("/")
+        return check_name("pool", pool), check_name("replica", replica)
+
+    def name_in_path(self, key: str, prefix: str) -> str:
+        if not key.startswith(prefix):
+            raise InvalidName(f"etcd key {key!r} is not below {prefix!r}")
+        return key[len(prefix) :]
 
     def name_in(self, key: str, prefix: str) -> str:
         """The trailing id of ``key`` below ``prefix``, validated."""

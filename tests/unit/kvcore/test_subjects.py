@@ -60,3 +60,13 @@ def test_etcd_keys_live_below_the_configured_prefix() -> None:
         EtcdKeys("no-slashes")
     with pytest.raises(InvalidName):
         keys.workload("../etc")
+
+
+def test_drain_keys_round_trip_and_refuse_foreign_keys() -> None:
+    keys = EtcdKeys()
+    key = keys.replica_drain("default", "r1")
+    assert key == "/kvroute/v1/draining/default/r1"
+    assert keys.drain_parts(key) == ("default", "r1")
+    for bad in ("/kvroute/v1/draining/default", "/kvroute/v1/pools/default/replicas/r1"):
+        with pytest.raises(InvalidName):
+            keys.drain_parts(bad)

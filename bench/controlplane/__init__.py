@@ -1,0 +1,1 @@
+"""Control-plane benchmarks (``python -m bench.controlplane``) and their minimal watcher."""

@@ -1,0 +1,207 @@
+"""``ControlPlane(settings)``: every part of one control-plane instance, started and stopped.
+
+Built here, in this order: the etcd client, the Prometheus registry, the fleet (ingest
+from NATS, the :class:`LiveFleetView`), leadership (election, membership, drains), the
+records half (``Records``: config store, SQL, admin API; any factory with its shape),
+the routing-state broadcaster and gRPC server, and uvicorn serving the records' ASGI app
+on ``admin_host:admin_port``. :attr:`ControlPlane.ready_line` says where each listens;
+``main`` prints it once everything accepts connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import aetcd
+import grpc
+import uvicorn
+from prometheus_client import CollectorRegistry, make_asgi_app
+
+from controlplane.broadcast import Broadcaster, EmptyConfig
+from controlplane.contracts import ConfigSource, FleetView, ReportSink
+from controlplane.etcd_client import EtcdClient
+from controlplane.fleet import Fleet
+from controlplane.fleet_view import LiveFleetView
+from controlplane.ingest import Ingest
+from controlplane.leadership import Leadership
+from controlplane.metrics import FleetCollector
+from controlplane.routing_server import RoutingStateService, start_server
+from controlplane.settings import ControlPlaneSettings
+from kvcore.pb import routing_pb2
+
+log = logging.getLogger(__name__)
+
+ASGIApp = Callable[..., Any]
+
+
+class RecordsLike(Protocol):
+    """The records half as the service uses it (``controlplane.records.Records``)."""
+
+    config: ConfigSource
+    reports: ReportSink
+    app: ASGIApp
+
+    async def start(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+RecordsFactory = Callable[
+    [ControlPlaneSettings, aetcd.Client, FleetView, CollectorRegistry], RecordsLike
+]
+
+
+class ServiceError(RuntimeError):
+    """The instance could not start (a port taken, a server unreachable)."""
+
+
+class CountingSink:
+    """A :class:`ReportSink` that only counts (fleet-only runs)."""
+
+    def __init__(self) -> None:
+        self.received: list[routing_pb2.ProxyReport] = []
+
+    async def record(self, report: routing_pb2.ProxyReport) -> None:
+        self.received.append(report)
+        del self.received[:-100]
+
+
+class FleetOnlyRecords:
+    """Records without SQL or etcd config: empty config, /healthz, /readyz, /metrics."""
+
+    def __init__(
+        self,
+        settings: ControlPlaneSettings,
+        etcd: aetcd.Client,
+        fleet: FleetView,
+        registry: CollectorRegistry,
+    ) -> None:
+        self.config: ConfigSource = EmptyConfig()
+        self.reports: ReportSink = CountingSink()
+        self.app: ASGIApp = _health_app(make_asgi_app(registry))
+
+    async def start(self) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+
+def _health_app(metrics: ASGIApp) -> ASGIApp:
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/metrics":
+            await metrics(scope, receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        found = scope["path"] in ("/healthz", "/readyz")
+        await send({"type": "http.response.start", "status": 200 if found else 404})
+        await send({"type": "http.response.body", "body": b"ok\n" if found else b""})
+
+    return app
+
+
+class ControlPlane:
+    def __init__(
+        self, settings: ControlPlaneSettings, *, records: RecordsFactory = FleetOnlyRecords
+    ) -> None:
+        self.settings = settings
+        self.registry = CollectorRegistry()
+        self.etcd = EtcdClient(settings, timeout_s=max(1.0, settings.lease_ttl_s / 2))
+        self.fleet = Fleet(
+            heartbeat_timeout_s=settings.heartbeat_timeout_s,
+            resync_retry_s=settings.resync_timeout_s,
+        )
+        self.ingest = Ingest(settings, self.fleet)
+        self.leadership = Leadership(settings, self.etcd, self.fleet)
+        self.view = LiveFleetView(
+            self.fleet, drains=self.leadership, is_leader=self.leadership.is_leader
+        )
+        self.records = records(settings, self.etcd, self.view, self.registry)
+        self.broadcaster: Broadcaster | None = None
+        self.routing: RoutingStateService | None = None
+        self.grpc_port = 0
+        self.admin_port = 0
+        self._grpc: grpc.aio.Server | None = None
+        self._uvicorn: uvicorn.Server | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.registry.register(
+            FleetCollector(
+                self.fleet,
+                self.ingest,
+                lambda: self.broadcaster,
+                lambda: self.routing,
+                self.leadership.is_leader,
+            )
+        )
+
+    @property
+    def ready_line(self) -> str:
+        s = self.settings
+        return (
+            f"kvroute-controlplane ready instance={s.instance_id} shard={s.shard} "
+            f"admin=http://{s.admin_host}:{self.admin_port} grpc={s.grpc_host}:{self.grpc_port}"
+        )
+
+    async def start(self) -> None:
+        await self.records.start()
+        s = self.settings
+        self.broadcaster = Broadcaster(
+            self.fleet,
+            self.records.config,
+            interval_s=s.delta_interval_ms / 1000,
+            ring=s.delta_ring,
+            queue=s.watcher_queue,
+            chunk_bytes=s.snapshot_chunk_bytes,
+        )
+        await self.ingest.start()
+        await self.leadership.start()
+        self._tasks.append(asyncio.create_task(self.broadcaster.run()))
+        self.routing = RoutingStateService(self.broadcaster, self.records.reports, s.served_pools())
+        try:
+            self._grpc, self.grpc_port = await start_server(self.routing, s)
+        except RuntimeError as exc:
+            raise ServiceError(f"cannot serve gRPC on {s.grpc_host}:{s.grpc_port}: {exc}") from exc
+        await self._start_admin()
+
+    async def _start_admin(self) -> None:
+        s = self.settings
+        sock = socket.socket(socket.AF_INET6 if ":" in s.admin_host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((s.admin_host, s.admin_port))
+        except OSError as exc:
+            sock.close()
+            raise ServiceError(
+                f"cannot serve the admin API on {s.admin_host}:{s.admin_port}: {exc.strerror}"
+            ) from exc
+        self.admin_port = sock.getsockname()[1]
+        config = uvicorn.Config(self.records.app, lifespan="off", log_config=None, access_log=False)
+        server = self._uvicorn = uvicorn.Server(config)
+        config.load()
+        server.lifespan = config.lifespan_class(config)
+        await server.startup(sockets=[sock])
+        self._tasks.append(asyncio.create_task(server.main_loop()))
+
+    async def aclose(self) -> None:
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+        if self._grpc is not None:
+            await self._grpc.stop(grace=0.5)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._uvicorn is not None and self._uvicorn.started:
+            await self._uvicorn.shutdown()
+        await self.leadership.aclose()
+        await self.ingest.aclose()
+        await self.records.aclose()
+        with contextlib.suppress(aetcd.ClientError):
+            await self.etcd.close()

@@ -1,0 +1,103 @@
+"""One control-plane instance on real NATS and etcd, watched over real gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import grpc
+import pytest
+
+from bench.controlplane.mirror import REPORT_METHOD, StateMirror, watch
+from controlplane.service import ControlPlane, CountingSink
+from controlplane.settings import ControlPlaneSettings
+from kvcore.pb import routing_pb2
+from kvroute.servers import EtcdServer, NatsServer
+from tests.integration.controlplane_harness import SidecarDouble
+from tests.integration.sidecar_harness import wait_until
+
+
+@pytest.fixture
+async def control_plane(
+    nats_server: NatsServer, etcd_server: EtcdServer, request: pytest.FixtureRequest
+) -> AsyncIterator[ControlPlane]:
+    name = request.node.name.replace("_", "-")[:40]
+    settings = ControlPlaneSettings(
+        nats_url=nats_server.url,
+        etcd_endpoints=[etcd_server.endpoint],
+        etcd_prefix=f"/{name}/",
+        admin_port=0,
+        grpc_port=0,
+        instance_id="cp-a",
+        pools=["svc"],
+        heartbeat_timeout_s=1.0,
+    )
+    service = ControlPlane(settings)
+    await service.start()
+    yield service
+    await service.aclose()
+
+
+async def test_a_watcher_follows_the_sidecars_and_sees_drains(
+    control_plane: ControlPlane, nats_server: NatsServer
+) -> None:
+    sidecar = await SidecarDouble(nats_server.url, "svc-r1", pool="svc").start()
+    address = f"127.0.0.1:{control_plane.grpc_port}"
+    mirror = StateMirror()
+    watching = asyncio.create_task(watch(address, mirror, pools=("svc",)))
+    try:
+        await sidecar.announce()
+        await sidecar.store(range(1, 501))
+        await wait_until(lambda: mirror.keys_of("svc-r1") == sidecar.held)
+        await sidecar.remove(range(1, 101))
+        await sidecar.load(running=4)
+        await wait_until(lambda: mirror.keys_of("svc-r1") == sidecar.held)
+        await wait_until(lambda: any(r.load.running == 4 for r in mirror.replicas.values()))
+        await wait_until(control_plane.view.is_leader)
+        info = await control_plane.view.set_draining("svc-r1", True)
+        assert info.status == "draining"
+        await wait_until(
+            lambda: (
+                [r.status for r in mirror.replicas.values()]
+                == [routing_pb2.REPLICA_STATUS_DRAINING]
+            )
+        )
+        # silent past the heartbeat timeout: down, residency dropped, and the proxy sees it
+        await wait_until(lambda: mirror.keys_of("svc-r1") == set(), deadline_s=5)
+        assert [r.status for r in mirror.replicas.values()] == [
+            routing_pb2.REPLICA_STATUS_UNHEALTHY
+        ]
+    finally:
+        watching.cancel()
+        await sidecar.stop()
+
+
+async def test_an_unserved_pool_is_refused_with_a_clear_error(
+    control_plane: ControlPlane,
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await watch(f"127.0.0.1:{control_plane.grpc_port}", StateMirror(), pools=("other",))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "other" in (caught.value.details() or "")
+
+
+async def test_reports_reach_the_sink_and_malformed_ones_are_counted(
+    control_plane: ControlPlane,
+) -> None:
+    report = routing_pb2.ProxyReport(proxy_id="p1", ts=1.0, interval_s=10.0)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{control_plane.grpc_port}") as channel:
+        send = channel.stream_unary(REPORT_METHOD)
+        ack = routing_pb2.ReportAck.FromString(
+            await send(iter([report.SerializeToString(), b"\xff\xfe", report.SerializeToString()]))
+        )
+    assert ack.reports == 2
+    sink = control_plane.records.reports
+    assert isinstance(sink, CountingSink) and len(sink.received) == 2
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"http://127.0.0.1:{control_plane.admin_port}/metrics") as response,
+    ):
+        text = await response.text()
+    assert "kvroute_controlplane_reports_malformed_total 1.0" in text
+    assert "kvroute_controlplane_leader" in text
