@@ -88,7 +88,7 @@ def fleet(
                 "--instance-id=cp-e2e",
                 f"--database-url=sqlite+aiosqlite:///{db}",
                 "--heartbeat-timeout-s=5",
-            )  # fmt: skip
+            )
         )
         proxy = stack.enter_context(
             ProxyProcess(f"--controlplane={cp.grpc}", "--debug-headers", "--report-interval-s=1")
