@@ -347,8 +347,10 @@ def sidecar(engine: EngineSpec, config: InjectionConfig) -> Json:
         "imagePullPolicy": config.image_pull_policy,
         "env": sidecar_env(engine, config),
         "ports": [{"name": "kvroute-sidecar", "containerPort": config.sidecar_port}],
+        # Alive while it accepts connections: its /healthz is 503 while NATS or the engine
+        # is down, which a restart would not cure.
         "livenessProbe": {
-            "httpGet": {"path": "/healthz", "port": config.sidecar_port},
+            "tcpSocket": {"port": config.sidecar_port},
             "periodSeconds": 10,
             "failureThreshold": 6,
         },

@@ -11,6 +11,7 @@ and Prometheus annotations must name routes its HTTP app really serves.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import io
@@ -24,6 +25,12 @@ import pytest
 from pydantic import BaseModel
 
 from controlplane.injection import InjectionConfig, mutate_review
+from controlplane.main import load_settings as load_controlplane_settings
+from controlplane.service import ControlPlane
+from controlplane.settings import ControlPlaneSettings
+from dataplane.main import load_settings as load_proxy_settings
+from dataplane.service import ProxyService
+from dataplane.settings import ProxySettings
 from enginesim.http import SimApp
 from enginesim.settings import SimSettings, parse_settings
 from sidecar.main import load_settings as load_sidecar_settings
@@ -50,23 +57,57 @@ INJECTION = InjectionConfig(sidecar_image=SIDECAR_IMAGE, nats_url="nats://kvrout
 class Component:
     settings_class: type[BaseModel]
     load: Callable[[list[str]], Any]  # the component's own argv -> settings
-    routes: Callable[[Any], set[str]]  # settings -> HTTP paths served
+    serves: Callable[[Any, str], bool]  # (settings, path) -> is it an HTTP route?
     ports: Callable[[Any], set[int]]  # settings -> TCP ports listened on
 
 
-def sim_routes(settings: SimSettings) -> set[str]:
-    return set(SimApp(settings, cast(Any, None), cast(Any, None)).routes)
+def sim_serves(settings: SimSettings, path: str) -> bool:
+    return path in SimApp(settings, cast(Any, None), cast(Any, None)).routes
 
 
-def sidecar_routes(settings: SidecarSettings) -> set[str]:
+def sidecar_serves(settings: SidecarSettings, path: str) -> bool:
     app = create_sidecar_app(SidecarService(settings))
-    return {route.resource.canonical for route in app.router.routes() if route.resource}
+    return any(route.resource and route.resource.canonical == path for route in app.router.routes())
+
+
+def proxy_serves(settings: ProxySettings, path: str) -> bool:
+    """Asks the proxy's own ASGI app (not started: no upstream, no state) for ``path``."""
+    return asgi_get(ProxyService(settings).app, path) != 404
+
+
+def controlplane_serves(settings: ControlPlaneSettings, path: str) -> bool:
+    """Asks the admin app the control plane serves (built, not started) for ``path``."""
+    return asgi_get(ControlPlane(settings).records.app, path) != 404
+
+
+def asgi_get(app: Any, path: str) -> int:
+    statuses: list[int] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            statuses.append(message["status"])
+
+    scope = {"type": "http", "method": "GET", "path": path, "headers": [], "query_string": b""}
+    asyncio.run(app(scope, receive, send))
+    return statuses[0]
 
 
 COMPONENTS: dict[str, Component] = {
-    "kvroute/sim": Component(SimSettings, parse_settings, sim_routes, lambda s: {s.port}),
+    "kvroute/sim": Component(SimSettings, parse_settings, sim_serves, lambda s: {s.port}),
     "kvroute/sidecar": Component(
-        SidecarSettings, load_sidecar_settings, sidecar_routes, lambda s: {s.port}
+        SidecarSettings, load_sidecar_settings, sidecar_serves, lambda s: {s.port}
+    ),
+    "kvroute/controlplane": Component(
+        ControlPlaneSettings,
+        load_controlplane_settings,
+        controlplane_serves,
+        lambda s: {s.admin_port, s.grpc_port},
+    ),
+    "kvroute/proxy": Component(
+        ProxySettings, load_proxy_settings, proxy_serves, lambda s: {s.port}
     ),
 }
 
@@ -116,8 +157,8 @@ def resolve_port(container: dict[str, Any], port: object) -> int | None:
 
 def check_container(
     container: dict[str, Any], pod_name: str, monkeypatch: pytest.MonkeyPatch
-) -> tuple[list[str], set[str]]:
-    """Problems with one kvroute container, and the routes it serves."""
+) -> tuple[list[str], Callable[[str], bool]]:
+    """Problems with one kvroute container, and what tells whether it serves a path."""
     component = COMPONENTS[image_repository(container)]
     env = env_values(container, pod_name)
     found = []
@@ -137,33 +178,40 @@ def check_container(
             settings = component.load(args)
         except (Exception, SystemExit) as exc:
             refused = f"args/env refused by the component: {exc} {err.getvalue()[-300:]}"
-            return [*found, refused], set()
-    routes = component.routes(settings)
+            return [*found, refused], lambda path: True
+
+    def serves(path: str) -> bool:
+        return component.serves(settings, path)
+
     listening = component.ports(settings)
     for entry in container.get("ports", []):
         if entry["containerPort"] not in listening:
             found.append(f"containerPort {entry['containerPort']} not in {listening}")
     for probe_name in ("startupProbe", "readinessProbe", "livenessProbe"):
-        probe = container.get(probe_name, {}).get("httpGet")
+        action = container.get(probe_name, {})
+        probe = action.get("httpGet") or action.get("tcpSocket")
         if probe is None:
             continue
-        if probe["path"].split("?")[0] not in routes:
+        if "path" in probe and not serves(probe["path"].split("?")[0]):
             found.append(f"{probe_name} path {probe['path']} is not a route")
         if resolve_port(container, probe["port"]) not in listening:
             found.append(f"{probe_name} port {probe['port']} is not listened on")
-    return found, routes
+    return found, serves
 
 
 def check_pod(pod: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> list[str]:
     found = []
-    served: dict[int, set[str]] = {}
+    served: dict[int, Callable[[str], bool]] = {}
     for container in containers(pod):
-        if image_repository(container) not in COMPONENTS:
+        repository = image_repository(container)
+        if repository not in COMPONENTS:
+            if repository.startswith("kvroute/"):
+                found.append(f"{container['name']}: no kvroute component ships {repository}")
             continue
-        own, routes = check_container(container, pod["metadata"]["name"], monkeypatch)
+        own, serves = check_container(container, pod["metadata"]["name"], monkeypatch)
         found += [f"{container['name']}: {problem}" for problem in own]
         for entry in container.get("ports", []):
-            served[int(entry["containerPort"])] = routes
+            served[int(entry["containerPort"])] = serves
     annotations = pod["metadata"].get("annotations", {})
     if annotations.get("prometheus.io/scrape") == "true":
         port = int(annotations["prometheus.io/port"])
@@ -171,7 +219,7 @@ def check_pod(pod: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> list[str]
         if port not in ports:
             found.append(f"prometheus.io/port {port} is not a container port")
         path = annotations.get("prometheus.io/path", "/metrics")
-        if port in served and path not in served[port]:
+        if port in served and not served[port](path):
             found.append(f"prometheus.io/path {path} is not a route on port {port}")
     return found
 
@@ -221,6 +269,7 @@ def test_the_crosscheck_catches_what_the_code_does_not_have(
     assert any("sim: args/env refused" in p and "--no-such-flag" in p for p in found), found
     assert any("KVROUTE_NATS_URLS" in p for p in found), found
     assert any("containerPort 9101" in p for p in found), found
+    assert any("kvroute-sidecar: livenessProbe port 9100" in p for p in found), found
     pod_ok = kvroute_pods(KUBERNETES / "engines" / "sim")[0][1]
     containers(pod_ok)[0]["readinessProbe"]["httpGet"]["path"] = "/ready"
     pod_ok["metadata"]["annotations"]["prometheus.io/path"] = "/stats"

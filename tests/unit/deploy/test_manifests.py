@@ -21,12 +21,13 @@ from tests.unit.deploy.manifests import (
     render,
     workloads,
 )
-from tests.unit.deploy.network_policy import Pod, ingress_allowed
+from tests.unit.deploy.network_policy import OUTSIDE, Pod, allowed
 from tests.unit.deploy.schemas import problems
 
 OLDEST_KUBERNETES = "1.30.0"
 NEWEST_KUBERNETES = "1.37.0"
-CRD_KINDS = {"Certificate", "Issuer"}  # cert-manager's, checked in test_webhook_config
+CRD_KINDS = {"Certificate", "Issuer"}  # cert-manager's, checked in test_webhook
+ENGINE = {"http": 8000, "kvroute-sidecar": 9100}  # an engine pod's named ports
 
 
 def ids(paths: list[Path]) -> list[str]:
@@ -147,28 +148,58 @@ def _pods(docs: tuple[dict[str, Any], ...]) -> dict[str, Pod]:
 
 
 @pytest.mark.parametrize("directory", overlays(), ids=ids(overlays()))
-def test_network_policies_let_only_the_right_pods_in(directory: Path) -> None:
+def test_network_policies_let_only_the_right_pods_through(directory: Path) -> None:
     docs = render(directory)
     policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
     pods = _pods(docs)
     monitoring = Pod("monitoring", {"app": "prometheus"})
     stranger = Pod("kvroute", {"app": "debug"})
-    etcd, nats = pods["etcd"], pods["nats"]
-    assert ingress_allowed(policies, nats, etcd, 2379) is False
-    assert ingress_allowed(policies, stranger, etcd, 2379) is False
-    assert ingress_allowed(policies, etcd, etcd, 2380) is True
-    assert ingress_allowed(policies, nats, nats, 6222) is True
-    assert ingress_allowed(policies, stranger, nats, 4222) is False
-    assert ingress_allowed(policies, monitoring, nats, 8222) is True
-    assert ingress_allowed(policies, monitoring, nats, 4222) is False
-    if "engine" in pods:
-        engine = pods["engine"]
-        http = engine.ports["http"]
-        assert ingress_allowed(policies, engine, nats, 4222) is True  # its sidecar
-        assert ingress_allowed(policies, engine, etcd, 2379) is False
-        assert ingress_allowed(policies, stranger, engine, http) is False
-        assert ingress_allowed(policies, monitoring, engine, 9100) is True
-        assert ingress_allowed(policies, Pod("other", {}), engine, 5557) is False
+    etcd, nats, cp, proxy = pods["etcd"], pods["nats"], pods["controlplane"], pods["proxy"]
+    engine = pods.get("engine", Pod("kvroute-engines", {"kvroute.io/inject": "true"}, ENGINE))
+    expected = [
+        # only control planes reach etcd (members reach each other)
+        (cp, etcd, 2379, True),
+        (etcd, etcd, 2380, True),
+        (proxy, etcd, 2379, False),
+        (nats, etcd, 2379, False),
+        (engine, etcd, 2379, False),
+        (stranger, etcd, 2379, False),
+        # only sidecars (in engine pods) and control planes reach NATS
+        (engine, nats, 4222, True),
+        (cp, nats, 4222, True),
+        (proxy, nats, 4222, False),
+        (stranger, nats, 4222, False),
+        (nats, nats, 6222, True),
+        (monitoring, nats, 8222, True),
+        (monitoring, nats, 4222, False),
+        # only proxies reach engines' HTTP port; nobody reaches their ZMQ sockets
+        (proxy, engine, engine.ports["http"], True),
+        (cp, engine, engine.ports["http"], False),
+        (stranger, engine, engine.ports["http"], False),
+        (monitoring, engine, 9100, True),
+        (OUTSIDE, engine, 5557, False),
+        # proxies: reached by anyone, reach only the control planes' gRPC and engines
+        (OUTSIDE, proxy, 8000, True),
+        (proxy, cp, 50051, True),
+        (engine, cp, 50051, False),
+        (stranger, cp, 50051, False),
+        (OUTSIDE, cp, 8080, True),  # the API server calls the webhook
+        # only control planes reach the database
+        (cp, OUTSIDE, 5432, True),
+        (proxy, OUTSIDE, 5432, False),
+        (nats, OUTSIDE, 5432, False),
+        (etcd, OUTSIDE, 5432, False),
+    ]
+    if "postgres" in pods:
+        postgres = pods["postgres"]
+        expected += [(cp, postgres, 5432, True), (proxy, postgres, 5432, False)]
+        expected += [(engine, postgres, 5432, False), (stranger, postgres, 5432, False)]
+    wrong = [
+        f"{src.labels} -> {dst.labels}:{port} should be {'open' if ok else 'closed'}"
+        for src, dst, port, ok in expected
+        if allowed(policies, src, dst, port) is not ok
+    ]
+    assert wrong == []
 
 
 def test_the_schema_check_refuses_unknown_fields_and_wrong_types() -> None:
