@@ -1,4 +1,5 @@
-"""Harness for the control plane's integration tests: a sidecar double on real NATS.
+"""Harness for the control plane's integration tests: a sidecar double on real NATS, and
+real ``kvroute-controlplane`` and ``kvroute-sidecar`` processes.
 
 :class:`SidecarDouble` publishes what a sidecar publishes (announce, load, event batches
 with contiguous seqs) for a set of keys it holds, and answers resync requests with a
@@ -8,9 +9,13 @@ purpose, to show the control plane recovers.
 
 from __future__ import annotations
 
+import asyncio
+import signal
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import nats
 from nats.aio.client import Client
@@ -128,3 +133,72 @@ class SidecarDouble:
     async def flush(self) -> None:
         assert self.nc is not None
         await self.nc.flush()
+
+
+CONTROLPLANE_BIN = Path(sys.executable).parent / "kvroute-controlplane"
+SIDECAR_BIN = Path(sys.executable).parent / "kvroute-sidecar"
+
+
+@dataclass
+class ControlPlaneProcess:
+    """A real ``kvroute-controlplane`` process; ready once it prints its ready line."""
+
+    args: list[str]
+    grpc: str = ""
+    admin: str = ""
+    proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> ControlPlaneProcess:
+        self.proc = await asyncio.create_subprocess_exec(
+            str(CONTROLPLANE_BIN),
+            "--admin-port",
+            "0",
+            "--grpc-port",
+            "0",
+            *self.args,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        assert self.proc.stdout is not None
+        async with asyncio.timeout(20):
+            line = (await self.proc.stdout.readline()).decode()
+        if not line.startswith("kvroute-controlplane ready"):
+            raise RuntimeError(f"kvroute-controlplane did not start: {line!r}")
+        fields = dict(part.split("=", 1) for part in line.split()[2:])
+        self.grpc, self.admin = fields["grpc"], fields["admin"]
+        return self
+
+    def kill(self) -> None:
+        """kill -9: no goodbye, the lease must expire."""
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()
+
+    async def stop(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+        if self.proc is not None:
+            await asyncio.wait_for(self.proc.wait(), 15)
+
+
+@dataclass
+class SidecarProcess:
+    """A real ``kvroute-sidecar`` process beside a ``kvroute-sim``."""
+
+    args: list[str]
+    proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> SidecarProcess:
+        self.proc = await asyncio.create_subprocess_exec(
+            str(SIDECAR_BIN),
+            "--port",
+            "0",
+            *self.args,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        return self
+
+    async def stop(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(self.proc.wait(), 15)
