@@ -313,6 +313,7 @@ class ProxyApp:
         detail: dict[str, Any] = {
             "ready": bool(models) and (self.options.static or age != float("inf")),
             "models": models,
+            "replicas": len(self.fleet.endpoints()),
             "state_age_s": None if self.options.static or age == float("inf") else round(age, 3),
             "state_fresh": fresh,
         }

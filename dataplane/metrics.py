@@ -15,6 +15,7 @@ Names (prefix ``kvroute_proxy_``):
 | ``retries_refused_total`` | | retries the retry budget did not allow |
 | ``state_age_seconds`` | | since the last control-plane update (+Inf: never; 0: static) |
 | ``circuit_open_replicas`` | | replicas a circuit breaker keeps out |
+| ``tokenizer_mismatch`` | model | 1 while the tokenizer probe flags the model |
 
 Outcomes: ``ok``, ``upstream_error`` (a 5xx or a broken stream), ``client_error`` (a 4xx
 from the engine), ``no_replica``, ``cancelled`` (the client went away). Retry reasons:
@@ -24,10 +25,12 @@ a replica carry its id; requests refused before routing are counted with ``repli
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 PREFIX = "kvroute_proxy_"
 CONTENT_TYPE = CONTENT_TYPE_LATEST.encode()
@@ -73,10 +76,16 @@ class ProxyMetrics:
             PREFIX + "circuit_open_replicas", "Replicas kept out by a breaker", registry=r
         )
 
-    def watch(self, state_age: Callable[[], float], circuit_open: Callable[[], float]) -> None:
+    def watch(
+        self,
+        state_age: Callable[[], float],
+        circuit_open: Callable[[], float],
+        mismatches: Callable[[], dict[str, str]],
+    ) -> None:
         """Read the gauges from the service at scrape time."""
         self.state_age.set_function(state_age)
         self.circuit_open.set_function(circuit_open)
+        self.registry.register(_MismatchCollector(mismatches))
 
     def fidelity(
         self,
@@ -94,3 +103,20 @@ class ProxyMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _MismatchCollector(Collector):
+    """``tokenizer_mismatch{model}``: 1 for each model the probe flagged."""
+
+    def __init__(self, mismatches: Callable[[], dict[str, str]]) -> None:
+        self._mismatches = mismatches
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            PREFIX + "tokenizer_mismatch",
+            "Models whose engines tokenize the probe differently from this proxy",
+            labels=["model"],
+        )
+        for model in self._mismatches():
+            family.add_metric([model], 1.0)
+        yield family

@@ -24,9 +24,11 @@ from dataplane.breaker import CircuitBreakers, RetryBudget
 from dataplane.exchange import Dispatcher, Policies
 from dataplane.fleet_state import FleetState
 from dataplane.metrics import ProxyMetrics
+from dataplane.reporter import Reporter
 from dataplane.routing import Defaults, Router
 from dataplane.settings import ProxySettings
 from dataplane.state_client import StateClient
+from dataplane.tokenizer_probe import TokenizerProbe
 from dataplane.upstream import Upstream
 from kvcore.workload import RoutingConfig, parse_workload
 
@@ -58,6 +60,12 @@ class ProxyService:
             Defaults(settings.tokenizer, settings.block_size, settings.tenant_header),
             random.Random(),
         )
+        self.probe = TokenizerProbe(
+            self.fleet, settings.tokenizer, load=self.router.tokenizers.load
+        )
+        self.reporter = (
+            None if settings.static else Reporter(settings, health=self.probe.model_health)
+        )
         self.upstream = Upstream(settings.connect_timeout_s, settings.upstream_timeout_s)
         self.breakers = CircuitBreakers(settings.breaker_failures, settings.breaker_open_s)
         self.dispatcher = Dispatcher(
@@ -68,6 +76,7 @@ class ProxyService:
             Policies(settings.retry_attempts, settings.retry_after_s),
             self.breakers,
             RetryBudget(settings.retry_budget, settings.retry_min_per_s, time.monotonic()),
+            self.reporter,
         )
         options = AppOptions(
             max_body_bytes=settings.max_body_bytes,
@@ -79,7 +88,7 @@ class ProxyService:
         self.app = ProxyApp(
             options, self.fleet, self.router, self.dispatcher, self.metrics, self._readiness
         )
-        self.metrics.watch(self._state_age, self._open_breakers)
+        self.metrics.watch(self._state_age, self._open_breakers, self.probe.mismatches)
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -87,9 +96,12 @@ class ProxyService:
         await asyncio.to_thread(self.router.tokenizers.load, self.settings.tokenizer)
         if self.state_client is not None:
             await self.state_client.start()
+            if self.reporter is not None:
+                await self.reporter.start()
         else:
             await self._discover_static()
             self._tasks.append(asyncio.create_task(self._refresh_static()))
+        await self.probe.start()
 
     async def aclose(self) -> None:
         for task in self._tasks:
@@ -97,6 +109,9 @@ class ProxyService:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self.probe.aclose()
+        if self.reporter is not None:
+            await self.reporter.aclose()
         if self.state_client is not None:
             await self.state_client.aclose()
         await self.upstream.aclose()
@@ -126,10 +141,15 @@ class ProxyService:
         return len(self.breakers.open_ids(time.monotonic()))
 
     def _readiness(self) -> dict[str, Any]:
-        detail: dict[str, Any] = {"circuit_open": self.breakers.open_ids(time.monotonic())}
+        detail: dict[str, Any] = {
+            "circuit_open": self.breakers.open_ids(time.monotonic()),
+            "tokenizer_mismatch": self.probe.mismatches(),
+        }
         if self.state_client is not None:
             detail["state"] = self.state_client.status()
             detail["config_error"] = self.fleet.config_error
+        if self.reporter is not None:
+            detail["report"] = self.reporter.status()
         return detail
 
 

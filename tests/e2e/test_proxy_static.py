@@ -17,6 +17,7 @@ import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -24,6 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench.micro.model_files import write_tiny_model
 from tests.e2e.proxyproc import ProxyProcess
 from tests.unit.enginesim.simproc import SimProcess
 
@@ -221,3 +223,24 @@ def test_a_replica_killed_under_load_loses_no_request() -> None:
             sims[0].proc.send_signal(signal.SIGKILL)
             statuses = [f.result() for f in futures]
         assert statuses == [200] * 120
+
+
+def test_a_replica_with_another_tokenizer_is_flagged_in_readyz_and_metrics(
+    tmp_path: Path,
+) -> None:
+    model_dir = write_tiny_model(tmp_path / "bpe")
+    with (
+        SimProcess(*SIM_ARGS, f"--tokenizer={model_dir}") as sim,
+        ProxyProcess(f"--static-replicas={sim.url}") as proxy,
+    ):
+        deadline = time.monotonic() + 20
+        while not (flagged := _readyz(proxy)["tokenizer_mismatch"]):
+            assert time.monotonic() < deadline, "the probe never flagged the model"
+            time.sleep(0.05)
+        assert list(flagged) == [MODEL]
+        _, _, metrics = proxy.request("/metrics", method="GET")
+        assert f'kvroute_proxy_tokenizer_mismatch{{model="{MODEL}"}} 1.0' in metrics.decode()
+
+
+def _readyz(proxy: ProxyProcess) -> dict[str, Any]:
+    return dict(json.loads(proxy.request("/readyz", method="GET")[2]))
