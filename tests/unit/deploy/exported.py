@@ -9,7 +9,8 @@ from controlplane.broadcast import Broadcaster
 from controlplane.main import load_settings as load_controlplane_settings
 from controlplane.routing_server import RoutingStateService
 from controlplane.service import ControlPlane
-from dataplane.metrics import ProxyMetrics
+from dataplane.main import load_settings as load_proxy_settings
+from dataplane.service import ProxyService
 from sidecar.observability import SidecarCollector
 from sidecar.service import SidecarService
 from sidecar.settings import SidecarSettings
@@ -47,7 +48,9 @@ def sidecar_series() -> set[str]:
 
 
 def proxy_series() -> set[str]:
-    return series_names(ProxyMetrics().registry)
+    """One proxy worker's registry, as its service builds it (nothing started)."""
+    service = ProxyService(load_proxy_settings(["--controlplane=kvroute-controlplane:50051"]))
+    return series_names(service.metrics.registry)
 
 
 def controlplane_series() -> set[str]:

@@ -25,6 +25,7 @@ PROMTOOL = Path(sys.executable).parent / "promtool"
 PROMISED_ALERTS = {
     "KvrouteHitRateBelowBaseline",  # a workload's hit rate below its baseline
     "KvroutePredictedMeasuredDrift",  # predicted and measured drifting apart
+    "KvrouteTokenizerMismatch",  # a model flagged tokenizer_mismatch
     "KvrouteRoutingStateStale",  # routing state stale on a proxy
     "KvrouteReplicaDown",
     "KvrouteSidecarEventsLost",  # sidecar event gaps
