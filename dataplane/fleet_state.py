@@ -42,7 +42,7 @@ from kvcore.workload import RoutingConfig
 
 HEALTHY = routing_pb2.REPLICA_STATUS_HEALTHY
 DEFAULT_CAPACITY = 256  # a replica that does not announce max_num_seqs
-STEP_KEYS = 50_000  # residency keys applied between two yields to the event loop
+STEP_KEYS = 2_000  # residency keys applied between two yields to the event loop
 ENGINE_KINDS = {events_pb2.ENGINE_KIND_VLLM: "vllm", events_pb2.ENGINE_KIND_SGLANG: "sglang"}
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
-from bench.micro import index_bench, keys_bench, policies_bench, tokenize_bench
+from bench.micro import index_bench, keys_bench, policies_bench, state_bench, tokenize_bench
 from bench.micro.report import Figure, render
 
 BENCHMARKS = {
@@ -13,6 +13,7 @@ BENCHMARKS = {
     "tokenize": tokenize_bench.run,
     "index": index_bench.run,
     "policies": policies_bench.run,
+    "state": state_bench.run,
 }
 
 

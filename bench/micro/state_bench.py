@@ -1,0 +1,108 @@
+"""The proxy's routing state (``dataplane.fleet_state``): its cost per request, and how
+fast and how smoothly it applies what the control plane streams."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+
+from bench.micro.report import Figure, median_us
+from dataplane.fleet_state import FleetState
+from kvcore.pb import events_pb2, routing_pb2
+
+REPLICAS = 64
+MODEL = "m"
+SNAPSHOT_KEYS = 1_000_000
+CHUNK_KEYS = 400_000  # about 3.6 MB of fixed64 keys: a chunk below the 4 MiB cap
+
+
+def _replica(ordinal: int) -> routing_pb2.Replica:
+    return routing_pb2.Replica(
+        ordinal=ordinal,
+        replica_id=f"r{ordinal}",
+        pool="default",
+        base_url=f"http://127.0.0.1:{9000 + ordinal}",
+        model=MODEL,
+        status=routing_pb2.REPLICA_STATUS_HEALTHY,
+        capacity_seqs=256,
+        load=events_pb2.LoadReport(running=10, waiting=2, kv_usage=0.3, ts=100.0),
+    )
+
+
+def _snapshot(keys_per_replica: int, rng: random.Random) -> list[routing_pb2.StateUpdate]:
+    """One snapshot of ``REPLICAS`` replicas, cut into chunks of about ``CHUNK_KEYS``."""
+    chunks = [routing_pb2.SnapshotChunk(chunk_index=0, replicas=map(_replica, range(REPLICAS)))]
+    held = 0
+    for ordinal in range(REPLICAS):
+        if held >= CHUNK_KEYS:
+            chunks.append(routing_pb2.SnapshotChunk(chunk_index=len(chunks)))
+            held = 0
+        keys = [rng.getrandbits(64) for _ in range(keys_per_replica)]
+        chunks[-1].residency.append(routing_pb2.ReplicaBlocks(ordinal=ordinal, keys=keys))
+        held += keys_per_replica
+    chunks[-1].last_chunk = True
+    return [routing_pb2.StateUpdate(epoch=1, version=1, snapshot=c) for c in chunks]
+
+
+def _delta(version: int, rng: random.Random) -> routing_pb2.StateUpdate:
+    """A busy 50 ms delta: every replica's load, ten replicas storing 100 blocks each."""
+    loads = [
+        routing_pb2.LoadUpdate(
+            ordinal=o, load=events_pb2.LoadReport(running=o % 7, ts=100.0 + version)
+        )
+        for o in range(REPLICAS)
+    ]
+    residency = [
+        routing_pb2.ResidencyChange(
+            ordinal=rng.randrange(REPLICAS), added=[rng.getrandbits(64) for _ in range(100)]
+        )
+        for _ in range(10)
+    ]
+    delta = routing_pb2.Delta(loads=loads, residency=residency)
+    return routing_pb2.StateUpdate(epoch=1, version=version, delta=delta)
+
+
+def _request_figures(state: FleetState) -> list[Figure]:
+    cached = median_us(lambda: state.view(MODEL).replicas(), repeat=2000)
+    ordinals = iter(range(10**9))
+
+    def one_request() -> None:
+        ticket = state.on_sent(next(ordinals) % REPLICAS, 200.0)
+        state.view(MODEL).replicas()
+        state.on_done(ticket)
+
+    per_request = median_us(one_request, repeat=2000)
+    return [
+        Figure(f"view(model).replicas(), nothing changed, {REPLICAS} replicas", cached, "us", 2),
+        Figure("  a request's bookkeeping: on_sent + view + on_done", per_request, "us", 25),
+    ]
+
+
+def _apply_figures(rng: random.Random) -> tuple[list[Figure], FleetState]:
+    state = FleetState()
+    updates = _snapshot(SNAPSHOT_KEYS // REPLICAS, rng)
+    steps: list[float] = []
+    started = time.perf_counter()
+    for update in updates:
+        step = time.perf_counter()
+        for _ in state.apply_steps(update):
+            steps.append(time.perf_counter() - step)
+            step = time.perf_counter()
+        steps.append(time.perf_counter() - step)
+    total_ms = (time.perf_counter() - started) * 1000
+    deltas = iter([_delta(version, rng) for version in range(2, 2 + 3 + 5 * 50)])
+    delta_us = median_us(lambda: state.apply(next(deltas)), repeat=50)
+    name = f"apply a {SNAPSHOT_KEYS / 1e6:.0f}M-key snapshot ({len(updates)} chunks)"
+    return [
+        Figure(name, total_ms, "ms"),
+        Figure("  median step between event-loop yields", statistics.median(steps) * 1000, "ms", 5),
+        Figure("  longest step (dict resizes are one C call)", max(steps) * 1000, "ms"),
+        Figure(f"apply a delta ({REPLICAS} loads, 1000 stored keys)", delta_us, "us", 2000),
+    ], state
+
+
+def run() -> list[Figure]:
+    rng = random.Random(5)
+    figures, state = _apply_figures(rng)
+    return figures + _request_figures(state)
