@@ -32,6 +32,7 @@ from controlplane.leadership import Leadership
 from controlplane.metrics import FleetCollector
 from controlplane.routing_server import RoutingStateService, start_server
 from controlplane.settings import ControlPlaneSettings
+from controlplane.webhook import injection_config, with_webhook
 from kvcore.pb import routing_pb2
 
 log = logging.getLogger(__name__)
@@ -145,7 +146,8 @@ class ControlPlane:
         s = self.settings
         return (
             f"kvroute-controlplane ready instance={s.instance_id} shard={s.shard} "
-            f"admin=http://{s.admin_host}:{self.admin_port} grpc={s.grpc_host}:{self.grpc_port}"
+            f"admin={'https' if s.admin_tls_cert else 'http'}://{s.admin_host}:{self.admin_port} "
+            f"grpc={s.grpc_host}:{self.grpc_port}"
         )
 
     async def start(self) -> None:
@@ -169,6 +171,11 @@ class ControlPlane:
             raise ServiceError(f"cannot serve gRPC on {s.grpc_host}:{s.grpc_port}: {exc}") from exc
         await self._start_admin()
 
+    def admin_app(self) -> ASGIApp:
+        """What the admin port serves: the records' app, with ``POST /mutate`` (sidecar
+        injection) in front."""
+        return with_webhook(self.records.app, injection_config(self.settings))
+
     async def _start_admin(self) -> None:
         s = self.settings
         sock = socket.socket(socket.AF_INET6 if ":" in s.admin_host else socket.AF_INET)
@@ -181,7 +188,14 @@ class ControlPlane:
                 f"cannot serve the admin API on {s.admin_host}:{s.admin_port}: {exc.strerror}"
             ) from exc
         self.admin_port = sock.getsockname()[1]
-        config = uvicorn.Config(self.records.app, lifespan="off", log_config=None, access_log=False)
+        config = uvicorn.Config(
+            self.admin_app(),
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+            ssl_certfile=s.admin_tls_cert,
+            ssl_keyfile=s.admin_tls_key,
+        )
         server = self._uvicorn = uvicorn.Server(config)
         config.load()
         server.lifespan = config.lifespan_class(config)

@@ -106,6 +106,25 @@ class ControlPlaneSettings(BaseSettings):
     alert_webhook_url: str | None = Field(
         default=None, description="POST each alert change here as JSON."
     )
+    admin_tls_cert: FilePath | None = Field(
+        default=None,
+        description="Server certificate: the admin API serves HTTPS when given (Kubernetes "
+        "calls the injection webhook over HTTPS only).",
+    )
+    admin_tls_key: FilePath | None = Field(default=None, description="Its private key.")
+
+    # --- sidecar injection (POST /mutate): what injected sidecars get ------------------
+    inject_sidecar_image: str = Field(
+        default="kvroute/sidecar:0.1.0", description="Image of the injected sidecar."
+    )
+    inject_nats_url: str = Field(
+        default="", description="NATS URL of injected sidecars ('' = --nats-url)."
+    )
+    inject_nats_secret: str = Field(
+        default="",
+        description="Secret (in the engine's namespace) whose keys become injected sidecars' "
+        "environment, e.g. KVROUTE_NATS_TOKEN ('' = none).",
+    )
 
     # --- gRPC RoutingState: what proxies watch --------------------------------------------
     grpc_host: str = Field(default="127.0.0.1", description="Bind address of the gRPC server.")
@@ -205,7 +224,7 @@ class ControlPlaneSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _tls_pairs(self) -> ControlPlaneSettings:
-        for prefix in ("nats_tls", "etcd_tls", "grpc_tls"):
+        for prefix in ("nats_tls", "etcd_tls", "grpc_tls", "admin_tls"):
             cert, key = getattr(self, f"{prefix}_cert"), getattr(self, f"{prefix}_key")
             if (cert is None) != (key is None):
                 flag = _flag(prefix)

@@ -16,10 +16,12 @@ import base64
 import contextlib
 import io
 import json
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
+from urllib.parse import urlsplit
 
 import pytest
 from pydantic import BaseModel
@@ -40,9 +42,11 @@ from sidecar.settings import SidecarSettings
 from tests.unit.deploy.manifests import (
     KUBERNETES,
     containers,
+    find,
     image_repository,
     kustomizations,
     name_of,
+    overlays,
     pod_of,
     render,
     workloads,
@@ -50,6 +54,8 @@ from tests.unit.deploy.manifests import (
 from tests.unit.deploy.schemas import problems
 
 SIDECAR_IMAGE = "kvroute/sidecar:0.1.0"
+TLS_SECRET_KEYS = {"tls.crt", "tls.key", "ca.crt"}  # kubernetes.io/tls, and cert-manager's
+PLACEHOLDERS = tempfile.TemporaryDirectory(prefix="kvroute-deploy-")
 INJECTION = InjectionConfig(sidecar_image=SIDECAR_IMAGE, nats_url="nats://kvroute-nats:4222")
 
 
@@ -77,7 +83,7 @@ def proxy_serves(settings: ProxySettings, path: str) -> bool:
 
 def controlplane_serves(settings: ControlPlaneSettings, path: str) -> bool:
     """Asks the admin app the control plane serves (built, not started) for ``path``."""
-    return asgi_get(ControlPlane(settings).records.app, path) != 404
+    return asgi_get(ControlPlane(settings).admin_app(), path) != 404
 
 
 def asgi_get(app: Any, path: str) -> int:
@@ -155,18 +161,43 @@ def resolve_port(container: dict[str, Any], port: object) -> int | None:
     return None
 
 
+def mounted(pod: dict[str, Any], container: dict[str, Any], value: str, found: list[str]) -> str:
+    """``value`` with a path into one of the container's mounted Secrets or ConfigMaps
+    moved to a placeholder file (the kubelet would have put the real one there)."""
+    volumes = {v["name"]: v for v in pod["spec"].get("volumes", [])}
+    for mount in container.get("volumeMounts", []):
+        prefix = mount["mountPath"].rstrip("/") + "/"
+        if prefix not in value:
+            continue
+        source = volumes[mount["name"]]
+        if "secret" not in source and "configMap" not in source:
+            found.append(f"{value}: {mount['name']} is not a Secret or ConfigMap")
+        name = value.split(prefix, 1)[1].split(",")[0]
+        tls = source.get("secret", {}).get("secretName", "").endswith("-tls")
+        if tls and name not in TLS_SECRET_KEYS:
+            found.append(f"{value}: a TLS Secret has no key {name}")
+        placeholder = Path(PLACEHOLDERS.name) / mount["name"]
+        placeholder.mkdir(exist_ok=True)
+        (placeholder / name).write_text("placeholder")
+        return value.replace(prefix, str(placeholder) + "/")
+    return value
+
+
 def check_container(
-    container: dict[str, Any], pod_name: str, monkeypatch: pytest.MonkeyPatch
+    container: dict[str, Any], pod: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> tuple[list[str], Callable[[str], bool]]:
     """Problems with one kvroute container, and what tells whether it serves a path."""
     component = COMPONENTS[image_repository(container)]
-    env = env_values(container, pod_name)
-    found = []
+    found: list[str] = []
+    env = {
+        name: mounted(pod, container, value, found)
+        for name, value in env_values(container, pod["metadata"]["name"]).items()
+    }
     for name in env:
         field = name.removeprefix("KVROUTE_").lower()
         if name.startswith("KVROUTE_") and field not in component.settings_class.model_fields:
             found.append(f"env {name}: no setting {field}")
-    args = list(container.get("args", []))
+    args = [mounted(pod, container, arg, found) for arg in container.get("args", [])]
     fields = component.settings_class.model_fields
     for flag in flags_in(args):
         if flag not in fields and flag.removeprefix("no_") not in fields:
@@ -208,7 +239,7 @@ def check_pod(pod: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> list[str]
             if repository.startswith("kvroute/"):
                 found.append(f"{container['name']}: no kvroute component ships {repository}")
             continue
-        own, serves = check_container(container, pod["metadata"]["name"], monkeypatch)
+        own, serves = check_container(container, pod, monkeypatch)
         found += [f"{container['name']}: {problem}" for problem in own]
         for entry in container.get("ports", []):
             served[int(entry["containerPort"])] = serves
@@ -276,3 +307,24 @@ def test_the_crosscheck_catches_what_the_code_does_not_have(
     found = check_pod(pod_ok, monkeypatch)
     assert any("readinessProbe path /ready" in p for p in found), found
     assert any("prometheus.io/path /stats" in p for p in found), found
+
+
+@pytest.mark.parametrize("directory", overlays(), ids=[p.name for p in overlays()])
+def test_the_webhook_path_is_served_and_injects_what_deploy_ships(
+    directory: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    docs = render(directory)
+    (config,) = [d for d in docs if d["kind"] == "MutatingWebhookConfiguration"]
+    path = config["webhooks"][0]["clientConfig"]["service"]["path"]
+    pod = pod_of(find(docs, "Deployment", "kvroute-controlplane"))
+    (container,) = containers(pod)
+    problems_found, serves = check_container(container, pod, monkeypatch)
+    assert problems_found == []
+    assert serves(path)
+    args = dict(arg[2:].split("=", 1) for arg in container["args"])
+    assert image_repository({"image": args["inject-sidecar-image"]}) == "kvroute/sidecar"
+    nats = urlsplit(args["inject-nats-url"])
+    service, namespace, *_ = str(nats.hostname).split(".")
+    nats_service = find(docs, "Service", service)
+    assert nats_service["metadata"]["namespace"] == namespace
+    assert nats.port in {p["port"] for p in nats_service["spec"]["ports"]}
