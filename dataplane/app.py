@@ -31,6 +31,7 @@ from typing import Any
 from urllib.parse import parse_qs
 
 import msgspec
+from opentelemetry.trace import Span
 
 from dataplane.exchange import Attempt, Dispatcher, Exchange
 from dataplane.fleet_state import FleetState
@@ -44,9 +45,10 @@ from dataplane.http_errors import (
 )
 from dataplane.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from dataplane.metrics import ProxyMetrics
-from dataplane.openai_request import Kind, decode_object, parse_inference
+from dataplane.openai_request import InferenceRequest, Kind, decode_object, parse_inference
 from dataplane.relay import SseRelay, usage_of
 from dataplane.routing import Prepared, Router
+from dataplane.tracing import Tracing, describe, traceparent_of
 from kvcore.pb import routing_pb2
 
 log = logging.getLogger("dataplane")
@@ -89,6 +91,7 @@ class ProxyApp:
         dispatcher: Dispatcher,
         metrics: ProxyMetrics,
         readiness: Callable[[], dict[str, Any]] | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.options = options
         self.fleet = fleet
@@ -96,6 +99,7 @@ class ProxyApp:
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.readiness = readiness
+        self.tracing = tracing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -150,19 +154,34 @@ class ProxyApp:
         raw = await _read_body(receive, headers, self.options.max_body_bytes)
         api_key = self._authenticate(headers)
         request = parse_inference(raw, kind)
+        if self.tracing is None:
+            await self._routed(scope, receive, response, headers, request, api_key, None)
+            return
+        with self.tracing.request(headers, response.id) as span:
+            await self._routed(scope, receive, response, headers, request, api_key, span)
+
+    async def _routed(
+        self,
+        scope: Scope,
+        receive: Receive,
+        response: _Responder,
+        headers: dict[str, str],
+        request: InferenceRequest,
+        api_key: routing_pb2.ApiKey | None,
+        span: Span | None,
+    ) -> None:
         started = time.perf_counter()
         prepared = await self._prepare(request, scope["path"], headers, api_key, response.id)
-        self.metrics.decision.labels(prepared.workload.strategy).observe(
-            time.perf_counter() - started
-        )
+        self.metrics.decided(prepared.workload.strategy, time.perf_counter() - started)
         body = request.upstream_body(
             include_usage=request.stream and not request.wants_usage,
             cache_salt=prepared.upstream_salt,
         )
+        upstream_headers = self._upstream_headers(headers, response.id, span)
         exchange = Exchange(request, prepared)
         try:
             await _until_disconnect(
-                receive, self._exchange(exchange, scope, response, body, headers)
+                receive, self._exchange(exchange, scope, response, body, upstream_headers)
             )
         except ClientGone:
             exchange.outcome = "cancelled"
@@ -176,6 +195,8 @@ class ProxyApp:
             raise
         finally:
             self.dispatcher.finish(exchange)
+            if span is not None:
+                describe(span, _span_attributes(exchange), failed=exchange.outcome != "ok")
 
     async def _prepare(
         self,
@@ -206,9 +227,8 @@ class ProxyApp:
         scope: Scope,
         response: _Responder,
         body: bytes,
-        headers: dict[str, str],
+        upstream_headers: list[tuple[str, str]],
     ) -> None:
-        upstream_headers = self._upstream_headers(headers, response.id)
         attempt = await self.dispatcher.send(exchange, scope["path"], body, upstream_headers)
         exchange.attempt = attempt
         extra = self._debug_headers(exchange.prepared, attempt)
@@ -233,13 +253,16 @@ class ProxyApp:
         await response.end()
 
     def _upstream_headers(
-        self, headers: Mapping[str, str], request_id: str
+        self, headers: Mapping[str, str], request_id: str, span: Span | None = None
     ) -> list[tuple[str, str]]:
         out = [
             (k, v)
             for k, v in headers.items()
             if k not in _DROP_UPSTREAM and not (self.options.auth and k == "authorization")
         ]
+        if span is not None and (traceparent := traceparent_of(span)) is not None:
+            out = [(k, v) for k, v in out if k != "traceparent"]
+            out.append(("traceparent", traceparent))
         out.append(("accept-encoding", "identity"))
         if "x-request-id" not in headers:
             out.append(("x-request-id", request_id))
@@ -322,6 +345,25 @@ class ProxyApp:
         return detail
 
 
+def _span_attributes(exchange: Exchange) -> dict[str, Any]:
+    prepared, attempt, usage = exchange.prepared, exchange.attempt, exchange.usage
+    values: dict[str, Any] = {
+        "kvroute.workload": prepared.workload.name,
+        "kvroute.strategy": prepared.workload.strategy,
+        "kvroute.model": prepared.model,
+        "kvroute.prefix_blocks.total": len(prepared.block_keys),
+        "kvroute.attempts": len(exchange.tried),
+        "kvroute.outcome": exchange.outcome,
+        "kvroute.cached_tokens.measured": None if usage is None else usage.cached_tokens,
+    }
+    if attempt is not None:
+        values["kvroute.replica"] = attempt.endpoint.replica_id
+        values["kvroute.prefix_blocks.matched"] = attempt.predicted // prepared.block_size
+        values["kvroute.cached_tokens.predicted"] = attempt.predicted
+        values["http.response.status_code"] = attempt.opened.status
+    return values
+
+
 def _allow(method: str, allowed: str, path: str) -> None:
     if method != allowed:
         raise MethodNotAllowed(f"{method} is not allowed on {path}; use {allowed}.")
@@ -360,21 +402,31 @@ async def _read_body(receive: Receive, headers: Mapping[str, str], limit: int) -
 
 
 async def _until_disconnect(receive: Receive, work: Awaitable[None]) -> None:
-    """Run ``work``; cancel it the moment the client disconnects."""
-    task = asyncio.ensure_future(work)
+    """Run ``work`` in this task; cancel it the moment the client disconnects."""
+    task = asyncio.current_task()
+    assert task is not None
+    gone = False
+
+    def on_message(message: asyncio.Future[dict[str, Any]]) -> None:
+        nonlocal gone
+        if message.cancelled() or message.exception() is not None:
+            return
+        if message.result()["type"] == "http.disconnect":
+            gone = True
+            task.cancel()
+
     watcher = asyncio.ensure_future(receive())
+    watcher.add_done_callback(on_message)
     try:
-        done, _ = await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-        if task not in done:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            raise ClientGone
-        task.result()
+        await work
+    except asyncio.CancelledError:
+        if gone:
+            task.uncancel()
+            raise ClientGone from None
+        raise
     finally:
+        watcher.remove_done_callback(on_message)
         watcher.cancel()
-        if not task.done():
-            task.cancel()
 
 
 class _Responder:

@@ -114,8 +114,9 @@ class Dispatcher:
         last_failure = "no replica serves this model"
         for tries in range(1, self.policies.retry_attempts + 2):
             now = self._clock()
+            held_out = self.breakers.excluded(now)
             decision, predicted = self.router.choose(
-                exchange.prepared, now=now, exclude=exclude | self.breakers.excluded(now)
+                exchange.prepared, now=now, exclude=exclude | held_out if exclude else held_out
             )
             endpoint = None if decision.ordinal is None else self.fleet.endpoint(decision.ordinal)
             if endpoint is None:
@@ -174,13 +175,13 @@ class Dispatcher:
         attempt = exchange.attempt
         workload = exchange.prepared.workload.name
         if attempt is None:
-            self.metrics.requests.labels(workload, "", exchange.outcome).inc()
+            self.metrics.count(workload, "", exchange.outcome)
             return
         self.fleet.on_done(attempt.ticket)
         replica = attempt.endpoint.replica_id
         if exchange.outcome == "ok" and attempt.opened.status >= 400:
             exchange.outcome = "client_error" if attempt.opened.status < 500 else "upstream_error"
-        self.metrics.requests.labels(workload, replica, exchange.outcome).inc()
+        self.metrics.count(workload, replica, exchange.outcome)
         if exchange.outcome == "cancelled":
             return
         self._fidelity(exchange, attempt, workload)

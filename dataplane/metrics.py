@@ -26,6 +26,7 @@ a replica carry its id; requests refused before routing are counted with ``repli
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -75,6 +76,23 @@ class ProxyMetrics:
         self.circuit_open = Gauge(
             PREFIX + "circuit_open_replicas", "Replicas kept out by a breaker", registry=r
         )
+        # label children by label values: labels() takes a lock and builds a tuple each time
+        self._requests: dict[tuple[str, str, str], Any] = {}
+        self._decisions: dict[str, Any] = {}
+        self._fidelity: dict[tuple[str, str], tuple[Any, Any, Any, Any]] = {}
+
+    def count(self, workload: str, replica: str, outcome: str) -> None:
+        key = (workload, replica, outcome)
+        child = self._requests.get(key)
+        if child is None:
+            child = self._requests[key] = self.requests.labels(*key)
+        child.inc()
+
+    def decided(self, strategy: str, seconds: float) -> None:
+        child = self._decisions.get(strategy)
+        if child is None:
+            child = self._decisions[strategy] = self.decision.labels(strategy)
+        child.observe(seconds)
 
     def watch(
         self,
@@ -95,11 +113,20 @@ class ProxyMetrics:
         predicted: int,
         measured: int | None,
     ) -> None:
-        self.prompt_tokens.labels(workload, replica).inc(prompt_tokens)
-        self.predicted.labels(workload, replica).inc(predicted)
+        children = self._fidelity.get((workload, replica))
+        if children is None:
+            children = self._fidelity[(workload, replica)] = tuple(  # type: ignore[assignment]
+                metric.labels(workload, replica)
+                for metric in (self.prompt_tokens, self.predicted, self.measured,
+                               self.measured_requests)
+            )  # fmt: skip
+            assert children is not None
+        prompt, predicted_child, measured_child, measured_requests = children
+        prompt.inc(prompt_tokens)
+        predicted_child.inc(predicted)
         if measured is not None:
-            self.measured.labels(workload, replica).inc(measured)
-            self.measured_requests.labels(workload, replica).inc()
+            measured_child.inc(measured)
+            measured_requests.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

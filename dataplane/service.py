@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 import msgspec
+from opentelemetry.sdk.trace.export import SpanExporter
 
 from dataplane.app import AppOptions, ProxyApp
 from dataplane.breaker import CircuitBreakers, RetryBudget
@@ -29,6 +30,7 @@ from dataplane.routing import Defaults, Router
 from dataplane.settings import ProxySettings
 from dataplane.state_client import StateClient
 from dataplane.tokenizer_probe import TokenizerProbe
+from dataplane.tracing import Tracing
 from dataplane.upstream import Upstream
 from kvcore.workload import RoutingConfig, parse_workload
 
@@ -45,8 +47,9 @@ def static_routing(settings: ProxySettings) -> RoutingConfig:
 class ProxyService:
     """Everything one worker process serves with."""
 
-    def __init__(self, settings: ProxySettings) -> None:
+    def __init__(self, settings: ProxySettings, span_exporter: SpanExporter | None = None) -> None:
         self.settings = settings
+        self.tracing = Tracing(span_exporter) if settings.tracing else None
         if settings.static:
             self.fleet = FleetState.from_static(
                 settings.static_replicas, default_routing=static_routing(settings)
@@ -86,7 +89,13 @@ class ProxyService:
             state_max_age_s=settings.state_max_age_s,
         )
         self.app = ProxyApp(
-            options, self.fleet, self.router, self.dispatcher, self.metrics, self._readiness
+            options,
+            self.fleet,
+            self.router,
+            self.dispatcher,
+            self.metrics,
+            self._readiness,
+            self.tracing,
         )
         self.metrics.watch(self._state_age, self._open_breakers, self.probe.mismatches)
         self._tasks: list[asyncio.Task[None]] = []
@@ -115,6 +124,8 @@ class ProxyService:
         if self.state_client is not None:
             await self.state_client.aclose()
         await self.upstream.aclose()
+        if self.tracing is not None:
+            self.tracing.shutdown()
 
     # -- static mode ---------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 import uvicorn
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from dataplane.main import ReadyServer
 from dataplane.service import ProxyService
@@ -63,10 +64,14 @@ def routing_state(sims: list[SimProcess], workload: dict[str, Any], capacity: in
 
 
 @asynccontextmanager
-async def proxy(updates: Any, *flags: str) -> AsyncIterator[tuple[str, ProxyService]]:
+async def proxy(
+    updates: Any, exporter: InMemorySpanExporter | None = None
+) -> AsyncIterator[tuple[str, ProxyService]]:
     """The proxy's service on a free port, its state applied from ``updates``."""
-    settings = ProxySettings(controlplane=["127.0.0.1:9"], debug_headers=True, auth=True)
-    service = ProxyService(settings)
+    settings = ProxySettings(
+        controlplane=["127.0.0.1:9"], debug_headers=True, auth=True, tracing=exporter is not None
+    )
+    service = ProxyService(settings, span_exporter=exporter)
     for update in updates:
         service.fleet.apply(update)
     await service.upstream.start()
@@ -85,8 +90,11 @@ async def proxy(updates: Any, *flags: str) -> AsyncIterator[tuple[str, ProxyServ
         await service.aclose()
 
 
-async def chat(url: str, key: str | None, question: str) -> tuple[int, dict[str, str], Any]:
+async def chat(
+    url: str, key: str | None, question: str, **extra: str
+) -> tuple[int, dict[str, str], Any]:
     headers = {"authorization": f"Bearer {key}"} if key else {}
+    headers.update(extra)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
     body = {"model": MODEL, "messages": messages, "max_tokens": 2}
     async with (
@@ -133,3 +141,22 @@ async def test_a_saturated_replica_overflows_to_the_other(sims: list[SimProcess]
         landed = {(await chat(url, "alpha-secret", f"Question {i}?"))[1]["x-kvroute-replica"]
                   for i in range(4)}  # fmt: skip
     assert landed == {next(e.replica_id for e in service.fleet.endpoints() if e.ordinal != ordinal)}
+
+
+async def test_a_traced_request_is_one_span_under_the_clients_trace(
+    sims: list[SimProcess],
+) -> None:
+    workload = {"name": "default", "strategy": "prefix_hash"}
+    exporter = InMemorySpanExporter()
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    parent = f"00-{trace_id}-00f067aa0ba902b7-01"
+    async with proxy(routing_state(sims, workload), exporter) as (url, _):
+        status, headers, answer = await chat(url, "alpha-secret", "Traced?", traceparent=parent)
+        assert status == 200
+    (span,) = exporter.get_finished_spans()
+    assert span.context is not None and f"{span.context.trace_id:032x}" == trace_id
+    attributes = dict(span.attributes or {})
+    assert attributes["kvroute.replica"] == headers["x-kvroute-replica"]
+    assert attributes["kvroute.workload"] == "default"
+    assert attributes["kvroute.cached_tokens.measured"] == cached(answer)
+    assert attributes["kvroute.prefix_blocks.total"] > 0
