@@ -204,6 +204,7 @@ def _forward_signals(children: list[int]) -> list[int]:
 
 
 def _wait(children: list[int]) -> int:
+    """Reap the workers; one that fails (not stopped by a signal we sent) stops the rest."""
     status = 0
     remaining = set(children)
     while remaining:
@@ -212,12 +213,17 @@ def _wait(children: list[int]) -> int:
         except ChildProcessError:
             break
         remaining.discard(pid)
-        if code and remaining:  # one worker died: stop the rest, let the supervisor restart
-            status = 1
-            for other in remaining:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(other, signal.SIGTERM)
+        if os.waitstatus_to_exitcode(code) in _STOPPED:
+            continue
+        status = 1  # a worker died: stop the rest, let the supervisor restart us
+        for other in remaining:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(other, signal.SIGTERM)
     return status
+
+
+# uvicorn re-raises the signal it stopped on, so a worker stopped by SIGTERM ends by it
+_STOPPED = frozenset({0, -signal.SIGTERM, -signal.SIGINT})
 
 
 class JsonFormatter(logging.Formatter):

@@ -244,3 +244,14 @@ def test_a_replica_with_another_tokenizer_is_flagged_in_readyz_and_metrics(
 
 def _readyz(proxy: ProxyProcess) -> dict[str, Any]:
     return dict(json.loads(proxy.request("/readyz", method="GET")[2]))
+
+
+def test_workers_share_one_port_and_stop_together(fleet: Any) -> None:
+    sims, _ = fleet
+    with ProxyProcess(f"--static-replicas={sims[0].url}", "--workers=2") as proxy:
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 1}
+        statuses = [proxy.request("/v1/completions", body)[0] for _ in range(20)]
+        assert statuses == [200] * 20
+        assert proxy.proc is not None
+        proxy.proc.send_signal(signal.SIGTERM)
+        assert proxy.proc.wait(timeout=15) == 0
