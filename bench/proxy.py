@@ -14,6 +14,8 @@ and prints each figure beside its target:
    p50 <= 1 ms and p99 <= 3 ms with the built-in tokenizer; with an HF byte-level BPE,
    p50 at most 0.3 ms above that tokenizer's own encode of the new 10%.
 
+``--floors`` adds two bare pass-through proxies (``bench.passthrough``: uvicorn with an
+aiohttp client, and with a raw asyncio client) to show what the stack alone costs.
 Other routers (sglang-router, vllm-router, ...) plug in with ``--router NAME=URL``: start
 them in front of the replicas this benchmark prints (or pass ``--replicas URL,URL`` to use
 replicas started elsewhere) and they are measured with the same load, side by side.
@@ -69,12 +71,21 @@ class Target:
 def start_proxy(replicas: list[str], strategy: str) -> tuple[subprocess.Popen[bytes], str]:
     args = [str(PROXY), "--port=0", f"--static-replicas={','.join(replicas)}",
             f"--static-strategy={strategy}", "--log-level=WARNING"]  # fmt: skip
+    return _start(args, "kvroute-proxy ready")
+
+
+def start_passthrough(replica: str, client: str) -> tuple[subprocess.Popen[bytes], str]:
+    """``bench.passthrough``: the stack with no routing (the floor of a Python proxy)."""
+    return _start([sys.executable, "-m", "bench.passthrough", replica, "0", client], "passthrough")
+
+
+def _start(args: list[str], ready: str) -> tuple[subprocess.Popen[bytes], str]:
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert proc.stdout is not None
     line = proc.stdout.readline().decode()
-    if not line.startswith("kvroute-proxy ready"):
+    if not line.startswith(ready):
         proc.kill()
-        raise SystemExit(f"kvroute-proxy did not start: {line!r}")
+        raise SystemExit(f"{args[0]} did not start: {line!r}")
     return proc, line.split("http=", 1)[1].split()[0]
 
 
@@ -282,6 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", default="", help="use these replica URLs (comma-separated)")
     parser.add_argument("--router", action="append", default=[], help="NAME=URL, repeatable")
     parser.add_argument("--only", choices=["e2e", "decision"], default=None)
+    parser.add_argument(
+        "--floors", action="store_true",
+        help="also measure bare pass-through proxies (bench.passthrough) on the same stack",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     figures: list[Figure] = []
     if args.only != "decision":
@@ -305,6 +320,11 @@ def with_fleet(args: argparse.Namespace) -> list[Figure]:
         proxy, proxy_url = start_proxy(urls, "round_robin")
         procs.append(proxy)
         targets = [Target("direct", urls[0]), Target("kvroute", proxy_url, proxy.pid)]
+        if args.floors:
+            for client in ("aiohttp", "raw"):
+                floor, floor_url = start_passthrough(urls[0], client)
+                procs.append(floor)
+                targets.append(Target(f"pass-through floor, {client} client", floor_url, floor.pid))
         for spec in args.router:
             name, _, url = spec.partition("=")
             targets.append(Target(name, url.rstrip("/")))

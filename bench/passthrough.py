@@ -1,0 +1,98 @@
+"""The floor of a Python proxy on this stack: pass each request through, no routing at all.
+
+``python -m bench.passthrough UPSTREAM_URL PORT CLIENT`` serves a raw ASGI app on
+uvicorn + uvloop + httptools that forwards every request body to ``UPSTREAM_URL`` with
+``CLIENT`` (``aiohttp``: a keep-alive ``ClientSession``; ``raw``: one keep-alive HTTP/1.1
+connection per concurrent request over asyncio streams, Content-Length bodies only) and
+answers with the upstream's body. ``bench.proxy`` starts it to measure how much of the
+proxy's added latency is the server and client stack and how much is kvroute's own work,
+and to compare client libraries side by side. Not a product: no streaming, no errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import uvicorn
+import uvloop
+
+from bench.enginesim_capacity import _read_response, _request
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+
+
+class RawPool:
+    """Idle keep-alive connections to one host, reused last-in first-out."""
+
+    def __init__(self, url: str) -> None:
+        self.host, port = url.removeprefix("http://").rsplit(":", 1)
+        self.port = int(port)
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        reader, writer = self.idle.pop() if self.idle else await self._connect()
+        writer.write(_request(self.host, path, body))
+        status, answer = await _read_response(reader)
+        self.idle.append((reader, writer))
+        return status, answer
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        reader, writer = await asyncio.open_connection(self.host, self.port)
+        writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return reader, writer
+
+
+def make_app(upstream: str, client: str) -> Callable[[dict[str, Any], Receive, Send], Any]:
+    state: dict[str, Any] = {}
+
+    async def forward(path: str, body: bytes) -> tuple[int, bytes]:
+        if client == "raw":
+            pool: RawPool = state.setdefault("pool", RawPool(upstream))
+            return await pool.post(path, body)
+        session = state.get("session")
+        if session is None:
+            session = state["session"] = aiohttp.ClientSession(auto_decompress=False)
+        async with session.post(
+            upstream + path, data=body, headers={"content-type": "application/json"}
+        ) as response:
+            return response.status, await response.read()
+
+    async def app(scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        status, answer = await forward(scope["path"], body)
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(answer))]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": answer})
+
+    return app
+
+
+async def serve(upstream: str, port: int, client: str) -> None:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(2048)
+    config = uvicorn.Config(
+        make_app(upstream, client), lifespan="off", http="httptools", loop="none",
+        log_level="warning", access_log=False,
+    )  # fmt: skip
+    server = uvicorn.Server(config)
+    print(f"passthrough ready http=http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
+    await server.serve(sockets=[sock])
+
+
+if __name__ == "__main__":
+    uvloop.run(serve(sys.argv[1], int(sys.argv[2]), sys.argv[3]))
