@@ -179,27 +179,20 @@ class Fleet:
                 stream.snapshot_applied()
 
     def _apply(self, ordinal: int, events: object) -> None:
-        index, net, counted = self.index, self.changes.residency_of(ordinal), 0
-        for event in events:  # type: ignore[attr-defined]
-            kind = event.WhichOneof("kind")
+        """Apply events in order; consecutive stores (or removals) go to the index as one
+        call, which keeps their order relative to the other kind."""
+        counted = 0
+        for kind, keys in _runs_of(events):
             if kind == "stored":
-                stored = event.stored
-                if stored.medium == GPU:
-                    keys = list(stored.keys)
-                    index.add(ordinal, keys)
-                    net.add(keys)
-                    counted += len(keys)
+                self.index.add(ordinal, keys)
+                self.changes.residency_of(ordinal).add(keys)
             elif kind == "removed":
-                removed = event.removed
-                if removed.medium == GPU:
-                    keys = list(removed.keys)
-                    index.remove(ordinal, keys)
-                    net.remove(keys)
-                    counted += len(keys)
-            elif kind == "cleared":
-                index.clear_replica(ordinal)
-                net.clear()
-                counted += 1
+                self.index.remove(ordinal, keys)
+                self.changes.residency_of(ordinal).remove(keys)
+            else:
+                self.index.clear_replica(ordinal)
+                self.changes.residency_of(ordinal).clear()
+            counted += len(keys) or 1
         self.stats.block_events += counted
 
     def _replace(self, record: ReplicaRecord, keys: list[int]) -> None:
@@ -241,6 +234,30 @@ class Fleet:
     def replicas_in(self, pools: frozenset[str] | None) -> list[ReplicaRecord]:
         records = self.by_ordinal.values()
         return [r for r in records if pools is None or r.pool in pools]
+
+
+def _runs_of(events: object) -> Iterator[tuple[str, list[int]]]:
+    """``(kind, keys)`` of each run of consecutive device-tier stores or removals, and
+    ``("cleared", [])`` for each clear, in order."""
+    kind, keys = "", list[int]()
+    for event in events:  # type: ignore[attr-defined]
+        this = event.WhichOneof("kind")
+        if this == "cleared":
+            if keys:
+                yield kind, keys
+            kind, keys = "", []
+            yield "cleared", []
+            continue
+        body = event.stored if this == "stored" else event.removed
+        if body.medium != GPU:
+            continue
+        if this != kind and keys:
+            yield kind, keys
+            keys = []
+        kind = this
+        keys.extend(body.keys)
+    if keys:
+        yield kind, keys
 
 
 def _stored_keys(events: object) -> list[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import signal
@@ -138,6 +139,13 @@ def configure_logging(level: str) -> None:
     logging.basicConfig(level=level, handlers=[handler], force=True)
 
 
+def tune_gc() -> None:
+    """Collect the young generation less often: ingest makes many short-lived objects
+    (decoded batches, key lists) and the default threshold (700) makes collections a
+    visible share of the time at tens of thousands of events per second."""
+    gc.set_threshold(50_000, 20, 100)
+
+
 def run_loop(settings: ControlPlaneSettings) -> None:
     """On uvloop where available."""
     try:
@@ -155,6 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level)
+    tune_gc()
     try:
         run_loop(settings)
     except ServiceError as exc:

@@ -34,7 +34,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "enginesim": ("bench.enginesim_capacity:main", "one kvroute-sim's request capacity"),
     # "e2e": ("bench.e2e.__main__:main", "real processes, kvroute beside the peer routers"),
     # "proxy": ("bench.proxy:main", "the proxy's overhead and throughput"),
-    # "controlplane": ("bench.controlplane:main", "control-plane ingest and fan-out"),
+    "controlplane": (
+        "bench.controlplane.__main__:main",
+        "control-plane ingest, memory, snapshot and publish-to-watcher latency",
+    ),
 }
 
 

@@ -1,0 +1,100 @@
+"""``python -m bench.controlplane [ingest memory snapshot latency]``: each figure beside
+its target (all by default). Loopback only; every part stops by itself.
+
+Options: ``--events N`` (ingest, default 2,000,000), ``--keys N`` (memory and snapshot,
+default 1,000,000), ``--rate N`` and ``--seconds S`` (latency, default 50,000 and 10).
+Exit status 1 when a target is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import sys
+
+from bench.controlplane import inprocess, latency
+
+Row = tuple[str, str, str, bool | None]  # figure, value, target, met (None: reported)
+
+
+def ingest_rows(events: int) -> list[Row]:
+    gc.set_threshold(50_000, 20, 100)  # as kvroute-controlplane runs
+    alone = inprocess.ingest_rate(events, with_deltas=False)
+    with_deltas = inprocess.ingest_rate(events, with_deltas=True)
+    return [
+        ("ingest into the index", f"{alone:,.0f} block events/s", ">= 200,000", alone >= 2e5),
+        (
+            "ingest + deltas every 25 ms",
+            f"{with_deltas:,.0f} block events/s",
+            ">= 200,000",
+            with_deltas >= 2e5,
+        ),
+    ]
+
+
+def memory_rows(keys: int) -> list[Row]:
+    per_key, holdings = inprocess.memory_per_key(keys)
+    return [
+        (
+            f"memory per resident key ({keys:,} keys, {holdings:,} holdings)",
+            f"{per_key:.0f} B/key",
+            "(reported)",
+            None,
+        )
+    ]
+
+
+def snapshot_rows(keys: int) -> list[Row]:
+    built, sent, chunks = asyncio.run(inprocess.snapshot_times(keys))
+    return [
+        (f"snapshot of {keys:,} keys built", f"{built:.2f} s ({chunks} chunks)", "(part)", None),
+        ("snapshot built + sent over gRPC + applied", f"{sent:.2f} s", "<= 2 s", sent <= 2.0),
+    ]
+
+
+def latency_rows(rate: int, seconds: float) -> list[Row]:
+    samples, lost, published, busy = asyncio.run(latency.measure(rate, seconds))
+    p50, p99 = latency.percentile(samples, 0.5), latency.percentile(samples, 0.99)
+    worst = max(samples, default=0.0)
+    return [
+        ("published", f"{published:,.0f} block events/s", f"~{rate:,}", None),
+        ("control plane CPU while ingesting and serving", f"{busy:.0%} of a core", "", None),
+        (
+            "publish -> watcher p50 / p99 / max",
+            f"{p50 * 1e3:.1f} / {p99 * 1e3:.1f} / {worst * 1e3:.1f} ms ({len(samples):,} samples, "
+            f"{lost} lost)",
+            "p99 <= 100 ms",
+            p99 <= 0.1 and lost == 0 and bool(samples),
+        ),
+    ]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.controlplane")
+    parser.add_argument("parts", nargs="*", default=["ingest", "memory", "snapshot", "latency"])
+    parser.add_argument("--events", type=int, default=2_000_000)
+    parser.add_argument("--keys", type=int, default=1_000_000)
+    parser.add_argument("--rate", type=int, default=50_000)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    args = parser.parse_args(argv)
+    runs = {
+        "ingest": lambda: ingest_rows(args.events),
+        "memory": lambda: memory_rows(args.keys),
+        "snapshot": lambda: snapshot_rows(args.keys),
+        "latency": lambda: latency_rows(args.rate, args.seconds),
+    }
+    unknown = set(args.parts) - set(runs)
+    if unknown:
+        parser.error(f"unknown part(s) {sorted(unknown)}; choose from {list(runs)}")
+    rows: list[Row] = []
+    for part in args.parts:
+        rows += runs[part]()
+    for name, value, target, met in rows:
+        verdict = "" if met is None else ("ok" if met else "MISSED")
+        print(f"{name:<58} {value:<44} {target:<14} {verdict}")
+    return 1 if any(met is False for *_, met in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
