@@ -519,6 +519,10 @@ class FleetState:
         if record is not None and record.replica in self._records:
             self._index.add_speculative(record.replica, record.keys, expires_at=record.expires_at)
 
+    def inflight_total(self) -> int:
+        """This proxy's requests in flight to any replica (what the HPA scales on)."""
+        return self._ledger.total()
+
     # -- freshness ----------------------------------------------------------------
 
     def age_s(self, now: float | None = None) -> float:

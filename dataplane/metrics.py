@@ -15,6 +15,7 @@ Names (prefix ``kvroute_proxy_``):
 | ``retries_refused_total`` | | retries the retry budget did not allow |
 | ``state_age_seconds`` | | since the last control-plane update (+Inf: never; 0: static) |
 | ``circuit_open_replicas`` | | replicas a circuit breaker keeps out |
+| ``requests_in_flight`` | | requests sent to a replica and not finished (the HPA's metric) |
 | ``tokenizer_mismatch`` | model | 1 while the tokenizer probe flags the model |
 
 Outcomes: ``ok``, ``upstream_error`` (a 5xx or a broken stream), ``client_error`` (a 4xx
@@ -75,6 +76,9 @@ class ProxyMetrics:
         self.state_age = Gauge(PREFIX + "state_age_seconds", "Routing state age", registry=r)
         self.circuit_open = Gauge(
             PREFIX + "circuit_open_replicas", "Replicas kept out by a breaker", registry=r
+        )
+        self.in_flight = Gauge(
+            PREFIX + "requests_in_flight", "Requests sent to a replica, not finished", registry=r
         )
         # label children by label values: labels() takes a lock and builds a tuple each time
         self._requests: dict[tuple[str, str, str], Any] = {}

@@ -98,6 +98,7 @@ class ProxyService:
             self.tracing,
         )
         self.metrics.watch(self._state_age, self._open_breakers, self.probe.mismatches)
+        self.metrics.in_flight.set_function(self.fleet.inflight_total)
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:

@@ -128,6 +128,10 @@ class InflightLedger:
         ledger = self._replicas.get(replica)
         return 0 if ledger is None else len(ledger.sent_at)
 
+    def total(self) -> int:
+        """Every request still in flight, to any replica."""
+        return sum(len(ledger.sent_at) for ledger in self._replicas.values())
+
     def forget(self, replica: int) -> None:
         """Drop ``replica``'s requests (it left the fleet; its ordinal may be reused)."""
         self._replicas.pop(replica, None)

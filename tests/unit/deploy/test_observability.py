@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.unit.deploy.exported import PROMETHEUS_OWN, exported_series
-from tests.unit.deploy.manifests import KUBERNETES
+from tests.unit.deploy.manifests import KUBERNETES, find, overlays, render
 from tests.unit.deploy.promql import metric_names
 
 OBSERVABILITY = KUBERNETES / "observability"
@@ -77,6 +77,23 @@ def test_rules_and_dashboard_name_only_metrics_the_code_exports(source: str) -> 
     known = known_series()
     unknown = {name: expr for expr in exprs for name in metric_names(expr) - known}
     assert unknown == {}
+
+
+@pytest.mark.parametrize("directory", overlays(), ids=[p.name for p in overlays()])
+def test_autoscalers_scale_on_cpu_and_a_metric_the_proxies_export(directory: Path) -> None:
+    hpa = find(render(directory), "HorizontalPodAutoscaler", "kvroute-proxy")
+    kinds = {metric["type"] for metric in hpa["spec"]["metrics"]}
+    assert kinds == {"Resource", "Pods"}
+    for metric in hpa["spec"]["metrics"]:
+        if metric["type"] == "Pods":
+            assert metric["pods"]["metric"]["name"] in exported_series()
+        else:
+            assert metric["resource"]["name"] == "cpu"
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": "kvroute-proxy",
+    }
 
 
 def test_the_metric_check_is_not_vacuous() -> None:

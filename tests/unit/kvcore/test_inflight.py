@@ -141,3 +141,15 @@ def test_the_ledger_counts_what_a_brute_force_count_does(ops: list[tuple[str, in
             expected = sum(1 for r, at in live.values() if r == replica and at > value)
             assert ledger.unreported(replica, value) == expected
         assert ledger.inflight(replica) == sum(1 for r, _ in live.values() if r == replica)
+
+
+def test_total_counts_every_replicas_requests_in_flight() -> None:
+    ledger = InflightLedger()
+    assert ledger.total() == 0
+    a = ledger.sent(0, 1.0)
+    ledger.sent(3, 2.0)
+    ledger.sent(3, 3.0)
+    assert ledger.total() == 3
+    ledger.done(0, a)
+    ledger.forget(3)
+    assert ledger.total() == 0
