@@ -28,7 +28,7 @@ from dataplane.fleet_state import FleetState, FleetView
 from dataplane.http_errors import BadRequest, NotFound
 from dataplane.openai_request import InferenceRequest
 from dataplane.prompt_keys import PromptKeyCache
-from kvcore.keys import root_key
+from kvcore.keys import chain_keys, root_key
 from kvcore.pb import routing_pb2
 from kvcore.policies import Decision, Policy, ReplicaState, RouteContext, create_policy
 from kvcore.tokenize import PrefixTokenCache, Tokenizer, TokenizerError, load_tokenizer
@@ -40,6 +40,8 @@ from kvcore.workload import (
     parse_workload,
 )
 from kvcore.workload.classify import WORKLOAD_HEADER
+
+SHORT_PROMPT_TOKENS = 256  # shorter prompts are keyed directly, not through the key cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +146,10 @@ class Router:
         block_size = block_size or self.defaults.block_size
         tokens = self._tokens(request, self.tokenizer_spec(request.model))
         root = root_key(model=key_model, namespace=namespace)
-        keys = self.tokenizers.key_cache().keys(tokens, root=root, block_size=block_size)
+        if len(tokens) < SHORT_PROMPT_TOKENS:  # nothing worth remembering
+            keys = chain_keys(root, tokens, block_size)
+        else:
+            keys = self.tokenizers.key_cache().keys(tokens, root=root, block_size=block_size)
         return Prepared(
             workload=workload,
             policy=self._policy(workload),
@@ -249,11 +254,11 @@ class Router:
                     is not False,
                     tools=request.body.get("tools"),
                 )
-                return cache.encode(text, add_special_tokens=False)
+                return _encode(cache, text, add_special_tokens=False)
             prompt = request.first_prompt
             if isinstance(prompt, list):
                 return prompt
-            return cache.encode(prompt, add_special_tokens=True)
+            return _encode(cache, prompt, add_special_tokens=True)
         except TokenizerError as exc:
             raise BadRequest(
                 f"The prompt cannot be tokenized: {exc}", _prompt_field(request)
@@ -295,6 +300,13 @@ class _RunsOnce:
             self._runs = self._view.leading_runs(keys, now=now)
             self._keys, self._now = keys, now
         return self._runs
+
+
+def _encode(cache: PrefixTokenCache, text: str, *, add_special_tokens: bool) -> list[int]:
+    """Through the prefix cache, unless the text is too short to hold a cut point."""
+    if len(text) < 2 * cache.min_gap:
+        return cache.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return cache.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _prompt_field(request: InferenceRequest) -> str:

@@ -1,8 +1,8 @@
-"""The proxy's HTTP client to the replicas: one aiohttp keep-alive pool per worker.
+"""Requests to the replicas, read up to their first body bytes so failures can be retried.
 
-aiohttp's ``ClientSession`` was the fastest streaming client measured here (see
-docs/architecture.md, "Proxy stack"). Bodies are passed through as bytes: no automatic
-decompression, ``accept-encoding: identity`` upstream, nothing re-chunked.
+The connections are ``http_client.ConnectionPool``'s (chosen by measurement over aiohttp,
+see docs/architecture.md, "Proxy stack"). Bodies are passed through as bytes: nothing
+decompressed (``accept-encoding: identity`` upstream), nothing re-chunked.
 
 :meth:`Upstream.open` sends one request and waits for its first body bytes (the whole
 body for a non-streaming answer), so every failure before anything could reach the
@@ -16,14 +16,12 @@ breaks, or a 502/503. Errors::
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-import aiohttp
-
 from dataplane.errors import DataplaneError
+from dataplane.http_client import ConnectionFailed, ConnectionPool, Response, ResponseBroken
 
 RETRY_STATUSES = frozenset({502, 503})
 _NOT_RELAYED = frozenset(
@@ -51,7 +49,7 @@ class Retriable(UpstreamError):
 class Opened:
     """A replica's answer whose first bytes have arrived."""
 
-    response: aiohttp.ClientResponse
+    response: Response
     status: int
     headers: list[tuple[bytes, bytes]]
     first: bytes  # the whole body unless ``streaming``
@@ -62,7 +60,7 @@ class Opened:
         """The body after ``first``, chunk by chunk as it arrives."""
         if not self.streaming:
             return
-        async for chunk in self.response.content.iter_any():
+        while chunk := await self.response.read_chunk():
             yield chunk
 
     def close(self) -> None:
@@ -75,70 +73,50 @@ class Opened:
 
 
 class Upstream:
-    """Keep-alive connections to every replica; ``start()`` before use."""
+    """Keep-alive connections to every replica (``http_client.ConnectionPool``)."""
 
     def __init__(self, connect_timeout_s: float, read_timeout_s: float) -> None:
-        self._timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s
-        )
-        self._session: aiohttp.ClientSession | None = None
+        self._pool = ConnectionPool(connect_timeout_s, read_timeout_s)
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=self._timeout,
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Content-Type"),
-        )
+        """Nothing to open ahead: connections are made on first use."""
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        self._pool.close()
 
     async def open(
         self, method: str, url: str, body: bytes, headers: Sequence[tuple[str, str]]
     ) -> Opened:
         """Send; return once the first bytes arrived. Raises :class:`Retriable`."""
-        assert self._session is not None, "Upstream.start() was not awaited"
         started = time.perf_counter()
         try:
-            response = await self._session.request(
-                method, url, data=body or None, headers=headers, allow_redirects=False
-            )
-        except (aiohttp.ClientConnectionError, TimeoutError) as exc:
-            raise Retriable(f"cannot reach {url}: {_describe(exc)}", _reason(exc)) from exc
+            response = await self._pool.request(method, url, body, headers)
+        except (ConnectionFailed, ResponseBroken, TimeoutError) as exc:
+            reason = "connect" if isinstance(exc, ConnectionFailed) else "disconnect"
+            raise Retriable(f"cannot reach {url}: {_describe(exc)}", reason) from exc
         try:
             return await self._first_bytes(response, started)
         except BaseException:
             response.close()
             raise
 
-    async def _first_bytes(self, response: aiohttp.ClientResponse, started: float) -> Opened:
+    async def _first_bytes(self, response: Response, started: float) -> Opened:
         if response.status in RETRY_STATUSES:
             raise Retriable(f"replica answered {response.status}", f"status_{response.status}")
-        streaming = response.content_type == "text/event-stream"
+        content_type = response.header(b"content-type") or b""
+        streaming = content_type.startswith(b"text/event-stream")
         try:
-            first = await (response.content.readany() if streaming else response.read())
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+            first = await (response.read_chunk() if streaming else response.read())
+        except (ConnectionFailed, ResponseBroken, TimeoutError) as exc:
             raise Retriable(f"replica broke off: {_describe(exc)}", "disconnect") from exc
         if streaming and not first:
             raise Retriable("replica ended the stream before any event", "disconnect")
-        headers = [(k.lower(), v) for k, v in response.raw_headers if k.lower() not in _NOT_RELAYED]
+        headers = [(k, v) for k, v in response.headers if k not in _NOT_RELAYED]
         ttfb = time.perf_counter() - started
         return Opened(response, response.status, headers, first, streaming, ttfb)
 
 
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError) and not (
-        isinstance(exc, aiohttp.ClientConnectorError)
-    ):
-        return "disconnect"
-    return "connect"
-
-
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError | asyncio.TimeoutError):
+    if isinstance(exc, TimeoutError):
         return "timed out"
     return str(exc) or type(exc).__name__

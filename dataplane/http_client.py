@@ -1,0 +1,257 @@
+"""A lean HTTP/1.1 client for the replicas: asyncio protocol + httptools' parser.
+
+Measured side by side (``python -m bench.proxy --floors``, docs/architecture.md), a bare
+pass-through proxy adds about half the latency with this kind of client as with aiohttp's
+``ClientSession``, whose per-request machinery (request and response objects, tracing
+hooks, cookie jar, timers) costs more than the proxy's routing. The proxy needs little
+of it: keep-alive connections per replica, one request at a time per connection, bodies
+as bytes, and a response read as its parts arrive (status and headers, then each body
+piece, de-chunked by httptools).
+
+Connections are reused last-in first-out; one the replica closed while idle is dropped.
+A request on a reused connection that breaks before any response byte is sent again once
+on a new connection (the replica may have closed it just as it was reused). Errors::
+
+    ConnectionFailed (OSError)     could not connect, or the connection broke before the
+                                   response's first byte
+    ResponseBroken (OSError)       the connection broke or the parser failed mid-response
+    TimeoutError                   connect or read deadline passed
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Sequence
+from urllib.parse import urlsplit
+
+import httptools
+
+
+class ConnectionFailed(OSError):
+    """Nothing of a response arrived: connecting failed or the connection broke first."""
+
+
+class ResponseBroken(OSError):
+    """The response started but did not end properly."""
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection; the response being read is kept in its fields."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.peer: tuple[str, int] = ("", 0)
+        self.error: Exception | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        self.started = False  # any byte of the response arrived
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.headers_done = False
+        self.keep_alive = False
+        self.body: deque[bytes] = deque()
+        self.complete = False
+
+    # -- asyncio.Protocol ------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
+
+    def data_received(self, data: bytes) -> None:
+        self.started = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self.error = ResponseBroken(f"malformed response: {exc}")
+            self.close()
+        self._wake()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if not self.complete and self.error is None:
+            kind = ResponseBroken if self.started else ConnectionFailed
+            self.error = kind(f"connection closed by the replica{f': {exc}' if exc else ''}")
+        self._wake()
+
+    # -- httptools callbacks -----------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        self.headers_done = True
+        self.keep_alive = self.parser.should_keep_alive()  # the parser forgets it at the end
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+
+    # -- waiting -------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self, timeout_s: float) -> None:
+        """Until something new arrives (or the connection fails); raises its error."""
+        if self.error is not None:
+            raise self.error
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_later(timeout_s, _expire, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError("the replica did not answer in time"))
+
+
+class Response:
+    """A response being read; give it back with :meth:`release` or :meth:`close`."""
+
+    def __init__(self, pool: ConnectionPool, connection: _Connection) -> None:
+        self._pool = pool
+        self._connection = connection
+        self.status = connection.parser.get_status_code()
+        self.headers = connection.headers
+
+    def header(self, name: bytes) -> bytes | None:
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+    async def read_chunk(self) -> bytes:
+        """The next body piece as it arrives; ``b""`` once the body ended."""
+        connection = self._connection
+        while not connection.body:
+            if connection.complete:
+                return b""
+            if connection.closed and connection.error is None:
+                return b""
+            await connection.wait(self._pool.read_timeout_s)
+        return connection.body.popleft()
+
+    async def read(self) -> bytes:
+        """The whole (rest of the) body."""
+        parts = []
+        while chunk := await self.read_chunk():
+            parts.append(chunk)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def release(self) -> None:
+        """Back to the pool if the response was read to its end, else closed."""
+        connection = self._connection
+        if connection.complete and not connection.closed and connection.keep_alive:
+            connection.reset()
+            self._pool.put(connection)
+        else:
+            connection.close()
+
+    def close(self) -> None:
+        """Drop the connection (the replica sees the request cancelled)."""
+        self._connection.close()
+
+
+class ConnectionPool:
+    """Keep-alive connections to every replica, by ``host:port``."""
+
+    def __init__(self, connect_timeout_s: float, read_timeout_s: float, max_idle: int = 64):
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.max_idle = max_idle
+        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+
+    def put(self, connection: _Connection) -> None:
+        idle = self._idle.setdefault(connection.peer, [])
+        if len(idle) < self.max_idle:
+            idle.append(connection)
+        else:
+            connection.close()
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            for connection in idle:
+                connection.close()
+        self._idle.clear()
+
+    async def request(
+        self, method: str, url: str, body: bytes, headers: Sequence[tuple[str, str]]
+    ) -> Response:
+        """Send and wait for the status and headers; see the module's errors."""
+        parts = urlsplit(url)
+        host, port = parts.hostname or "", parts.port or 80
+        path = parts.path + (f"?{parts.query}" if parts.query else "")
+        head = _head(method, path, parts.netloc, body, headers)
+        connection = self._reusable((host, port))
+        if connection is not None:
+            with contextlib.suppress(ConnectionFailed):
+                return await self._exchange(connection, head, body)
+        connection = await self._connect(host, port)
+        return await self._exchange(connection, head, body)
+
+    def _reusable(self, peer: tuple[str, int]) -> _Connection | None:
+        idle = self._idle.get(peer)
+        while idle:
+            connection = idle.pop()
+            if not connection.closed:
+                return connection
+        return None
+
+    async def _connect(self, host: str, port: int) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, connection = await loop.create_connection(_Connection, host, port)
+        except TimeoutError:
+            raise ConnectionFailed(f"connecting to {host}:{port} timed out") from None
+        except OSError as exc:
+            raise ConnectionFailed(
+                f"cannot connect to {host}:{port}: {exc.strerror or exc}"
+            ) from None
+        connection.peer = (host, port)
+        return connection
+
+    async def _exchange(self, connection: _Connection, head: bytes, body: bytes) -> Response:
+        assert connection.transport is not None
+        connection.transport.write(head + body if len(body) < 65536 else head)
+        if len(body) >= 65536:
+            connection.transport.write(body)
+        try:
+            while not connection.headers_done:
+                await connection.wait(self.read_timeout_s)
+        except BaseException:
+            connection.close()
+            raise
+        return Response(self, connection)
+
+
+def _head(
+    method: str, path: str, netloc: str, body: bytes, headers: Sequence[tuple[str, str]]
+) -> bytes:
+    lines = [f"{method} {path or '/'} HTTP/1.1\r\nhost: {netloc}\r\n"]
+    if body or method in ("POST", "PUT", "PATCH"):
+        lines.append(f"content-length: {len(body)}\r\n")
+    lines.extend(f"{name}: {value}\r\n" for name, value in headers)
+    lines.append("\r\n")
+    return "".join(lines).encode("latin-1")
