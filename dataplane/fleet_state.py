@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import count
@@ -148,6 +149,7 @@ class FleetState:
         self._dirty: set[int] = set()  # routable replicas whose state must be rebuilt
         self._views: dict[str, FleetView] = {}
         self._canonical: dict[str, str] = {}
+        self._block_sizes: dict[str, int] = {}  # canonical model -> announced router block size
         self._index = BitmaskResidencyIndex()
         self._ledger = InflightLedger()
         self._ledger_keys: dict[str, int] = {}
@@ -382,6 +384,7 @@ class FleetState:
         """Recompute served names, routable states and canonical names; drop views."""
         aliases = self._config.aliases
         canonical: dict[str, str] = dict(aliases)
+        block_sizes: dict[str, Counter[int]] = {}
         self._states = {}
         for ordinal, record in self._records.items():
             info = record.info
@@ -392,7 +395,10 @@ class FleetState:
                 canonical.setdefault(name, info.model or name)
             if info.status == HEALTHY:
                 self._states[ordinal] = self._replica_state(record)
+                if info.block_size:
+                    block_sizes.setdefault(info.model, Counter())[info.block_size] += 1
         self._canonical = canonical
+        self._block_sizes = {m: sizes.most_common(1)[0][0] for m, sizes in block_sizes.items()}
         self._dirty.clear()
         self._views = {}
         for listener in list(self._listeners):
@@ -468,6 +474,14 @@ class FleetState:
         if canonical is None and any(not self._records[o].served for o in self._states):
             return name
         return canonical
+
+    def block_size(self, name: str) -> int | None:
+        """The router block size the routable replicas serving ``name`` key their blocks
+        with (their sidecars' ``--router-block-size``, the most common one if they
+        differ); ``None`` when none announces one. Use it when the registry does not
+        name the model: keys computed with another size never match."""
+        canonical = self.canonical_model(name)
+        return None if canonical is None else self._block_sizes.get(canonical)
 
     def served_models(self) -> list[str]:
         """Every name routable replicas answer to, sorted (``GET /v1/models``)."""

@@ -5,7 +5,6 @@ differs from the proxy's tokenizer for the model."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 from bench.micro.model_files import write_tiny_model
 from dataplane.fleet_state import FleetState
 from dataplane.tokenizer_probe import TokenizerProbe
+from kvroute.servers import free_port
 from tests.unit.dataplane.state_messages import config, delta, model_entry, replica, snapshot
 from tests.unit.enginesim.simproc import SimProcess
 
@@ -87,11 +87,8 @@ async def test_a_new_replica_is_probed_and_an_unreachable_one_is_not_flagged(
     try:
         async with asyncio.timeout(20):
             await probe.wait_until(lambda p: len(p.results) == 2)
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            dead_port = sock.getsockname()[1]
         gone = replica(2, model=MODEL, replica_id="gone")
-        gone.base_url = f"http://127.0.0.1:{dead_port}"
+        gone.base_url = f"http://127.0.0.1:{free_port()}"
         state.apply(delta(1, 2, replicas_upserted=[gone], replicas_removed=[1]))
         async with asyncio.timeout(20):
             await probe.wait_until(lambda p: ("gone", MODEL) in p.results)

@@ -15,9 +15,8 @@ from dataplane.fleet_state import FleetState
 from dataplane.reporter import Reporter
 from dataplane.settings import ProxySettings
 from dataplane.state_client import Backoff, StateClient
-from kvroute.servers import EtcdServer, NatsServer
+from kvroute.servers import EtcdServer, NatsServer, free_port
 from tests.integration.controlplane_harness import SidecarDouble
-from tests.integration.test_state_client import free_port
 
 pytestmark = pytest.mark.integration
 POOL, MODEL = "px", "m"

@@ -11,8 +11,8 @@ import pytest
 from dataplane.reporter import COUNTERS, Reporter
 from dataplane.settings import ProxySettings
 from kvcore.pb import routing_pb2
+from kvroute.servers import free_port
 from tests.integration.routing_state_server import RoutingStateServer
-from tests.integration.test_state_client import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from dataplane.fleet_state import FleetState
 from dataplane.settings import ProxySettings
 from dataplane.state_client import Backoff, StateClient
 from kvcore.pb import routing_pb2
+from kvroute.servers import free_port
 from tests.integration.routing_state_server import RoutingStateServer
 from tests.unit.dataplane.state_messages import MODEL, load, replica, residency_change
 
@@ -26,12 +26,6 @@ FAST = Backoff(base_s=0.01, cap_s=0.05)
 
 def settings(*addresses: str, **fields: object) -> ProxySettings:
     return ProxySettings(controlplane=list(addresses), pools=["default"], proxy_id="p1", **fields)  # type: ignore[arg-type]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def ids(state: FleetState) -> list[str]:

@@ -200,6 +200,17 @@ def test_model_registry_names_resolve_to_the_canonical_model() -> None:
     assert state.models() == {"llama": entry}
 
 
+def test_the_router_block_size_comes_from_the_replicas_announcements() -> None:
+    state = fleet()
+    replicas = [replica(o, model="org/m-7b", served=["m"]) for o in range(3)]
+    replicas[2].block_size = 32  # one sidecar keys with another size: the majority wins
+    replicas.append(replica(3, model="other", status=DRAINING))
+    apply_all(state, snapshot(1, 1, replicas))
+    assert state.block_size("m") == state.block_size("org/m-7b") == 16
+    assert state.block_size("other") is None  # not routable: nothing announced that counts
+    assert state.block_size("unknown") is None
+
+
 def test_views_are_cached_until_something_they_show_changes() -> None:
     state = fleet()
     apply_all(state, snapshot(1, 1, [replica(0), replica(1), replica(2, model="other")]))
