@@ -25,6 +25,7 @@ from kvcore.index import MAX_REPLICA_ORDINAL, BitmaskResidencyIndex
 from kvcore.pb import events_pb2
 
 GPU = events_pb2.MEDIUM_GPU
+MAX_HELD_BATCHES = 10_000  # waiting for a ResyncReply; past this, stop waiting
 
 
 class FleetFull(RuntimeError):
@@ -43,6 +44,8 @@ class ReplicaRecord:
     down: bool = False
     draining: bool = False  # set by an operator, persisted in etcd
     stream: ReplicaStream = field(default_factory=ReplicaStream)
+    held: list[events_pb2.KvEventBatch] | None = None  # batches kept until a ResyncReply
+    held_since: float = 0.0
 
     @property
     def announced(self) -> bool:
@@ -160,9 +163,20 @@ class Fleet:
     def on_batch(self, batch: events_pb2.KvEventBatch, pool: str, now: float) -> None:
         record = self.record(pool, batch.replica_id, now)
         self._seen(record, now)
+        self.stats.batches += 1
+        if record.held is not None:
+            record.held.append(batch)
+            if len(record.held) > MAX_HELD_BATCHES:
+                self.release(record, reply_lost=True)
+            return
+        self._sequence(record, batch)
+
+    def _sequence(self, record: ReplicaRecord, batch: events_pb2.KvEventBatch) -> None:
         stream = record.stream
         verdict = stream.accept(batch)
-        self.stats.batches += 1
+        if verdict.action is Action.HOLD:
+            record.held, record.held_since = [batch], time.monotonic()
+            return
         if verdict.clear_first:
             self.clear(record)
         if verdict.resync is not None:
@@ -225,9 +239,31 @@ class Fleet:
         """Drop a down replica's residency in steps (lookups stop seeing it at once)."""
         return self.index.clear_replica_steps(record.ordinal, chunk=chunk)
 
+    def on_resync_reply(
+        self, record: ReplicaRecord, snapshot_id: int, epoch: int, first_seq: int
+    ) -> None:
+        """The sidecar accepted resync ``snapshot_id``: its snapshot starts at
+        ``first_seq``; batches held for this are sequenced now."""
+        record.stream.expect_snapshot(snapshot_id, epoch, first_seq)
+        self.release(record)
+
+    def release(self, record: ReplicaRecord, *, reply_lost: bool = False) -> None:
+        """Sequence the held batches again (once the reply came, or without it)."""
+        held, record.held = record.held, None
+        if reply_lost:
+            record.stream.forget_requests()
+        for batch in held or ():
+            if record.held is not None:  # held again (a part of a later request)
+                record.held.append(batch)
+            else:
+                self._sequence(record, batch)
+
     def retry_resyncs(self) -> None:
-        """Ask again for the snapshots that have not come."""
+        """Stop waiting for replies that did not come; ask again for overdue snapshots."""
+        now = time.monotonic()
         for record in self.by_ordinal.values():
+            if record.held is not None and now - record.held_since >= self.resync_retry_s:
+                self.release(record, reply_lost=True)
             if not record.down and not record.stream.exact:
                 self._ask_resync(record, "snapshot overdue")
 

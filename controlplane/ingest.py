@@ -148,7 +148,7 @@ class Ingest:
             log.warning("resync refused", extra={"replica": record.replica_id})
             return
         self.resyncs_sent["accepted"] += 1
-        record.stream.expect_snapshot(reply.epoch, reply.first_seq)
+        self.fleet.on_resync_reply(record, snapshot_id, reply.epoch, reply.first_seq)
 
     # -- liveness ----------------------------------------------------------------------
     async def _sweep(self) -> None:

@@ -12,13 +12,16 @@ decided here and nowhere else, with no I/O, so that every case can be tested alo
 - a snapshot is a run of ``snapshot=true`` parts with consecutive seqs and one
   ``snapshot_id`` (0 when the sidecar sends one on its own); it is collected only when
   its first part is known to be first (it follows the last seq seen, or it is seq 0 of a
-  new epoch, or a ``ResyncReply`` named its seq, or it carries the id of our request)
-  and replaces the residency when the
-  ``snapshot_done`` part arrives. A part that is missing, or an ordinary batch inside a
-  snapshot, abandons it and asks for a resync;
-- a snapshot this instance asked for (the ``snapshot_id`` of any of its recent requests:
-  under load a snapshot may arrive after the request was repeated) is known from its
-  first part;
+  new epoch, or the ``ResyncReply`` to our request named its seq) and replaces the
+  residency when the ``snapshot_done`` part arrives. A part that is missing, or an
+  ordinary batch inside a snapshot, abandons it and asks for a resync;
+- a part of a snapshot this instance asked for (the ``snapshot_id`` of any of its recent
+  requests: under load a snapshot may arrive after the request was repeated) that cannot
+  be placed otherwise is first only if the ``ResyncReply`` says so; the reply and the
+  snapshot travel on different subscriptions, so when the part comes before the reply the
+  verdict is HOLD: the caller keeps this replica's batches until the reply (or a
+  timeout) and feeds them again (a part is never taken for the first on its id alone:
+  the first part may have been lost);
 - an unknown stream (first sight of the replica, after it was marked down) asks for a
   resync unless it starts at seq 0 of its epoch.
 
@@ -39,6 +42,7 @@ class Action(Enum):
     APPLY = "apply"  # apply the batch's events on top
     COLLECT = "collect"  # a snapshot part: keep its stores until the snapshot is done
     REPLACE = "replace"  # the last part: residency := collected keys + this part's
+    HOLD = "hold"  # a part of our snapshot before its ResyncReply: keep batches until then
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +72,8 @@ class ReplicaStream:
         self.exact = False  # residency mirrors the sidecar (keys may still be missing
         # when it reports state_incomplete)
         self.snapshot: _Snapshot | None = None
-        self.expected_first: tuple[int, int] | None = None  # (epoch, seq) from a reply
         self.asked_ids: deque[int] = deque(maxlen=8)  # our recent resync requests' ids
+        self.replies: dict[int, tuple[int, int]] = {}  # snapshot id -> (epoch, first seq)
         self.resync_asked_at: float | None = None
         self.open_part = False  # the last batch seen was a snapshot part, not the last
 
@@ -91,9 +95,17 @@ class ReplicaStream:
             return self._snapshot_part(batch)
         return self._ordinary(batch)
 
-    def expect_snapshot(self, epoch: int, first_seq: int) -> None:
-        """A ``ResyncReply`` said the snapshot starts at ``first_seq`` of ``epoch``."""
-        self.expected_first = (epoch, first_seq)
+    def expect_snapshot(self, snapshot_id: int, epoch: int, first_seq: int) -> None:
+        """The ``ResyncReply`` to request ``snapshot_id``: its snapshot starts at
+        ``first_seq`` of ``epoch``."""
+        self.replies[snapshot_id] = (epoch, first_seq)
+        for old in [i for i in self.replies if i not in self.asked_ids]:
+            del self.replies[old]
+
+    def forget_requests(self) -> None:
+        """No reply came: parts of the snapshots asked for so far cannot be placed."""
+        self.asked_ids.clear()
+        self.replies.clear()
 
     def collect(self, keys: list[int]) -> None:
         if self.snapshot is not None:
@@ -106,12 +118,15 @@ class ReplicaStream:
         return keys
 
     def _new_epoch(self, batch: events_pb2.KvEventBatch, *, clear: bool) -> Verdict:
+        ours = self._first_of_ours(batch) if batch.snapshot and batch.seq else False
+        if ours is None:
+            return Verdict(Action.HOLD)
         self.epoch, self.last_seq, self.snapshot, self.exact = batch.epoch, None, None, False
         if batch.seq == 0:
             self.exact = not batch.snapshot
             verdict = self._snapshot_start(batch) if batch.snapshot else self._advance(batch)
             return Verdict(verdict.action, clear_first=clear, resync=verdict.resync)
-        if batch.snapshot and self._first_of_ours(batch):
+        if ours:
             verdict = self._snapshot_start(batch)
             return Verdict(verdict.action, clear_first=clear)
         self.last_seq = batch.seq
@@ -145,23 +160,24 @@ class ReplicaStream:
             snap.next_seq += 1
             return Verdict(Action.REPLACE if batch.snapshot_done else Action.COLLECT)
         follows = self.last_seq is not None and batch.seq == self.last_seq + 1
-        first = follows and snap is None and not self.open_part
-        if first or self._first_of_ours(batch):
+        first = (follows and snap is None and not self.open_part) or self._first_of_ours(batch)
+        if first is None:
+            return Verdict(Action.HOLD)
+        if first:
             return self._snapshot_start(batch)
         self.snapshot, self.exact, self.last_seq = None, False, batch.seq
         return Verdict(Action.IGNORE, resync="snapshot part lost")
 
-    def _first_of_ours(self, batch: events_pb2.KvEventBatch) -> bool:
-        """The first part of the snapshot we asked for: its seq was in the reply, or it
-        carries our id and none of it was seen before (the reply and the snapshot travel
-        on different subscriptions, so either may be processed first)."""
-        if self.expected_first == (batch.epoch, batch.seq):
-            return True
-        ours = batch.snapshot_id != 0 and batch.snapshot_id in self.asked_ids
-        return ours and (self.snapshot is None or self.snapshot.snapshot_id != batch.snapshot_id)
+    def _first_of_ours(self, batch: events_pb2.KvEventBatch) -> bool | None:
+        """Whether this part starts a snapshot we asked for, as its reply says; ``None``
+        when it is ours but its reply has not been seen yet."""
+        if batch.snapshot_id == 0 or batch.snapshot_id not in self.asked_ids:
+            return False
+        reply = self.replies.get(batch.snapshot_id)
+        return None if reply is None else reply == (batch.epoch, batch.seq)
 
     def _snapshot_start(self, batch: events_pb2.KvEventBatch) -> Verdict:
-        self.last_seq, self.expected_first = batch.seq, None
+        self.last_seq = batch.seq
         self.snapshot = _Snapshot(batch.snapshot_id, batch.seq + 1)
         return Verdict(Action.REPLACE if batch.snapshot_done else Action.COLLECT)
 

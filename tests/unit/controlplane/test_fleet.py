@@ -91,20 +91,50 @@ def test_an_unknown_stream_resyncs_and_waits_for_a_whole_snapshot(
     assert held(fleet) == set()
     assert resyncs.asked
     record = fleet.by_id["r1"]
-    record.stream.expect_snapshot(1, 20)  # the ResyncReply
-    feed(fleet, *snapshot_parts(20, [[4], [5]], snapshot_id=5))
+    asked = record.stream.asked_ids[-1]
+    fleet.on_resync_reply(record, asked, 1, 20)
+    feed(fleet, *snapshot_parts(20, [[4], [5]], snapshot_id=asked))
     assert held(fleet) == {4, 5}
     assert record.stream.exact
 
 
-def test_our_snapshot_is_known_by_its_id_before_the_reply(fleet: Fleet, resyncs: Recorder) -> None:
+def test_our_snapshot_before_its_reply_is_held_until_the_reply_places_it(
+    fleet: Fleet, resyncs: Recorder
+) -> None:
     fleet.on_announce(announce(), now=0.0)
-    first = fleet.by_id["r1"].stream.asked_ids[-1]
-    assert resyncs.asked == [("r1", "unknown stream")]
+    record = fleet.by_id["r1"]
+    first = record.stream.asked_ids[-1]
     fleet.retry_resyncs()  # asked again before the first snapshot came
     assert len(resyncs.asked) == 2
-    feed(fleet, *snapshot_parts(40, [[1], [2]], snapshot_id=first))
-    assert held(fleet) == {1, 2}
+    feed(fleet, *snapshot_parts(40, [[1], [2]], snapshot_id=first), batch(42, stored=[[3]]))
+    assert held(fleet) == set() and record.held is not None
+    fleet.on_resync_reply(record, first, 1, 40)
+    assert held(fleet) == {1, 2, 3}
+    assert record.stream.exact and record.held is None
+
+
+def test_a_part_is_never_taken_for_the_first_on_its_id_alone(
+    fleet: Fleet, resyncs: Recorder
+) -> None:
+    fleet.on_announce(announce(), now=0.0)
+    record = fleet.by_id["r1"]
+    asked = record.stream.asked_ids[-1]
+    parts = snapshot_parts(40, [[1], [2]], snapshot_id=asked)
+    feed(fleet, parts[1])  # the first part was lost
+    fleet.on_resync_reply(record, asked, 1, 40)
+    assert held(fleet) == set() and not record.stream.exact
+    assert resyncs.asked[-1][1].startswith("unknown stream")
+
+
+def test_without_a_reply_held_batches_are_released_and_resynced(
+    fleet: Fleet, resyncs: Recorder
+) -> None:
+    fleet.on_announce(announce(), now=0.0)
+    record = fleet.by_id["r1"]
+    feed(fleet, *snapshot_parts(40, [[1], [2]], snapshot_id=record.stream.asked_ids[-1]))
+    fleet.retry_resyncs()  # resync_retry_s is 0 here: the reply is overdue
+    assert record.held is None and held(fleet) == set()
+    assert len(resyncs.asked) >= 2
 
 
 def test_an_unsolicited_snapshot_following_the_stream_replaces(fleet: Fleet) -> None:
