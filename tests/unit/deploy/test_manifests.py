@@ -208,3 +208,77 @@ def test_the_schema_check_refuses_unknown_fields_and_wrong_types() -> None:
     found = problems(broken, OLDEST_KUBERNETES)
     assert any("replicaz" in p for p in found)
     assert any(p.startswith("spec/replicas") for p in found)
+
+
+@pytest.mark.parametrize("directory", overlays(), ids=ids(overlays()))
+def test_every_service_reaches_a_port_its_pods_open(directory: Path) -> None:
+    docs = render(directory)
+    pods = [pod_of(w) for w in workloads(docs)]
+    for service in (d for d in docs if d["kind"] == "Service"):
+        selector = service["spec"]["selector"]
+        namespace = service["metadata"]["namespace"]
+        selected = [
+            p
+            for p in pods
+            if p["metadata"]["namespace"] == namespace
+            and selector.items() <= p["metadata"].get("labels", {}).items()
+        ]
+        assert selected, f"{name_of(service)} selects no pod"
+        for port in service["spec"]["ports"]:
+            target = port.get("targetPort", port["port"])
+            for pod in selected:
+                opened = {
+                    value
+                    for c in containers(pod)
+                    for p in c.get("ports", [])
+                    for value in (p["containerPort"], p.get("name"))
+                }
+                assert target in opened, f"{name_of(service)} port {target}"
+
+
+@pytest.mark.parametrize("directory", overlays(), ids=ids(overlays()))
+def test_the_proxies_sit_behind_an_l4_service_without_session_affinity(directory: Path) -> None:
+    service = find(render(directory), "Service", "kvroute-proxy")
+    assert service["spec"]["sessionAffinity"] == "None"
+    expected = "NodePort" if directory.name == "kind" else "LoadBalancer"
+    assert service["spec"]["type"] == expected
+    for kind in ("Deployment", "PodDisruptionBudget", "HorizontalPodAutoscaler"):
+        assert find(render(directory), kind, "kvroute-proxy")
+    control = find(render(directory), "Deployment", "kvroute-controlplane")
+    assert control["spec"]["replicas"] == 2
+    assert find(render(directory), "PodDisruptionBudget", "kvroute-controlplane")["spec"] == {
+        "minAvailable": 1,
+        "selector": {"matchLabels": {"app.kubernetes.io/component": "controlplane"}},
+    }
+
+
+def secrets_named(pod: dict[str, Any]) -> set[tuple[str, bool]]:
+    """(Secret name, optional) of every Secret a pod reads."""
+    named = set()
+    for container in containers(pod):
+        for entry in container.get("env", []):
+            ref = entry.get("valueFrom", {}).get("secretKeyRef")
+            if ref:
+                named.add((ref["name"], bool(ref.get("optional"))))
+    for volume in pod["spec"].get("volumes", []):
+        if "secret" in volume:
+            named.add((volume["secret"]["secretName"], bool(volume["secret"].get("optional"))))
+    return named
+
+
+@pytest.mark.parametrize("directory", overlays(), ids=ids(overlays()))
+def test_every_secret_a_pod_needs_is_made_by_the_overlay_or_the_documented_steps(
+    directory: Path,
+) -> None:
+    docs = render(directory)
+    made = {d["metadata"]["name"] for d in docs if d["kind"] == "Secret"}
+    made |= {d["spec"]["secretName"] for d in docs if d["kind"] == "Certificate"}
+    readme = (KUBERNETES.parents[1] / "README.md").read_text()
+    documented = (
+        {"kvroute-controlplane"} if "secret generic kvroute-controlplane" in readme else set()
+    )
+    if "deploy/kubernetes/webhook-certs.sh" in readme:
+        documented.add("kvroute-controlplane-tls")
+    for workload in workloads(docs):
+        for name, optional in secrets_named(pod_of(workload)):
+            assert optional or name in made | documented, f"{name_of(workload)} needs {name}"
