@@ -12,6 +12,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from controlplane.settings import ControlPlaneSettings
+from dataplane.settings import ProxySettings
 from enginesim.settings import SimSettings
 from sidecar.settings import SidecarSettings
 from tests.unit.deploy.dockerfile import parse
@@ -93,6 +95,12 @@ def test_exposed_ports_are_the_components_defaults() -> None:
         zmq_port(sim.replay_endpoint),
     }
     assert DOCKERFILE.exposed("sidecar") == {SidecarSettings.model_fields["port"].default}
+    assert DOCKERFILE.exposed("proxy") == {ProxySettings.model_fields["port"].default}
+    control = ControlPlaneSettings.model_fields
+    assert DOCKERFILE.exposed("controlplane") == {
+        control["admin_port"].default,
+        control["grpc_port"].default,
+    }
 
 
 def test_the_build_context_leaves_out_what_images_do_not_need() -> None:
