@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import threading
 import time
 import urllib.request
@@ -255,3 +256,33 @@ def test_workers_share_one_port_and_stop_together(fleet: Any) -> None:
         assert proxy.proc is not None
         proxy.proc.send_signal(signal.SIGTERM)
         assert proxy.proc.wait(timeout=15) == 0
+
+
+def test_other_v1_routes_reach_a_replica_and_request_ids_are_kept(fleet: Any) -> None:
+    sims, proxy = fleet
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Render me"}]}
+    status, _, via_proxy = proxy.request("/v1/chat/completions/render", body)
+    direct = sims[0].post("/v1/chat/completions/render", body)
+    assert status == 200
+    assert json.loads(via_proxy)["token_ids"] == direct["token_ids"]
+    request = urllib.request.Request(
+        f"{proxy.url}/v1/completions",
+        data=json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 1}).encode(),
+        headers={"x-request-id": "my-request-7"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        assert resp.headers["x-request-id"] == "my-request-7"
+    status, headers, _ = proxy.request("/v1/completions", {"model": MODEL, "prompt": "Hi"})
+    assert status == 200 and len(headers["x-request-id"]) == 32  # one was made up
+
+
+def test_no_replica_left_is_a_503_with_retry_after() -> None:
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}"  # nobody listens there
+        with ProxyProcess(f"--static-replicas={url}", "--retry-after-s=3") as proxy:
+            body = {"model": MODEL, "prompt": "Anyone?", "max_tokens": 1}
+            status, headers, answer = proxy.request("/v1/completions", body)
+    assert status == 503 and headers["retry-after"] == "3"
+    error = json.loads(answer)["error"]
+    assert error["code"] == "no_replica" and "cannot connect" in error["message"]
