@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import logging
 import os
 import signal
@@ -27,6 +26,7 @@ from pydantic import ValidationError
 
 from dataplane.service import ProxyService
 from dataplane.settings import LIST_FIELDS, ProxySettings
+from kvcore.jsonlog import configure_logging
 
 log = logging.getLogger("dataplane")
 READY_PREFIX = "kvroute-proxy ready"
@@ -224,33 +224,6 @@ def _wait(children: list[int]) -> int:
 
 # uvicorn re-raises the signal it stopped on, so a worker stopped by SIGTERM ends by it
 _STOPPED = frozenset({0, -signal.SIGTERM, -signal.SIGINT})
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message and any ``extra`` fields."""
-
-    _STANDARD = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {
-            "ts": round(record.created, 3),
-            "level": record.levelname,
-            "logger": record.name,
-            "msg": record.getMessage(),
-            "pid": record.process,
-        }
-        entry |= {k: v for k, v in record.__dict__.items() if k not in self._STANDARD}
-        if record.exc_info:
-            entry["exc"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str)
-
-
-def configure_logging(level: str) -> None:
-    handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter())
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,8 +14,9 @@ from typing import Any, Literal, get_args, get_origin
 from aiohttp import web
 from pydantic import ValidationError
 
+from kvcore.jsonlog import configure_logging
 from sidecar.errors import SidecarError
-from sidecar.observability import configure_logging, create_app
+from sidecar.observability import create_app
 from sidecar.service import SidecarService
 from sidecar.settings import SidecarSettings
 

@@ -20,8 +20,6 @@ Metric names (all prefixed ``kvroute_sidecar_``): ``frames_received_total``,
 
 from __future__ import annotations
 
-import json
-import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -153,29 +151,3 @@ def create_app(service: SidecarService) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     return app
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message and any ``extra`` fields."""
-
-    _STANDARD = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {
-            "ts": round(record.created, 3),
-            "level": record.levelname,
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        entry |= {k: v for k, v in record.__dict__.items() if k not in self._STANDARD}
-        if record.exc_info:
-            entry["exc"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str)
-
-
-def configure_logging(level: str) -> None:
-    handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter())
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)

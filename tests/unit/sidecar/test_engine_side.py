@@ -8,6 +8,7 @@ import logging
 import pytest
 from pydantic import ValidationError
 
+from kvcore.jsonlog import JsonFormatter
 from sidecar.engine_http import (
     EventEndpoints,
     configured_endpoints,
@@ -19,7 +20,6 @@ from sidecar.errors import EngineUnavailable
 from sidecar.load_metrics import EngineLoad, parse_engine_load
 from sidecar.main import load_settings
 from sidecar.nats_link import redacted
-from sidecar.observability import JsonFormatter
 
 VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
