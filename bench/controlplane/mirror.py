@@ -96,11 +96,15 @@ async def watch(
     *,
     pools: tuple[str, ...] = (),
     resume: bool = False,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> None:
     """Apply the stream to ``mirror`` until it ends (raises grpc's error if it fails)."""
-    async with grpc.aio.insecure_channel(
-        address, options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)]
-    ) as channel:
+    options = [("grpc.max_receive_message_length", 16 * 1024 * 1024)]
+    if credentials is None:
+        channel = grpc.aio.insecure_channel(address, options=options)
+    else:
+        channel = grpc.aio.secure_channel(address, credentials, options=options)
+    async with channel:
         method = channel.unary_stream(
             WATCH_METHOD,
             request_serializer=routing_pb2.WatchRequest.SerializeToString,

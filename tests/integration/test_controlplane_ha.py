@@ -15,6 +15,7 @@ import time
 import aetcd
 
 from bench.controlplane.mirror import StateMirror, watch
+from kvcore.pb import routing_pb2
 from kvcore.subjects import EtcdKeys
 from kvroute.servers import EtcdServer, NatsServer
 from tests.integration.controlplane_harness import ControlPlaneProcess, SidecarDouble
@@ -93,6 +94,17 @@ async def test_kill_the_leader_mid_stream_and_the_standby_serves_a_consistent_st
         written = {json.loads(kv.value)["replica_id"]: json.loads(kv.value) for kv in members}
         assert set(written) == {"ha-r1", "ha-r2"}
         assert {m["instance"] for m in written.values()} == {"cp-b"}
+        # a drain written by anyone (here by hand, as etcdctl would) reaches the proxies
+        await etcd.put(keys.replica_drain("ha", "ha-r1").encode(), b"1")
+        await wait_until(
+            lambda: (
+                {r.replica_id: r.status for r in mirror.replicas.values()}
+                == {
+                    "ha-r1": routing_pb2.REPLICA_STATUS_DRAINING,
+                    "ha-r2": routing_pb2.REPLICA_STATUS_HEALTHY,
+                }
+            )
+        )
     finally:
         stop.set()
         for task in tasks:

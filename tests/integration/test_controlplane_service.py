@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import grpc
 import pytest
+import trustme
 
 from bench.controlplane.mirror import REPORT_METHOD, StateMirror, watch
 from controlplane.service import ControlPlane, CountingSink
@@ -101,3 +103,82 @@ async def test_reports_reach_the_sink_and_malformed_ones_are_counted(
         text = await response.text()
     assert "kvroute_controlplane_reports_malformed_total 1.0" in text
     assert "kvroute_controlplane_leader" in text
+
+
+async def test_grpc_serves_tls_when_given_a_certificate(
+    nats_server: NatsServer, etcd_server: EtcdServer, tmp_path: Path
+) -> None:
+    ca = trustme.CA()
+    issued = ca.issue_cert("127.0.0.1")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    issued.cert_chain_pems[0].write_to_path(str(cert))
+    issued.private_key_pem.write_to_path(str(key))
+    settings = ControlPlaneSettings(
+        nats_url=nats_server.url,
+        etcd_endpoints=[etcd_server.endpoint],
+        etcd_prefix="/grpc-tls/",
+        admin_port=0,
+        grpc_port=0,
+        grpc_tls_cert=cert,
+        grpc_tls_key=key,
+    )
+    service = ControlPlane(settings)
+    await service.start()
+    address = f"127.0.0.1:{service.grpc_port}"
+    try:
+        mirror = StateMirror()
+        credentials = grpc.ssl_channel_credentials(ca.cert_pem.bytes())
+        watching = asyncio.create_task(watch(address, mirror, credentials=credentials))
+        await wait_until(lambda: mirror.complete)
+        watching.cancel()
+        with pytest.raises(grpc.aio.AioRpcError):  # plaintext is refused
+            async with asyncio.timeout(5):
+                await watch(address, StateMirror())
+    finally:
+        await service.aclose()
+
+
+async def test_many_watchers_and_a_slow_one_dropped_without_stalling_them(
+    nats_server: NatsServer, etcd_server: EtcdServer
+) -> None:
+    settings = ControlPlaneSettings(
+        nats_url=nats_server.url,
+        etcd_endpoints=[etcd_server.endpoint],
+        etcd_prefix="/many-watchers/",
+        admin_port=0,
+        grpc_port=0,
+        watcher_queue=4,
+    )
+    service = ControlPlane(settings)
+    await service.start()
+    address = f"127.0.0.1:{service.grpc_port}"
+    sidecar = await SidecarDouble(nats_server.url, "mw-r1").start()
+    mirrors = [StateMirror() for _ in range(12)]
+    tasks = [asyncio.create_task(watch(address, m)) for m in mirrors]
+    # a proxy that never reads: no BDP probing, so its HTTP/2 window stays at 64 KiB
+    slow_channel = grpc.aio.insecure_channel(address, options=[("grpc.http2.bdp_probe", 0)])
+    slow = slow_channel.unary_stream(
+        "/kvroute.v1.RoutingState/Watch",
+        request_serializer=routing_pb2.WatchRequest.SerializeToString,
+        response_deserializer=routing_pb2.StateUpdate.FromString,
+    )(routing_pb2.WatchRequest(proxy_id="slow"))
+    try:
+        await wait_until(lambda: all(m.complete for m in mirrors))
+        await sidecar.announce()
+        for n in range(20):  # one version each, 40 KB of keys in each
+            await sidecar.store(range(n * 5000 + 1, n * 5000 + 5001))
+            await wait_until(lambda: all(m.keys_of("mw-r1") == sidecar.held for m in mirrors))
+        assert service.broadcaster is not None
+        await wait_until(lambda: service.broadcaster.stats.watchers_dropped == 1)  # type: ignore[union-attr]
+        assert len(service.broadcaster.watchers) == len(mirrors)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async with asyncio.timeout(10):
+                async for _ in slow:
+                    pass
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        for task in tasks:
+            task.cancel()
+        await slow_channel.close()
+        await sidecar.stop()
+        await service.aclose()
