@@ -38,8 +38,11 @@ class SimProcess:
         "--replay-endpoint=tcp://127.0.0.1:0",
     )
 
-    def __init__(self, *args: str, start_timeout: float = 20.0) -> None:
+    def __init__(
+        self, *args: str, start_timeout: float = 20.0, env: dict[str, str] | None = None
+    ) -> None:
         self.args = [*self.default_args, *args]
+        self.extra_env = dict(env or {})  # KVROUTE_* settings given as the environment
         self.start_timeout = start_timeout
         self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in __exit__
         self.proc: subprocess.Popen[bytes] | None = None
@@ -47,6 +50,7 @@ class SimProcess:
 
     def __enter__(self) -> SimProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
+        env |= self.extra_env
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=self.stderr, env=env)
         try:
             line = self._ready_line()
