@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from controlplane.changes import ChangeLog
@@ -107,8 +107,9 @@ class Broadcaster:
         ring: int = 1200,
         queue: int = 512,
         chunk_bytes: int = 3 * 1024 * 1024,
+        shards: Callable[[], list[routing_pb2.PoolShard]] = list,
     ) -> None:
-        self.fleet, self.config = fleet, config
+        self.fleet, self.config, self.shards = fleet, config, shards
         self.epoch = time.time_ns() // 1000
         self.version = 0
         self.interval_s, self.queue_limit, self.chunk_bytes = interval_s, queue, chunk_bytes
@@ -224,6 +225,7 @@ class Broadcaster:
         chunk = routing_pb2.SnapshotChunk(chunk_index=0)
         chunk.config.CopyFrom(self.config.current())
         chunk.replicas.extend(replica_pb(r) for r in records)
+        chunk.shards.extend(s for s in self.shards() if pools is None or s.pool in pools)
         room = self.chunk_bytes - chunk.ByteSize() - _CHUNK_SLACK
         for ordinal, keys in residency_by_replica(self.fleet, [r.ordinal for r in records]):
             start = 0

@@ -10,7 +10,8 @@ records in etcd:
   So the standby takes over within the lease TTL, its map already warm.
 - **membership**: the leader writes ``pools/<pool>/replicas/<id>`` (JSON: base URL,
   model, status) for every replica that is not down, on its lease, and deletes the key
-  of a replica that goes down. A new leader writes them all again.
+  of a replica that goes down; and ``pools/<pool>/shard`` (JSON: shard, leader) for each
+  pool named by ``--pools``. A new leader writes them all again.
 - **drain flags**: ``draining/<pool>/<id>`` (no lease: a drain outlives both instances),
   written by whichever instance the operator asked; both watch the prefix and apply it.
 """
@@ -43,6 +44,7 @@ class Leadership:
         self.settings, self.etcd, self.fleet = settings, etcd, fleet
         self.keys = EtcdKeys(settings.etcd_prefix)
         self.leader = False
+        self.leader_instance = ""  # the shard's leader as last seen ("" unknown)
         self.terms = 0  # times this instance became leader
         self._leader_key = self.keys.shard_leader(settings.shard).encode()
         self._written: dict[str, bytes] = {}  # membership key -> value, this term
@@ -90,10 +92,11 @@ class Leadership:
             failure=[txn.get(self._leader_key)],
         )
         if won:
-            self._lease = lease
+            self._lease, self.leader_instance = lease, self.settings.instance_id
             return True, 0
         await lease.revoke()
         found = responses[0] if responses else []
+        self.leader_instance = found[0][0].decode() if found else ""
         return False, found[0][1].header.revision if found else 0
 
     async def _await_vacancy(self, revision: int) -> None:
@@ -155,6 +158,9 @@ class Leadership:
             }
             key = self.keys.replica(record.pool, record.replica_id)
             wanted[key] = json.dumps(value, sort_keys=True).encode()
+        shard = {"shard": self.settings.shard, "leader": self.settings.instance_id}
+        for pool in self.settings.pools:
+            wanted[self.keys.pool_shard(pool)] = json.dumps(shard, sort_keys=True).encode()
         return wanted
 
     # -- drain flags ---------------------------------------------------------------------

@@ -160,6 +160,7 @@ class ControlPlane:
             ring=s.delta_ring,
             queue=s.watcher_queue,
             chunk_bytes=s.snapshot_chunk_bytes,
+            shards=self._shards,
         )
         await self.ingest.start()
         await self.leadership.start()
@@ -175,6 +176,14 @@ class ControlPlane:
         """What the admin port serves: the records' app, with ``POST /mutate`` (sidecar
         injection) in front."""
         return with_webhook(self.records.app, injection_config(self.settings))
+
+    def _shards(self) -> list[routing_pb2.PoolShard]:
+        """Which shard serves each of ``--pools``, and its leader (for snapshots)."""
+        leader, shard = self.leadership.leader_instance, self.settings.shard
+        return [
+            routing_pb2.PoolShard(pool=pool, shard=shard, leader_instance=leader)
+            for pool in self.settings.pools
+        ]
 
     async def _start_admin(self) -> None:
         s = self.settings

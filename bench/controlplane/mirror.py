@@ -31,6 +31,7 @@ class StateMirror:
     replicas: dict[int, routing_pb2.Replica] = field(default_factory=dict)
     residency: dict[int, set[int]] = field(default_factory=dict)
     config: routing_pb2.RoutingConfig = field(default_factory=routing_pb2.RoutingConfig)
+    shards: list[routing_pb2.PoolShard] = field(default_factory=list)
     updates: int = 0
     snapshots: int = 0
     on_update: Callable[[routing_pb2.StateUpdate], None] | None = None
@@ -49,7 +50,7 @@ class StateMirror:
         chunk = update.snapshot
         if chunk.chunk_index == 0:
             self._pending = ({}, {}, 0)
-            self.config = chunk.config
+            self.config, self.shards = chunk.config, list(chunk.shards)
         if self._pending is None or chunk.chunk_index != self._pending[2]:
             raise StreamBroken(f"chunk {chunk.chunk_index} out of order")
         replicas, residency, index = self._pending

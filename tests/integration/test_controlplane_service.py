@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -73,6 +74,21 @@ async def test_a_watcher_follows_the_sidecars_and_sees_drains(
     finally:
         watching.cancel()
         await sidecar.stop()
+
+
+async def test_the_shard_and_its_leader_are_in_etcd_and_in_snapshots(
+    control_plane: ControlPlane,
+) -> None:
+    await wait_until(control_plane.view.is_leader)
+    mirror = StateMirror()
+    watching = asyncio.create_task(watch(f"127.0.0.1:{control_plane.grpc_port}", mirror))
+    await wait_until(lambda: mirror.complete)
+    watching.cancel()
+    assert [(s.pool, s.shard, s.leader_instance) for s in mirror.shards] == [("svc", "all", "cp-a")]
+    keys = control_plane.leadership.keys
+    await wait_until(lambda: keys.pool_shard("svc") in control_plane.leadership._written)
+    found = await control_plane.etcd.get(keys.pool_shard("svc").encode())
+    assert json.loads(found.value) == {"shard": "all", "leader": "cp-a"}
 
 
 async def test_an_unserved_pool_is_refused_with_a_clear_error(
