@@ -35,12 +35,14 @@ from opentelemetry.trace import Span
 
 from dataplane.exchange import Attempt, Dispatcher, Exchange
 from dataplane.fleet_state import FleetState
+from dataplane.http_client import ConnectionFailed, ResponseBroken
 from dataplane.http_errors import (
     ApiError,
     BadRequest,
     MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
+    StreamBroken,
     Unauthorized,
 )
 from dataplane.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -245,6 +247,9 @@ class ProxyApp:
             async for chunk in opened.rest():
                 await response.chunk(relay.feed(chunk))
             await response.chunk(relay.flush())
+        except (ConnectionFailed, ResponseBroken, TimeoutError) as exc:
+            opened.close()
+            raise StreamBroken(f"The replica broke off the stream: {exc}") from None
         except BaseException:
             opened.close()
             raise

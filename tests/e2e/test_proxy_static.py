@@ -286,3 +286,20 @@ def test_no_replica_left_is_a_503_with_retry_after() -> None:
     assert status == 503 and headers["retry-after"] == "3"
     error = json.loads(answer)["error"]
     assert error["code"] == "no_replica" and "cannot connect" in error["message"]
+
+
+def test_a_replica_dying_mid_stream_ends_the_stream_with_an_error_event() -> None:
+    with (
+        SimProcess(f"--model={MODEL}", "--replay-endpoint=", "--time-scale=0") as sim,
+        ProxyProcess(f"--static-replicas={sim.url}") as proxy,
+    ):
+        sim.post("/sim/faults", {"delay_ms": 20})
+        body = {"model": MODEL, "prompt": "Tell me a story", "max_tokens": 2000, "stream": True}
+        request = urllib.request.Request(f"{proxy.url}/v1/completions", json.dumps(body).encode())
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            assert resp.readline().startswith(b"data: {")
+            sim.call("POST", "/sim/faults", {"crash": True})
+            rest = resp.read().decode()
+        last = [e for e in rest.split("\n\n") if e.startswith("data: ")][-1]
+        assert json.loads(last[6:])["error"]["type"] == "upstream_error"
+        assert proxy.request("/healthz", method="GET")[0] == 200
