@@ -5,7 +5,9 @@ routing decision; most prompts repeat a recent one's beginning (the system promp
 conversation so far). :class:`PromptKeyCache` remembers the tokens and keys of recent
 prompts, grouped by their first key (which already stands for model, adapter, tenant
 and the first block), finds the candidate sharing the most leading blocks by comparing
-token lists block-aligned in C, and chains new keys only from there. The keys are
+token lists block-aligned in C (a candidate whose block at the best length so far differs
+cannot do better and is skipped after one block's comparison), and chains new keys only
+from there. The keys are
 exactly ``kvcore.keys.chain_keys(root, tokens, block_size)``. Not thread-safe: one per
 thread.
 """
@@ -40,7 +42,10 @@ class PromptKeyCache:
         group = self._group((first, block_size))
         shared, source = 1, [first]
         for old_tokens, old_keys in group:
-            common = _common_blocks(tokens, old_tokens, block_size, min(blocks, len(old_keys)))
+            limit = min(blocks, len(old_keys))
+            if limit <= shared or not _same_block(tokens, old_tokens, block_size, shared):
+                continue  # it cannot share more blocks than the best so far
+            common = _common_blocks(tokens, old_tokens, block_size, limit)
             if common > shared:
                 shared, source = common, old_keys
         self.reused_blocks += shared
@@ -58,6 +63,11 @@ class PromptKeyCache:
         else:
             self._groups.move_to_end(at)
         return group
+
+
+def _same_block(a: Sequence[int], b: Sequence[int], block_size: int, index: int) -> bool:
+    start = index * block_size
+    return a[start : start + block_size] == b[start : start + block_size]
 
 
 def _common_blocks(a: Sequence[int], b: Sequence[int], block_size: int, limit: int) -> int:
