@@ -5,10 +5,12 @@ Only what a cluster would resolve is rewritten: Service names become the test's 
 etcd, PostgreSQL and control-plane addresses, 0.0.0.0 becomes 127.0.0.1, fixed ports
 become free ones, mounted files become the files webhook-certs.sh writes, and the
 downward API's pod names are filled in (and the simulator runs ``--instant``, for
-speed). The control plane then answers the API server's
+speed; the certificate also names 127.0.0.1, which the proxies dial here instead of the
+Service). The control plane then answers the API server's
 AdmissionReview for the simulated engine's pod over TLS, the patched pod's sidecar runs
-with the environment the webhook gave it, and a client's request goes through the proxy
-to the engine. What a platform engineer notices: the manifests start a working fleet.
+with the environment the webhook gave it, the proxy watches the control plane over TLS,
+and a client's request goes through the proxy to the engine. What a platform engineer
+notices: the manifests start a working fleet.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class Cluster:
             "nats://kvroute-nats.kvroute.svc:4222": nats,
             "nats://kvroute-nats:4222": nats,
             "/etc/kvroute/tls/": f"{certs}/",
+            "/etc/kvroute/controlplane-ca/": f"{certs}/",
             "--admin-port=8080": "--admin-port=0",
             "--grpc-port=50051": "--grpc-port=0",
             "--port=8000": "--port=0",
@@ -125,6 +128,7 @@ def fleet(
         capture_output=True,
         text=True,
         timeout=60,
+        env=os.environ | {"EXTRA_SANS": "IP:127.0.0.1"},  # the proxy dials loopback here
     )
     assert made.returncode == 0, made.stderr
     cluster = Cluster(nats_server.url, etcd_server.endpoint, certs)
