@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import nats
+import trustme
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
@@ -202,3 +203,14 @@ class SidecarProcess:
         if self.proc is not None and self.proc.returncode is None:
             self.proc.send_signal(signal.SIGTERM)
             await asyncio.wait_for(self.proc.wait(), 15)
+
+
+def server_certificate(directory: Path, *names: str) -> tuple[trustme.CA, Path, Path]:
+    """A test CA and a certificate it signed for ``names``, written as PEM files:
+    ``(ca, cert_path, key_path)``."""
+    ca = trustme.CA()
+    issued = ca.issue_cert(*names)
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    issued.cert_chain_pems[0].write_to_path(str(cert))
+    issued.private_key_pem.write_to_path(str(key))
+    return ca, cert, key

@@ -10,14 +10,13 @@ from pathlib import Path
 import aiohttp
 import grpc
 import pytest
-import trustme
 
 from bench.controlplane.mirror import REPORT_METHOD, StateMirror, watch
 from controlplane.service import ControlPlane, CountingSink
 from controlplane.settings import ControlPlaneSettings
 from kvcore.pb import routing_pb2
 from kvroute.servers import EtcdServer, NatsServer
-from tests.integration.controlplane_harness import SidecarDouble
+from tests.integration.controlplane_harness import SidecarDouble, server_certificate
 from tests.integration.sidecar_harness import wait_until
 
 
@@ -124,11 +123,7 @@ async def test_reports_reach_the_sink_and_malformed_ones_are_counted(
 async def test_grpc_serves_tls_when_given_a_certificate(
     nats_server: NatsServer, etcd_server: EtcdServer, tmp_path: Path
 ) -> None:
-    ca = trustme.CA()
-    issued = ca.issue_cert("127.0.0.1")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    issued.cert_chain_pems[0].write_to_path(str(cert))
-    issued.private_key_pem.write_to_path(str(key))
+    ca, cert, key = server_certificate(tmp_path, "127.0.0.1")
     settings = ControlPlaneSettings(
         nats_url=nats_server.url,
         etcd_endpoints=[etcd_server.endpoint],

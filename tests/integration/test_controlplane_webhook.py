@@ -11,11 +11,11 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-import trustme
 
 from controlplane.service import ControlPlane
 from controlplane.settings import ControlPlaneSettings
 from kvroute.servers import EtcdServer, NatsServer
+from tests.integration.controlplane_harness import server_certificate
 from tests.unit.controlplane.admission import review, sglang_pod
 
 
@@ -23,10 +23,9 @@ from tests.unit.controlplane.admission import review, sglang_pod
 async def tls_control_plane(
     nats_server: NatsServer, etcd_server: EtcdServer, tmp_path: Path
 ) -> AsyncIterator[tuple[ControlPlane, ssl.SSLContext]]:
-    authority = trustme.CA()
-    served = authority.issue_cert("127.0.0.1", "kvroute-controlplane.kvroute.svc")
-    served.cert_chain_pems[0].write_to_path(tmp_path / "tls.crt")
-    served.private_key_pem.write_to_path(tmp_path / "tls.key")
+    authority, cert, key = server_certificate(
+        tmp_path, "127.0.0.1", "kvroute-controlplane.kvroute.svc"
+    )
     settings = ControlPlaneSettings(
         nats_url=nats_server.url,
         etcd_endpoints=[etcd_server.endpoint],
@@ -34,8 +33,8 @@ async def tls_control_plane(
         admin_port=0,
         grpc_port=0,
         instance_id="cp-webhook",
-        admin_tls_cert=tmp_path / "tls.crt",
-        admin_tls_key=tmp_path / "tls.key",
+        admin_tls_cert=cert,
+        admin_tls_key=key,
         inject_sidecar_image="registry.example/kvroute/sidecar:9.9",
     )
     service = ControlPlane(settings)
