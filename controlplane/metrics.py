@@ -125,6 +125,11 @@ class FleetCollector(Collector):
                 "Proxy reports counted and skipped",
                 reports.malformed,
             )
+            yield _counter(
+                "kvroute_controlplane_reports_failed",
+                "Proxy reports the records half failed to store",
+                reports.failed,
+            )
 
 
 def _counter(name: str, documentation: str, value: float) -> Metric:

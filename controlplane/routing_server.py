@@ -111,6 +111,10 @@ class RoutingStateService:
                 stats.malformed += 1
                 log.info("report refused", extra={"error": str(exc)})
                 continue
+            except Exception as exc:  # the sink's storage failed: keep the stream open
+                stats.failed += 1
+                log.warning("report not recorded", extra={"error": type(exc).__name__})
+                continue
             stats.reports += 1
             accepted += 1
         return routing_pb2.ReportAck(reports=accepted).SerializeToString()

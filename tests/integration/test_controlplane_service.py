@@ -117,6 +117,7 @@ async def test_reports_reach_the_sink_and_malformed_ones_are_counted(
     ):
         text = await response.text()
     assert "kvroute_controlplane_reports_malformed_total 1.0" in text
+    assert "kvroute_controlplane_reports_failed_total 0.0" in text
     assert "kvroute_controlplane_leader" in text
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import pytest
 
 from bench.controlplane.mirror import StateMirror
 from controlplane.broadcast import Broadcaster, EmptyConfig
 from controlplane.fleet import Fleet
+from controlplane.routing_server import RoutingStateService
 from kvcore.pb import routing_pb2
 from tests.unit.controlplane.support import announce, batch, load
 
@@ -125,3 +128,26 @@ def test_snapshots_are_cached_per_version(pools: frozenset[str] | None) -> None:
     assert broadcaster.stats.snapshots == 1
     broadcaster.snapshot(pools)
     assert broadcaster.stats.snapshots == 2
+
+
+async def test_a_failing_report_sink_neither_ends_the_stream_nor_counts_as_malformed() -> None:
+    class Broken:
+        calls = 0
+
+        async def record(self, report: routing_pb2.ProxyReport) -> None:
+            Broken.calls += 1
+            if Broken.calls == 1:
+                raise OSError("database is locked")
+
+    _, broadcaster = make()
+    service = RoutingStateService(broadcaster, Broken(), None)
+    report = routing_pb2.ProxyReport(proxy_id="p").SerializeToString()
+
+    async def reports() -> AsyncIterator[bytes]:
+        for data in (report, report, b"\xff"):
+            yield data
+
+    ack = routing_pb2.ReportAck.FromString(await service.report(reports(), None))  # type: ignore[arg-type]
+    assert ack.reports == 1
+    stats = service.report_stats
+    assert (stats.reports, stats.failed, stats.malformed) == (1, 1, 1)
