@@ -4,10 +4,9 @@
 ``module:function`` taking its own argument list and returning an exit status), so that
 a new benchmark is one line in that table.
 
-``kvroute up`` will run a whole local fleet (engines, sidecars, control plane, proxy). Until
-those parts exist it runs the fleet's infrastructure smoke check: it starts real
-nats-server and etcd processes on free loopback ports, proves a kvroute message round
-trip through each, and stops them.
+``kvroute up`` runs a whole local fleet (NATS, etcd, simulated engines or your own, their
+sidecars, the control plane and proxies) until Ctrl-C; ``--demo`` also drives a
+shared-prefix workload through it, round-robin then kv_aware, and compares them.
 """
 
 from __future__ import annotations
@@ -16,35 +15,96 @@ import argparse
 import asyncio
 import importlib
 import sys
-import time
 from collections.abc import Sequence
+from pathlib import Path
 
-import aetcd
-import nats
-
-from kvcore import subjects
-from kvcore.pb import events_pb2
-from kvroute.servers import EtcdServer, NatsServer, ServerStartError
+from kvroute.demo import DemoWorkload, run_demo
+from kvroute.up import Fleet, UpOptions, run
 
 # name -> (module:function taking argv and returning an exit status, what it measures)
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "sim": ("bench.sim.__main__:main", "discrete-event simulation: strategies, peers, oracle"),
     "micro": ("bench.micro.__main__:main", "routing core micro benchmarks"),
+    "proxy": ("bench.proxy:main", "the proxy's overhead, throughput and decision time"),
     "sidecar": ("bench.sidecar_throughput:main", "sidecar events/s and publish latency"),
     "enginesim": ("bench.enginesim_capacity:main", "one kvroute-sim's request capacity"),
-    # "e2e": ("bench.e2e.__main__:main", "real processes, kvroute beside the peer routers"),
-    # "proxy": ("bench.proxy:main", "the proxy's overhead and throughput"),
     "controlplane": (
         "bench.controlplane.__main__:main",
         "control-plane ingest, memory, snapshot and publish-to-watcher latency",
     ),
 }
+DEMO_NUM_BLOCKS = 768  # 16 system prompts of ~125 blocks: 4 fit one replica, all fit 4
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (1-65535)")
+    return value
+
+
+def _scale(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
+    return value
+
+
+def _urls(text: str) -> tuple[str, ...]:
+    urls = tuple(u.strip().rstrip("/") for u in text.split(",") if u.strip())
+    bad = [u for u in urls if not u.startswith(("http://", "https://"))]
+    if not urls or bad:
+        raise argparse.ArgumentTypeError(f"expected http(s) URLs separated by commas, got {text!r}")
+    return urls
+
+
+def _add_up(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    up = commands.add_parser(
+        "up",
+        help="run a whole kvroute fleet locally (Ctrl-C stops it)",
+        description="Start NATS, etcd, simulated engines (or --engines), their sidecars, "
+        "the control plane and proxies on 127.0.0.1, print how to use them, serve until "
+        "Ctrl-C. Exit status: 0 stopped, 1 a part died, 2 a problem to fix first.",
+    )
+    up.add_argument("--replicas", type=_positive_int, default=4, help="simulated engines (4)")
+    up.add_argument("--proxies", type=_positive_int, default=1, help="proxies (1)")
+    up.add_argument("--ha", action="store_true", help="two control-plane instances")
+    up.add_argument(
+        "--event-format", choices=("vllm", "vllm-0.23", "sglang"), default="vllm",
+        help="what the simulated engines speak (vllm)",
+    )  # fmt: skip
+    up.add_argument("--time-scale", type=_scale, default=1.0, help="sim seconds per real second")
+    up.add_argument("--tokenizer", default="builtin", help="'builtin' or a tokenizer folder")
+    up.add_argument("--port", type=_port, default=8000, help="first proxy's port (8000)")
+    up.add_argument("--num-blocks", type=_positive_int, help="KV blocks per simulated engine")
+    up.add_argument("--data-dir", type=Path, help="keep state here between runs")
+    up.add_argument("--engines", type=_urls, help="run against these engines instead of sims")
+    up.add_argument("--engine-kind", choices=("vllm", "sglang"), default="vllm")
+    up.add_argument("--demo", action="store_true", help="compare round_robin and kv_aware live")
+    up.add_argument("--demo-only", action="store_true", help="exit after the demo")
+    up.add_argument(
+        "--out", type=Path, default=Path("kvroute-demo"),
+        help="where the demo writes its report and plot (./kvroute-demo)",
+    )  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvroute", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("up", help="run kvroute locally on embedded defaults")
+    _add_up(commands)
     bench = commands.add_parser(
         "bench",
         help="benchmarks: " + ", ".join(BENCHMARKS),
@@ -57,48 +117,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def _nats_round_trip(url: str) -> float:
-    nc = await nats.connect(url)
-    try:
-        subject = subjects.announce_subject("default")
-        sub = await nc.subscribe(subject)
-        announce = events_pb2.ReplicaAnnounce(replica_id="smoke", pool="default", ts=time.time())
-        started = time.perf_counter()
-        await nc.publish(subject, announce.SerializeToString())
-        msg = await sub.next_msg(timeout=5)
-        if events_pb2.ReplicaAnnounce.FromString(msg.data).replica_id != "smoke":
-            raise RuntimeError("NATS returned a different message")
-        return time.perf_counter() - started
-    finally:
-        await nc.close()
-
-
-async def _etcd_round_trip(port: int) -> float:
-    async with aetcd.Client(host="127.0.0.1", port=port, timeout=10) as client:
-        key = subjects.EtcdKeys().workload("default").encode()
-        started = time.perf_counter()
-        await client.put(key, b'{"strategy": "round_robin"}')
-        got = await client.get(key)
-        if got is None or got.value != b'{"strategy": "round_robin"}':
-            raise RuntimeError("etcd returned a different value")
-        return time.perf_counter() - started
-
-
-def smoke_check() -> int:
-    """Start the fleet's infrastructure, prove a round trip through each part, stop it."""
-    try:
-        with NatsServer() as nats_server, EtcdServer() as etcd_server:
-            print(f"nats-server ready at {nats_server.url}")
-            print(f"etcd ready at {etcd_server.endpoint}")
-            nats_s = asyncio.run(_nats_round_trip(nats_server.url))
-            etcd_s = asyncio.run(_etcd_round_trip(etcd_server.port))
-    except (ServerStartError, RuntimeError, OSError) as exc:
-        print(f"kvroute up: smoke check failed: {exc}", file=sys.stderr)
-        return 1
-    print(f"NATS round trip of a ReplicaAnnounce: {nats_s * 1e3:.2f} ms")
-    print(f"etcd put+get of a workload policy: {etcd_s * 1e3:.2f} ms")
-    print("smoke check passed; the local fleet demo arrives with the `kvroute up` issue")
-    return 0
+def up_options(args: argparse.Namespace) -> UpOptions:
+    demo = args.demo or args.demo_only
+    blocks = args.num_blocks or (DEMO_NUM_BLOCKS if demo else 8192)
+    return UpOptions(
+        replicas=len(args.engines) if args.engines else args.replicas,
+        proxies=args.proxies,
+        ha=args.ha,
+        event_format=args.event_format,
+        time_scale=args.time_scale,
+        tokenizer=args.tokenizer,
+        port=args.port,
+        data_dir=args.data_dir,
+        engines=args.engines or (),
+        engine_kind=args.engine_kind,
+        num_blocks=blocks,
+        demo=demo,
+        demo_only=args.demo_only,
+    )
 
 
 def run_benchmark(name: str, argv: list[str]) -> int:
@@ -112,7 +148,21 @@ def run_benchmark(name: str, argv: list[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "up":
-        return smoke_check()
+        options = up_options(args)
+        out = args.out
+
+        async def demo(fleet: Fleet) -> None:
+            await run_demo(
+                fleet.proxy_urls[0],
+                fleet.admin_urls[0],
+                fleet.admin_token,
+                fleet.engines,
+                fleet.models[0],
+                out,
+                DemoWorkload(),
+            )
+
+        return asyncio.run(run(options, demo if options.demo else None))
     if args.command == "bench":
         return run_benchmark(args.benchmark, args.args)
     print(f"kvroute {args.command}: not implemented yet", file=sys.stderr)

@@ -50,7 +50,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _venv_tool(name: str) -> str | None:
+def venv_tool(name: str) -> str | None:
     """A console tool installed beside the running interpreter, else on PATH."""
     beside = Path(sys.executable).parent / name
     if beside.exists():
@@ -202,10 +202,15 @@ class NatsServer(LocalServer):
         return f"nats://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        binary = _venv_tool("nats-server")
-        if binary is None:
-            raise ServerStartError("nats-server not found: run scripts/bootstrap")
-        return [binary, "-a", "127.0.0.1", "-p", str(self.port), "-n", f"kvroute-{self.port}"]
+        return nats_command(self.port)
+
+
+def nats_command(port: int) -> list[str]:
+    """The command line of a core-NATS server on 127.0.0.1:``port``."""
+    binary = venv_tool("nats-server")
+    if binary is None:
+        raise ServerStartError("nats-server not found: run scripts/bootstrap")
+    return [binary, "-a", "127.0.0.1", "-p", str(port), "-n", f"kvroute-{port}"]
 
 
 class EtcdServer(LocalServer):
@@ -223,20 +228,25 @@ class EtcdServer(LocalServer):
         return f"127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        client = f"http://127.0.0.1:{self.port}"
-        peer = f"http://127.0.0.1:{self.peer_port}"
-        member = f"kvroute-{self.port}"
-        return [
-            _etcd_binary(),
-            "--name", member,
-            "--data-dir", str(self.workdir / "data"),
-            "--listen-client-urls", client,
-            "--advertise-client-urls", client,
-            "--listen-peer-urls", peer,
-            "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"{member}={peer}",
-            "--unsafe-no-fsync",
-        ]  # fmt: skip
+        return etcd_command(self.port, self.peer_port, self.workdir / "data")
+
+
+def etcd_command(port: int, peer_port: int, data_dir: Path) -> list[str]:
+    """The command line of a one-member etcd on 127.0.0.1 (no fsync: throwaway data)."""
+    client = f"http://127.0.0.1:{port}"
+    peer = f"http://127.0.0.1:{peer_port}"
+    member = f"kvroute-{port}"
+    return [
+        _etcd_binary(),
+        "--name", member,
+        "--data-dir", str(data_dir),
+        "--listen-client-urls", client,
+        "--advertise-client-urls", client,
+        "--listen-peer-urls", peer,
+        "--initial-advertise-peer-urls", peer,
+        "--initial-cluster", f"{member}={peer}",
+        "--unsafe-no-fsync",
+    ]  # fmt: skip
 
 
 def _etcd_binary() -> str:

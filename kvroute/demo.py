@@ -1,0 +1,367 @@
+"""``kvroute up --demo``: the same shared-prefix chat workload, round-robin then kv_aware.
+
+Several groups of chat requests share long system prompts (the shared-prefix workload
+of SGLang's and llm-d's benchmarks, scaled to a laptop), with more groups than one
+replica's cache holds, so where each request goes decides whether its prompt is already
+cached. The demo switches the ``default`` workload through the admin API, as an operator
+would, empties the engines' caches between phases so both start cold, and sends the same
+requests, shuffled the same way, through the proxy in each phase.
+
+Every figure shown comes from outside the router: hit rates from the engines' own
+``/metrics`` counters (and the ``cached_tokens`` they report in each response), time to
+first token from this client's clock. A live table shows per-replica requests in flight
+(the engines' running + waiting), hit rate and TTFT while a phase runs; at the end a
+side-by-side comparison is printed and the two TTFT distributions are plotted to a PNG.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+from rich.table import Table
+
+from sidecar.load_metrics import EngineLoad, parse_engine_load
+
+PHASES = ("round_robin", "kv_aware")
+_WORDS = (
+    *("cache", "prefix", "token", "block", "replica", "router", "engine", "prompt"),
+    *("batch", "decode", "prefill", "latency", "tenant", "request", "stream", "system"),
+    *("answer", "question", "model", "weight", "layer", "vector", "memory"),
+)
+
+
+@dataclass(frozen=True)
+class DemoWorkload:
+    """Sized so the groups' prefixes exceed one replica's cache but fit the fleet."""
+
+    groups: int = 16
+    prompts_per_group: int = 16
+    system_tokens: int = 2000  # about one built-in token per word
+    question_tokens: int = 80
+    max_tokens: int = 8
+    concurrency: int = 8
+    seed: int = 20261130
+
+    def requests(self, model: str) -> list[dict[str, Any]]:
+        rng = random.Random(self.seed)
+        bodies = []
+        for group in range(self.groups):
+            system = f"You are assistant number {group}. " + _text(rng, self.system_tokens)
+            for prompt in range(self.prompts_per_group):
+                question = f"Question {prompt}: " + _text(rng, self.question_tokens)
+                bodies.append(
+                    {
+                        "model": model,
+                        "messages": [
+                            {"role": "system", "content": system},
+                            {"role": "user", "content": question},
+                        ],
+                        "max_tokens": self.max_tokens,
+                        "stream": True,
+                        "stream_options": {"include_usage": True},
+                    }
+                )
+        rng.shuffle(bodies)
+        return bodies
+
+
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(words))
+
+
+@dataclass
+class PhaseResult:
+    strategy: str
+    ttft_s: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # reported by the engines in each response's usage
+    errors: int = 0
+    by_replica: dict[str, int] = field(default_factory=dict)
+    engine_queries: int = 0  # the engines' own prefix-cache counters over the phase
+    engine_hits: int = 0
+    wall_s: float = 0.0
+
+    @property
+    def engine_hit_rate(self) -> float:
+        return self.engine_hits / self.engine_queries if self.engine_queries else 0.0
+
+    def ttft(self, q: float) -> float:
+        if not self.ttft_s:
+            return float("nan")
+        ordered = sorted(self.ttft_s)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    def summary(self) -> dict[str, Any]:
+        done = len(self.ttft_s)
+        return {
+            "strategy": self.strategy,
+            "requests": done,
+            "errors": self.errors,
+            "engine_hit_rate": round(self.engine_hit_rate, 4),
+            "reported_cached_share": round(self.cached_tokens / max(self.prompt_tokens, 1), 4),
+            "ttft_p50_s": round(self.ttft(0.5), 4),
+            "ttft_p90_s": round(self.ttft(0.9), 4),
+            "ttft_mean_s": round(statistics.fmean(self.ttft_s), 4) if done else None,
+            "requests_per_s": round(done / self.wall_s, 2) if self.wall_s else None,
+            "by_replica": dict(sorted(self.by_replica.items())),
+        }
+
+
+class EngineWatch:
+    """Reads every engine's own ``/metrics``: load and prefix-cache counters."""
+
+    def __init__(self, session: aiohttp.ClientSession, engines: list[str]) -> None:
+        self.session = session
+        self.engines = engines
+        self.latest: dict[str, EngineLoad] = {}
+
+    async def scrape(self) -> dict[str, EngineLoad]:
+        loads = await asyncio.gather(*(self._one(url) for url in self.engines))
+        self.latest = dict(zip(self.engines, loads, strict=True))
+        return self.latest
+
+    async def _one(self, url: str) -> EngineLoad:
+        async with self.session.get(f"{url}/metrics") as response:
+            return parse_engine_load(await response.text())
+
+    async def reset_caches(self) -> None:
+        """Empty every engine's prefix cache (vLLM's and SGLang's admin routes)."""
+        for url in self.engines:
+            for path in ("/reset_prefix_cache", "/flush_cache"):
+                async with self.session.post(f"{url}{path}") as response:
+                    if response.status < 300:
+                        break
+
+
+class AdminClient:
+    """Switches the ``default`` workload's strategy, as an operator would."""
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, token: str) -> None:
+        self.session = session
+        self.base_url = base_url
+        self.headers = {"authorization": f"Bearer {token}"}
+
+    async def set_strategy(self, strategy: str) -> None:
+        body = {"name": "default", "strategy": strategy}
+        url = f"{self.base_url}/v1/workloads/default"
+        async with self.session.put(url, json=body, headers=self.headers) as response:
+            if response.status >= 300:
+                raise RuntimeError(
+                    f"admin API refused the {strategy} workload: {response.status} "
+                    f"{await response.text()}"
+                )
+
+
+async def send_one(
+    session: aiohttp.ClientSession, proxy: str, body: dict[str, Any], result: PhaseResult
+) -> None:
+    """One streamed chat request; TTFT is the first content chunk, by this clock."""
+    started = time.perf_counter()
+    first: float | None = None
+    usage: dict[str, Any] = {}
+    try:
+        async with session.post(f"{proxy}/v1/chat/completions", json=body) as response:
+            if response.status != 200:
+                result.errors += 1
+                return
+            replica = response.headers.get("x-kvroute-replica", "?")
+            async for raw in response.content:
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if first is None and chunk.get("choices"):
+                    first = time.perf_counter() - started
+                usage = chunk.get("usage") or usage
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        result.errors += 1
+        return
+    if first is None:
+        result.errors += 1
+        return
+    result.ttft_s.append(first)
+    result.by_replica[replica] = result.by_replica.get(replica, 0) + 1
+    result.prompt_tokens += int(usage.get("prompt_tokens", 0))
+    details = usage.get("prompt_tokens_details") or {}
+    result.cached_tokens += int(details.get("cached_tokens") or 0)
+
+
+def _live_table(result: PhaseResult, watch: EngineWatch, baseline: dict[str, EngineLoad]) -> Table:
+    table = Table(title=f"phase: {result.strategy}", expand=False)
+    for column in ("replica", "in flight", "engine hit rate"):
+        table.add_column(column, justify="right")
+    for index, url in enumerate(watch.engines):
+        load = watch.latest.get(url, EngineLoad())
+        before = baseline.get(url, EngineLoad())
+        queries = load.prefix_cache_queries - before.prefix_cache_queries
+        hits = load.prefix_cache_hits - before.prefix_cache_hits
+        rate = f"{hits / queries:.0%}" if queries > 0 else "-"
+        table.add_row(f"r{index}", str(load.running + load.waiting), rate)
+    done = len(result.ttft_s)
+    table.caption = (
+        f"TTFT p50 {result.ttft(0.5) * 1e3:.0f} ms, p90 {result.ttft(0.9) * 1e3:.0f} ms "
+        f"over {done} requests (client clock)"
+        if done
+        else "waiting for the first responses"
+    )
+    return table
+
+
+async def run_phase(
+    session: aiohttp.ClientSession,
+    proxy: str,
+    bodies: list[dict[str, Any]],
+    result: PhaseResult,
+    concurrency: int,
+    on_done: Callable[[], None],
+) -> None:
+    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    for body in bodies:
+        queue.put_nowait(body)
+
+    async def worker() -> None:
+        while not queue.empty():
+            await send_one(session, proxy, queue.get_nowait(), result)
+            on_done()
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+
+
+async def run_demo(
+    proxy: str,
+    admin_url: str,
+    admin_token: str,
+    engines: list[str],
+    model: str,
+    out_dir: Path,
+    workload: DemoWorkload | None = None,
+    console: Console | None = None,
+) -> list[PhaseResult]:
+    """Both phases, the comparison printed, the report and plot written to ``out_dir``."""
+    workload = workload or DemoWorkload()
+    console = console or Console()
+    bodies = workload.requests(model)
+    timeout = aiohttp.ClientTimeout(total=120)
+    connector = aiohttp.TCPConnector(limit=workload.concurrency * 2)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        watch = EngineWatch(session, engines)
+        admin = AdminClient(session, admin_url, admin_token)
+        results = []
+        for strategy in PHASES:
+            results.append(
+                await _phase(session, proxy, admin, watch, strategy, bodies, workload, console)
+            )
+    console.print(comparison_table(results))
+    await asyncio.to_thread(write_report, results, out_dir)
+    console.print(f"report and TTFT plot written to {out_dir}")
+    return results
+
+
+async def _phase(
+    session: aiohttp.ClientSession,
+    proxy: str,
+    admin: AdminClient,
+    watch: EngineWatch,
+    strategy: str,
+    bodies: list[dict[str, Any]],
+    workload: DemoWorkload,
+    console: Console,
+) -> PhaseResult:
+    await admin.set_strategy(strategy)
+    await watch.reset_caches()
+    baseline = dict(await watch.scrape())
+    result = PhaseResult(strategy)
+    progress = Progress(
+        TextColumn(f"[bold]{strategy:>12}"), BarColumn(), MofNCompleteColumn(), console=console
+    )
+    task = progress.add_task(strategy, total=len(bodies))
+    started = time.perf_counter()
+    with Live(console=console, refresh_per_second=4, transient=False) as live:
+
+        def advance() -> None:
+            progress.advance(task)
+
+        sending = asyncio.ensure_future(
+            run_phase(session, proxy, bodies, result, workload.concurrency, advance)
+        )
+        while not sending.done():
+            await watch.scrape()
+            live.update(Group(_live_table(result, watch, baseline), progress))
+            await asyncio.wait({sending}, timeout=0.5)  # refresh the table twice a second
+        await sending
+        final = await watch.scrape()
+        live.update(Group(_live_table(result, watch, baseline), progress))
+    result.wall_s = time.perf_counter() - started
+    result.engine_queries = sum(
+        final[u].prefix_cache_queries - baseline[u].prefix_cache_queries for u in watch.engines
+    )
+    result.engine_hits = sum(
+        final[u].prefix_cache_hits - baseline[u].prefix_cache_hits for u in watch.engines
+    )
+    return result
+
+
+def comparison_table(results: list[PhaseResult]) -> Table:
+    table = Table(title="round_robin vs kv_aware: same requests, same fleet")
+    table.add_column("figure")
+    for result in results:
+        table.add_column(result.strategy, justify="right")
+    rows: list[tuple[str, Callable[[PhaseResult], str]]] = [
+        ("engine prefix-cache hit rate (engines' counters)", lambda r: f"{r.engine_hit_rate:.1%}"),
+        (
+            "cached tokens reported in responses",
+            lambda r: f"{r.cached_tokens / max(r.prompt_tokens, 1):.1%}",
+        ),
+        ("TTFT p50 (client clock)", lambda r: f"{r.ttft(0.5) * 1e3:.0f} ms"),
+        ("TTFT p90 (client clock)", lambda r: f"{r.ttft(0.9) * 1e3:.0f} ms"),
+        ("requests completed / errors", lambda r: f"{len(r.ttft_s)} / {r.errors}"),
+        ("throughput", lambda r: f"{len(r.ttft_s) / max(r.wall_s, 1e-9):.1f} req/s"),
+    ]
+    for label, render in rows:
+        table.add_row(label, *(render(r) for r in results))
+    return table
+
+
+def write_report(results: list[PhaseResult], out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "demo.json").write_text(json.dumps([r.summary() for r in results], indent=2) + "\n")
+    plot_ttft(results, out_dir / "ttft.png")
+
+
+def plot_ttft(results: list[PhaseResult], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4))
+    for result in results:
+        ordered = sorted(result.ttft_s)
+        if not ordered:
+            continue
+        share = [(i + 1) / len(ordered) for i in range(len(ordered))]
+        axes.step([t * 1e3 for t in ordered], share, where="post", label=result.strategy)
+    axes.set_xscale("log")
+    axes.set_xlabel("time to first token (ms, client clock)")
+    axes.set_ylabel("share of requests")
+    axes.set_title("kvroute demo: TTFT distribution per routing strategy")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+DemoRunner = Callable[..., Awaitable[list[PhaseResult]]]

@@ -1,0 +1,206 @@
+"""``kvroute up`` as a user runs it: a whole fleet of real processes, then SIGTERM.
+
+Each test starts ``kvroute up`` with a marker in its environment, which every child
+inherits; after the launcher exits, no process on the machine may still carry the
+marker, and the run folder must be gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from kvroute.servers import free_port
+
+pytestmark = pytest.mark.e2e
+
+KVROUTE = str(Path(sys.executable).parent / "kvroute")
+KVROUTE_SIM = str(Path(sys.executable).parent / "kvroute-sim")
+UP_TIMEOUT_S = 120
+
+
+@dataclass
+class UpProcess:
+    proc: subprocess.Popen[str]
+    marker: str
+    lines: list[str] = field(default_factory=list)
+
+    def read_until(self, needle: str) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if needle in line:
+                return line
+        raise AssertionError(f"kvroute up ended before {needle!r}:\n" + "\n".join(self.lines))
+
+    def value(self, pattern: str) -> str:
+        for line in self.lines:
+            match = re.search(pattern, line)
+            if match:
+                return match.group(1)
+        raise AssertionError(f"no {pattern!r} in:\n" + "\n".join(self.lines))
+
+
+def _marked_processes(marker: str) -> list[int]:
+    needle = f"KVROUTE_TEST_MARKER={marker}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found
+
+
+@contextmanager
+def kvroute_up(*args: str) -> Iterator[UpProcess]:
+    marker = uuid.uuid4().hex
+    env = {**os.environ, "KVROUTE_TEST_MARKER": marker}
+    proc = subprocess.Popen(
+        [KVROUTE, "up", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    up = UpProcess(proc, marker)
+    try:
+        yield up
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for pid in _marked_processes(marker):  # never leave a stray process behind
+            os.kill(pid, signal.SIGKILL)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def _complete(proxy: str, prompt: str) -> dict[str, object]:
+    import urllib.request
+
+    body = json.dumps({"model": "kvroute/sim-model", "prompt": prompt, "max_tokens": 4})
+    request = urllib.request.Request(
+        f"{proxy}/v1/completions",
+        data=body.encode(),
+        headers={"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.status == 200
+        result: dict[str, object] = json.loads(response.read())
+        return result
+
+
+def _stop_and_check(up: UpProcess, run_dir: Path) -> None:
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.proc.wait(timeout=60) == 0, "\n".join(up.lines)
+    assert _marked_processes(up.marker) == [], "processes outlived kvroute up"
+    assert not run_dir.exists(), "the temporary run folder was left behind"
+
+
+@pytest.mark.parametrize("ha", [False, True], ids=["single", "ha"])
+def test_up_serves_completions_and_stops_cleanly(ha: bool) -> None:
+    port = free_port()
+    flags = ["--replicas", "2", "--proxies", "1", "--port", str(port), "--time-scale", "0"]
+    with kvroute_up(*flags, *(["--ha"] if ha else [])) as up:
+        up.read_until("kvroute is up")
+        run_dir = Path(up.value(r"run folder (\S+?)\)"))
+        assert run_dir.is_dir()
+        proxy = f"http://127.0.0.1:{port}"
+        for index in range(6):
+            answer = _complete(proxy, f"hello number {index} from the kvroute up test")
+            assert answer["choices"], answer
+        assert len(up.value(r"admin API\s+(.+)").split(",")) == (2 if ha else 1)
+        _stop_and_check(up, run_dir)
+
+
+def test_up_against_running_engines() -> None:
+    sim_argv = [KVROUTE_SIM, "--port", "0", "--kv-events-endpoint", "tcp://127.0.0.1:0"]
+    sim_argv += ["--replay-endpoint", "tcp://127.0.0.1:0", "--instant"]
+    sims = [
+        subprocess.Popen(sim_argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(2)
+    ]
+    try:
+        urls = []
+        for sim in sims:
+            assert sim.stdout is not None
+            line = sim.stdout.readline()
+            urls.append(re.search(r"http=(\S+)", line).group(1))  # type: ignore[union-attr]
+        port = free_port()
+        with kvroute_up("--engines", ",".join(urls), "--port", str(port)) as up:
+            up.read_until("kvroute is up")
+            run_dir = Path(up.value(r"run folder (\S+?)\)"))
+            assert up.value(r"engines\s+(.+)") == ", ".join(urls)
+            answer = _complete(
+                f"http://127.0.0.1:{port}", "hello to an engine kvroute did not start"
+            )
+            assert answer["choices"], answer
+            _stop_and_check(up, run_dir)
+        for sim in sims:
+            assert sim.poll() is None, "kvroute up stopped an engine it did not start"
+    finally:
+        for sim in sims:
+            sim.terminate()
+            sim.wait(timeout=10)
+            if sim.stdout is not None:
+                sim.stdout.close()
+
+
+def test_port_in_use_is_one_line_and_exit_2() -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run(
+            [KVROUTE, "up", "--port", str(port)], capture_output=True, text=True, timeout=60
+        )
+    assert result.returncode == 2
+    assert f"port {port}" in result.stderr and "--port" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_engine_that_does_not_answer_is_one_line_and_exit_2() -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    result = subprocess.run(
+        [KVROUTE, "up", "--engines", dead, "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"engine {dead} does not answer" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize(
+    ("flag", "complaint"),
+    [(["--replicas", "0"], "must be at least 1"), (["--engines", "nope"], "expected http")],
+)
+def test_bad_flag_is_one_line_and_exit_2(flag: list[str], complaint: str) -> None:
+    result = subprocess.run([KVROUTE, "up", *flag], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert complaint in result.stderr
+    assert "Traceback" not in result.stderr
