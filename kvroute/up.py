@@ -83,7 +83,7 @@ def _field(line: str, name: str) -> str:
     return match.group(1)
 
 
-def _tool(name: str) -> str:
+def venv_tool_or_fail(name: str) -> str:
     found = venv_tool(name)
     if found is None:
         raise UpError(f"{name} not found: run scripts/bootstrap (it installs kvroute into .venv)")
@@ -145,7 +145,7 @@ class LocalFleet:
     def preflight(self) -> None:
         """What can be checked before starting anything."""
         for tool in ("kvroute-sim", "kvroute-sidecar", "kvroute-controlplane", "kvroute-proxy"):
-            _tool(tool)
+            venv_tool_or_fail(tool)
         for offset in range(self.options.proxies):
             check_port_free(self.options.port + offset)
 
@@ -193,7 +193,7 @@ class LocalFleet:
 
     def _sim_spec(self, index: int) -> ChildSpec:
         argv = [
-            _tool("kvroute-sim"),
+            venv_tool_or_fail("kvroute-sim"),
             "--port", "0",
             "--kv-events-endpoint", "tcp://127.0.0.1:0",
             "--replay-endpoint", "tcp://127.0.0.1:0",
@@ -211,7 +211,7 @@ class LocalFleet:
     async def _start_control_planes(self) -> None:
         for index in range(2 if self.options.ha else 1):
             argv = [
-                _tool("kvroute-controlplane"),
+                venv_tool_or_fail("kvroute-controlplane"),
                 "--nats-url", self.fleet.nats_url,
                 "--etcd-endpoints", self.fleet.etcd_endpoint,
                 "--database-url", f"sqlite+aiosqlite:///{self.fleet.run_dir / 'kvroute.db'}",
@@ -235,7 +235,7 @@ class LocalFleet:
         for index, url in enumerate(self.fleet.engines):
             port = free_port()
             argv = [
-                _tool("kvroute-sidecar"),
+                venv_tool_or_fail("kvroute-sidecar"),
                 "--engine-url", url,
                 "--engine-kind", "sglang" if self._is_sglang() else "vllm",
                 "--nats-url", self.fleet.nats_url,
@@ -258,10 +258,11 @@ class LocalFleet:
     async def _start_proxies(self) -> None:
         for index in range(self.options.proxies):
             argv = [
-                _tool("kvroute-proxy"),
+                venv_tool_or_fail("kvroute-proxy"),
                 "--port", str(self.options.port + index),
                 "--controlplane", ",".join(self.fleet.grpc_addresses),
                 "--tokenizer", self.options.tokenizer,
+                "--debug-headers",
             ]  # fmt: skip
             child = await self.supervisor.start(
                 ChildSpec(f"proxy-{index}", argv, ready_line="kvroute-proxy ready")
