@@ -264,9 +264,14 @@ class LocalFleet:
                 "--tokenizer", self.options.tokenizer,
                 "--debug-headers",
             ]  # fmt: skip
-            child = await self.supervisor.start(
-                ChildSpec(f"proxy-{index}", argv, ready_line="kvroute-proxy ready")
+            port = self.options.port + index
+            spec = ChildSpec(
+                f"proxy-{index}",
+                argv,
+                ready_line="kvroute-proxy ready",
+                ready_url=f"http://127.0.0.1:{port}/readyz",  # routable replicas known
             )
+            child = await self.supervisor.start(spec)
             self.fleet.proxy_urls.append(_field(child.ready_text, "http"))
         self.say(f"  proxies     {', '.join(self.fleet.proxy_urls)}")
 
