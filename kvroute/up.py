@@ -378,7 +378,8 @@ async def _serve(
         if showing is not None and showing in done:
             failure = showing.exception()
             if failure is not None:
-                raise failure
+                print(f"kvroute up: the demo failed: {failure}", file=sys.stderr, flush=True)
+                return 1
             if demo_only:
                 return 0
             showing = None
