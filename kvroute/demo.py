@@ -182,7 +182,7 @@ async def send_one(
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
-                if first is None and chunk.get("choices"):
+                if first is None and _has_token(chunk):
                     first = time.perf_counter() - started
                 usage = chunk.get("usage") or usage
     except (aiohttp.ClientError, TimeoutError, ValueError):
@@ -196,6 +196,15 @@ async def send_one(
     result.prompt_tokens += int(usage.get("prompt_tokens", 0))
     details = usage.get("prompt_tokens_details") or {}
     result.cached_tokens += int(details.get("cached_tokens") or 0)
+
+
+def _has_token(chunk: dict[str, Any]) -> bool:
+    """Whether a streamed chunk carries generated text (not only the role or usage)."""
+    for choice in chunk.get("choices") or ():
+        delta = choice.get("delta") or {}
+        if delta.get("content") or choice.get("text"):
+            return True
+    return False
 
 
 def _live_table(result: PhaseResult, watch: EngineWatch, baseline: dict[str, EngineLoad]) -> Table:
