@@ -339,10 +339,13 @@ class KeyMapper:
 
 
 def _window_resident(block: _Block | None) -> bool:
-    """``True`` if ``block`` and the blocks before it in its window are all cached."""
+    """``True`` if ``block`` and the blocks before it in its window are all cached. The
+    window begins in the last block that completed a router block (its tail)."""
     while block is not None:
         if not block.resident:
             return False
+        if block.keys:
+            return True
         block = block.window_parent
     return True
 

@@ -274,3 +274,29 @@ def test_held_lists_parents_first_after_a_parent_is_removed_and_stored_again() -
     mapper.apply(BlockStored((hashes[0],), None, tuple(tokens[:16]), 16))
     assert len(list(mapper.held())) == 3
     assert_parents_first(mapper)
+
+
+def test_opaque_blocks_and_their_children_hold_no_key() -> None:
+    """Two prompts whose image placeholders are the same tokens but whose images differ:
+    router keys cannot tell them apart, so blocks from the image on are not keyed."""
+    mapper = KeyMapper(MODEL, 16)
+    tokens = tuple(range(64))
+    text_key = block_keys(list(tokens[:16]), model=MODEL)[0]
+    image_a = BlockStored((1, 2, 3), None, tokens[:48], 16, opaque_from=1)
+    image_b = BlockStored((1, 7, 8), None, tokens[:48], 16, opaque_from=1)
+    assert mapper.apply(image_a) == [RouterStored((text_key,), None)]
+    assert mapper.apply(image_b) == []
+    assert mapper.apply(BlockStored((4,), 3, tokens[48:], 16)) == []  # chained after
+    assert held_keys(mapper) == {text_key}
+
+
+def test_a_key_needs_only_the_blocks_of_its_own_router_block() -> None:
+    """SGLang pages that do not line up with router blocks: the page that completes key 0
+    also starts key 1. Evicting a page of key 0 must not keep key 1 from being held."""
+    mapper = KeyMapper(MODEL, 32)
+    tokens = tuple(range(68))
+    k0, k1 = block_keys(list(tokens), model=MODEL, block_size=32)
+    mapper.apply(BlockStored((1, 2), None, tokens[:20], 16))  # pages [0:16] and [16:20]
+    mapper.apply(BlockStored((3, 4), 2, tokens[20:52], 16))  # [20:36] completes key 0
+    assert mapper.apply(BlockRemoved((1,))) == [RouterRemoved((k0,))]
+    assert mapper.apply(BlockStored((5,), 4, tokens[52:68], 16)) == [RouterStored((k1,), k0)]
