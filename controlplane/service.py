@@ -163,7 +163,13 @@ class ControlPlane:
             shards=self._shards,
         )
         await self.ingest.start()
-        await self.leadership.start()
+        try:
+            await self.leadership.start()
+        except aetcd.ClientError as exc:
+            endpoints = ",".join(s.etcd_endpoints)
+            raise ServiceError(
+                f"etcd at {endpoints} did not answer ({type(exc).__name__})"
+            ) from exc
         self._tasks.append(asyncio.create_task(self.broadcaster.run()))
         self.routing = RoutingStateService(self.broadcaster, self.records.reports, s.served_pools())
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -15,8 +16,12 @@ from bench.controlplane.mirror import REPORT_METHOD, StateMirror, watch
 from controlplane.service import ControlPlane, CountingSink
 from controlplane.settings import ControlPlaneSettings
 from kvcore.pb import routing_pb2
-from kvroute.servers import EtcdServer, NatsServer
-from tests.integration.controlplane_harness import SidecarDouble, server_certificate
+from kvroute.servers import EtcdServer, NatsServer, free_port
+from tests.integration.controlplane_harness import (
+    CONTROLPLANE_BIN,
+    SidecarDouble,
+    server_certificate,
+)
 from tests.integration.sidecar_harness import wait_until
 
 
@@ -194,3 +199,22 @@ async def test_many_watchers_and_a_slow_one_dropped_without_stalling_them(
         await slow_channel.close()
         await sidecar.stop()
         await service.aclose()
+
+
+def test_an_unreachable_etcd_is_one_line_and_exit_status_1(nats_server: NatsServer) -> None:
+    port = free_port()
+    done = subprocess.run(
+        [
+            str(CONTROLPLANE_BIN),
+            *("--nats-url", nats_server.url, "--etcd-endpoints", f"127.0.0.1:{port}"),
+            *("--admin-port", "0", "--grpc-port", "0"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert done.stdout == ""
+    assert done.stderr.splitlines()[-1] == (
+        f"kvroute-controlplane: etcd at 127.0.0.1:{port} did not answer (ConnectionFailedError)"
+    )
