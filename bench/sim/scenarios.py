@@ -17,8 +17,9 @@ from bench.sim.engine import EngineShape
 from bench.sim.simulator import SimConfig
 from bench.sim.workloads import MooncakeTrace, MultiTurn, NoReuse, Rag, SharedPrefix, Workload
 
-DEFAULT_TRACE = Path("../shared/data/mooncake_conversation_trace.jsonl")
-DEFAULT_SHAREGPT = Path("../shared/data/sharegpt_v3_partial_turn_lengths.jsonl")
+SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"  # beside the project
+DEFAULT_TRACE = SHARED_DATA / "mooncake_conversation_trace.jsonl"
+DEFAULT_SHAREGPT = SHARED_DATA / "sharegpt_v3_partial_turn_lengths.jsonl"
 LINEUP = (*KVROUTE, "kv_aware:locality_weight=0.5", *PEERS)
 
 
@@ -132,8 +133,9 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             "mooncake",
-            "Mooncake conversation trace, time compressed 3x, 16 replicas of 16,384 blocks",
-            SimConfig(replicas=16, shape=_shape(16384)),
+            "Mooncake conversation trace, time compressed 3x, 16 replicas of 65,536 blocks "
+            "(1M tokens each, as with Mooncake's DRAM pool)",
+            SimConfig(replicas=16, shape=_shape(65536)),
             _mooncake,
             goals=("mooncake_ttft",),
         ),

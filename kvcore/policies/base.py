@@ -41,13 +41,17 @@ class ReplicaState:
     queued_prefill_tokens: float | None = None  # prompt tokens waiting, if known
     # derived once (policies read them for every replica on every request):
     requests: int = field(init=False, compare=False)  # running + waiting + unreported
-    load: float = field(init=False, compare=False)  # max(requests / capacity, kv_usage), 0-1
+    load: float = field(init=False, compare=False)  # max(reported, kv_usage) + unreported, 0-1
 
     def __post_init__(self) -> None:
-        requests = self.running + self.waiting + self.unreported
-        occupancy = requests / max(self.capacity, 1)
-        object.__setattr__(self, "requests", requests)
-        object.__setattr__(self, "load", min(1.0, max(occupancy, self.kv_usage, 0.0)))
+        reported = self.running + self.waiting
+        capacity = max(self.capacity, 1)
+        object.__setattr__(self, "requests", reported + self.unreported)
+        # unreported requests add on top of whichever reported measure dominates: with
+        # max() alone they vanish under a higher KV usage and a proxy herds every request
+        # of a report period to the replica whose last report was lowest
+        measured = max(reported / capacity, self.kv_usage, 0.0)
+        object.__setattr__(self, "load", min(1.0, measured + self.unreported / capacity))
 
 
 class StateView(Protocol):
