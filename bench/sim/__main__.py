@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> list[ScenarioResult]:
     inputs = Inputs(
         quick=args.quick, trace=args.trace, data=args.data, requests=args.requests, seed=args.seed
     )
-    names = args.scenario or list(SCENARIOS)
+    names = args.scenario or [name for name, s in SCENARIOS.items() if s.in_default_run]
     if args.quick and not args.scenario:
         names = ["shared_prefix", "no_reuse"]
     results = []

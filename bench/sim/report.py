@@ -130,7 +130,7 @@ def plot_scenario(result: ScenarioResult, path: Path) -> None:
     share.set(title="per-replica share of requests", xlabel="replica", ylabel="share")
     fig.suptitle(f"{result.name}: {result.replicas} replicas, {result.router_instances} router(s)")
     fig.tight_layout()
-    fig.savefig(path, dpi=70)
+    fig.savefig(path, dpi=60)
     plt.close(fig)
 
 

@@ -191,10 +191,23 @@ def _no_reuse(result: ScenarioResult) -> GoalCheck:
     return GoalCheck(goal, met, f"TTFT {ttft:.3f}x, throughput {thr:.3f}x round_robin's")
 
 
+def _speed(result: ScenarioResult) -> GoalCheck:
+    goal = "a 64-replica, 100,000-request run in under 60 s of wall time"
+    run = result.runs[0] if result.runs else None
+    if run is None:
+        return GoalCheck(goal, None, "not run")
+    detail = (
+        f"{run.requests:,} requests, {result.replicas} replicas: {run.wall_s:.1f} s "
+        f"({run.decision_us:.0f} us of it per routing decision)"
+    )
+    return GoalCheck(goal, run.requests >= 100_000 and run.wall_s < 60, detail)
+
+
 GOALS: dict[str, Callable[[ScenarioResult], GoalCheck]] = {
     "hit_vs_oracle": _hit_vs_oracle,
     "ahead_of_sglang": _ahead_of_sglang,
     "kv_beats_rr": _kv_beats_rr,
     "mooncake_ttft": _mooncake_ttft,
     "no_reuse": _no_reuse,
+    "speed": _speed,
 }

@@ -107,7 +107,7 @@ class ScaleResult:
         by_fleet.legend()
         by_prompt.legend()
         fig.tight_layout()
-        fig.savefig(path, dpi=70)
+        fig.savefig(path, dpi=60)
         plt.close(fig)
 
 

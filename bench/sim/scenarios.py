@@ -42,6 +42,7 @@ class Scenario:
     workload: Callable[[Inputs], Workload | None]  # None: its input file is missing
     policies: tuple[str, ...] = LINEUP
     goals: tuple[str, ...] = field(default=())
+    in_default_run: bool = True  # False: only when named with --scenario
 
 
 def _shape(num_blocks: int, max_num_seqs: int = 64) -> EngineShape:
@@ -77,6 +78,13 @@ def _multi_turn(inputs: Inputs) -> Workload:
 def _rag(inputs: Inputs) -> Workload:
     requests = 300 if inputs.quick else inputs.requests or 5000
     return Rag(requests=requests, rate=25.0, seed=inputs.seed)
+
+
+def _speed(inputs: Inputs) -> Workload:
+    if inputs.quick:
+        return SharedPrefix(groups=64, prompts_per_group=16, rate=200.0, seed=inputs.seed)
+    per_group = (inputs.requests or 100_032) // 64
+    return SharedPrefix(prompts_per_group=per_group, rate=200.0, seed=inputs.seed, name="speed")
 
 
 def _no_reuse(inputs: Inputs) -> Workload:
@@ -140,11 +148,38 @@ SCENARIOS: dict[str, Scenario] = {
             goals=("mooncake_ttft",),
         ),
         Scenario(
+            "mooncake_100ms_load",
+            "the Mooncake run with engine load sampled every 100 ms instead of 500 ms "
+            "(a faster sidecar heartbeat)",
+            SimConfig(replicas=16, shape=_shape(65536), load_period_s=0.1),
+            _mooncake,
+            policies=("round_robin", "least_load", "kv_aware", "kv_cost", "random"),
+            goals=("mooncake_ttft",),
+        ),
+        Scenario(
+            "shared_prefix_100ms_load",
+            "the shared-prefix run with engine load sampled every 100 ms instead of 500 ms",
+            SimConfig(replicas=8, shape=_shape(4096), load_period_s=0.1),
+            _shared_prefix,
+            policies=("round_robin", "least_load", "kv_aware", "kv_cost", "sglang:cache_aware"),
+            goals=("hit_vs_oracle", "ahead_of_sglang", "kv_beats_rr"),
+        ),
+        Scenario(
             "no_reuse",
             "unique 1,024-token prompts (negative control), 8 replicas of 4,096 blocks",
             SimConfig(replicas=8, shape=_shape(4096)),
             _no_reuse,
             goals=("no_reuse",),
+        ),
+        Scenario(
+            "speed",
+            "simulator speed: shared prefix (64 groups, 2048/128/256), 100,032 requests at "
+            "200/s on 64 replicas of 8,192 blocks, kv_aware; target: under 60 s of wall time",
+            SimConfig(replicas=64, shape=_shape(8192)),
+            _speed,
+            policies=("kv_aware",),
+            goals=("speed",),
+            in_default_run=False,
         ),
     )
 }
