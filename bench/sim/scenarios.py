@@ -145,6 +145,11 @@ SCENARIOS: dict[str, Scenario] = {
             "(1M tokens each, as with Mooncake's DRAM pool)",
             SimConfig(replicas=16, shape=_shape(65536)),
             _mooncake,
+            policies=(
+                *KVROUTE,
+                "kv_cost:queued_request_tokens=12000,prefill_tokens_per_s=10000",
+                *PEERS,
+            ),
             goals=("mooncake_ttft",),
         ),
         Scenario(
