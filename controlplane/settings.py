@@ -126,6 +126,40 @@ class ControlPlaneSettings(BaseSettings):
         "environment, e.g. KVROUTE_NATS_TOKEN ('' = none).",
     )
 
+    # --- records: stats rollups and hit-rate alerts -----------------------------------------
+    alert_hit_ratio: float = Field(
+        default=0.7,
+        gt=0,
+        le=1,
+        description="A workload's hit-rate alert opens when its measured hit ratio over "
+        "the alert window falls below this fraction of its trailing baseline.",
+    )
+    alert_window_minutes: int = Field(
+        default=10, ge=1, le=1440, description="Minutes the measured hit ratio is taken over."
+    )
+    alert_baseline_hours: float = Field(
+        default=24.0, gt=0, le=24 * 30, description="Hours of the trailing baseline."
+    )
+    alert_min_requests: int = Field(
+        default=100,
+        ge=1,
+        description="Measured requests the window and the baseline each need to judge.",
+    )
+    alert_interval_s: float = Field(
+        default=30.0, gt=0, le=3600, description="How often the leader evaluates alerts."
+    )
+    rollup_interval_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=600,
+        description="How often the leader rolls proxies' reports into per-minute stats.",
+    )
+    stats_retention_days: float = Field(
+        default=30.0,
+        gt=0,
+        description="Per-minute stats and rolled-up reports older than this are deleted.",
+    )
+
     # --- gRPC RoutingState: what proxies watch --------------------------------------------
     grpc_host: str = Field(default="127.0.0.1", description="Bind address of the gRPC server.")
     grpc_port: int = Field(default=50051, ge=0, le=65535, description="gRPC port.")

@@ -15,6 +15,9 @@ Subjects (core NATS)::
 etcd keys, below a configurable prefix (default ``/kvroute/v1/``)::
 
     workloads/<name>                      workload policy (JSON)
+    models/<name>                         model entry (JSON: tokenizer, block size, pool)
+    rules                                 classification rules and default workload (JSON)
+    api-keys/<id>                         a hashed inference API key (JSON)
     pools/<pool>/replicas/<replica>       membership, on the leader's lease
     pools/<pool>/shard                    which shard serves the pool
     shards/<shard>/leader                 leader election
@@ -128,6 +131,21 @@ class EtcdKeys:
 
     def workload(self, name: str) -> str:
         return f"{self.workloads_prefix()}{check_name('workload', name)}"
+
+    def models_prefix(self) -> str:
+        return f"{self.prefix}models/"
+
+    def model(self, name: str) -> str:
+        return f"{self.models_prefix()}{check_name('model', name)}"
+
+    def rules(self) -> str:
+        return f"{self.prefix}rules"
+
+    def api_keys_prefix(self) -> str:
+        return f"{self.prefix}api-keys/"
+
+    def api_key(self, key_id: str) -> str:
+        return f"{self.api_keys_prefix()}{check_name('api key id', key_id)}"
 
     def replicas_prefix(self, pool: str) -> str:
         return f"{self.prefix}pools/{check_name('pool', pool)}/replicas/"

@@ -25,6 +25,7 @@ from kvcore.workload.model import (
     Workload,
     WorkloadBase,
 )
+from kvcore.workload.model_spec import ModelSpec
 
 __all__ = [
     "STRATEGIES",
@@ -35,6 +36,7 @@ __all__ = [
     "KvCostWorkload",
     "LeastLoadWorkload",
     "MatchRule",
+    "ModelSpec",
     "PrefixHashWorkload",
     "RequestInfo",
     "RoundRobinWorkload",
@@ -45,6 +47,7 @@ __all__ = [
     "WorkloadBase",
     "WorkloadError",
     "parse_config",
+    "parse_model",
     "parse_workload",
 ]
 
@@ -74,3 +77,9 @@ def parse_config(data: str | bytes | dict[str, Any]) -> RoutingConfig:
     """A validated routing config from JSON text or a decoded JSON object."""
     config: RoutingConfig = _parse(RoutingConfig, data, "config")
     return config
+
+
+def parse_model(data: str | bytes | dict[str, Any]) -> ModelSpec:
+    """A validated model entry from JSON text or a decoded JSON object."""
+    spec: ModelSpec = _parse(ModelSpec, data, "model")
+    return spec

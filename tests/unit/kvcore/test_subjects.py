@@ -53,6 +53,10 @@ def test_etcd_keys_live_below_the_configured_prefix() -> None:
     assert keys.replica("default", "r1") == "/kvroute/v1/pools/default/replicas/r1"
     assert keys.shard_leader("all") == "/kvroute/v1/shards/all/leader"
     assert keys.pool_shard("default") == "/kvroute/v1/pools/default/shard"
+    assert keys.model("llama-8b") == "/kvroute/v1/models/llama-8b"
+    assert keys.rules() == "/kvroute/v1/rules"
+    assert keys.api_key("k1") == "/kvroute/v1/api-keys/k1"
+    assert keys.name_in(keys.model("m"), keys.models_prefix()) == "m"
     custom = EtcdKeys("/team-a/kv/")
     assert custom.workload("x").startswith("/team-a/kv/workloads/")
     assert custom.name_in(custom.workload("x"), custom.workloads_prefix()) == "x"

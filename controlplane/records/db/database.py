@@ -1,0 +1,70 @@
+"""The SQL engine: one per control plane, migrated to head at start-up.
+
+SQLite (a file, no server: the default) and PostgreSQL are both supported through
+SQLAlchemy's async drivers (``sqlite+aiosqlite://``, ``postgresql+asyncpg://``). A
+session is opened per admin request or per background step; repositories never commit,
+services do.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import event, text
+from sqlalchemy.engine import Connection
+from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
+
+MIGRATIONS_DIR = Path(__file__).resolve().parents[3] / "migrations"
+SQLITE_BUSY_TIMEOUT_S = 30
+
+
+class Database:
+    """An async engine, its session factory and the migrations."""
+
+    def __init__(self, url: str, *, migrations_dir: Path = MIGRATIONS_DIR) -> None:
+        self.engine: AsyncEngine = create_async_engine(url, **_engine_options(url))
+        self.sessions = async_sessionmaker(self.engine, expire_on_commit=False)
+        self.dialect = self.engine.dialect.name
+        self._migrations_dir = migrations_dir
+        if self.dialect == "sqlite":
+            event.listen(self.engine.sync_engine, "connect", _sqlite_pragmas)
+
+    async def migrate(self) -> None:
+        """Bring the schema to the newest migration (the only way tables are made)."""
+        async with self.engine.connect() as connection:
+            await connection.run_sync(self._upgrade)
+            await connection.commit()
+
+    def _upgrade(self, connection: Connection) -> None:
+        config = Config()
+        config.set_main_option("script_location", str(self._migrations_dir))
+        config.attributes["connection"] = connection
+        command.upgrade(config, "head")
+
+    async def ping(self) -> bool:
+        """Whether the database answers."""
+        try:
+            async with self.engine.connect() as connection:
+                await connection.execute(text("SELECT 1"))
+        except Exception:  # any driver or network failure means "not ready"
+            return False
+        return True
+
+    async def aclose(self) -> None:
+        await self.engine.dispose()
+
+
+def _engine_options(url: str) -> dict[str, Any]:
+    if url.startswith("sqlite"):
+        return {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_S}}
+    return {"pool_pre_ping": True}
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")  # WAL stays consistent; fsync per checkpoint
+    cursor.close()
