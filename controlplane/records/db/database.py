@@ -15,10 +15,13 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import event, text
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[3] / "migrations"
 SQLITE_BUSY_TIMEOUT_S = 30
+SQLITE_MIGRATE_ATTEMPTS = 5
+MIGRATION_LOCK_KEY = 0x6B76726F757465  # "kvroute": the advisory lock migrations hold
 
 
 class Database:
@@ -33,8 +36,27 @@ class Database:
             event.listen(self.engine.sync_engine, "connect", _sqlite_pragmas)
 
     async def migrate(self) -> None:
-        """Bring the schema to the newest migration (the only way tables are made)."""
+        """Bring the schema to the newest migration (the only way tables are made).
+
+        Both control-plane instances may start at once against an empty database: on
+        PostgreSQL a transaction-scoped advisory lock lets one migrate while the other
+        waits and then finds the schema at head; SQLite serializes writers, and the one
+        that planned against the old schema retries.
+        """
+        for attempt in range(1, SQLITE_MIGRATE_ATTEMPTS + 1):
+            try:
+                await self._migrate_once()
+                return
+            except (OperationalError, IntegrityError):
+                if self.dialect != "sqlite" or attempt == SQLITE_MIGRATE_ATTEMPTS:
+                    raise
+
+    async def _migrate_once(self) -> None:
         async with self.engine.connect() as connection:
+            if self.dialect == "postgresql":
+                await connection.execute(
+                    text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY}
+                )
             await connection.run_sync(self._upgrade)
             await connection.commit()
 
