@@ -100,6 +100,18 @@ class _LogWatcher:
                 return True
 
 
+def as_user(user: str | None, command: list[str]) -> list[str]:
+    """``command`` run as ``user`` (group ``nogroup``) through ``runuser``, or as is.
+
+    Not ``Popen(user=...)``: that makes subprocess ``fork()`` instead of ``vfork()``, and
+    a fork in a process with gRPC threads (the tests' etcd clients) runs gRPC's fork
+    handlers in the child, which can crash it before it execs the server.
+    """
+    if user is None:
+        return command
+    return ["runuser", "-u", user, "-g", "nogroup", "--", *command]
+
+
 class LocalServer:
     """A server process that is ready once a known line appears in its log."""
 
@@ -127,17 +139,14 @@ class LocalServer:
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> Self:
         self.prepare()
-        user = self.popen_user()
         self._proc = subprocess.Popen(
-            self.command(),
+            as_user(self.popen_user(), self.command()),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             text=True,
             cwd=self.workdir,
             start_new_session=True,
-            user=user,
-            group="nogroup" if user else None,
         )
         self._log = _LogWatcher(self._proc)
         deadline = time.monotonic() + self.start_timeout_s
@@ -291,19 +300,17 @@ class PostgresServer(LocalServer):
         if user is not None:
             os.chown(self.workdir, 65534, 65534)
         result = subprocess.run(
-            [
+            as_user(user, [
                 str(self._bindir / "initdb"),
                 "-D", str(self._datadir),
                 "-U", self.user,
                 "--auth=trust",
                 "--encoding=UTF8",
                 "--no-sync",
-            ],
+            ]),
             cwd=self.workdir,
             capture_output=True,
             text=True,
-            user=user,
-            group="nogroup" if user else None,
             check=False,
         )  # fmt: skip
         if result.returncode != 0:
