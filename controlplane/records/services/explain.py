@@ -30,6 +30,7 @@ from kvcore.workload import (
     RequestInfo,
     RoutingConfig,
     UnknownWorkload,
+    Workload,
     WorkloadError,
 )
 
@@ -59,7 +60,7 @@ class Explainer:
         keys = block_keys(
             tokens,
             model=spec.canonical,
-            namespace=chosen.key_namespace(tenant),
+            namespace=key_namespace(body, chosen, tenant),
             block_size=spec.block_size,
         )
         ctx = RouteContext(
@@ -140,6 +141,19 @@ class Explainer:
             raise InvalidInput(f"body.request.{exc.field}", str(exc)) from None
         except (TokenizerError, TypeError, ValueError) as exc:
             raise InvalidInput("body.request", str(exc)) from None
+
+
+def key_namespace(body: Mapping[str, Any], workload: Workload, tenant: str | None) -> str:
+    """The block keys' namespace, as the proxy picks it: the request's ``cache_salt``,
+    else, for a workload with tenant isolation, the tenant (given, else the body's
+    ``prompt_cache_key``)."""
+    salt = body.get("cache_salt")
+    if isinstance(salt, str):
+        return salt
+    if not workload.tenant_isolation:
+        return ""
+    cache_key = body.get("prompt_cache_key")
+    return tenant or (cache_key if isinstance(cache_key, str) else "")
 
 
 def _size(body: Mapping[str, Any]) -> int:

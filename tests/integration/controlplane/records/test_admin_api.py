@@ -265,6 +265,12 @@ async def test_replicas_drain_residency_and_explain(make_records: RecordsFactory
         reasons = {r["replica_id"]: r for r in decision["replicas"]}
         assert reasons["r1"]["hit_blocks"] == len(keys)
 
+        # a cache_salt keys the prompt apart, as the proxy does: nobody holds it
+        salted = {"request": {**request, "cache_salt": "tenant-b"}}
+        status, body, _ = await admin.call("POST", "/v1/route/explain", json=salted)
+        assert status == 200
+        assert all(r.get("hit_blocks", 0) == 0 for r in body["decision"]["replicas"])
+
         status, body, _ = await admin.call(
             "POST", "/v1/route/explain", json={"request": {"model": "sim"}}
         )
