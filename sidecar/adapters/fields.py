@@ -171,7 +171,14 @@ def check_token_count(stored: BlockStored, *, allow_partial_last: bool) -> Block
     return stored
 
 
-def stored_event(fields: Fields, *, namespace: str, lora_name: str, partial: bool) -> BlockStored:
+def stored_event(
+    fields: Fields,
+    *,
+    namespace: str,
+    lora_name: str,
+    partial: bool,
+    opaque_from: int | None = None,
+) -> BlockStored:
     """A :class:`BlockStored` from the fields both engine families share."""
     event = BlockStored(
         block_hashes=hashes(require(fields, "block_hashes")),
@@ -184,6 +191,7 @@ def stored_event(fields: Fields, *, namespace: str, lora_name: str, partial: boo
         group=small_int(fields.get("group_idx"), "group_idx", default=0),
         lora_name=lora_name,
         namespace=namespace,
+        opaque_from=opaque_from,
     )
     return check_token_count(event, allow_partial_last=partial)
 

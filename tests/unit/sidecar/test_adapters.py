@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 import pytest
 from hypothesis import given, settings
@@ -50,7 +52,12 @@ def test_every_wire_format_decodes_to_the_events_it_encodes(name: str) -> None:
     lora = "lora-7" if fmt.lora == "id" else "sql-adapter"
     events = sample_events(salted, lora)
     batch = adapter_for(fmt.engine).decode(encode_batch(events, fmt, ts=2.5, rank=0))
-    assert batch.events == tuple(events)
+    expected = list(events)
+    first = events[0]
+    if name == "vllm-0.18" and salted and isinstance(first, BlockStored):
+        # a bare salt there may as well be an image: the run is not keyed
+        expected[0] = dataclasses.replace(first, namespace="", opaque_from=0)
+    assert batch.events == tuple(expected)
     assert batch.rejected == ()
     assert batch.ts == 2.5
 
@@ -236,3 +243,77 @@ def test_any_msgpack_value_decodes_or_raises_frame_error(raw: object, engine: st
         if isinstance(event, BlockStored):
             assert all(0 <= h < 1 << 64 for h in event.block_hashes)
             assert event.block_size >= 1
+
+
+def vllm_0_18_stored(
+    extra_keys: object, parent: int | None = None, blocks: int = 2
+) -> list[object]:
+    """A vLLM 0.15-0.18 ``BlockStored`` (9 fields: extra keys, no group index)."""
+    hashes = list(range(1, blocks + 1))
+    return [
+        "BlockStored",
+        hashes,
+        parent,
+        list(range(16 * blocks)),
+        16,
+        None,
+        "GPU",
+        None,
+        extra_keys,
+    ]
+
+
+def test_vllm_0_18_image_identifier_is_not_taken_for_a_cache_salt() -> None:
+    """Before 0.21 an image identifier is a bare string, like the salt: ``[["img-hash"],
+    None]`` is a salt or an image, so the run is not keyed under either reading."""
+    (event,) = decode("vllm", [1.0, [vllm_0_18_stored([["img-hash-abc"], None])], 0]).events
+    assert isinstance(event, BlockStored)
+    assert event.namespace == "" and event.opaque_from == 0
+
+
+def test_vllm_0_18_image_in_a_later_block_makes_it_and_the_rest_opaque() -> None:
+    stored = vllm_0_18_stored([None, ["img-hash-abc"], None], blocks=3)
+    (event,) = decode("vllm", [1.0, [stored], 0]).events
+    assert isinstance(event, BlockStored) and event.opaque_from == 1
+
+
+def test_vllm_0_18_lora_name_alone_in_extra_keys_is_keyed() -> None:
+    stored = vllm_0_18_stored([["sql"], ["sql"]])
+    stored[7] = "sql"
+    (event,) = decode("vllm", [1.0, [stored], 0]).events
+    assert isinstance(event, BlockStored)
+    assert (event.lora_name, event.namespace, event.opaque_from) == ("sql", "", None)
+
+
+@pytest.mark.parametrize(
+    ("extra_keys", "namespace", "opaque_from"),
+    [
+        ([["tenant-a"], None], "tenant-a", None),  # 0.21-0.29: a bare string is the salt
+        ([[["cache_salt", "tenant-a"]], None], "tenant-a", None),  # tagged (0.33)
+        ([[["img-1", 0]], [["img-1", 16]]], "", 0),  # (identifier, offset): an image
+        ([None, [["img-1", 3]]], "", 1),
+        ([["tenant-a", ["img-1", 0]], None], "", 0),
+        ([["a", "b"], None], "", 0),  # two bare strings: which is the salt?
+        ([None, ["stray"]], "", 1),  # a salt only ever sits in the first block
+        ([None, [b"\x01" * 32]], "", 1),  # prompt embeddings digest
+        ("garbage", "", 0),
+    ],
+)
+def test_vllm_extra_keys_other_than_lora_and_salt_make_blocks_opaque(
+    extra_keys: object, namespace: str, opaque_from: int | None
+) -> None:
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": [1, 2],
+        "parent_block_hash": None,
+        "token_ids": list(range(32)),
+        "block_size": 16,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "extra_keys": extra_keys,
+        "group_idx": 0,
+    }
+    (event,) = decode("vllm", [1.0, [stored], 0]).events
+    assert isinstance(event, BlockStored)
+    assert (event.namespace, event.opaque_from) == (namespace, opaque_from)
