@@ -14,6 +14,7 @@ incomplete: keys go missing rather than stale. Whatever arrives next is keyed ag
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -27,10 +28,13 @@ from kvcore.engine_events import (
     EngineEventBatch,
 )
 from sidecar.adapters import EngineAdapter
+from sidecar.adapters.sglang import UNCHAINED_HASHES, UNCHAINED_MESSAGE
 from sidecar.errors import FrameError
 from sidecar.key_mapper import KeyMapper, MapperStats, RouterCleared
 from sidecar.outbox import Outbox
 from sidecar.zmq_source import EngineRestarted, Frame, FramesLost, HistoryReplay
+
+log = logging.getLogger(__name__)
 
 REBUILD_CHUNK_FRAMES = 200
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -94,11 +98,12 @@ class Pipeline:
         self.mapper = KeyMapper(model, router_block_size, stats=self.mapper_stats)
         self._incomplete: set[int] = set()  # ranks whose state may be missing blocks
         self._rebuilding: set[int] = set()  # ranks half way through a history rebuild
+        self.refusal: str | None = None  # why this engine's stores cannot be keyed at all
         self.engine_block_size = 0
 
     @property
     def state_incomplete(self) -> bool:
-        return bool(self._incomplete or self._rebuilding)
+        return bool(self._incomplete or self._rebuilding or self.refusal)
 
     def handle(self, item: Frame | EngineRestarted | FramesLost, rank: int = 0) -> bool:
         """Apply one source item; ``True`` if the state changed in a way worth announcing.
@@ -125,8 +130,10 @@ class Pipeline:
             self.outbox.add(withdrawn, received_ns)
 
     def _restarted(self, rank: int) -> None:
-        """One engine: a new epoch opening with a clear. A rank of several: its blocks go."""
+        """One engine: a new epoch opening with a clear. A rank of several: its blocks go.
+        A refused engine may come back upgraded: its next store says again if not."""
         self._incomplete.discard(rank)
+        self.refusal = None
         now = time.monotonic_ns()
         if self.ranks == 1:
             self.mapper.clear()
@@ -146,6 +153,9 @@ class Pipeline:
             return None
         for reason in batch.rejected:
             _bump(self.stats.events_rejected, reason)
+        if UNCHAINED_HASHES in batch.rejected and self.refusal is None:
+            self.refusal = UNCHAINED_MESSAGE
+            log.error(UNCHAINED_MESSAGE)
         return batch
 
     def _replay_frame(self, frame: Frame, rank: int) -> None:
@@ -154,13 +164,16 @@ class Pipeline:
             self._apply_batch(batch, rank, None)
 
     def handle_frame(self, frame: Frame, rank: int = 0) -> bool:
-        """Decode and translate one frame; ``True`` if it revealed an unknown parent or
-        lost events (the service may then ask for the engine's history)."""
+        """Decode and translate one frame; ``True`` if it revealed an unknown parent,
+        lost events (the service may then ask for the engine's history) or an engine
+        whose stores cannot be keyed (worth announcing at once)."""
+        refused = self.refusal
         batch = self._decode(frame, rank, frame.received_ns)
         if batch is None:
             return True
         self.stats.engine_lag_s = max(0.0, time.time() - batch.ts)
-        return self._apply_batch(batch, rank, frame.received_ns)
+        changed = self._apply_batch(batch, rank, frame.received_ns)
+        return changed or self.refusal is not refused
 
     def _apply_batch(self, batch: EngineEventBatch, rank: int, received_ns: int | None) -> bool:
         """Apply a decoded batch (published unless ``received_ns`` is ``None``); ``True``

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 _HISTORY_RETRY_S = 5.0
 _YIELD_EVERY = 32
+REFUSED_LABEL = "kvroute.io/keys-refused"  # announce label: why nothing is keyed
 ENGINE_KIND_PB = {"vllm": events_pb2.ENGINE_KIND_VLLM, "sglang": events_pb2.ENGINE_KIND_SGLANG}
 
 
@@ -279,6 +280,7 @@ class SidecarService:
             capacity_blocks=load.capacity_blocks if load else 0,
             sidecar_epoch=self.outbox.epoch,
             state_incomplete=self.pipeline.state_incomplete,
+            labels={REFUSED_LABEL: self.pipeline.refusal} if self.pipeline.refusal else {},
             ts=time.time(),
         )
 

@@ -19,6 +19,12 @@ the tag under ``"type"`` from 0.5.20 on (``omit_defaults``: missing keys are ``N
 
 LoRA: ``lora_name``, else ``lora_id`` as ``"lora-<id>"`` (older releases).
 
+0.4.8-0.5.5 (``BlockStored`` without ``medium``: 5 fields after the tag) hash each page
+as ``hash(tuple(page_tokens))``, not chained to its parent: with page size 1 a repeated
+token repeats a hash, so a page cannot be placed in its prompt and a child would chain
+from the wrong parent. Those stores are refused (rejected as ``unchained_page_hashes``;
+the pipeline logs why once and the announce carries it): nothing is keyed, nothing wrong.
+
 ``BlockRemoved``: 1 ``block_hashes``, 2 ``medium`` (0.5.10). ``AllBlocksCleared``: none.
 
 SGLang coalesces consecutive pages of one radix chain into one event, so with the
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 from kvcore.engine_events import BlockStored
 from sidecar.adapters import fields as f
+from sidecar.errors import FrameError
 
 ARRAY_LAYOUTS: dict[str, tuple[str, ...]] = {
     "BlockStored": (
@@ -56,7 +63,18 @@ def salt_of(fields: f.Fields) -> str:
     return f.text(salt, "cache_salt")
 
 
+UNCHAINED_HASHES = "unchained_page_hashes"
+UNCHAINED_MESSAGE = (
+    "SGLang 0.4.8-0.5.5 hashes each page without its parent (a 6-field BlockStored): "
+    "a repeated token repeats a hash, so a page cannot be placed in its prompt and no "
+    "key can be published safely. This sidecar keys nothing from it; upgrade SGLang to "
+    "0.5.10 or later (chained page hashes)."
+)
+
+
 def parse_stored(fields: f.Fields) -> BlockStored:
+    if "type" not in fields and "medium" not in fields:  # an array of tag + 5 fields
+        raise FrameError(UNCHAINED_HASHES, UNCHAINED_MESSAGE)
     lora = f.lora_name(fields)
     rooted = fields.get("parent_block_hash") is None
     namespace = salt_of(fields) if rooted else ""

@@ -361,3 +361,18 @@ async def test_a_bug_on_one_frame_is_counted_and_the_sidecar_carries_on(
         await wait_until(lambda: watcher.mirror.gpu_keys() == cache.router_keys(16))
         assert service.pipeline.stats.internal_errors == 1
         assert service.pipeline.stats.rebuilds == 1 and not service.pipeline.state_incomplete
+
+
+async def test_sglang_unchained_era_is_refused_in_the_announce(
+    nats_server: NatsServer, watcher: Watcher, engine: FakeEngine
+) -> None:
+    """SGLang 0.4.8-0.5.5 page hashes are not chained: nothing is keyed, and the announce
+    says so (state incomplete, and why in a label) rather than leaving routers guessing."""
+    settings = settings_for(engine, nats_server.url, watcher, engine_kind="sglang")
+    async with running_sidecar(settings) as service:
+        await feed(engine, list(FakeCache(1).store(list(range(40)))), "sglang-0.5.5")
+        await wait_until(lambda: service.pipeline.refusal is not None)
+        await wait_until(lambda: bool(watcher.announces) and watcher.announces[-1].state_incomplete)
+        reason = watcher.announces[-1].labels["kvroute.io/keys-refused"]
+        assert "SGLang 0.4.8-0.5.5" in reason and "0.5.10" in reason
+        assert watcher.mirror.gpu_keys() == set()

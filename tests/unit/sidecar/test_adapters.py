@@ -20,6 +20,7 @@ from kvcore.engine_events import (
 )
 from sidecar.adapters import adapter_for
 from sidecar.adapters.encoders import FORMATS, encode_batch
+from sidecar.adapters.sglang import UNCHAINED_HASHES
 from sidecar.errors import ConfigError, FrameError
 
 BIG = (1 << 64) - 5  # a uint64 hash >= 2**63
@@ -57,6 +58,11 @@ def test_every_wire_format_decodes_to_the_events_it_encodes(name: str) -> None:
     if name == "vllm-0.18" and salted and isinstance(first, BlockStored):
         # a bare salt there may as well be an image: the run is not keyed
         expected[0] = dataclasses.replace(first, namespace="", opaque_from=0)
+    if name == "sglang-0.5.5":  # unchained page hashes: stores refused
+        expected = [e for e in events if not isinstance(e, BlockStored)]
+        assert batch.rejected == (UNCHAINED_HASHES, UNCHAINED_HASHES)
+        assert batch.events == tuple(expected)
+        return
     assert batch.events == tuple(expected)
     assert batch.rejected == ()
     assert batch.ts == 2.5
@@ -317,3 +323,14 @@ def test_vllm_extra_keys_other_than_lora_and_salt_make_blocks_opaque(
     (event,) = decode("vllm", [1.0, [stored], 0]).events
     assert isinstance(event, BlockStored)
     assert (event.namespace, event.opaque_from) == (namespace, opaque_from)
+
+
+def test_sglang_unchained_page_hashes_are_refused() -> None:
+    """SGLang 0.4.8-0.5.5 (a 6-field ``BlockStored``) hashes each page without its parent:
+    a repeated token gives a repeated hash, so its stores cannot be keyed safely."""
+    stored = ["BlockStored", [5, 6], None, [1, 2], 1, None]
+    batch = decode("sglang", [1.0, [stored, ["BlockRemoved", [5]]], 0])
+    assert batch.events == (BlockRemoved((5,)),)
+    assert batch.rejected == (UNCHAINED_HASHES,)
+    chained = ["BlockStored", [5, 6], None, [1, 2], 1, None, "GPU"]  # 0.5.10 on
+    assert decode("sglang", [1.0, [chained], 0]).rejected == ()

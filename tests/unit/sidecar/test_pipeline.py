@@ -299,3 +299,20 @@ def test_a_history_with_an_undecodable_frame_keeps_nothing_from_before_it() -> N
         == cache.router_keys(16)
         == set(block_keys(list(range(300, 332)), model="m"))
     )
+
+
+def test_sglang_unchained_era_is_refused_in_the_state_and_the_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pipeline, mirror = make_pipeline("sglang"), ResidencyMirror()
+    old = msgspec.msgpack.encode([1.0, [["BlockStored", [5, 6], None, [3, 3], 1, None]], 0])
+    pipeline.handle(Frame(b"", 0, old, 0))
+    pipeline.handle(Frame(b"", 1, old, 0))
+    publish_all(pipeline, mirror)
+    assert mirror.gpu_keys() == set() and pipeline.mapper.router_keys == 0
+    assert pipeline.state_incomplete
+    assert pipeline.refusal is not None and "0.5.10" in pipeline.refusal
+    refused = [
+        r for r in caplog.records if r.levelname == "ERROR" and "without its parent" in r.message
+    ]
+    assert len(refused) == 1  # said once, clearly
