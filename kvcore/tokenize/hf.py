@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import json
 import re
+from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
+from itertools import accumulate, pairwise
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as FastTokenizer
+from tokenizers import pre_tokenizers
 
 from kvcore.tokenize.base import ChatTemplateError, TokenizerError, thinned_cuts
 from kvcore.tokenize.chat_template import Renderer, compile_chat_template
@@ -55,6 +59,7 @@ class HFTokenizer:
         self._renderers = {name: compile_chat_template(src) for name, src in self._templates}
         self._lstrip_tokens, segmentable = _segmentation_facts(self._fast)
         self._anchor_ids = self._fast.encode(_ANCHOR, add_special_tokens=False).ids
+        self._byte_lengths = _byte_lengths(self._fast)
         self.segmentable = segmentable and self._cuts_exact_after_added_tokens()
 
     @property
@@ -96,8 +101,51 @@ class HFTokenizer:
         return thinned_cuts(_CUT_RE, text, min_gap, self._before_lstrip_token(text))
 
     def encode_segments(self, segments: list[str], *, at_start: bool) -> list[list[int]] | None:
-        """Encodes a segment after a cut as ``"a\\n" + segment`` minus the anchor's ids,
-        so that prefix-space rules see it mid-text, as it is."""
+        """Encodes the segments in one call (after the anchor ``"a\\n"`` unless
+        ``at_start``, so prefix-space rules see them mid-text, as they are) and splits the
+        ids where each segment starts; ``None`` when a start is not a token boundary."""
+        anchor = "" if at_start else _ANCHOR
+        text = anchor + "".join(segments)
+        width = 0 if at_start else len(self._anchor_ids)
+        ids = self._fast.encode_batch_fast([text], add_special_tokens=False)[0].ids
+        if ids[:width] != self._anchor_ids[:width]:
+            return None
+        ends = self._ends_by_bytes(ids, width, segments, text)
+        if ends is None:  # split by the offsets instead (they cost about a third more)
+            encoding = self._fast.encode(text, add_special_tokens=False)
+            ids = encoding.ids
+            ends = _ends_by_offsets(encoding.offsets, width, len(anchor), segments)
+        if ends is None:
+            return None
+        return [ids[a:b] for a, b in pairwise([width, *ends, len(ids)])]
+
+    def _ends_by_bytes(
+        self, ids: list[int], width: int, segments: list[str], text: str
+    ) -> list[int] | None:
+        """Where each segment but the last ends, in ``ids``, from the UTF-8 length of each
+        byte-level token; ``None`` unless every token maps to its own bytes exactly."""
+        lengths = self._byte_lengths
+        if lengths is None or (self._fast.normalizer is not None and not text.isascii()):
+            return None
+        try:
+            token_ends = list(accumulate(map(lengths.__getitem__, ids[width:])))
+        except IndexError:
+            return None
+        sizes = [
+            len(s) if s.isascii() else len(s.encode("utf-8", "surrogatepass")) for s in segments
+        ]
+        if (token_ends[-1] if token_ends else 0) != sum(sizes):
+            return None
+        ends = []
+        for segment_end in accumulate(sizes[:-1]):
+            index = bisect_left(token_ends, segment_end)
+            if index == len(token_ends) or token_ends[index] != segment_end:
+                return None
+            ends.append(width + index + 1)
+        return ends
+
+    def _encode_each(self, segments: list[str], *, at_start: bool) -> list[list[int]] | None:
+        """Each segment encoded on its own (what :meth:`encode_segments` must equal)."""
         first = segments[:1] if at_start else []
         rest = segments[len(first) :]
         encoded = self.encode_batch(first + [_ANCHOR + segment for segment in rest])
@@ -124,7 +172,7 @@ class HFTokenizer:
                 continue  # no cut point right after it
             text = f"ab{token.content}\ncd"
             head, tail = text[:-2], text[-2:]
-            pieces = self.encode_segments([head, tail], at_start=True)
+            pieces = self._encode_each([head, tail], at_start=True)
             whole = self.encode(text, add_special_tokens=False)
             if pieces is None or pieces[0] + pieces[1] != whole:
                 return False
@@ -143,6 +191,40 @@ class HFTokenizer:
 
     def _token_id(self, token: str | None) -> int | None:
         return None if token is None else self._fast.token_to_id(token)
+
+
+def _ends_by_offsets(
+    offsets: list[tuple[int, int]], width: int, start: int, segments: list[str]
+) -> list[int] | None:
+    """Where each segment but the last ends, by the tokens' character offsets (the text
+    starts at character ``start``, its tokens at ``width``); ``None`` when a segment
+    boundary falls inside a token."""
+    ends, position = [], start
+    for segment in segments[:-1]:
+        position += len(segment)
+        index = bisect_left(offsets, position, lo=width, key=itemgetter(0))
+        if index > width and offsets[index - 1][1] > position:
+            return None
+        ends.append(index)
+    return ends
+
+
+def _byte_lengths(fast: FastTokenizer) -> list[int] | None:
+    """The UTF-8 length of every token id, for a byte-level vocabulary (whose token
+    strings spell one byte per character); ``None`` for any other."""
+    spec = json.loads(fast.to_str())
+    if not any(p.get("type") == "ByteLevel" for p in _components(spec)):
+        return None
+    vocab = fast.get_vocab(with_added_tokens=False)
+    if not set("".join(vocab)) <= set(pre_tokenizers.ByteLevel.alphabet()):
+        return None
+    added = fast.get_added_tokens_decoder()
+    lengths = [-(10**9)] * (max([*vocab.values(), *added, 0]) + 1)
+    for token, index in vocab.items():
+        lengths[index] = len(token)
+    for index, added_token in added.items():
+        lengths[index] = len(added_token.content.encode("utf-8"))
+    return lengths
 
 
 def _segmentation_facts(fast: FastTokenizer) -> tuple[tuple[str, ...], bool]:

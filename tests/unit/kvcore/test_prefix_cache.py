@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -206,3 +207,36 @@ def test_a_prefix_space_per_piece_after_an_added_token_is_not_cut(
 def test_invalid_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="max_prompts"):
         PrefixTokenCache(BuiltinTokenizer(), max_prompts=0)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(text=texts, gap=st.integers(1, 12), at_start=st.booleans(), by_offsets=st.booleans())
+def test_segments_encoded_in_one_call_split_as_each_alone(
+    hf_tokenizer: HFTokenizer, text: str, gap: int, at_start: bool, by_offsets: bool
+) -> None:
+    """One encode of all the segments, split where each starts (by the tokens' byte
+    lengths, or by their offsets when those are not known), gives each segment's tokens
+    as encoding it alone does: what the cache records for each cut point."""
+    bounds = [0, *hf_tokenizer.cut_points(text, gap), len(text)]
+    segments = [text[a:b] for a, b in itertools.pairwise(bounds)]
+    if not at_start:
+        segments = segments[1:] or [text]
+    lengths = hf_tokenizer._byte_lengths
+    if by_offsets:
+        hf_tokenizer._byte_lengths = None
+    try:
+        one_call = hf_tokenizer.encode_segments(segments, at_start=at_start)
+    finally:
+        hf_tokenizer._byte_lengths = lengths
+    alone = hf_tokenizer._encode_each(segments, at_start=at_start)
+    assert one_call == alone, repr(segments)
+
+
+def test_byte_level_vocabularies_split_without_offsets(hf_tokenizer: HFTokenizer) -> None:
+    """Mid-text (after the anchor, as the cache encodes), each token spells its bytes."""
+    lengths, text = hf_tokenizer._byte_lengths, "the quick fox\njumps 日本\nover"
+    assert lengths is not None
+    ids = hf_tokenizer.encode("a\n" + text, add_special_tokens=False)
+    assert sum(lengths[i] for i in ids[len(hf_tokenizer._anchor_ids) :]) == len(text.encode())
