@@ -158,7 +158,7 @@ class Dispatcher:
             self.breakers.on_abandoned(endpoint.replica_id, self._clock())
             raise
         self.breakers.on_success(endpoint.replica_id, self._clock())
-        self.metrics.ttfb.labels(endpoint.replica_id).observe(opened.ttfb_s)
+        self.metrics.first_byte(endpoint.replica_id, opened.ttfb_s)
         return opened, ticket
 
     def _may_retry(self, failure: Retriable, tries: int) -> bool:

@@ -75,6 +75,7 @@ class _Replica:
     ledger_key: int  # stable per replica id, across snapshots that renumber ordinals
     report_ts: float = -math.inf  # ts of the engine's load report in ``info.load``
     served: frozenset[str] = frozenset()  # model, served names and the model's aliases
+    endpoint: Endpoint | None = None  # built on first use (info's fields, not its load)
 
 
 @dataclass(slots=True)
@@ -196,6 +197,7 @@ class FleetState:
         record.info.model = names[0]
         del record.info.served_names[:]
         record.info.served_names.extend(names[1:])
+        record.endpoint = None
         self._membership_changed()
 
     # -- applying the stream ----------------------------------------------------
@@ -492,7 +494,11 @@ class FleetState:
 
     def endpoint(self, ordinal: int) -> Endpoint | None:
         record = self._records.get(ordinal)
-        return None if record is None else _endpoint(record)
+        if record is None:
+            return None
+        if record.endpoint is None:
+            record.endpoint = _endpoint(record)
+        return record.endpoint
 
     def endpoints(self) -> list[Endpoint]:
         """The routable replicas, in ordinal order."""

@@ -83,6 +83,7 @@ class ProxyMetrics:
         # label children by label values: labels() takes a lock and builds a tuple each time
         self._requests: dict[tuple[str, str, str], Any] = {}
         self._decisions: dict[str, Any] = {}
+        self._ttfbs: dict[str, Any] = {}
         self._fidelity: dict[tuple[str, str], tuple[Any, Any, Any, Any]] = {}
 
     def count(self, workload: str, replica: str, outcome: str) -> None:
@@ -96,6 +97,13 @@ class ProxyMetrics:
         child = self._decisions.get(strategy)
         if child is None:
             child = self._decisions[strategy] = self.decision.labels(strategy)
+        child.observe(seconds)
+
+    def first_byte(self, replica: str, seconds: float) -> None:
+        """A replica's time to first byte (``upstream_ttfb_seconds``)."""
+        child = self._ttfbs.get(replica)
+        if child is None:
+            child = self._ttfbs[replica] = self.ttfb.labels(replica)
         child.observe(seconds)
 
     def watch(

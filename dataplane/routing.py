@@ -316,9 +316,9 @@ def _prompt_field(request: InferenceRequest) -> str:
 def _session_id(
     workload: Workload, request: InferenceRequest, headers: Mapping[str, str]
 ) -> str | None:
-    key = getattr(workload, "session_key", None)
-    if key is None:
+    if "session_key" not in type(workload).model_fields:  # getattr would raise and catch
         return None
+    key: str = workload.session_key  # type: ignore[union-attr]
     if key.startswith("body."):
         value = request.body.get(key[5:])
         return None if value is None else str(value)
