@@ -47,6 +47,12 @@ class KvScoringPolicy:
         """Ordinal -> score (higher is better); ``runs`` holds leading runs in blocks."""
         raise NotImplementedError
 
+    def without_hit(
+        self, ctx: RouteContext, replicas: list[ReplicaState], runs: dict[int, int]
+    ) -> ReplicaState | None:
+        """A strategy's own choice for a prompt no candidate holds; ``None``: by score."""
+        return None
+
     def select(self, ctx: RouteContext, state: StateView) -> Decision:
         runs = state.leading_runs(ctx.block_keys, now=ctx.now)
         if not runs and not state.has_residency():
@@ -55,7 +61,9 @@ class KvScoringPolicy:
         if not screened.usable:
             return decide(self.name, screened, None)
         scores = self.scores(ctx, screened.usable, runs)
-        chosen = best(screened.usable, scores, self._rng)
+        chosen = self.without_hit(ctx, screened.usable, runs) or best(
+            screened.usable, scores, self._rng
+        )
         usable = screened.usable
 
         def rows() -> list[ReplicaReason]:
