@@ -35,7 +35,7 @@ from controlplane.records.errors import Conflict, Unavailable
 from kvcore.pb import routing_pb2
 from kvcore.subjects import EtcdKeys, InvalidName
 from kvcore.workload import (
-    KvCostWorkload,
+    KvAwareWorkload,
     MatchRule,
     ModelSpec,
     Workload,
@@ -91,14 +91,9 @@ class Stored:
     mod_revision: int
 
 
-def default_workload() -> Workload:
-    """The ``default`` workload created on first start: ``kv_cost`` at its defaults, the
-    strategy the simulator's runs recommend (README, "Simulated fleets")."""
-    return KvCostWorkload.model_validate({"name": DEFAULT_WORKLOAD})
-
-
 def default_workload_json() -> str:
-    return default_workload().model_dump_json()
+    """The ``default`` workload created on first start."""
+    return KvAwareWorkload.model_validate({"name": DEFAULT_WORKLOAD}).model_dump_json()
 
 
 def parse_value(kind: Kind, value: str | bytes) -> Any:
@@ -308,7 +303,9 @@ class EtcdConfigStore:
     def workloads(self) -> dict[str, Workload]:
         """The live workloads by name (``default`` always among them)."""
         live = {name: parsed for name, (parsed, _) in self._sections[Kind.WORKLOAD].items()}
-        live.setdefault(DEFAULT_WORKLOAD, default_workload())
+        live.setdefault(
+            DEFAULT_WORKLOAD, KvAwareWorkload.model_validate({"name": DEFAULT_WORKLOAD})
+        )
         return live
 
     def models(self) -> dict[str, ModelSpec]:

@@ -261,7 +261,7 @@ async def test_replicas_drain_residency_and_explain(make_records: RecordsFactory
         assert status == 200, body
         assert body["workload"] == "default" and body["blocks"] == len(keys)
         decision = body["decision"]
-        assert decision["replica_id"] == "r1" and decision["strategy"] == "kv_cost"
+        assert decision["replica_id"] == "r1" and decision["strategy"] == "kv_aware"
         reasons = {r["replica_id"]: r for r in decision["replicas"]}
         assert reasons["r1"]["hit_blocks"] == len(keys)
 
