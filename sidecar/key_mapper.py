@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvcore.engine_events import MEDIUM_GPU, BlockRemoved, BlockStored, EngineEvent
 from kvcore.keys import chain_keys, root_key
@@ -107,12 +108,6 @@ class _Block:
         self.window_children.append(child)
 
 
-@dataclass(slots=True)
-class _Held:
-    owners: int
-    parent: int | None
-
-
 def _root_block(event: BlockStored, model: str) -> _Block:
     root = root_key(model=model, lora_name=event.lora_name, namespace=event.namespace)
     return _Block((0, 0, "", 0), root, (), True, (), None, None)
@@ -126,7 +121,7 @@ class KeyMapper:
     block_size: int
     stats: MapperStats = field(default_factory=MapperStats)
     _chains: dict[ChainId, _Block] = field(default_factory=dict)
-    _held: dict[HeldKey, _Held] = field(default_factory=dict)
+    _held: dict[HeldKey, list[Any]] = field(default_factory=dict)  # [owners, parent key]
     _resident: int = 0
 
     def apply(self, event: EngineEvent, rank: int = 0) -> list[RouterEvent]:
@@ -191,14 +186,15 @@ class KeyMapper:
 
     def _hold_block(self, block: _Block, fresh: list[HeldEntry]) -> None:
         """Hold the keys ``block`` completes whose every contributor is resident."""
-        if block.opaque or not block.keys:
+        keys = block.keys
+        if not keys or block.opaque:
             return
-        medium, keys = block.medium, block.keys
-        if _first_key_backed(block):
+        medium, hold = block.chain_id[2], self._hold
+        if block.window_parent is None or _window_resident(block.window_parent):
             block.first_held = True
-            self._hold(medium, keys[0], block.first_parent, fresh)
+            hold(medium, keys[0], block.first_parent, fresh)
         for i in range(1, len(keys)):
-            self._hold(medium, keys[i], keys[i - 1], fresh)
+            hold(medium, keys[i], keys[i - 1], fresh)
 
     def _revive(self, block: _Block, fresh: list[HeldEntry]) -> None:
         block.resident, block.lost = True, False
@@ -211,12 +207,13 @@ class KeyMapper:
 
     def _hold(self, medium: str, key: int, parent: int | None, fresh: list[HeldEntry]) -> None:
         """Count one more owner of ``key``; listed in ``fresh`` if it was not held before."""
-        held = self._held.get((medium, key))
+        held_key = (medium, key)
+        held = self._held.get(held_key)
         if held is None:
-            self._held[(medium, key)] = _Held(1, parent)
+            self._held[held_key] = [1, parent]
             fresh.append((medium, key, parent))
         else:
-            held.owners += 1
+            held[0] += 1
 
     # -- BlockRemoved / AllBlocksCleared ---------------------------------------------
     def _removed(self, event: BlockRemoved, rank: int) -> list[RouterEvent]:
@@ -267,8 +264,8 @@ class KeyMapper:
         held = self._held.get((medium, key))
         if held is None:  # pragma: no cover - a block's held keys are always in the map
             return
-        held.owners -= 1
-        if held.owners == 0:
+        held[0] -= 1
+        if held[0] == 0:
             del self._held[(medium, key)]
             gone.append(key)
 
@@ -325,16 +322,16 @@ class KeyMapper:
         a key whose parent is held comes after its parent."""
         children: dict[HeldKey, list[int]] = {}
         roots: list[HeldKey] = []
-        for (medium, key), held in self._held.items():
-            if held.parent is not None and (medium, held.parent) in self._held:
-                children.setdefault((medium, held.parent), []).append(key)
+        for (medium, key), (_, parent) in self._held.items():
+            if parent is not None and (medium, parent) in self._held:
+                children.setdefault((medium, parent), []).append(key)
             else:
                 roots.append((medium, key))
         for medium, root in roots:
             stack = [root]
             while stack:
                 key = stack.pop()
-                yield medium, key, self._held[(medium, key)].parent
+                yield medium, key, self._held[(medium, key)][1]
                 stack.extend(reversed(children.get((medium, key), ())))
 
 
