@@ -22,6 +22,7 @@ from pydantic import SecretStr, ValidationError
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
+from controlplane.records import Records
 from controlplane.service import ControlPlane, ServiceError
 from controlplane.settings import ENV_ONLY, ControlPlaneSettings
 
@@ -110,7 +111,7 @@ async def serve(settings: ControlPlaneSettings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    service = ControlPlane(settings)
+    service = ControlPlane(settings, records=Records)
     try:
         await service.start()
         print(service.ready_line, flush=True)
