@@ -43,9 +43,14 @@ ASGIApp = Callable[..., Any]
 class RecordsLike(Protocol):
     """The records half as the service uses it (``controlplane.records.Records``)."""
 
-    config: ConfigSource
-    reports: ReportSink
-    app: ASGIApp
+    @property
+    def config(self) -> ConfigSource: ...
+
+    @property
+    def reports(self) -> ReportSink: ...
+
+    @property
+    def app(self) -> ASGIApp: ...
 
     async def start(self) -> None: ...
 
