@@ -156,8 +156,16 @@ class ControlPlane:
         )
 
     async def start(self) -> None:
-        await self.records.start()
         s = self.settings
+        await self.ingest.start()
+        try:  # first, so that an etcd that does not answer is one clear line
+            await self.leadership.start()
+        except aetcd.ClientError as exc:
+            endpoints = ",".join(s.etcd_endpoints)
+            raise ServiceError(
+                f"etcd at {endpoints} did not answer ({type(exc).__name__})"
+            ) from exc
+        await self.records.start()
         self.broadcaster = Broadcaster(
             self.fleet,
             self.records.config,
@@ -167,14 +175,6 @@ class ControlPlane:
             chunk_bytes=s.snapshot_chunk_bytes,
             shards=self._shards,
         )
-        await self.ingest.start()
-        try:
-            await self.leadership.start()
-        except aetcd.ClientError as exc:
-            endpoints = ",".join(s.etcd_endpoints)
-            raise ServiceError(
-                f"etcd at {endpoints} did not answer ({type(exc).__name__})"
-            ) from exc
         self._tasks.append(asyncio.create_task(self.broadcaster.run()))
         self.routing = RoutingStateService(self.broadcaster, self.records.reports, s.served_pools())
         try:

@@ -10,8 +10,10 @@ purpose, to show the control plane recovers.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -148,8 +150,11 @@ class ControlPlaneProcess:
     grpc: str = ""
     admin: str = ""
     proc: asyncio.subprocess.Process | None = None
+    workdir: str = ""
 
     async def start(self) -> ControlPlaneProcess:
+        # its records (the default SQLite file) go to a folder of its own, not the checkout
+        self.workdir = self.workdir or tempfile.mkdtemp(prefix="kvroute-test-cp-")
         self.proc = await asyncio.create_subprocess_exec(
             str(CONTROLPLANE_BIN),
             "--admin-port",
@@ -159,6 +164,7 @@ class ControlPlaneProcess:
             *self.args,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.DEVNULL,
+            cwd=self.workdir,
         )
         assert self.proc.stdout is not None
         async with asyncio.timeout(20):
@@ -179,6 +185,7 @@ class ControlPlaneProcess:
             self.proc.send_signal(signal.SIGTERM)
         if self.proc is not None:
             await asyncio.wait_for(self.proc.wait(), 15)
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 @dataclass
