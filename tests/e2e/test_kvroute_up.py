@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import openai
 import pytest
 
 from kvroute.servers import free_port
@@ -130,6 +131,18 @@ def test_up_serves_completions_and_stops_cleanly(ha: bool) -> None:
         for index in range(6):
             answer = _complete(proxy, f"hello number {index} from the kvroute up test")
             assert answer["choices"], answer
+        client = openai.OpenAI(base_url=f"{proxy}/v1", api_key="none", max_retries=0)
+        chat = client.chat.completions.create(
+            model="kvroute/sim-model",
+            messages=[{"role": "user", "content": "Hello through kvroute up"}],
+            max_tokens=4,
+        )
+        assert chat.choices[0].message.content
+        stream = client.completions.create(
+            model="kvroute/sim-model", prompt="a streamed hello", max_tokens=4, stream=True
+        )
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        client.close()
         assert len(up.value(r"admin API\s+(.+)").split(",")) == (2 if ha else 1)
         _stop_and_check(up, run_dir)
 
