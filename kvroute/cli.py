@@ -24,6 +24,7 @@ from kvroute.up import Fleet, UpOptions, run
 # name -> (module:function taking argv and returning an exit status, what it measures)
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "sim": ("bench.sim.__main__:main", "discrete-event simulation: strategies, peers, oracle"),
+    "e2e": ("bench.e2e.__main__:main", "real processes, kvroute beside the peer routers"),
     "micro": ("bench.micro.__main__:main", "routing core micro benchmarks"),
     "proxy": ("bench.proxy:main", "the proxy's overhead, throughput and decision time"),
     "sidecar": ("bench.sidecar_throughput:main", "sidecar events/s and publish latency"),
