@@ -23,8 +23,8 @@ from kvroute.demo import DemoWorkload
 
 QUICK = E2EConfig(
     replicas=2,
-    num_blocks=384,
-    workload=DemoWorkload(groups=8, prompts_per_group=6, concurrency=4),
+    num_blocks=640,
+    workload=DemoWorkload(groups=8, prompts_per_group=8, concurrency=4),
     scaled_instances=1,
     kvroute_policies=("round_robin", "kv_aware"),
     peers=(),
