@@ -56,7 +56,9 @@ class E2EConfig:
     time_scale: float = 1.0
     workload: DemoWorkload = field(default_factory=DemoWorkload)
     scaled_instances: int = 4
-    kvroute_policies: tuple[str, ...] = ("round_robin", "least_load", "prefix_hash", "kv_aware")
+    kvroute_policies: tuple[str, ...] = (
+        "round_robin", "least_load", "prefix_hash", "kv_aware", "kv_cost",
+    )  # fmt: skip
     peers: tuple[str, ...] = ("sglang-router", "vllm-router")
     peer_policies: tuple[str, ...] = ("round_robin", "cache_aware")
 
