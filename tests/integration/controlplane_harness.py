@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import nats
 import trustme
@@ -40,9 +41,10 @@ class SidecarDouble:
     seq: int = 0
     resyncs: int = 0
     nc: Client | None = None
+    connect_options: dict[str, Any] = field(default_factory=dict)  # TLS, credentials
 
     async def start(self) -> SidecarDouble:
-        self.nc = await nats.connect(self.nats_url)
+        self.nc = await nats.connect(self.nats_url, **self.connect_options)
         await self.nc.subscribe(
             subjects.resync_subject(self.pool, self.replica), cb=self._on_resync
         )
