@@ -97,13 +97,17 @@ class Samples:
                     self.latencies.append(now - sent)
 
 
-async def start_controlplane(nats_url: str, etcd: str) -> tuple[asyncio.subprocess.Process, str]:
+async def start_controlplane(
+    nats_url: str, etcd: str, workdir: Path
+) -> tuple[asyncio.subprocess.Process, str]:
+    """The control plane, its records (the default SQLite file) kept in ``workdir``."""
     proc = await asyncio.create_subprocess_exec(
         str(CONTROLPLANE),
         *("--nats-url", nats_url, "--etcd-endpoints", etcd, "--pools", "bench"),
         *("--admin-port", "0", "--grpc-port", "0", "--instance-id", "bench"),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.DEVNULL,
+        cwd=workdir,
     )
     assert proc.stdout is not None
     line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
@@ -123,7 +127,9 @@ async def measure(rate: int, seconds: float) -> tuple[list[float], int, float, f
     """(latencies s, samples lost, block events/s published, control plane's share of a
     core while publishing)."""
     with NatsServer() as nats_server, EtcdServer() as etcd_server:
-        proc, grpc_address = await start_controlplane(nats_server.url, etcd_server.endpoint)
+        proc, grpc_address = await start_controlplane(
+            nats_server.url, etcd_server.endpoint, etcd_server.workdir
+        )
         nc = await nats.connect(nats_server.url)
         publisher = Publisher(nc, rate)
         mirror = StateMirror()
