@@ -21,7 +21,7 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -371,6 +371,3 @@ def plot_ttft(results: list[PhaseResult], path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
-
-
-DemoRunner = Callable[..., Awaitable[list[PhaseResult]]]

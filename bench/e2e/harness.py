@@ -32,7 +32,7 @@ from bench.e2e.peers import PEERS, Peer, PeerUnavailable
 from kvroute.demo import AdminClient, DemoWorkload, EngineWatch, PhaseResult, run_phase
 from kvroute.servers import free_port
 from kvroute.supervisor import ChildSpec, Supervisor
-from kvroute.up import LocalFleet, UpOptions, venv_tool_or_fail
+from kvroute.up import SIM_MODEL, LocalFleet, UpOptions, venv_tool_or_fail
 
 RESET_ATTEMPTS = 200
 
@@ -139,7 +139,7 @@ class E2EBench:
     ) -> ContenderResult:
         try:
             async with self._router(session, contender) as url:
-                await _wait_answering(session, url, self.engines_model())
+                await _wait_answering(session, url, SIM_MODEL)
                 await _reset_when_idle(session, self.engines)
                 return ContenderResult(
                     contender, await self._measure(session, watch, url, contender)
@@ -148,13 +148,10 @@ class E2EBench:
             self.console.print(f"[yellow]{contender.name}: not run: {exc}")
             return ContenderResult(contender, unavailable=str(exc))
 
-    def engines_model(self) -> str:
-        return "kvroute/sim-model"
-
     async def _measure(
         self, session: aiohttp.ClientSession, watch: EngineWatch, url: str, contender: Contender
     ) -> PhaseResult:
-        bodies = self.config.workload.requests(self.engines_model())
+        bodies = self.config.workload.requests(SIM_MODEL)
         result = PhaseResult(contender.name)
         baseline = dict(await watch.scrape())
         progress = Progress(
