@@ -1,14 +1,25 @@
-"""What kvroute-proxy costs: added latency, throughput, and the routing decision itself.
+"""What kvroute-proxy costs beside the peer routers: added latency, throughput, the decision.
 
-``python -m bench.proxy`` starts two ``kvroute-sim --instant`` replicas and one
-``kvroute-proxy`` (static mode, ``--static-strategy`` round_robin, one worker) on loopback
-and prints each figure beside its target:
+``python -m bench.proxy`` (or ``kvroute bench proxy``) starts two ``kvroute-sim --instant``
+replicas on loopback and, in front of them, every router of :mod:`bench.proxy_routers`:
+``kvroute round_robin`` (static mode), ``kvroute kv_aware`` (one proxy of a local fleet
+with its control plane and sidecars), ``sglang-router`` and ``vllm-router`` with
+``round_robin`` and ``cache_aware`` (installed from PyPI into their own virtual
+environments on first use). Every router is pinned to the first CPU, the replicas, the
+fleet's other processes and this load generator to the others (``--no-pin`` leaves
+affinity alone), so each router has the same CPU budget. It prints each figure beside
+its target, writes them all to ``--out`` (JSON) and exits 1 when a target is missed or
+could not be checked (a router that did not run is reported with the reason):
 
-1. added latency: one client sends short non-streaming completions one at a time, in
-   turn to a replica directly and through each router; the figure is the router's p50
-   minus the direct p50 (target <= 0.3 ms);
+1. added latency: one client sends short non-streaming completions one at a time, each
+   round to a replica directly and then through each router in turn; the figure is the
+   router's p50 minus the direct p50: kvroute's <= 0.3 ms and no worse than
+   sglang-router's with the like policy (vllm-router's printed beside them);
 2. throughput: ``--concurrency`` keep-alive clients for ``--duration`` seconds through each
-   router (and directly, the replicas' ceiling), with the router's CPU share;
+   router in turn, ``--repeats`` times over (the median kept), and spread over the
+   replicas directly (their ceiling), with each router's CPU share and requests per CPU-
+   second: kvroute's >= 0.9x sglang-router's, ``round_robin`` vs ``round_robin`` and
+   ``kv_aware`` vs ``cache_aware``;
 3. the routing decision in-process (classify + render + tokenize + key + score) for an
    8,192-token chat prompt whose first 90% was seen before, 64 replicas, ``kv_aware``:
    p50 <= 1 ms and p99 <= 3 ms with the built-in tokenizer; with an HF byte-level BPE,
@@ -16,12 +27,12 @@ and prints each figure beside its target:
    CPU time (thread time) is printed beside its wall time: on a machine shared with other
    work the wall time includes waiting for a core, the CPU time does not.
 
-``--floors`` adds two bare pass-through proxies (``bench.passthrough``: uvicorn with an
-aiohttp client, and with a raw asyncio client) to show what the stack alone costs.
-Other routers (sglang-router, vllm-router, ...) plug in with ``--router NAME=URL``: start
-them in front of the replicas this benchmark prints (or pass ``--replicas URL,URL`` to use
-replicas started elsewhere) and they are measured with the same load, side by side.
-Loopback only; every phase is bounded by its duration or request count.
+``--quick`` is a short run (fewer rounds, one throughput run each); ``--peers`` picks the
+peer routers; ``--floors`` adds two bare pass-through proxies (``bench.passthrough``:
+uvicorn with an aiohttp client, and with a raw asyncio client) to show what the stack
+alone costs; ``--router NAME=URL`` adds a router started elsewhere (not pinned; or pass
+``--replicas URL,URL`` to use replicas started elsewhere). Loopback only; every phase is
+bounded by its duration or request count.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -41,19 +53,34 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.enginesim_capacity import _read_response, _request, _run, cpu_seconds, start_sim
+import aiohttp
+
+from bench.enginesim_capacity import _read_response, _request, _run, start_sim
 from bench.micro.model_files import write_tiny_model
 from bench.micro.report import Figure
 from bench.micro.tokenize_bench import _chat, _text_of, _words
+from bench.proxy_report import (
+    PEERS,
+    Measured,
+    Results,
+    Row,
+    all_met,
+    extra_rows,
+    latency_rows,
+    paired_names,
+    render,
+    throughput_rows,
+    write_json,
+)
+from bench.proxy_routers import CpuSplit, Routers, pin_tree, split_cpus, tree_cpu_seconds
 from dataplane.fleet_state import FleetState
 from dataplane.openai_request import parse_inference
 from dataplane.routing import Defaults, Router
 from kvcore.pb import events_pb2, routing_pb2
 from kvcore.tokenize import BuiltinTokenizer, HFTokenizer, Tokenizer
 
-PROXY = Path(sys.executable).parent / "kvroute-proxy"
 MODEL = "kvroute/sim-model"
-ADDED_LATENCY_MS = 0.3
+WARM_UP = 100  # latency rounds not counted
 DECISION_P50_MS, DECISION_P99_MS, HF_OVER_TAIL_MS = 1.0, 3.0, 0.3
 PROMPT_TOKENS, SEEN = 8192, 0.9
 REPLICAS = 64
@@ -70,24 +97,15 @@ class Target:
 # -- end to end -------------------------------------------------------------------------
 
 
-def start_proxy(replicas: list[str], strategy: str) -> tuple[subprocess.Popen[bytes], str]:
-    args = [str(PROXY), "--port=0", f"--static-replicas={','.join(replicas)}",
-            f"--static-strategy={strategy}", "--log-level=WARNING"]  # fmt: skip
-    return _start(args, "kvroute-proxy ready")
-
-
 def start_passthrough(replica: str, client: str) -> tuple[subprocess.Popen[bytes], str]:
     """``bench.passthrough``: the stack with no routing (the floor of a Python proxy)."""
-    return _start([sys.executable, "-m", "bench.passthrough", replica, "0", client], "passthrough")
-
-
-def _start(args: list[str], ready: str) -> tuple[subprocess.Popen[bytes], str]:
+    args = [sys.executable, "-m", "bench.passthrough", replica, "0", client]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert proc.stdout is not None
     line = proc.stdout.readline().decode()
-    if not line.startswith(ready):
+    if not line.startswith("passthrough"):
         proc.kill()
-        raise SystemExit(f"{args[0]} did not start: {line!r}")
+        raise SystemExit(f"bench.passthrough did not start: {line!r}")
     return proc, line.split("http=", 1)[1].split()[0]
 
 
@@ -115,7 +133,7 @@ async def latencies(targets: list[Target], rounds: int) -> None:
     """Each round sends one request to each target in turn, so drift hits all alike."""
     connections = [await Connection(t.url).open() for t in targets]
     try:
-        for i in range(rounds + 100):
+        for i in range(rounds + WARM_UP):
             body = {"model": MODEL, "prompt": f"Hello number {i % 50}", "max_tokens": 1}
             for target, connection in zip(targets, connections, strict=True):
                 start = time.perf_counter()
@@ -123,20 +141,21 @@ async def latencies(targets: list[Target], rounds: int) -> None:
                 elapsed = time.perf_counter() - start
                 if status != 200:
                     raise SystemExit(f"{target.name} answered {status}")
-                if i >= 100:  # warm-up
+                if i >= WARM_UP:
                     target.samples.append(elapsed * 1000)
     finally:
         for connection in connections:
             connection.close()
 
 
-async def throughput(url: str, concurrency: int, duration: float) -> tuple[float, int]:
+async def throughput(urls: list[str], concurrency: int, duration: float) -> tuple[float, int]:
+    """Requests per second from ``concurrency`` keep-alive clients spread over ``urls``."""
     done = errors = 0
     deadline = time.perf_counter() + duration
 
     async def worker(wid: int) -> None:
         nonlocal done, errors
-        connection = await Connection(url).open()
+        connection = await Connection(urls[wid % len(urls)]).open()
         i = 0
         try:
             while time.perf_counter() < deadline:
@@ -152,24 +171,40 @@ async def throughput(url: str, concurrency: int, duration: float) -> tuple[float
     return done / (time.perf_counter() - started), errors
 
 
-def end_to_end(args: argparse.Namespace, targets: list[Target]) -> list[Figure]:
-    _run(latencies(targets, args.rounds))
-    direct = statistics.median(targets[0].samples)
-    figures = [Figure("one client, short prompt: direct to a replica (p50)", direct, "ms")]
-    for target in targets[1:]:
-        added = statistics.median(target.samples) - direct
-        target_ms = ADDED_LATENCY_MS if target.name == "kvroute" else None
-        figures.append(Figure(f"added latency, {target.name} (p50)", added, "ms", target_ms))
+async def measure(args: argparse.Namespace, replicas: list[str], targets: list[Target]) -> Results:
+    """Latency interleaved over every target, then throughput: each target in turn,
+    ``--repeats`` times over, the median kept."""
+    direct = Target("direct", replicas[0])
+    await latencies([direct, *targets], args.rounds)
+    results = Results(direct_ms=statistics.median(direct.samples))
     for target in targets:
-        before = cpu_seconds(target.pid) if target.pid else None
-        started = time.perf_counter()
-        rps, errors = _run(throughput(target.url, args.concurrency, args.duration))
-        label = f"throughput at concurrency {args.concurrency}, {target.name}"
-        if before is not None and target.pid:
-            share = ((cpu_seconds(target.pid) or 0) - before) / (time.perf_counter() - started)
-            label += f" ({share:.0%} of a core)"
-        figures.append(Figure(label + (f" [{errors} errors]" if errors else ""), rps, "req/s"))
-    return figures
+        added = statistics.median(target.samples) - results.direct_ms
+        results.routers[target.name] = Measured(target.name, added_ms=added)
+    runs: dict[str, list[tuple[float, int, float | None]]] = {}
+    for _ in range(args.repeats):
+        runs.setdefault("direct", []).append(await _loaded(args, replicas, None))
+        for target in targets:
+            runs.setdefault(target.name, []).append(await _loaded(args, [target.url], target.pid))
+    results.direct_rps = statistics.median(rps for rps, _, _ in runs.pop("direct"))
+    for name, samples in runs.items():
+        measured = results.routers[name]
+        measured.rps = statistics.median(rps for rps, _, _ in samples)
+        measured.errors = sum(errors for _, errors, _ in samples)
+        shares = [share for _, _, share in samples if share is not None]
+        measured.cpu_share = statistics.median(shares) if shares else None
+    return results
+
+
+async def _loaded(
+    args: argparse.Namespace, urls: list[str], pid: int | None
+) -> tuple[float, int, float | None]:
+    """One throughput run: req/s, errors, and the share of a core process ``pid`` used."""
+    before = tree_cpu_seconds(pid) if pid else 0.0
+    started = time.perf_counter()
+    rps, errors = await throughput(urls, args.concurrency, args.duration)
+    if pid is None:
+        return rps, errors, None
+    return rps, errors, (tree_cpu_seconds(pid) - before) / (time.perf_counter() - started)
 
 
 # -- the routing decision in process ---------------------------------------------------
@@ -280,67 +315,153 @@ def decisions() -> list[Figure]:
     return figures
 
 
-# -- report -------------------------------------------------------------------------------
+# -- the run ----------------------------------------------------------------------------
 
 
-def print_figures(figures: list[Figure]) -> bool:
-    missed = False
-    for f in figures:
-        target = "" if f.target is None else f"(target <= {f.target:g} {f.unit})"
-        value = f"{f.value:,.0f}" if f.unit == "req/s" else f"{f.value:.3f}"
-        print(f"  {f.name:<78} {value:>9} {f.unit:<5} {target:<22} {f.verdict}")
-        missed |= f.verdict == "MISSED"
-    return not missed
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="kvroute bench proxy", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--rounds", type=int, default=2000, help="latency rounds")
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--duration", type=float, default=5.0, help="seconds per throughput run")
+    parser.add_argument("--duration", type=float, default=3.0, help="seconds per throughput run")
+    parser.add_argument("--repeats", type=int, default=3, help="throughput runs per router")
+    parser.add_argument("--quick", action="store_true",
+                        help="500 rounds, one 1.5 s throughput run per router")  # fmt: skip
+    parser.add_argument("--peers", default=",".join(PEERS),
+                        help="peer routers beside kvroute (comma-separated)")  # fmt: skip
     parser.add_argument("--replicas", default="", help="use these replica URLs (comma-separated)")
     parser.add_argument("--router", action="append", default=[], help="NAME=URL, repeatable")
     parser.add_argument("--only", choices=["e2e", "decision"], default=None)
+    parser.add_argument("--no-pin", action="store_true", help="leave CPU affinity alone")
+    parser.add_argument("--out", type=Path, default=Path("bench-results/proxy/proxy.json"))
     parser.add_argument(
         "--floors", action="store_true",
         help="also measure bare pass-through proxies (bench.passthrough) on the same stack",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    figures: list[Figure] = []
+    unknown = [p for p in _peer_names(args) if p not in PEERS]
+    if unknown:
+        parser.error(f"unknown peer(s) {unknown}; choose from {list(PEERS)}")
+    if args.quick:
+        args.rounds, args.duration, args.repeats = 500, 1.5, 1
+    return args
+
+
+def _peer_names(args: argparse.Namespace) -> tuple[str, ...]:
+    return tuple(p.strip() for p in args.peers.split(",") if p.strip())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    load_before = os.getloadavg()
+    rows: list[Row] = []
+    results: Results | None = None
+    context: dict[str, Any] = {"command": ["python", "-m", "bench.proxy", *(argv or sys.argv[1:])]}
     if args.only != "decision":
-        figures += with_fleet(args)
+        results = _run(with_fleet(args, context))
+        rows += _fleet_rows(results, args.concurrency)
     if args.only != "e2e":
-        figures += decisions()
+        rows += [Row.of(figure) for figure in decisions()]
+    load_after = os.getloadavg()
+    context["load_average"] = {"before": load_before, "after": load_after}
     print("kvroute-proxy benchmark")
-    return 0 if print_figures(figures) else 1
+    print(render(rows))
+    print(f"load average (1, 5, 15 min): before {_load(load_before)}, after {_load(load_after)}")
+    write_json(args.out, rows, results, context)
+    print(f"results written to {args.out}")
+    return 0 if all_met(rows) else 1
 
 
-def with_fleet(args: argparse.Namespace) -> list[Figure]:
+def _load(load: tuple[float, float, float]) -> str:
+    return " ".join(f"{x:.2f}" for x in load)
+
+
+def _fleet_rows(results: Results, concurrency: int) -> list[Row]:
+    rows = latency_rows(results) + throughput_rows(results, concurrency)
+    return rows + extra_rows(results, paired_names())
+
+
+async def with_fleet(args: argparse.Namespace, context: dict[str, Any]) -> Results:
+    everything = os.sched_getaffinity(0)
+    split = None if args.no_pin else split_cpus(everything)
+    context["cpus"] = split.describe() if split else "not pinned"
+    if split is not None:
+        os.sched_setaffinity(0, split.rest)  # everything started from here inherits it
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        urls = [u for u in args.replicas.split(",") if u]
-        if not urls:
-            for _ in range(2):
-                proc, url = start_sim(max_num_seqs=1024)
-                procs.append(proc)
-                urls.append(url)
-        print(f"replicas: {','.join(urls)}", flush=True)
-        proxy, proxy_url = start_proxy(urls, "round_robin")
-        procs.append(proxy)
-        targets = [Target("direct", urls[0]), Target("kvroute", proxy_url, proxy.pid)]
-        if args.floors:
-            for client in ("aiohttp", "raw"):
-                floor, floor_url = start_passthrough(urls[0], client)
-                procs.append(floor)
-                targets.append(Target(f"pass-through floor, {client} client", floor_url, floor.pid))
-        for spec in args.router:
-            name, _, url = spec.partition("=")
-            targets.append(Target(name, url.rstrip("/")))
-        return end_to_end(args, targets)
+        with tempfile.TemporaryDirectory(prefix="kvroute-bench-proxy-") as scratch:
+            results = await _measure_routers(args, Path(scratch), split, procs)
     finally:
         for proc in procs:
             proc.terminate()
             proc.wait(timeout=10)
+        os.sched_setaffinity(0, everything)
+    print(f"CPUs: {context['cpus']}", flush=True)
+    return results
+
+
+async def _measure_routers(
+    args: argparse.Namespace,
+    scratch: Path,
+    split: CpuSplit | None,
+    procs: list[subprocess.Popen[bytes]],
+) -> Results:
+    urls = [u for u in args.replicas.split(",") if u]
+    for _ in range(0 if urls else 2):
+        proc, url = start_sim(max_num_seqs=1024)
+        procs.append(proc)
+        urls.append(url)
+    print(f"replicas: {','.join(urls)}", flush=True)
+    routers = Routers(urls, scratch, MODEL, split)
+    try:
+        async with aiohttp.ClientSession() as session:
+            await routers.start(session, _peer_names(args))
+        targets = [Target(r.name, r.url, r.pid) for r in routers.running]
+        targets += _floors(args, urls, split, procs)
+        for spec in args.router:
+            name, _, url = spec.partition("=")
+            targets.append(Target(name, url.rstrip("/")))
+        for name, why in routers.not_run.items():
+            print(f"{name}: not run: {why}", flush=True)
+        results = await measure(args, urls, targets)
+        await _check_strategy(routers, "kvroute kv_aware", "kv_aware")
+    finally:
+        await routers.aclose()
+    for name, why in routers.not_run.items():
+        results.routers[name] = Measured(name, unavailable=why)
+    return results
+
+
+def _floors(
+    args: argparse.Namespace,
+    urls: list[str],
+    split: CpuSplit | None,
+    procs: list[subprocess.Popen[bytes]],
+) -> list[Target]:
+    targets = []
+    for client in ("aiohttp", "raw") if args.floors else ():
+        floor, floor_url = start_passthrough(urls[0], client)
+        procs.append(floor)
+        if split is not None:
+            pin_tree(floor.pid, split.routers)
+        targets.append(Target(f"pass-through floor, {client} client", floor_url, floor.pid))
+    return targets
+
+
+async def _check_strategy(routers: Routers, name: str, strategy: str) -> None:
+    """The router named ``name`` decided with ``strategy`` (its /metrics say so), or the
+    figures under that name would be about something else."""
+    router = next((r for r in routers.running if r.name == name), None)
+    if router is None:
+        return
+    async with aiohttp.ClientSession() as session, session.get(f"{router.url}/metrics") as r:
+        text = await r.text()
+    series = f'kvroute_proxy_decision_seconds_count{{strategy="{strategy}"}}'
+    if not any(
+        line.startswith(series) and float(line.split()[-1]) > 0 for line in text.splitlines()
+    ):
+        raise SystemExit(f"{name} made no {strategy} decisions: its figures would be wrong")
 
 
 if __name__ == "__main__":

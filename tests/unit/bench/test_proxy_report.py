@@ -1,0 +1,99 @@
+"""``kvroute bench proxy``'s verdicts: like-for-like ratios, bounds each way, routers not run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.proxy import parse_args
+from bench.proxy_report import (
+    Measured,
+    Results,
+    Row,
+    all_met,
+    latency_rows,
+    throughput_rows,
+    write_json,
+)
+from bench.proxy_routers import split_cpus
+
+
+def _results(**routers: Measured) -> Results:
+    results = Results(direct_ms=0.3, direct_rps=2000.0)
+    for measured in routers.values():
+        results.routers[measured.name] = measured
+    return results
+
+
+def _everyone(kv_rps: float, kv_ms: float) -> Results:
+    return _results(
+        a=Measured("kvroute round_robin", added_ms=0.25, rps=1900.0),
+        b=Measured("kvroute kv_aware", added_ms=kv_ms, rps=kv_rps),
+        c=Measured("sglang-router round_robin", added_ms=0.26, rps=2000.0),
+        d=Measured("sglang-router cache_aware", added_ms=0.27, rps=1000.0),
+        e=Measured("vllm-router round_robin", added_ms=0.6, rps=1500.0),
+        f=Measured("vllm-router cache_aware", added_ms=0.7, rps=900.0),
+    )
+
+
+def _row(rows: list[Row], name: str) -> Row:
+    return next(row for row in rows if row.name.strip() == name)
+
+
+def test_throughput_is_judged_like_for_like_against_sglang_router() -> None:
+    rows = throughput_rows(_everyone(kv_rps=850.0, kv_ms=0.2), 32)
+    rr = _row(rows, "kvroute round_robin / sglang-router round_robin")
+    assert (round(rr.value or 0, 3), rr.verdict) == (0.95, "met")
+    kv = _row(rows, "kvroute kv_aware / sglang-router cache_aware")
+    assert (round(kv.value or 0, 3), kv.verdict) == (0.85, "MISSED")
+    beside = _row(rows, "kvroute kv_aware / vllm-router cache_aware")
+    assert beside.target is None and beside.verdict == ""  # vllm-router: printed, not judged
+    assert "ceiling" in _row(rows, "throughput, sglang-router round_robin").note
+    assert not all_met(rows)
+
+
+def test_added_latency_needs_both_the_bound_and_sglang_routers_figure() -> None:
+    rows = latency_rows(_everyone(kv_rps=1000.0, kv_ms=0.28))
+    assert _row(rows, "added latency p50, kvroute kv_aware").verdict == "met"  # <= 0.3 ms
+    assert _row(rows, "kvroute kv_aware / sglang-router cache_aware").verdict == "MISSED"
+    assert _row(rows, "kvroute round_robin / sglang-router round_robin").verdict == "met"
+    assert all_met(latency_rows(_everyone(kv_rps=1000.0, kv_ms=0.27)))
+
+
+def test_a_peer_that_did_not_run_is_reported_and_not_counted_as_met() -> None:
+    results = _results(
+        a=Measured("kvroute round_robin", added_ms=0.2, rps=1900.0),
+        c=Measured("sglang-router round_robin", unavailable="install failed: no network"),
+    )
+    rows = throughput_rows(results, 32)
+    ratio = _row(rows, "kvroute round_robin / sglang-router round_robin")
+    assert ratio.value is None and ratio.verdict == "NOT RUN"
+    assert "install failed: no network" in ratio.note
+    assert _row(rows, "throughput, vllm-router round_robin").verdict == "not run"
+    assert not all_met(rows)
+
+
+def test_json_keeps_every_figure_with_its_verdict(tmp_path: Path) -> None:
+    results = _everyone(kv_rps=950.0, kv_ms=0.2)
+    rows = latency_rows(results) + throughput_rows(results, 32)
+    write_json(tmp_path / "p" / "proxy.json", rows, results, {"command": ["x"]})
+    document = json.loads((tmp_path / "p" / "proxy.json").read_text())
+    assert document["all_met"] is True and document["command"] == ["x"]
+    assert len(document["figures"]) == len(rows)
+    assert document["results"]["routers"]["kvroute kv_aware"]["rps"] == 950.0
+
+
+def test_cpus_split_gives_routers_one_and_the_rest_the_others() -> None:
+    split = split_cpus({3, 1, 2})
+    assert split is not None and split.routers == {1} and split.rest == {2, 3}
+    assert split_cpus({0}) is None
+
+
+def test_arguments_quick_and_unknown_peer(capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse_args(["--quick", "--peers", "sglang-router"])
+    assert (args.rounds, args.repeats) == (500, 1)
+    with pytest.raises(SystemExit):
+        parse_args(["--peers", "nginx"])
+    assert "unknown peer(s) ['nginx']" in capsys.readouterr().err
