@@ -176,9 +176,10 @@ async def measure(args: argparse.Namespace, replicas: list[str], targets: list[T
     ``--repeats`` times over, the median kept."""
     direct = Target("direct", replicas[0])
     await latencies([direct, *targets], args.rounds)
-    results = Results(direct_ms=statistics.median(direct.samples))
+    direct_ms = statistics.median(direct.samples)
+    results = Results(direct_ms=direct_ms)
     for target in targets:
-        added = statistics.median(target.samples) - results.direct_ms
+        added = statistics.median(target.samples) - direct_ms
         results.routers[target.name] = Measured(target.name, added_ms=added)
     runs: dict[str, list[tuple[float, int, float | None]]] = {}
     for _ in range(args.repeats):
