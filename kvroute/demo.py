@@ -55,30 +55,50 @@ class DemoWorkload:
     seed: int = 20261130
 
     def requests(self, model: str) -> list[dict[str, Any]]:
+        return [body for _, body in self._shuffled(model)]
+
+    def request_groups(self) -> list[int]:
+        """The group of each request of :meth:`requests`, in the same order."""
+        return [group for group, _ in self._shuffled("")]
+
+    def _shuffled(self, model: str) -> list[tuple[int, dict[str, Any]]]:
         rng = random.Random(self.seed)
-        bodies = []
+        pairs = []
         for group in range(self.groups):
             system = f"You are assistant number {group}. " + _text(rng, self.system_tokens)
             for prompt in range(self.prompts_per_group):
                 question = f"Question {prompt}: " + _text(rng, self.question_tokens)
-                bodies.append(
-                    {
-                        "model": model,
-                        "messages": [
-                            {"role": "system", "content": system},
-                            {"role": "user", "content": question},
-                        ],
-                        "max_tokens": self.max_tokens,
-                        "stream": True,
-                        "stream_options": {"include_usage": True},
-                    }
-                )
-        rng.shuffle(bodies)
-        return bodies
+                body = {
+                    "model": model,
+                    "messages": [
+                        {"role": "system", "content": system},
+                        {"role": "user", "content": question},
+                    ],
+                    "max_tokens": self.max_tokens,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                pairs.append((group, body))
+        rng.shuffle(pairs)
+        return pairs
 
 
 def _text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(words))
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One answered request, as the client saw it (what a miss analysis needs)."""
+
+    index: int  # position in the phase's request list
+    sent_at: float  # this client's perf_counter when the request went out
+    ttft_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    replica: str  # x-kvroute-replica, or "?" when the router does not say
+    prefix_blocks: str = ""  # x-kvroute-prefix-blocks: "predicted/prompt" blocks
+    decision: str = ""  # x-kvroute-decision
 
 
 @dataclass
@@ -92,6 +112,7 @@ class PhaseResult:
     engine_queries: int = 0  # the engines' own prefix-cache counters over the phase
     engine_hits: int = 0
     wall_s: float = 0.0
+    answers: list[Answer] = field(default_factory=list)
 
     @property
     def engine_hit_rate(self) -> float:
@@ -165,7 +186,11 @@ class AdminClient:
 
 
 async def send_one(
-    session: aiohttp.ClientSession, proxy: str, body: dict[str, Any], result: PhaseResult
+    session: aiohttp.ClientSession,
+    proxy: str,
+    body: dict[str, Any],
+    result: PhaseResult,
+    index: int = -1,
 ) -> None:
     """One streamed chat request; TTFT is the first content chunk, by this clock."""
     started = time.perf_counter()
@@ -176,7 +201,7 @@ async def send_one(
             if response.status != 200:
                 result.errors += 1
                 return
-            replica = response.headers.get("x-kvroute-replica", "?")
+            headers = response.headers
             async for raw in response.content:
                 line = raw.strip()
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -191,11 +216,22 @@ async def send_one(
     if first is None:
         result.errors += 1
         return
-    result.ttft_s.append(first)
-    result.by_replica[replica] = result.by_replica.get(replica, 0) + 1
-    result.prompt_tokens += int(usage.get("prompt_tokens", 0))
     details = usage.get("prompt_tokens_details") or {}
-    result.cached_tokens += int(details.get("cached_tokens") or 0)
+    answer = Answer(
+        index,
+        started,
+        first,
+        int(usage.get("prompt_tokens", 0)),
+        int(details.get("cached_tokens") or 0),
+        headers.get("x-kvroute-replica", "?"),
+        headers.get("x-kvroute-prefix-blocks", ""),
+        headers.get("x-kvroute-decision", ""),
+    )
+    result.answers.append(answer)
+    result.ttft_s.append(first)
+    result.by_replica[answer.replica] = result.by_replica.get(answer.replica, 0) + 1
+    result.prompt_tokens += answer.prompt_tokens
+    result.cached_tokens += answer.cached_tokens
 
 
 def _has_token(chunk: dict[str, Any]) -> bool:
@@ -230,19 +266,23 @@ def _live_table(result: PhaseResult, watch: EngineWatch, baseline: dict[str, Eng
 
 async def run_phase(
     session: aiohttp.ClientSession,
-    proxy: str,
+    proxy: str | Callable[[int], str],
     bodies: list[dict[str, Any]],
     result: PhaseResult,
     concurrency: int,
     on_done: Callable[[], None],
 ) -> None:
-    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-    for body in bodies:
-        queue.put_nowait(body)
+    """Send ``bodies`` over ``concurrency`` clients; ``proxy`` is the router's URL, or
+    gives each request's URL by its index (requests sent straight to engines)."""
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for index in range(len(bodies)):
+        queue.put_nowait(index)
 
     async def worker() -> None:
         while not queue.empty():
-            await send_one(session, proxy, queue.get_nowait(), result)
+            index = queue.get_nowait()
+            url = proxy if isinstance(proxy, str) else proxy(index)
+            await send_one(session, url, bodies[index], result, index)
             on_done()
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))

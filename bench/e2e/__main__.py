@@ -28,6 +28,7 @@ QUICK = E2EConfig(
     scaled_instances=1,
     kvroute_policies=("round_robin", "kv_aware"),
     peers=(),
+    pinned_reference=False,
 )
 
 

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,16 +35,19 @@ from kvroute.supervisor import ChildSpec, Supervisor
 from kvroute.up import SIM_MODEL, LocalFleet, UpOptions, venv_tool_or_fail
 
 RESET_ATTEMPTS = 200
+PINNED = "pinned"  # the reference contender's router: no router at all
 
 
 @dataclass(frozen=True)
 class Contender:
-    router: str  # "kvroute" or a peer's name
+    router: str  # "kvroute", a peer's name, or PINNED
     policy: str
     instances: int = 1
 
     @property
     def name(self) -> str:
+        if self.router == PINNED:
+            return "no router, each group pinned to one engine"
         suffix = f" x{self.instances}" if self.instances > 1 else ""
         return f"{self.router} {self.policy}{suffix}"
 
@@ -61,9 +64,11 @@ class E2EConfig:
     )  # fmt: skip
     peers: tuple[str, ...] = ("sglang-router", "vllm-router")
     peer_policies: tuple[str, ...] = ("round_robin", "cache_aware")
+    pinned_reference: bool = True  # the floor: groups sent straight to engines, no router
 
     def contenders(self) -> list[Contender]:
-        chosen = [Contender("kvroute", p) for p in self.kvroute_policies]
+        chosen = [Contender(PINNED, "groups")] if self.pinned_reference else []
+        chosen += [Contender("kvroute", p) for p in self.kvroute_policies]
         if "kv_aware" in self.kvroute_policies and self.scaled_instances > 1:
             chosen.append(Contender("kvroute", "kv_aware", self.scaled_instances))
         for peer in self.peers:
@@ -139,7 +144,8 @@ class E2EBench:
     ) -> ContenderResult:
         try:
             async with self._router(session, contender) as url:
-                await _wait_answering(session, url, SIM_MODEL)
+                if isinstance(url, str):
+                    await _wait_answering(session, url, SIM_MODEL)
                 await _reset_when_idle(session, self.engines)
                 return ContenderResult(
                     contender, await self._measure(session, watch, url, contender)
@@ -149,7 +155,11 @@ class E2EBench:
             return ContenderResult(contender, unavailable=str(exc))
 
     async def _measure(
-        self, session: aiohttp.ClientSession, watch: EngineWatch, url: str, contender: Contender
+        self,
+        session: aiohttp.ClientSession,
+        watch: EngineWatch,
+        url: str | Callable[[int], str],
+        contender: Contender,
     ) -> PhaseResult:
         bodies = self.config.workload.requests(SIM_MODEL)
         result = PhaseResult(contender.name)
@@ -178,7 +188,11 @@ class E2EBench:
     @contextlib.asynccontextmanager
     async def _router(
         self, session: aiohttp.ClientSession, contender: Contender
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[str | Callable[[int], str]]:
+        """The URL requests go to, or for the pinned reference each request's engine."""
+        if contender.router == PINNED:
+            yield self._pinned()
+            return
         if contender.router == "kvroute":
             assert self.fleet is not None
             fleet = self.fleet.fleet
@@ -200,6 +214,12 @@ class E2EBench:
                 yield url
         finally:
             await supervisor.stop_all()
+
+    def _pinned(self) -> Callable[[int], str]:
+        """Each request's engine: group ``g`` on engine ``g mod replicas``, the placement
+        an oracle router would choose for equal groups, with no router in the way."""
+        groups = self.config.workload.request_groups()
+        return lambda index: self.engines[groups[index] % len(self.engines)]
 
     async def _start_peer(
         self, supervisor: Supervisor, peer: Peer, contender: Contender, index: int

@@ -13,8 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.e2e.harness import ContenderResult, E2EConfig
+from bench.e2e import misses
+from bench.e2e.harness import PINNED, ContenderResult, E2EConfig
 from kvroute.demo import PhaseResult, plot_ttft
+
+TRACED = "kvroute kv_aware"  # contenders whose every request goes to requests.jsonl
 
 
 @dataclass(frozen=True)
@@ -74,10 +77,11 @@ def goals(results: list[ContenderResult]) -> list[Goal]:
     return found
 
 
-def row(result: ContenderResult) -> dict[str, Any]:
+def row(config: E2EConfig, result: ContenderResult) -> dict[str, Any]:
     if result.phase is None:
         return {"contender": result.name, "unavailable": result.unavailable}
-    return {"contender": result.name, **result.phase.summary()}
+    found, _ = misses.classify(result.phase.answers, config.workload.request_groups())
+    return {"contender": result.name, **result.phase.summary(), "misses": found.to_dict()}
 
 
 def markdown(config: E2EConfig, results: list[ContenderResult], found: list[Goal]) -> str:
@@ -105,11 +109,55 @@ def markdown(config: E2EConfig, results: list[ContenderResult], found: list[Goal
             f"| {s['ttft_p50_s'] * 1e3:.0f} ms | {s['ttft_p90_s'] * 1e3:.0f} ms "
             f"| {s['requests_per_s']} | {s['errors']} |"
         )
+    lines += ["", *_miss_table(config, results)]
     lines += ["", "| goal | measured | verdict |", "|---|---|---|"]
     for goal in found:
         verdict = "not run" if goal.met is None else ("met" if goal.met else "**MISSED**")
         lines.append(f"| {goal.text} | {goal.measured} | {verdict} |")
+    lines += _floor(results)
     return "\n".join(lines) + "\n"
+
+
+def _miss_table(config: E2EConfig, results: list[ContenderResult]) -> list[str]:
+    """Misses by cause (see ``bench.e2e.misses``), for every contender that ran."""
+    lines = [
+        "Requests that missed their group's shared prefix, by cause (first: the group's "
+        "first request, which every router misses; in flight: sent to a replica whose "
+        "copies of the group had not answered yet; evicted: the replica had served the "
+        "group before; elsewhere: sent away from the group's replicas; unknown: the router "
+        "does not say where it sent it). Over-predicted: kvroute predicted the prefix "
+        "cached and the engine had less.",
+        "",
+        "| contender | missed | first | in flight | evicted | elsewhere | unknown "
+        "| prefix tokens lost beyond the first | over-predicted |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    groups = config.workload.request_groups()
+    for result in results:
+        if result.phase is None:
+            continue
+        m, _ = misses.classify(result.phase.answers, groups)
+        lines.append(
+            f"| {result.name} | {m.first + m.avoidable} | {m.first} | {m.in_flight} "
+            f"| {m.evicted} | {m.elsewhere} | {m.unknown} | {m.lost_tokens} "
+            f"| {m.over_predicted if result.contender.router == 'kvroute' else '-'} |"
+        )
+    return lines
+
+
+def _floor(results: list[ContenderResult]) -> list[str]:
+    """The pinned reference's TTFT beside SGLang's: how low a router's p50 can go."""
+    pinned = next((r.phase for r in results if r.contender.router == PINNED and r.phase), None)
+    sglang = _phase(results, "sglang-router cache_aware")
+    if pinned is None or sglang is None:
+        return []
+    ratio = pinned.ttft(0.5) / sglang.ttft(0.5)
+    return [
+        "",
+        f"The floor: with no router at all and each group pinned to one engine (an "
+        f"oracle's placement), TTFT p50 is {pinned.ttft(0.5) * 1e3:.0f} ms, "
+        f"{ratio:.2f}x sglang-router cache_aware's; a router can only add to it.",
+    ]
 
 
 def write(config: E2EConfig, results: list[ContenderResult], out_dir: Path) -> list[Goal]:
@@ -118,15 +166,28 @@ def write(config: E2EConfig, results: list[ContenderResult], out_dir: Path) -> l
     payload = {
         "config": {"replicas": config.replicas, "num_blocks": config.num_blocks,
                    "time_scale": config.time_scale, "workload": vars(config.workload)},
-        "results": [row(r) for r in results],
+        "results": [row(config, r) for r in results],
         "goals": [vars(g) for g in found],
     }  # fmt: skip
     (out_dir / "e2e.json").write_text(json.dumps(payload, indent=2) + "\n")
     (out_dir / "e2e.md").write_text(markdown(config, results, found))
+    write_requests(config, results, out_dir / "requests.jsonl")
     phases = [r.phase for r in results if r.phase is not None]
     plot_ttft(phases, out_dir / "e2e_ttft_cdf.png")
     plot_hit_rates(phases, out_dir / "e2e_hit_rate.png")
     return found
+
+
+def write_requests(config: E2EConfig, results: list[ContenderResult], path: Path) -> None:
+    """Every request of the kv_aware runs, one JSON line each, with its miss cause."""
+    groups = config.workload.request_groups()
+    lines = [
+        json.dumps({"contender": r.name, **line}, separators=(",", ":"))
+        for r in results
+        if r.phase is not None and r.name.startswith(TRACED)
+        for line in misses.records(r.phase.answers, groups)
+    ]
+    path.write_text("".join(f"{line}\n" for line in lines))
 
 
 def plot_hit_rates(phases: list[PhaseResult], path: Path) -> None:
