@@ -115,6 +115,9 @@ class FleetView:
             return {}
         return fleet._index.leading_runs(keys, now=now)
 
+    def placed_blocks(self, ordinal: int, *, now: float) -> int:
+        return self._fleet._index.speculative_count(ordinal, now=now)
+
     def has_residency(self) -> bool:
         fleet = self._fleet
         return fleet._index.key_count() > 0 and not fleet.is_stale()

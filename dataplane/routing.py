@@ -292,6 +292,9 @@ class _RunsOnce:
     def replicas(self) -> Sequence[ReplicaState]:
         return self._view.replicas()
 
+    def placed_blocks(self, ordinal: int, *, now: float) -> int:
+        return self._view.placed_blocks(ordinal, now=now)
+
     def has_residency(self) -> bool:
         return self._view.has_residency()
 

@@ -68,6 +68,9 @@ class _View:
     def leading_runs(self, keys: Sequence[int], *, now: float | None) -> dict[int, int]:
         return self._router.index.leading_runs(keys, now=now)
 
+    def placed_blocks(self, ordinal: int, *, now: float) -> int:
+        return self._router.index.speculative_count(ordinal, now=now)
+
     def has_residency(self) -> bool:
         return self._router.index.key_count() > 0
 

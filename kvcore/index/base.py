@@ -63,6 +63,11 @@ class ResidencyIndex(Protocol):
         """Confirmed keys held by ``replica``, or distinct confirmed keys overall."""
         ...
 
+    def speculative_count(self, replica: int, *, now: float) -> int:
+        """Keys speculatively held by ``replica`` at ``now`` (unexpired; whether or not
+        also confirmed): how much this router sent it lately."""
+        ...
+
     def holdings(self) -> Iterator[tuple[int, int]]:
         """Every confirmed key with the bitmask of its replicas (bit ``r`` = ordinal r),
         for snapshots; do not modify the index while iterating."""

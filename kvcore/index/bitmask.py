@@ -139,6 +139,10 @@ class BitmaskResidencyIndex:
         """Overall, keys only a replica being cleared step by step held still count."""
         return len(self._masks) if replica is None else self._counts.get(replica, 0)
 
+    def speculative_count(self, replica: int, *, now: float) -> int:
+        self.expire(now)
+        return len(self._spec_until.get(replica, _NOTHING))
+
     def holdings(self) -> Iterator[tuple[int, int]]:
         if not self._hidden:
             return iter(self._masks.items())

@@ -73,6 +73,10 @@ class ReferenceResidencyIndex:
             return len(self._holders)
         return sum(replica in holders for holders in self._holders.values())
 
+    def speculative_count(self, replica: int, *, now: float) -> int:
+        self.expire(now)
+        return sum(owner == replica for _, owner in self._speculative)
+
     def holdings(self) -> Iterator[tuple[int, int]]:
         for key, holders in self._holders.items():
             yield key, sum(1 << replica for replica in holders)

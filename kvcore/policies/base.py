@@ -65,6 +65,11 @@ class StateView(Protocol):
         """Each replica's leading run of ``keys`` (see ``kvcore.index``)."""
         ...
 
+    def placed_blocks(self, ordinal: int, *, now: float) -> int:
+        """Blocks this router sent the replica lately: its unexpired speculative entries
+        (``ResidencyIndex.speculative_count``)."""
+        ...
+
     def has_residency(self) -> bool:
         """Whether any confirmed (engine-reported) residency exists: false on a cold
         start, where only this proxy's speculative entries may exist."""

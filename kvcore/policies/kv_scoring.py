@@ -48,7 +48,11 @@ class KvScoringPolicy:
         raise NotImplementedError
 
     def without_hit(
-        self, ctx: RouteContext, replicas: list[ReplicaState], runs: dict[int, int]
+        self,
+        ctx: RouteContext,
+        state: StateView,
+        replicas: list[ReplicaState],
+        runs: dict[int, int],
     ) -> ReplicaState | None:
         """A strategy's own choice for a prompt no candidate holds; ``None``: by score."""
         return None
@@ -61,7 +65,7 @@ class KvScoringPolicy:
         if not screened.usable:
             return decide(self.name, screened, None)
         scores = self.scores(ctx, screened.usable, runs)
-        chosen = self.without_hit(ctx, screened.usable, runs) or best(
+        chosen = self.without_hit(ctx, state, screened.usable, runs) or best(
             screened.usable, scores, self._rng
         )
         usable = screened.usable

@@ -33,6 +33,9 @@ class StaticStateView:
     def leading_runs(self, keys: Sequence[int], *, now: float | None) -> dict[int, int]:
         return self.index.leading_runs(keys, now=now)
 
+    def placed_blocks(self, ordinal: int, *, now: float) -> int:
+        return self.index.speculative_count(ordinal, now=now)
+
     def has_residency(self) -> bool:
         if self._residency_known is not None:
             return self._residency_known

@@ -161,6 +161,16 @@ def test_speculative_and_confirmed_combine_into_one_run(index: ResidencyIndex) -
     assert index.leading_runs([1, 2, 3, 4], now=1.0) == {4: 3}
 
 
+def test_speculative_count_is_each_replicas_unexpired_speculation(index: ResidencyIndex) -> None:
+    index.add(0, [1, 2, 3])
+    index.add_speculative(0, [3, 4], expires_at=10.0)
+    index.add_speculative(0, [4], expires_at=20.0)
+    index.add_speculative(1, [1], expires_at=10.0)
+    assert (index.speculative_count(0, now=5.0), index.speculative_count(1, now=5.0)) == (2, 1)
+    assert (index.speculative_count(0, now=10.0), index.speculative_count(1, now=10.0)) == (1, 0)
+    assert index.speculative_count(7, now=5.0) == 0
+
+
 OPS = st.lists(
     st.tuples(
         st.sampled_from(["add", "remove", "spec", "clear", "expire", "step"]),
@@ -186,6 +196,9 @@ def test_bitmask_index_agrees_with_the_reference(
     assert len(dict(fast.holdings())) == oracle.key_count()
     for replica in range(71):
         assert fast.key_count(replica) == oracle.key_count(replica)
+        assert fast.speculative_count(replica, now=now) == oracle.speculative_count(
+            replica, now=now
+        )
     assert all(fast.replicas_of(k) == oracle.replicas_of(k) for k in range(13))
     assert dict(fast.holdings()) == dict(oracle.holdings())
 
