@@ -1,9 +1,11 @@
 """Routing one request: workload, tenant, tokens, block keys, then the workload's policy.
 
 :meth:`Router.prepare` does the per-request work once (classify into a workload, find
-the tenant's cache namespace, render and tokenize with the model's tokenizer through a
-per-thread :class:`~kvcore.tokenize.PrefixTokenCache`, key the blocks through a
-per-thread :class:`~dataplane.prompt_keys.PromptKeyCache`); :meth:`Router.choose` runs
+the tenant's cache namespace, render, tokenize and key with the model's tokenizer
+through ``kvcore.request.prompt_keys`` and a per-thread
+:class:`~kvcore.tokenize.PrefixTokenCache`, which tokenizes and keys only what no recent
+prompt began with; the explain endpoint reads requests through the same module);
+:meth:`Router.choose` runs
 the workload's policy and may run again with replicas excluded (a retry). Policies are
 built once per workload and rebuilt when the routing config object changes.
 
@@ -27,11 +29,11 @@ from dataclasses import dataclass
 from dataplane.fleet_state import FleetState, FleetView
 from dataplane.http_errors import BadRequest, NotFound
 from dataplane.openai_request import InferenceRequest
-from dataplane.prompt_keys import PromptKeyCache
-from kvcore.keys import chain_keys, root_key
+from kvcore.keys import root_key
 from kvcore.pb import routing_pb2
 from kvcore.policies import Decision, Policy, ReplicaState, RouteContext, create_policy
-from kvcore.tokenize import PrefixTokenCache, Tokenizer, TokenizerError, load_tokenizer
+from kvcore.request import InvalidRequest, prompt_keys, session_id
+from kvcore.tokenize import Encoded, PrefixTokenCache, Tokenizer, TokenizerError, load_tokenizer
 from kvcore.workload import (
     RequestInfo,
     RoutingConfig,
@@ -40,8 +42,6 @@ from kvcore.workload import (
     parse_workload,
 )
 from kvcore.workload.classify import WORKLOAD_HEADER
-
-SHORT_PROMPT_TOKENS = 256  # shorter prompts are keyed directly, not through the key cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +71,8 @@ class Prepared:
 
 
 class TokenizerPool:
-    """Tokenizers by spec, loaded once, and one prefix cache (tokens, keys) per thread."""
+    """Tokenizers by spec, loaded once, and one prefix cache (tokens and keys) per thread
+    and tokenizer."""
 
     def __init__(self) -> None:
         self._tokenizers: dict[str, Tokenizer] = {}
@@ -96,12 +97,6 @@ class TokenizerPool:
         cache = caches.get(spec)
         if cache is None:
             cache = caches[spec] = PrefixTokenCache(self.load(spec))
-        return cache
-
-    def key_cache(self) -> PromptKeyCache:
-        cache: PromptKeyCache | None = getattr(self._local, "keys", None)
-        if cache is None:
-            cache = self._local.keys = PromptKeyCache()
         return cache
 
 
@@ -144,12 +139,8 @@ class Router:
         entry = self.fleet.model_entry(request.model)
         block_size = entry.block_size if entry is not None and entry.block_size else None
         block_size = block_size or self.defaults.block_size
-        tokens = self._tokens(request, self.tokenizer_spec(request.model))
         root = root_key(model=key_model, namespace=namespace)
-        if len(tokens) < SHORT_PROMPT_TOKENS:  # nothing worth remembering
-            keys = chain_keys(root, tokens, block_size)
-        else:
-            keys = self.tokenizers.key_cache().keys(tokens, root=root, block_size=block_size)
+        prompt = self._prompt(request, self.tokenizer_spec(request.model), root, block_size)
         return Prepared(
             workload=workload,
             policy=self._policy(workload),
@@ -158,9 +149,9 @@ class Router:
             block_size=block_size,
             namespace=namespace,
             upstream_salt=salt,
-            prompt_tokens=len(tokens),
-            block_keys=keys,
-            session_id=_session_id(workload, request, headers),
+            prompt_tokens=len(prompt.tokens),
+            block_keys=prompt.keys,
+            session_id=session_id(workload, headers, request.body),
             request_id=request_id,
         )
 
@@ -244,21 +235,14 @@ class Router:
             return "", None
         return tenant, tenant
 
-    def _tokens(self, request: InferenceRequest, spec: str) -> list[int]:
+    def _prompt(self, request: InferenceRequest, spec: str, root: int, block_size: int) -> Encoded:
         cache = self.tokenizers.token_cache(spec)
         try:
-            if request.kind == "chat":
-                text = cache.tokenizer.apply_chat_template(
-                    request.messages,
-                    add_generation_prompt=request.body.get("add_generation_prompt", True)
-                    is not False,
-                    tools=request.body.get("tools"),
-                )
-                return _encode(cache, text, add_special_tokens=False)
-            prompt = request.first_prompt
-            if isinstance(prompt, list):
-                return prompt
-            return _encode(cache, prompt, add_special_tokens=True)
+            return prompt_keys(
+                request.body, cache, root=root, block_size=block_size, kind=request.kind
+            )
+        except InvalidRequest as exc:
+            raise BadRequest(f"The prompt cannot be routed: {exc}", exc.field) from None
         except TokenizerError as exc:
             raise BadRequest(
                 f"The prompt cannot be tokenized: {exc}", _prompt_field(request)
@@ -305,24 +289,5 @@ class _RunsOnce:
         return self._runs
 
 
-def _encode(cache: PrefixTokenCache, text: str, *, add_special_tokens: bool) -> list[int]:
-    """Through the prefix cache, unless the text is too short to hold a cut point."""
-    if len(text) < 2 * cache.min_gap:
-        return cache.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    return cache.encode(text, add_special_tokens=add_special_tokens)
-
-
 def _prompt_field(request: InferenceRequest) -> str:
     return "messages" if request.kind == "chat" else "prompt"
-
-
-def _session_id(
-    workload: Workload, request: InferenceRequest, headers: Mapping[str, str]
-) -> str | None:
-    if "session_key" not in type(workload).model_fields:  # getattr would raise and catch
-        return None
-    key: str = workload.session_key  # type: ignore[union-attr]
-    if key.startswith("body."):
-        value = request.body.get(key[5:])
-        return None if value is None else str(value)
-    return headers.get(key)

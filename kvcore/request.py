@@ -1,23 +1,29 @@
 """An OpenAI-shaped request body, read the way engines read it, for routing.
 
 The proxy and the admin API's explain endpoint must turn the same request into the same
-token ids and session id, or an explanation would describe a different decision than the
-one the proxy makes. Token ids follow vLLM: a chat request's ``messages`` are rendered
-with the model's chat template (``add_generation_prompt`` true unless the body says
-otherwise, ``tools`` passed to the template) and encoded without special tokens; a
-completion's ``prompt`` text is encoded with them; a ``prompt`` of token ids is taken
-as is. Errors are :class:`InvalidRequest` (a ``ValueError``) naming the field.
+token ids, block keys and session id, or an explanation would describe a different
+decision than the one the proxy makes: both call this module. Token ids follow vLLM: a
+chat request's ``messages`` are rendered with the model's chat template
+(``add_generation_prompt`` true unless the body says otherwise, ``tools`` passed to the
+template) and encoded without special tokens; a completion's ``prompt`` text is encoded
+with them; a ``prompt`` of token ids is taken as is. A batch of prompts is routed by its
+first. Errors are :class:`InvalidRequest` (a ``ValueError``) naming the field, and the
+tokenizer's :class:`~kvcore.tokenize.TokenizerError` for a chat its template refuses.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
-from kvcore.tokenize import Tokenizer
+from kvcore.keys import chain_keys
+from kvcore.tokenize import Encoded, PrefixTokenCache, Tokenizer
 from kvcore.workload import SessionAffinityWorkload, Workload
 
 MAX_TOKEN_ID = 2**32
+Kind = Literal["chat", "completion"]
 
 
 class InvalidRequest(ValueError):
@@ -28,16 +34,62 @@ class InvalidRequest(ValueError):
         self.field = field
 
 
-def prompt_token_ids(body: Mapping[str, Any], tokenizer: Tokenizer) -> list[int]:
-    """The token ids the engine will compute for ``body`` (chat or completion)."""
-    if "messages" in body:
-        return _chat_tokens(body, tokenizer)
+@dataclass(frozen=True, slots=True)
+class PromptText:
+    """The text an engine encodes for a request, and whether it adds special tokens."""
+
+    text: str
+    add_special_tokens: bool
+
+
+def prompt_input(
+    body: Mapping[str, Any], tokenizer: Tokenizer, kind: Kind | None = None
+) -> PromptText | list[int]:
+    """What the engine tokenizes for ``body``: the rendered chat or the completion text,
+    or the prompt's token ids. ``kind`` is the endpoint's; by default, a body with
+    ``messages`` is a chat."""
+    if kind == "chat" or (kind is None and "messages" in body):
+        if "messages" not in body:
+            raise InvalidRequest("messages", "a chat request needs 'messages'")
+        return _chat_text(body, tokenizer)
     if "prompt" in body:
-        return _completion_tokens(body["prompt"], tokenizer)
+        return _completion_input(body["prompt"])
     raise InvalidRequest("messages", "a request needs 'messages' (chat) or 'prompt'")
 
 
-def _chat_tokens(body: Mapping[str, Any], tokenizer: Tokenizer) -> list[int]:
+def prompt_token_ids(
+    body: Mapping[str, Any], tokenizer: Tokenizer, kind: Kind | None = None
+) -> list[int]:
+    """The token ids the engine will compute for ``body`` (chat or completion)."""
+    prompt = prompt_input(body, tokenizer, kind)
+    if isinstance(prompt, list):
+        return prompt
+    return tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
+
+
+def prompt_keys(
+    body: Mapping[str, Any],
+    cache: PrefixTokenCache,
+    *,
+    root: int,
+    block_size: int,
+    kind: Kind | None = None,
+) -> Encoded:
+    """The token ids of ``body`` and their block keys chained from ``root``, through
+    ``cache`` (only what no recent prompt began with is tokenized and hashed)."""
+    prompt = prompt_input(body, cache.tokenizer, kind)
+    if isinstance(prompt, list):
+        tokens = array("I", prompt)
+        return Encoded(tokens, chain_keys(root, tokens, block_size))
+    return cache.encode_keyed(
+        prompt.text,
+        add_special_tokens=prompt.add_special_tokens,
+        root=root,
+        block_size=block_size,
+    )
+
+
+def _chat_text(body: Mapping[str, Any], tokenizer: Tokenizer) -> PromptText:
     messages = body["messages"]
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise InvalidRequest("messages", "must be a list of message objects")
@@ -48,23 +100,22 @@ def _chat_tokens(body: Mapping[str, Any], tokenizer: Tokenizer) -> list[int]:
     if not isinstance(generation, bool):
         raise InvalidRequest("add_generation_prompt", "must be true or false")
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tools=tools)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return PromptText(text, add_special_tokens=False)
 
 
-def _completion_tokens(prompt: Any, tokenizer: Tokenizer) -> list[int]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
+def _completion_input(prompt: Any) -> PromptText | list[int]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch: routed by its first prompt
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt, add_special_tokens=True)
-    if isinstance(prompt, list) and _are_token_ids(prompt):
+        return PromptText(prompt, add_special_tokens=True)
+    if isinstance(prompt, list) and prompt and _are_token_ids(prompt):
         return list(prompt)
-    raise InvalidRequest("prompt", "must be a string, a list of one string or token ids")
+    raise InvalidRequest("prompt", "must be a string, token ids, or a batch (a list) of either")
 
 
 def _are_token_ids(values: Sequence[Any]) -> bool:
-    return all(
-        isinstance(v, int) and not isinstance(v, bool) and 0 <= v < MAX_TOKEN_ID for v in values
-    )
+    """Integers (not booleans) in [0, 2**32), checked in C: ids are often thousands."""
+    return set(map(type, values)) == {int} and min(values) >= 0 and max(values) < MAX_TOKEN_ID
 
 
 def session_id(

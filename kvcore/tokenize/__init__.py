@@ -2,7 +2,7 @@
 
 - :class:`BuiltinTokenizer`: deterministic, no model files (demos, tests, ``enginesim``);
 - :class:`HFTokenizer`: a model's ``tokenizer.json`` and its Jinja chat template;
-- :class:`PrefixTokenCache`: either of them, re-tokenizing only a prompt's new tail.
+- :class:`PrefixTokenCache`: either of them, tokenizing and keying only a prompt's new tail.
 
 ``load_tokenizer("builtin")`` or ``load_tokenizer("/path/to/model")`` picks one.
 """
@@ -17,7 +17,7 @@ from kvcore.tokenize.base import (
 )
 from kvcore.tokenize.builtin import BuiltinTokenizer
 from kvcore.tokenize.hf import HFTokenizer
-from kvcore.tokenize.prefix_cache import CacheStats, PrefixTokenCache
+from kvcore.tokenize.prefix_cache import CacheStats, Encoded, PrefixTokenCache
 
 BUILTIN = "builtin"
 
@@ -26,6 +26,7 @@ __all__ = [
     "BuiltinTokenizer",
     "CacheStats",
     "ChatTemplateError",
+    "Encoded",
     "HFTokenizer",
     "PrefixTokenCache",
     "SegmentableTokenizer",

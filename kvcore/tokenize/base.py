@@ -51,21 +51,27 @@ class Tokenizer(Protocol):
 
 @runtime_checkable
 class SegmentableTokenizer(Tokenizer, Protocol):
-    """A tokenizer that can be run piecewise between *safe cut points*.
+    """A tokenizer that can resume mid-text at *safe cut points*.
 
     A cut point ``p`` of a text is a character offset where tokenization is local:
-    tokenizing ``text[:p]`` and ``text[p:]`` (the latter with :meth:`encode_segments`'s
-    ``at_start=False``) and concatenating gives exactly the tokens of ``text``, whatever
-    follows ``p``. Whether ``p`` is a cut point may depend only on ``text[:p + 1]``.
+    tokenizing ``text[:p]`` and ``text[p:]`` (the latter with :meth:`encode_from`, which
+    knows it is mid-text) and concatenating gives exactly the tokens of ``text``, whatever
+    follows ``p``; so a token of ``text`` starts at ``p``.
     """
 
-    def cut_points(self, text: str, min_gap: int) -> list[int]:
-        """Cut points of ``text``, greedily from the start, at least ``min_gap`` apart."""
+    def last_cut(self, text: str, shared: int) -> int:
+        """The last cut point of ``text`` that every text beginning with ``text[:shared]``
+        shares (whether it is one depends only on those characters); 0 when none."""
         ...
 
-    def encode_segments(self, segments: list[str], *, at_start: bool) -> list[list[int]] | None:
-        """Tokens of each segment (no special tokens), each following a cut point unless
-        it is the first and ``at_start``; ``None`` when that cannot be done exactly."""
+    def encode_from(self, text: str, start: int) -> list[int] | None:
+        """Tokens of ``text[start:]`` (no special tokens; ``start`` is 0 or a cut point);
+        ``None`` when that cannot be done exactly."""
+        ...
+
+    def token_starts(self, text: str, start: int, ids: list[int]) -> list[int] | None:
+        """Where in ``text`` each of ``ids`` (``encode_from(text, start)``) starts;
+        ``None`` when that is not known."""
         ...
 
     def special_wrap(self) -> tuple[list[int], list[int]] | None:
@@ -73,21 +79,26 @@ class SegmentableTokenizer(Tokenizer, Protocol):
         ...
 
 
-def thinned_cuts(
-    pattern: re.Pattern[str], text: str, min_gap: int, unsafe: Callable[[int], bool] | None = None
-) -> list[int]:
-    """Positions of ``pattern``'s zero-width matches, greedily at least ``min_gap`` apart.
+def last_match(
+    pattern: re.Pattern[str], text: str, end: int, unsafe: Callable[[int], bool] | None = None
+) -> int:
+    """The last zero-width match of ``pattern`` that ``text[:end]`` alone decides (its
+    lookahead cannot see past ``end``) and ``unsafe`` does not refuse; 0 when none.
 
-    Each choice depends only on the text up to one character past it, so two texts that
-    share a prefix share the cut points found inside it.
+    Searches backwards in growing windows, so the cost follows the distance to the
+    match, not the length of the text.
     """
-    cuts: list[int] = []
-    position = max(min_gap, 1)
-    while (match := pattern.search(text, position)) is not None:
-        cut = match.start()
-        if unsafe is not None and unsafe(cut):
-            position = cut + 1
-            continue
-        cuts.append(cut)
-        position = cut + max(min_gap, 1)
-    return cuts
+    high, window = end, 64
+    while high > 0:
+        low = max(0, high - window)
+        found = 0
+        for match in pattern.finditer(text, low, end):
+            position = match.start()
+            if position >= high:
+                break
+            if position and (unsafe is None or not unsafe(position)):
+                found = position
+        if found:
+            return found
+        high, window = low, window * 4
+    return 0

@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
+from itertools import accumulate
 from typing import Any
 
 import xxhash
 
-from kvcore.tokenize.base import ChatTemplateError, thinned_cuts
+from kvcore.tokenize.base import ChatTemplateError, last_match
 
 VOCAB_SIZE = 32_000
 FIRST_ORDINARY_ID = 256
@@ -35,7 +36,7 @@ ROLE_TOKENS["tool"] = "<|tool|>"
 _SPECIAL_RE = re.compile("|".join(re.escape(s) for s in SPECIAL_TOKENS))
 _PIECE_RE = re.compile(r"\s*(?:\w{1,8}|[^\w\s])|\s+")
 # Pieces start with their whitespace and special tokens hold none, so tokenization is
-# local at every switch from non-whitespace to whitespace.
+# local at every switch from non-whitespace to whitespace (decided by the two characters).
 _CUT_RE = re.compile(r"(?<=\S)(?=\s)")
 _hash = xxhash.xxh3_64_intdigest
 
@@ -105,10 +106,9 @@ class BuiltinTokenizer:
             parts.append("<|assistant|>\n")
         return "".join(parts)
 
-    def _encode_text(self, text: str) -> list[int]:
+    def _encode_text(self, text: str, start: int = 0) -> list[int]:
         ids: list[int] = []
-        start = 0
-        for match in _SPECIAL_RE.finditer(text):
+        for match in _SPECIAL_RE.finditer(text, start):
             ids += self._piece_ids(_PIECE_RE.findall(text, start, match.start()))
             ids.append(SPECIAL_TOKENS[match.group()])
             start = match.end()
@@ -127,15 +127,31 @@ class BuiltinTokenizer:
                     memo[piece] = piece_id(piece)
             return list(map(memo.__getitem__, pieces))
 
-    def cut_points(self, text: str, min_gap: int) -> list[int]:
-        """Every offset between a non-whitespace and a whitespace character is a cut."""
-        return thinned_cuts(_CUT_RE, text, min_gap)
+    def last_cut(self, text: str, shared: int) -> int:
+        """The last offset before ``shared`` between a non-whitespace and a whitespace
+        character (the whitespace is inside ``text[:shared]``)."""
+        return last_match(_CUT_RE, text, shared)
 
-    def encode_segments(self, segments: list[str], *, at_start: bool) -> list[list[int]] | None:
-        return [self._encode_text(segment) for segment in segments]
+    def encode_from(self, text: str, start: int) -> list[int] | None:
+        return self._encode_text(text, start)
+
+    def token_starts(self, text: str, start: int, ids: list[int]) -> list[int] | None:
+        starts: list[int] = []
+        position = start
+        for match in _SPECIAL_RE.finditer(text, start):
+            starts += _piece_starts(_PIECE_RE.findall(text, position, match.start()), position)
+            starts.append(match.start())
+            position = match.end()
+        starts += _piece_starts(_PIECE_RE.findall(text, position), position)
+        return starts if len(starts) == len(ids) else None
 
     def special_wrap(self) -> tuple[list[int], list[int]] | None:
         return [self.bos_token_id], []
+
+
+def _piece_starts(pieces: list[str], start: int) -> list[int]:
+    """Where each of ``pieces``, found from offset ``start``, starts."""
+    return list(accumulate(map(len, pieces[:-1]), initial=start)) if pieces else []
 
 
 def _render_message(index: int, message: Mapping[str, Any]) -> str:

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import json
 import re
-from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
-from itertools import accumulate, pairwise
-from operator import itemgetter
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as FastTokenizer
 from tokenizers import pre_tokenizers
 
-from kvcore.tokenize.base import ChatTemplateError, TokenizerError, thinned_cuts
+from kvcore.tokenize.base import ChatTemplateError, TokenizerError, last_match
 from kvcore.tokenize.chat_template import Renderer, compile_chat_template
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -58,6 +56,7 @@ class HFTokenizer:
         self._templates = _templates(config, self.directory / TEMPLATE_FILE)
         self._renderers = {name: compile_chat_template(src) for name, src in self._templates}
         self._lstrip_tokens, segmentable = _segmentation_facts(self._fast)
+        self._lstrip_reach = max(map(len, self._lstrip_tokens), default=1) - 1
         self._anchor_ids = self._fast.encode(_ANCHOR, add_special_tokens=False).ids
         self._byte_lengths = _byte_lengths(self._fast)
         self.segmentable = segmentable and self._cuts_exact_after_added_tokens()
@@ -93,66 +92,55 @@ class HFTokenizer:
         )
         return render(variables)
 
-    def cut_points(self, text: str, min_gap: int) -> list[int]:
-        """Offsets after a newline between two non-space characters (none when the
-        tokenizer's pre-tokenizer or normalizer is not known to cut there)."""
+    def last_cut(self, text: str, shared: int) -> int:
+        """The last offset after a newline between two non-space characters that
+        ``text[:shared]`` decides (0 when the tokenizer's pre-tokenizer or normalizer is
+        not known to cut there)."""
         if not self.segmentable:
-            return []
-        return thinned_cuts(_CUT_RE, text, min_gap, self._before_lstrip_token(text))
+            return 0
+        end = shared - self._lstrip_reach
+        return last_match(_CUT_RE, text, end, self._before_lstrip_token(text))
 
-    def encode_segments(self, segments: list[str], *, at_start: bool) -> list[list[int]] | None:
-        """Encodes the segments in one call (after the anchor ``"a\\n"`` unless
-        ``at_start``, so prefix-space rules see them mid-text, as they are) and splits the
-        ids where each segment starts; ``None`` when a start is not a token boundary."""
-        anchor = "" if at_start else _ANCHOR
-        text = anchor + "".join(segments)
-        width = 0 if at_start else len(self._anchor_ids)
-        ids = self._fast.encode_batch_fast([text], add_special_tokens=False)[0].ids
+    def encode_from(self, text: str, start: int) -> list[int] | None:
+        """Encodes ``text[start:]`` in one call, after the anchor ``"a\\n"`` unless at
+        the start, so that prefix-space rules see it mid-text, as it is."""
+        anchor = _ANCHOR if start else ""
+        width = len(self._anchor_ids) if start else 0
+        tail = text[start:] if start else text
+        ids = self._fast.encode_batch_fast([anchor + tail], add_special_tokens=False)[0].ids
         if ids[:width] != self._anchor_ids[:width]:
             return None
-        ends = self._ends_by_bytes(ids, width, segments, text)
-        if ends is None:  # split by the offsets instead (they cost about a third more)
-            encoding = self._fast.encode(text, add_special_tokens=False)
-            ids = encoding.ids
-            ends = _ends_by_offsets(encoding.offsets, width, len(anchor), segments)
-        if ends is None:
-            return None
-        return [ids[a:b] for a, b in pairwise([width, *ends, len(ids)])]
+        return ids[width:] if width else ids
 
-    def _ends_by_bytes(
-        self, ids: list[int], width: int, segments: list[str], text: str
-    ) -> list[int] | None:
-        """Where each segment but the last ends, in ``ids``, from the UTF-8 length of each
-        byte-level token; ``None`` unless every token maps to its own bytes exactly."""
+    def token_starts(self, text: str, start: int, ids: list[int]) -> list[int] | None:
+        """From the UTF-8 length of byte-level tokens (ASCII text), else from the
+        offsets of the tokens encoded again (which cost about a third more)."""
+        tail = text[start:]
+        starts = self._starts_by_bytes(ids, tail, start)
+        if starts is not None:
+            return starts
+        anchor = _ANCHOR if start else ""
+        width = len(self._anchor_ids) if start else 0
+        encoding = self._fast.encode(anchor + tail, add_special_tokens=False)
+        if encoding.ids[width:] != ids:
+            return None
+        shift = start - len(anchor)
+        return [begin + shift for begin, _ in encoding.offsets[width:]]
+
+    def _starts_by_bytes(self, ids: list[int], tail: str, start: int) -> list[int] | None:
+        """Where each token starts, for ASCII text and a byte-level vocabulary (whose
+        tokens spell their bytes); ``None`` otherwise."""
         lengths = self._byte_lengths
-        if lengths is None or (self._fast.normalizer is not None and not text.isascii()):
+        if lengths is None or not tail.isascii():
             return None
         try:
-            token_ends = list(accumulate(map(lengths.__getitem__, ids[width:])))
+            starts = list(accumulate(map(lengths.__getitem__, ids), initial=start))
         except IndexError:
             return None
-        sizes = [
-            len(s) if s.isascii() else len(s.encode("utf-8", "surrogatepass")) for s in segments
-        ]
-        if (token_ends[-1] if token_ends else 0) != sum(sizes):
+        if starts[-1] != start + len(tail):
             return None
-        ends = []
-        for segment_end in accumulate(sizes[:-1]):
-            index = bisect_left(token_ends, segment_end)
-            if index == len(token_ends) or token_ends[index] != segment_end:
-                return None
-            ends.append(width + index + 1)
-        return ends
-
-    def _encode_each(self, segments: list[str], *, at_start: bool) -> list[list[int]] | None:
-        """Each segment encoded on its own (what :meth:`encode_segments` must equal)."""
-        first = segments[:1] if at_start else []
-        rest = segments[len(first) :]
-        encoded = self.encode_batch(first + [_ANCHOR + segment for segment in rest])
-        anchor, width = self._anchor_ids, len(self._anchor_ids)
-        if any(ids[:width] != anchor for ids in encoded[len(first) :]):
-            return None
-        return encoded[: len(first)] + [ids[width:] for ids in encoded[len(first) :]]
+        starts.pop()
+        return starts
 
     def special_wrap(self) -> tuple[list[int], list[int]] | None:
         bare = self.encode("a", add_special_tokens=False)
@@ -171,10 +159,9 @@ class HFTokenizer:
             if not token.content or token.content[-1].isspace():
                 continue  # no cut point right after it
             text = f"ab{token.content}\ncd"
-            head, tail = text[:-2], text[-2:]
-            pieces = self._encode_each([head, tail], at_start=True)
-            whole = self.encode(text, add_special_tokens=False)
-            if pieces is None or pieces[0] + pieces[1] != whole:
+            head = self.encode(text[:-2], add_special_tokens=False)
+            tail = self.encode_from(text, len(text) - 2)
+            if tail is None or head + tail != self.encode(text, add_special_tokens=False):
                 return False
         return True
 
@@ -191,22 +178,6 @@ class HFTokenizer:
 
     def _token_id(self, token: str | None) -> int | None:
         return None if token is None else self._fast.token_to_id(token)
-
-
-def _ends_by_offsets(
-    offsets: list[tuple[int, int]], width: int, start: int, segments: list[str]
-) -> list[int] | None:
-    """Where each segment but the last ends, by the tokens' character offsets (the text
-    starts at character ``start``, its tokens at ``width``); ``None`` when a segment
-    boundary falls inside a token."""
-    ends, position = [], start
-    for segment in segments[:-1]:
-        position += len(segment)
-        index = bisect_left(offsets, position, lo=width, key=itemgetter(0))
-        if index > width and offsets[index - 1][1] > position:
-            return None
-        ends.append(index)
-    return ends
 
 
 def _byte_lengths(fast: FastTokenizer) -> list[int] | None:

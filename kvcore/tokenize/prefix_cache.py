@@ -1,156 +1,263 @@
-"""Re-tokenize only what is new: a cache of recent prompts' tokens, keyed by prefix.
+"""Tokenize and key only what is new: recent prompts' tokens and block keys, by prefix.
 
-Tokenizing a long prompt is the most expensive step on the proxy's hot path, and most
-prompts repeat a recent one's beginning (the system prompt, the conversation so far,
-the same RAG documents). The cache cuts every prompt at the tokenizer's *safe cut
-points* (see :class:`SegmentableTokenizer`), at least ``min_gap`` characters apart, and
-remembers a chained hash of the text up to each cut. A new prompt takes the tokens of
-its longest remembered prefix ending at a cut and tokenizes only the rest; since
-tokenization is local at cut points, the result equals tokenizing the whole prompt.
+Tokenizing a long prompt and hashing its blocks are most of a routing decision, and
+most prompts repeat a recent one's beginning (the system prompt, the conversation so
+far, the same documents). The cache remembers recent prompts: their UTF-8 text, their
+tokens (and, once a later prompt needs it, where each starts in the text), and the
+router block keys computed from them. For a
+new prompt it finds the remembered one sharing the longest beginning (by chained hashes
+of fixed 1 KiB chunks, then byte comparison to the exact first difference), steps back
+to the tokenizer's last *safe cut point* before that difference (see
+:class:`SegmentableTokenizer`), takes the remembered tokens before it and tokenizes only
+the rest; and it takes the remembered keys of every block whose tokens did not change
+and chains only the new ones. Since tokenization is local at cut points and a key
+depends only on the tokens up to its block, both equal what the whole prompt gives.
 
-A tokenizer that cannot be cut (not a :class:`SegmentableTokenizer`, or an HF
-tokenizer whose pipeline is not known to cut at newlines) is simply called whole.
+A tokenizer that cannot be cut (not a :class:`SegmentableTokenizer`, or an HF tokenizer
+whose pipeline is not known to cut at newlines) is called whole; its keys are still
+reused as far as its tokens equal a remembered prompt's.
 """
 
 from __future__ import annotations
 
+from array import array
+from bisect import bisect_left
 from collections import OrderedDict
-from dataclasses import dataclass
-from itertools import pairwise
+from dataclasses import dataclass, field
 
 import xxhash
 
+from kvcore.keys import chain_keys
 from kvcore.tokenize.base import SegmentableTokenizer, Tokenizer
 
 _hash = xxhash.xxh3_64_intdigest
-
-
-@dataclass(slots=True)
-class _Prompt:
-    text: str
-    tokens: list[int]
-    cuts: list[int]
-    prefix_hashes: list[int]
-    cut_token_counts: list[int]
+CHUNK = 1024  # bytes per chained hash: remembered beginnings are found at this step
+_FIRST_STRIDE = 64  # bytes compared first when finding the exact first difference
 
 
 @dataclass(slots=True)
 class CacheStats:
-    """What the cache saved: prompts served from a remembered prefix and their tokens."""
+    """What the cache saved: prompts served from a remembered prefix, tokens and keys."""
 
     lookups: int = 0
     hits: int = 0
     reused_tokens: int = 0
     encoded_tokens: int = 0
+    reused_keys: int = 0
+    hashed_keys: int = 0
+
+
+@dataclass(slots=True)
+class Encoded:
+    """A prompt's token ids (special tokens included) and, when asked, its block keys."""
+
+    tokens: array[int]
+    keys: list[int] = field(default_factory=list)
+
+    def token_list(self) -> list[int]:
+        return self.tokens.tolist()
+
+
+@dataclass(slots=True)
+class _Prompt:
+    data: bytes  # the text as UTF-8
+    tokens: array[int]  # without special tokens
+    starts: array[int]  # the character offset where each of the first tokens starts
+    resume: int  # where the token after those starts: the rest are found when needed
+    chunks: list[int]  # chained hashes of each whole chunk of data
+    basis: tuple[int, int, bool] | None = None  # (root, block_size, specials) of keys
+    keys: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True, frozen=True)
-class _Match:
-    cuts_reused: int = 0
+class _Reuse:
     prompt: _Prompt | None = None
-
-    @property
-    def token_count(self) -> int:
-        return self.prompt.cut_token_counts[self.cuts_reused - 1] if self.prompt else 0
+    cut: int = 0  # characters of the new text whose tokens are the prompt's
+    tokens: int = 0  # how many tokens that is
 
 
 class PrefixTokenCache:
-    """Token-for-token the same as ``tokenizer.encode``, faster on repeated prefixes.
+    """Token-for-token the same as ``tokenizer.encode``, and key-for-key the same as
+    ``chain_keys``, faster on repeated prefixes.
 
-    ``max_prompts`` bounds memory: each remembered prompt keeps its text and a list of
-    its tokens (prompts that share a prefix share its integer objects, so a remembered
-    8,192-token prompt costs about 100 KB, less when it extends another). Not
-    thread-safe: use one per thread or event loop.
+    ``max_prompts`` bounds memory: each remembered prompt keeps its UTF-8 text, its
+    tokens and their offsets (4 bytes each) and its keys, about 150 KB for an
+    8,192-token prompt. Not thread-safe: use one per thread or event loop.
     """
 
-    def __init__(self, tokenizer: Tokenizer, *, max_prompts: int = 128, min_gap: int = 512):
-        if max_prompts < 1 or min_gap < 1:
-            raise ValueError("max_prompts and min_gap must be >= 1")
+    def __init__(self, tokenizer: Tokenizer, *, max_prompts: int = 128, chunk: int = CHUNK):
+        if max_prompts < 1 or chunk < 1:
+            raise ValueError("max_prompts and chunk must be >= 1")
         self.tokenizer = tokenizer
         self.max_prompts = max_prompts
-        self.min_gap = min_gap
+        self.chunk = chunk
         self.stats = CacheStats()
         self._segmentable = tokenizer if isinstance(tokenizer, SegmentableTokenizer) else None
         self._wrap = self._segmentable.special_wrap() if self._segmentable else None
         self._prompts: OrderedDict[int, _Prompt] = OrderedDict()
-        self._by_prefix: dict[int, tuple[_Prompt, int]] = {}
+        self._by_chunk: dict[int, _Prompt] = {}
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """The token ids ``tokenizer.encode(text, add_special_tokens=...)`` returns."""
-        tokens = None
-        if self._segmentable is not None and (self._wrap or not add_special_tokens):
-            tokens = self._encode_bare(self._segmentable, text)
-        if tokens is None:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        if add_special_tokens and self._wrap is not None:
-            before, after = self._wrap
-            return [*before, *tokens, *after]
-        return tokens
+        return self.encode_keyed(text, add_special_tokens=add_special_tokens).token_list()
+
+    def encode_keyed(
+        self,
+        text: str,
+        *,
+        add_special_tokens: bool = True,
+        root: int | None = None,
+        block_size: int = 16,
+    ) -> Encoded:
+        """The tokens of ``text`` and, when ``root`` is given, the router block keys
+        ``chain_keys(root, tokens, block_size)``."""
+        if len(text) < self.chunk or (add_special_tokens and self._wrap is None):
+            tokens = array("I", self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+            keys = [] if root is None else chain_keys(root, tokens, block_size)
+            return Encoded(tokens, keys)  # too short to be found again, or cannot be cut
+        before, after = self._wrap if add_special_tokens and self._wrap else ([], [])
+        data = text.encode("utf-8", "surrogatepass")
+        chunks = _chunk_hashes(data, self.chunk)
+        reuse = self._reuse(text, data, chunks)
+        prompt = self._tokens(text, data, chunks, reuse)
+        bare = prompt.tokens
+        tokens = array("I", before) + bare + array("I", after) if before or after else bare
+        if root is not None:
+            prompt.basis = (root, block_size, add_special_tokens)
+            prompt.keys = self._keys(prompt, reuse.prompt, tokens, len(before), reuse.tokens)
+        self._count(reuse, len(bare))
+        self._record(prompt, reuse.prompt)
+        return Encoded(tokens, prompt.keys)
 
     def __len__(self) -> int:
         return len(self._prompts)
 
-    def _encode_bare(self, tokenizer: SegmentableTokenizer, text: str) -> list[int] | None:
-        cuts = tokenizer.cut_points(text, self.min_gap)
-        hashes = _prefix_hashes(text, cuts)
-        match = self._longest_remembered(text, cuts, hashes)
-        bounds = [0, *cuts, len(text)][match.cuts_reused :]
-        segments = [text[a:b] for a, b in pairwise(bounds)]
-        encoded = tokenizer.encode_segments(segments, at_start=match.prompt is None)
-        if encoded is None:
-            return None
-        reused = match.token_count
-        tokens = match.prompt.tokens[:reused] if match.prompt else []
-        counts = match.prompt.cut_token_counts[: match.cuts_reused] if match.prompt else []
-        for segment_tokens in encoded:
-            tokens.extend(segment_tokens)
-            counts.append(len(tokens))
-        self._count(match, reused, len(tokens))
-        self._record(_Prompt(text, tokens, cuts, hashes, counts[: len(cuts)]))
-        return tokens[:]
+    def _reuse(self, text: str, data: bytes, chunks: list[int]) -> _Reuse:
+        """The remembered prompt sharing the longest beginning with ``data``, and the
+        cut before the first difference where the new text's tokens take over."""
+        prompt, known = self._longest(data, chunks)
+        if prompt is None or self._segmentable is None:
+            return _Reuse(prompt)
+        shared = _common_prefix(data, prompt.data, known)
+        shared = shared if text.isascii() else _characters(data, shared)
+        cut = self._segmentable.last_cut(text, shared)
+        if cut == 0:
+            return _Reuse(prompt)
+        if cut == prompt.resume and len(prompt.starts) < len(prompt.tokens):
+            return _Reuse(prompt, cut, len(prompt.starts))  # where its own tail started
+        if cut > prompt.resume:
+            self._find_starts(self._segmentable, prompt)
+        index = bisect_left(prompt.starts, cut)
+        if index == len(prompt.starts) or prompt.starts[index] != cut:
+            return _Reuse(prompt)
+        return _Reuse(prompt, cut, index)
 
-    def _count(self, match: _Match, reused: int, total: int) -> None:
+    def _find_starts(self, tokenizer: SegmentableTokenizer, prompt: _Prompt) -> None:
+        """Where each of ``prompt``'s tokens after ``resume`` starts: found only when a
+        later prompt needs them (most prompts' own tails are never reused)."""
+        known = len(prompt.starts)
+        if known == len(prompt.tokens):
+            return
+        text = prompt.data.decode("utf-8", "surrogatepass")
+        starts = tokenizer.token_starts(text, prompt.resume, prompt.tokens[known:].tolist())
+        if starts is not None:
+            prompt.starts.extend(starts)
+            prompt.resume = len(text)
+
+    def _longest(self, data: bytes, chunks: list[int]) -> tuple[_Prompt | None, int]:
+        """The newest prompt sharing the most whole chunks with ``data``, and their size."""
+        for count in range(len(chunks), 0, -1):
+            prompt = self._by_chunk.get(chunks[count - 1])
+            end = count * self.chunk
+            if prompt is not None and prompt.data.startswith(memoryview(data)[:end]):
+                return prompt, end
+        return None, 0
+
+    def _tokens(self, text: str, data: bytes, chunks: list[int], reuse: _Reuse) -> _Prompt:
+        """``text`` as a prompt to remember: the reused tokens, then the rest encoded."""
+        ids = None
+        if self._segmentable is not None:
+            ids = self._segmentable.encode_from(text, reuse.cut)
+        if ids is None:
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            return _Prompt(data, array("I", ids), array("I"), 0, chunks)
+        if reuse.prompt is None or not reuse.tokens:
+            return _Prompt(data, array("I", ids), array("I"), 0, chunks)
+        count, source = reuse.tokens, reuse.prompt
+        tokens = source.tokens[:count] + array("I", ids)
+        return _Prompt(data, tokens, source.starts[:count], reuse.cut, chunks)
+
+    def _keys(
+        self, prompt: _Prompt, source: _Prompt | None, tokens: array[int], lead: int, known: int
+    ) -> list[int]:
+        """Block keys of ``tokens``: ``source``'s for the blocks whose tokens are its
+        (same root, block size and special tokens), chained from there for the rest."""
+        assert prompt.basis is not None
+        root, block_size, _ = prompt.basis
+        reused = 0
+        if source is not None and source.basis == prompt.basis:
+            same = _common_prefix(prompt.tokens, source.tokens, known)
+            reused = min((lead + same) // block_size, len(source.keys))
+        keys = source.keys[:reused] if source is not None and reused else []
+        parent = keys[-1] if keys else root
+        keys += chain_keys(parent, tokens[reused * block_size :], block_size)
+        self.stats.reused_keys += reused
+        self.stats.hashed_keys += len(keys) - reused
+        return keys
+
+    def _count(self, reuse: _Reuse, total: int) -> None:
         self.stats.lookups += 1
-        self.stats.hits += match.prompt is not None
-        self.stats.reused_tokens += reused
-        self.stats.encoded_tokens += total - reused
+        self.stats.hits += reuse.tokens > 0
+        self.stats.reused_tokens += reuse.tokens
+        self.stats.encoded_tokens += total - reuse.tokens
 
-    def _longest_remembered(self, text: str, cuts: list[int], hashes: list[int]) -> _Match:
-        for index in range(len(cuts) - 1, -1, -1):
-            found = self._by_prefix.get(hashes[index])
-            if found is None:
-                continue
-            prompt, at = found
-            if prompt.cuts[at] == cuts[index] and text.startswith(prompt.text[: cuts[index]]):
-                return _Match(at + 1, prompt)
-        return _Match()
-
-    def _record(self, prompt: _Prompt) -> None:
-        for index, prefix_hash in enumerate(prompt.prefix_hashes):
-            self._by_prefix[prefix_hash] = (prompt, index)
+    def _record(self, prompt: _Prompt, source: _Prompt | None) -> None:
+        if not prompt.chunks:
+            return  # shorter than a chunk: it could never be found
+        if source is not None and source.data == prompt.data:
+            self._forget(self._prompts.pop(id(source)))  # the same text: keep the newest
+        for chunk in prompt.chunks:
+            self._by_chunk[chunk] = prompt
         self._prompts[id(prompt)] = prompt
         while len(self._prompts) > self.max_prompts:
             self._forget(self._prompts.popitem(last=False)[1])
 
     def _forget(self, prompt: _Prompt) -> None:
-        for prefix_hash in prompt.prefix_hashes:
-            owner = self._by_prefix.get(prefix_hash)
-            if owner is not None and owner[0] is prompt:
-                del self._by_prefix[prefix_hash]
+        for chunk in prompt.chunks:
+            if self._by_chunk.get(chunk) is prompt:
+                del self._by_chunk[chunk]
 
 
-def _prefix_hashes(text: str, cuts: list[int]) -> list[int]:
-    """Chained hashes of ``text[:cut]`` for every cut (ASCII text is encoded once)."""
-    hashes, seed, start = [], 0, 0
-    if text.isascii():
-        data = memoryview(text.encode("ascii"))
-        for cut in cuts:
-            seed = _hash(data[start:cut], seed)
-            hashes.append(seed)
-            start = cut
-        return hashes
-    for cut in cuts:
-        seed = _hash(text[start:cut].encode("utf-8", "surrogatepass"), seed)
+def _chunk_hashes(data: bytes, chunk: int) -> list[int]:
+    """Chained hashes of ``data[:chunk]``, ``data[:2 * chunk]``... (whole chunks only)."""
+    view, seed, hashes = memoryview(data), 0, []
+    for start in range(0, len(data) - chunk + 1, chunk):
+        seed = _hash(view[start : start + chunk], seed)
         hashes.append(seed)
-        start = cut
     return hashes
+
+
+def _common_prefix(a: bytes | array[int], b: bytes | array[int], start: int) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``, known to be at least
+    ``start``: growing strides compared in C, then halving within the first unequal one."""
+    limit, stride = min(len(a), len(b)), _FIRST_STRIDE
+    while start < limit:
+        end = min(start + stride, limit)
+        if a[start:end] != b[start:end]:
+            break
+        start, stride = end, stride * 2
+    else:
+        return limit
+    while stride > 1:
+        stride //= 2
+        end = min(start + stride, limit)
+        if a[start:end] == b[start:end]:
+            start = end
+    return start
+
+
+def _characters(data: bytes, size: int) -> int:
+    """How many whole characters the first ``size`` bytes of UTF-8 ``data`` hold."""
+    while 0 < size < len(data) and data[size] & 0xC0 == 0x80:
+        size -= 1  # a continuation byte: the character started before
+    return len(data[:size].decode("utf-8", "surrogatepass"))

@@ -1,9 +1,10 @@
-"""The prefix tokenization cache: exactly the tokenizer's output, with the prefix reused."""
+"""The prefix cache: exactly the tokenizer's tokens and the uncached block keys, with the
+prefix reused."""
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -11,6 +12,8 @@ from hypothesis import strategies as st
 from tokenizers import pre_tokenizers, processors
 
 from bench.micro.model_files import CORPUS, train_tiny_bpe, write_config
+from kvcore.keys import chain_keys, root_key
+from kvcore.request import prompt_keys, prompt_token_ids
 from kvcore.tokenize import (
     BuiltinTokenizer,
     HFTokenizer,
@@ -64,10 +67,15 @@ def hf_tokenizer(
     return HFTokenizer(directory)
 
 
+@pytest.fixture(scope="module")
+def chatml(hf_model_dir: Path) -> HFTokenizer:
+    return HFTokenizer(hf_model_dir)
+
+
 def _check_same_as_whole(
-    tokenizer: Tokenizer, shared: str, tails: list[str], min_gap: int, specials: bool
+    tokenizer: Tokenizer, shared: str, tails: list[str], chunk: int, specials: bool
 ) -> None:
-    cache = PrefixTokenCache(tokenizer, min_gap=min_gap, max_prompts=3)
+    cache = PrefixTokenCache(tokenizer, chunk=chunk, max_prompts=3)
     for text in [shared + tails[0], *(shared + tail for tail in tails[1:]), shared, *tails]:
         expected = tokenizer.encode(text, add_special_tokens=specials)
         assert cache.encode(text, add_special_tokens=specials) == expected, repr(text)
@@ -77,13 +85,13 @@ def _check_same_as_whole(
 @given(
     shared=texts,
     tails=st.lists(texts, min_size=1, max_size=3),
-    gap=st.integers(1, 12),
+    chunk=st.integers(1, 12),
     specials=st.booleans(),
 )
 def test_builtin_cache_is_token_for_token_identical(
-    shared: str, tails: list[str], gap: int, specials: bool
+    shared: str, tails: list[str], chunk: int, specials: bool
 ) -> None:
-    _check_same_as_whole(BuiltinTokenizer(), shared, tails, gap, specials)
+    _check_same_as_whole(BuiltinTokenizer(), shared, tails, chunk, specials)
 
 
 @settings(
@@ -92,13 +100,13 @@ def test_builtin_cache_is_token_for_token_identical(
 @given(
     shared=texts,
     tails=st.lists(texts, min_size=1, max_size=3),
-    gap=st.integers(1, 12),
+    chunk=st.integers(1, 12),
     specials=st.booleans(),
 )
 def test_hf_cache_is_token_for_token_identical(
-    hf_tokenizer: HFTokenizer, shared: str, tails: list[str], gap: int, specials: bool
+    hf_tokenizer: HFTokenizer, shared: str, tails: list[str], chunk: int, specials: bool
 ) -> None:
-    _check_same_as_whole(hf_tokenizer, shared, tails, gap, specials)
+    _check_same_as_whole(hf_tokenizer, shared, tails, chunk, specials)
 
 
 def _conversation(turns: int) -> str:
@@ -111,7 +119,7 @@ def test_a_growing_conversation_reuses_its_prefix(make: object, hf_model_dir: Pa
     tokenizer: Tokenizer = (
         BuiltinTokenizer() if make is BuiltinTokenizer else HFTokenizer(hf_model_dir)
     )
-    cache = PrefixTokenCache(tokenizer, min_gap=64)
+    cache = PrefixTokenCache(tokenizer, chunk=64)
     cache.encode(_conversation(100), add_special_tokens=False)
     longer = _conversation(110)
     assert cache.encode(longer, add_special_tokens=False) == tokenizer.encode(
@@ -122,7 +130,7 @@ def test_a_growing_conversation_reuses_its_prefix(make: object, hf_model_dir: Pa
 
 
 def test_memory_is_bounded_by_max_prompts() -> None:
-    cache = PrefixTokenCache(BuiltinTokenizer(), max_prompts=4, min_gap=8)
+    cache = PrefixTokenCache(BuiltinTokenizer(), max_prompts=4, chunk=8)
     for i in range(20):
         cache.encode(f"prompt{i:04d} with some words in it")
     assert len(cache) == 4
@@ -136,7 +144,7 @@ def test_tokenizers_that_cannot_be_cut_are_called_whole(tmp_path: Path) -> None:
     train_tiny_bpe(tmp_path, style="metaspace")
     tokenizer = HFTokenizer(tmp_path)
     assert not tokenizer.segmentable and isinstance(tokenizer, SegmentableTokenizer)
-    cache = PrefixTokenCache(tokenizer, min_gap=4)
+    cache = PrefixTokenCache(tokenizer, chunk=4)
     text = "the quick fox\njumps over\nthe lazy dog"
     for _ in range(2):
         assert cache.encode(text) == tokenizer.encode(text)
@@ -149,7 +157,7 @@ def test_a_pre_tokenizer_that_does_not_cut_at_newlines_is_called_whole(tmp_path:
     fast.save(str(tmp_path / "tokenizer.json"))
     tokenizer = HFTokenizer(tmp_path)
     assert not tokenizer.segmentable
-    cache = PrefixTokenCache(tokenizer, min_gap=1)
+    cache = PrefixTokenCache(tokenizer, chunk=1)
     for text in ("ab\ncd ef\ngh", "ab\ncd ef\nij"):
         assert cache.encode(text) == tokenizer.encode(text)
     assert cache.stats.hits == 0
@@ -163,8 +171,8 @@ def test_special_tokens_from_a_post_processor_wrap_the_cached_tokens(tmp_path: P
     )
     fast.save(str(tmp_path / "tokenizer.json"))
     tokenizer = HFTokenizer(tmp_path)
-    cache = PrefixTokenCache(tokenizer, min_gap=1)
-    for text in ("the fox\njumps", "the fox\nsleeps"):
+    cache = PrefixTokenCache(tokenizer, chunk=1)
+    for text in ("the fox\njumps over", "the fox\njumps under"):
         ids = cache.encode(text)
         assert ids == tokenizer.encode(text)
         assert ids[0] == bos and ids[-1] == eos
@@ -178,7 +186,7 @@ def test_added_tokens_that_strip_whitespace_before_them_stay_exact(tmp_path: Pat
     fast.add_special_tokens([AddedToken("<|eot|>", lstrip=True)])
     fast.save(str(tmp_path / "tokenizer.json"))
     tokenizer = HFTokenizer(tmp_path)
-    cache = PrefixTokenCache(tokenizer, min_gap=1)
+    cache = PrefixTokenCache(tokenizer, chunk=1)
     first, second = "abc\n<|eot|>the fox", "abc\n<|eot|>the dog\nx"
     for text in (first, second):
         assert cache.encode(text, add_special_tokens=False) == tokenizer.encode(
@@ -197,7 +205,7 @@ def test_a_prefix_space_per_piece_after_an_added_token_is_not_cut(
     assert fast.token_to_id("\u0120\u010a") is not None  # the merge of " \n"
     tokenizer = HFTokenizer(tmp_path)
     assert tokenizer.segmentable is segmentable
-    cache = PrefixTokenCache(tokenizer, min_gap=1)
+    cache = PrefixTokenCache(tokenizer, chunk=1)
     for text in ("ab<|im_end|>\ncd", "ab<|im_end|>\ncd ef"):
         whole = tokenizer.encode(text, add_special_tokens=False)
         assert cache.encode(text, add_special_tokens=False) == whole, repr(text)
@@ -207,31 +215,50 @@ def test_a_prefix_space_per_piece_after_an_added_token_is_not_cut(
 def test_invalid_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="max_prompts"):
         PrefixTokenCache(BuiltinTokenizer(), max_prompts=0)
+    with pytest.raises(ValueError, match="chunk"):
+        PrefixTokenCache(BuiltinTokenizer(), chunk=0)
 
 
+def _cuts(tokenizer: SegmentableTokenizer, text: str) -> set[int]:
+    return {tokenizer.last_cut(text, shared) for shared in range(len(text) + 1)} - {0}
+
+
+@pytest.mark.parametrize("make", [BuiltinTokenizer, "hf"])
 @settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(text=texts, gap=st.integers(1, 12), at_start=st.booleans(), by_offsets=st.booleans())
-def test_segments_encoded_in_one_call_split_as_each_alone(
-    hf_tokenizer: HFTokenizer, text: str, gap: int, at_start: bool, by_offsets: bool
+@given(text=texts, by_offsets=st.booleans())
+def test_tokens_resumed_at_a_cut_are_the_whole_texts_from_there(
+    make: object, chatml: HFTokenizer, text: str, by_offsets: bool
 ) -> None:
-    """One encode of all the segments, split where each starts (by the tokens' byte
-    lengths, or by their offsets when those are not known), gives each segment's tokens
-    as encoding it alone does: what the cache records for each cut point."""
-    bounds = [0, *hf_tokenizer.cut_points(text, gap), len(text)]
-    segments = [text[a:b] for a, b in itertools.pairwise(bounds)]
-    if not at_start:
-        segments = segments[1:] or [text]
-    lengths = hf_tokenizer._byte_lengths
-    if by_offsets:
-        hf_tokenizer._byte_lengths = None
-    try:
-        one_call = hf_tokenizer.encode_segments(segments, at_start=at_start)
-    finally:
-        hf_tokenizer._byte_lengths = lengths
-    alone = hf_tokenizer._encode_each(segments, at_start=at_start)
-    assert one_call == alone, repr(segments)
+    """The cut-point contract the cache rests on: encoding from a cut gives the whole
+    text's tokens from the one that starts there, and ``starts`` says which one that is
+    (by the tokens' byte lengths, or by their offsets when those are not known)."""
+    tokenizer: BuiltinTokenizer | HFTokenizer = BuiltinTokenizer()
+    if make == "hf":
+        tokenizer = HFTokenizer(chatml.directory) if by_offsets else chatml
+    if by_offsets and isinstance(tokenizer, HFTokenizer):
+        tokenizer._byte_lengths = None
+    ids = tokenizer.encode_from(text, 0)
+    assert ids == tokenizer.encode(text, add_special_tokens=False)
+    starts = tokenizer.token_starts(text, 0, ids)
+    assert starts is not None and len(starts) == len(ids)
+    for cut in _cuts(tokenizer, text):
+        assert cut in starts, (text, cut)
+        index = starts.index(cut)
+        assert tokenizer.encode_from(text, cut) == ids[index:], (text, cut)
+        assert tokenizer.token_starts(text, cut, ids[index:]) == starts[index:], (text, cut)
+
+
+@settings(max_examples=40, deadline=None)
+@given(head=texts, tails=st.lists(texts, min_size=2, max_size=2))
+def test_a_cut_is_decided_by_the_shared_text_alone(head: str, tails: list[str]) -> None:
+    """A cut found in what two texts share is a cut of both."""
+    tokenizer = BuiltinTokenizer()
+    first, second = (head + tail for tail in tails)
+    cut = tokenizer.last_cut(first, len(head))
+    assert cut == tokenizer.last_cut(second, len(head))
+    assert cut == 0 or cut in _cuts(tokenizer, first) & _cuts(tokenizer, second)
 
 
 def test_byte_level_vocabularies_split_without_offsets(hf_tokenizer: HFTokenizer) -> None:
@@ -240,3 +267,112 @@ def test_byte_level_vocabularies_split_without_offsets(hf_tokenizer: HFTokenizer
     assert lengths is not None
     ids = hf_tokenizer.encode("a\n" + text, add_special_tokens=False)
     assert sum(lengths[i] for i in ids[len(hf_tokenizer._anchor_ids) :]) == len(text.encode())
+
+
+ROLES = ["system", "user", "assistant"]
+messages = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(ROLES), "content": texts}),
+    min_size=1,
+    max_size=5,
+)
+edits = st.lists(
+    st.tuples(
+        st.sampled_from(["extend", "edit", "same"]),
+        messages,
+        st.integers(0, 4),  # which message an edit replaces
+        st.sampled_from(["", "tenant-a", "tenant-b"]),  # cache_salt: the keys' namespace
+        st.sampled_from(["model-1", "model-2"]),
+        st.sampled_from([1, 4, 16]),
+    ),
+    min_size=1,
+    max_size=5,
+)
+
+
+def _next_conversation(
+    conversation: list[dict[str, str]], op: str, new: list[dict[str, str]], at: int
+) -> list[dict[str, str]]:
+    if op == "extend":
+        return conversation + new
+    if op == "edit":
+        at = min(at, len(conversation) - 1)
+        return [*conversation[:at], new[0], *conversation[at + 1 :]]
+    return conversation
+
+
+def _check_keyed_conversation(
+    tokenizer: Tokenizer, first: list[dict[str, str]], steps: list[tuple[Any, ...]], chunk: int
+) -> None:
+    """Every request of a conversation that grows, is edited in the middle, or repeats,
+    under changing tenants, models and block sizes: the cache's tokens and keys are the
+    uncached render + tokenize + key's."""
+    cache = PrefixTokenCache(tokenizer, chunk=chunk, max_prompts=4)
+    conversation = first
+    for op, new, at, salt, model, block_size in steps:
+        conversation = _next_conversation(conversation, op, new, at)
+        body = {"model": model, "messages": conversation}
+        root = root_key(model=model, namespace=salt)
+        got = prompt_keys(body, cache, root=root, block_size=block_size)
+        tokens = prompt_token_ids(body, tokenizer)
+        assert got.tokens.tolist() == tokens
+        assert got.keys == chain_keys(root, tokens, block_size)
+
+
+@settings(max_examples=60, deadline=None)
+@given(first=messages, steps=edits, chunk=st.integers(4, 64))
+def test_builtin_keys_through_the_cache_are_the_uncached_keys(
+    first: list[dict[str, str]], steps: list[tuple[Any, ...]], chunk: int
+) -> None:
+    _check_keyed_conversation(BuiltinTokenizer(), first, steps, chunk)
+
+
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(first=messages, steps=edits, chunk=st.integers(4, 64))
+def test_hf_keys_through_the_cache_are_the_uncached_keys(
+    chatml: HFTokenizer, first: list[dict[str, str]], steps: list[tuple[Any, ...]], chunk: int
+) -> None:
+    _check_keyed_conversation(chatml, first, steps, chunk)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    prompts=st.lists(texts, min_size=1, max_size=4),
+    shared=texts,
+    block_size=st.sampled_from([1, 2, 16]),
+)
+def test_completion_keys_count_the_special_tokens(
+    prompts: list[str], shared: str, block_size: int
+) -> None:
+    """A completion's text is encoded with BOS in front: its keys include it, cached
+    or not, and never reuse a chat's keys for the same text (which has no BOS)."""
+    tokenizer, root = BuiltinTokenizer(), root_key(model="m")
+    cache = PrefixTokenCache(tokenizer, chunk=4)
+    for prompt in prompts:
+        for body in ({"prompt": shared + prompt}, {"prompt": [shared + prompt, "x"]}):
+            got = prompt_keys(body, cache, root=root, block_size=block_size)
+            tokens = tokenizer.encode(shared + prompt)
+            assert got.tokens.tolist() == tokens
+            assert got.keys == chain_keys(root, tokens, block_size)
+        text = cache.encode_keyed(shared + prompt, add_special_tokens=False, root=root)
+        assert text.keys == chain_keys(
+            root, tokenizer.encode(shared + prompt, add_special_tokens=False), 16
+        )
+
+
+def test_a_prompt_extending_a_remembered_one_tokenizes_and_hashes_only_its_tail() -> None:
+    tokenizer, root = BuiltinTokenizer(), root_key(model="m")
+    cache = PrefixTokenCache(tokenizer)
+    system = [{"role": "system", "content": _conversation(400)}]
+    first = cache.encode_keyed(
+        tokenizer.apply_chat_template(system), add_special_tokens=False, root=root
+    )
+    question = [*system, {"role": "user", "content": "Which replica holds turn 12?"}]
+    second = cache.encode_keyed(
+        tokenizer.apply_chat_template(question), add_special_tokens=False, root=root
+    )
+    assert second.keys[: len(first.keys) - 1] == first.keys[:-1]
+    assert cache.stats.hits == 1
+    assert cache.stats.encoded_tokens - len(first.tokens) < 20  # the question and markup
+    assert cache.stats.hashed_keys - len(first.keys) <= 2
