@@ -6,7 +6,9 @@ own requests still in flight that were sent after that sample, from an
 ``InflightLedger``, as ``unreported``), keeps its own copy of the
 residency map in a ``kvcore.index.BitmaskResidencyIndex`` fed by the engines' events,
 calls ``create_policy(workload).select(ctx, view)`` and records the decision's
-speculative residency, exactly as the proxy will.
+speculative residency, exactly as the proxy will. For ``kv_cost`` it also keeps a
+``PrefillLedger`` (its requests still waiting for a first token, as
+``queued_prefill_tokens``): the proxy does not keep one yet (README, "Simulated fleets").
 
 Policy specs: ``STRATEGY`` or ``STRATEGY:field=value,field=value`` with any field of the
 strategy's workload model (``kv_aware:locality_weight=0.5,min_hit=0.2``).
@@ -22,8 +24,14 @@ from bench.sim.engine import EngineShape
 from bench.sim.simulator import FleetReadout
 from bench.sim.workloads import Request
 from kvcore.index import BitmaskResidencyIndex
-from kvcore.policies import InflightLedger, ReplicaState, RouteContext, create_policy
-from kvcore.workload import STRATEGIES, Workload, parse_workload
+from kvcore.policies import (
+    InflightLedger,
+    PrefillLedger,
+    ReplicaState,
+    RouteContext,
+    create_policy,
+)
+from kvcore.workload import STRATEGIES, KvCostWorkload, Workload, parse_workload
 
 MODEL = "sim-model"
 
@@ -94,6 +102,9 @@ class KvrouteRouter:
         self.view = _View(self)
         n = len(fleet.replicas)
         self._ledger = InflightLedger()
+        self._prefill = self._prefill_ledger(self.workload)
+        self._prefill_tickets: dict[int, int] = {}
+        self._now = 0.0
         self._tickets: dict[int, int] = {}  # request id -> ledger ticket
         self._epoch = -1
         self._taken_at = -1e18
@@ -110,7 +121,20 @@ class KvrouteRouter:
             kv_usage=sample.kv_usage,
             unreported=self._ledger.unreported(ordinal, self._taken_at),
             capacity=self.shape.max_num_seqs,
+            queued_prefill_tokens=self._queued_prefill(ordinal),
         )
+
+    @staticmethod
+    def _prefill_ledger(workload: Workload) -> PrefillLedger | None:
+        """Prefill books for the strategy that reads them (kv_cost); the others skip the
+        extra residency lookup per request."""
+        if isinstance(workload, KvCostWorkload):
+            return PrefillLedger(workload.prefill_tokens_per_s)
+        return None
+
+    def _queued_prefill(self, ordinal: int) -> float | None:
+        ledger = self._prefill
+        return None if ledger is None else ledger.queued_tokens(ordinal, self._now)
 
     def _refresh(self) -> None:
         fleet = self.fleet
@@ -122,6 +146,9 @@ class KvrouteRouter:
             self.states = [self._state(i) for i in range(len(self.states))]
 
     def route(self, req: Request, now: float) -> int:
+        if self._prefill is not None and now != self._now:
+            self._now = now  # queued prefill ages with time, not only with load samples
+            self.states = [self._state(i) for i in range(len(self.states))]
         self._refresh()
         if now >= self._next_expiry:
             self.index.expire(now)
@@ -135,6 +162,8 @@ class KvrouteRouter:
             now=now,
         )
         decision = self.policy.select(ctx, self.view)
+        if self._prefill is not None and decision.ordinal is not None:
+            self._count_prefill(req, decision.ordinal, now)
         record = decision.speculative
         if record is not None:
             self.index.add_speculative(record.replica, record.keys, expires_at=record.expires_at)
@@ -143,6 +172,14 @@ class KvrouteRouter:
         self.states[ordinal] = self._state(ordinal)
         return ordinal
 
+    def _count_prefill(self, req: Request, ordinal: int, now: float) -> None:
+        """Book the prompt's tokens beyond the chosen replica's cached run (before this
+        decision's speculative record) as prefill ``ordinal`` owes this router."""
+        assert self._prefill is not None
+        held = self.index.leading_runs(req.keys, now=now).get(ordinal, 0)
+        uncached = req.prompt_tokens - held * self.shape.block_size
+        self._prefill_tickets[req.rid] = self._prefill.sent(ordinal, uncached, now)
+
     def apply_residency(self, replica: int, stored: list[int], removed: list[int]) -> None:
         if stored:  # a delivery is stores, then the removals that followed them
             self.index.add(replica, stored)
@@ -150,7 +187,11 @@ class KvrouteRouter:
             self.index.remove(replica, removed)
 
     def on_first_token(self, req: Request, now: float) -> None:
-        del req, now
+        ticket = self._prefill_tickets.pop(req.rid, None)
+        if self._prefill is not None and ticket is not None:
+            self._prefill.first_token(req.replica, ticket, now)
+            self._now = now
+            self.states[req.replica] = self._state(req.replica)
 
     def on_finished(self, req: Request, now: float) -> None:
         self._ledger.done(req.replica, self._tickets.pop(req.rid))

@@ -31,7 +31,7 @@ from bench.sim.engine import EngineShape, ReplicaModel
 from bench.sim.workloads import Request, Workload
 from enginesim.blockpool import BlockEvicted, BlocksStored, PoolEvent
 
-_ARRIVAL, _WAKE, _RESIDENCY, _LOAD = 0, 1, 2, 3
+_ARRIVAL, _WAKE, _RESIDENCY, _LOAD, _FIRST_TOKEN = 0, 1, 2, 3, 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,8 +161,10 @@ class Simulation:
 
     # -- callbacks from replicas ---------------------------------------------------------
 
-    def _first_token(self, req: Request, now: float) -> None:
-        self._owner[req.rid].on_first_token(req, now)
+    def _first_token(self, req: Request, at: float) -> None:
+        # a replica knows when a step's first tokens will be out as the step starts;
+        # the router sees them only then
+        self._push(at, _FIRST_TOKEN, req)
 
     def _finished(self, req: Request, now: float) -> None:
         self._owner.pop(req.rid).on_finished(req, now)
@@ -218,6 +220,11 @@ class Simulation:
                 replica.wake(now, step)
         elif kind == _ARRIVAL:
             self._arrive(cast(Request, payload), now)
+        elif kind == _FIRST_TOKEN:
+            req = cast(Request, payload)
+            owner = self._owner.get(req.rid)  # None: it already finished (one output token)
+            if owner is not None:
+                owner.on_first_token(req, now)
         elif kind == _RESIDENCY:
             ordinal, events = cast(tuple[int, list[PoolEvent]], payload)
             self._apply_residency(ordinal, events)

@@ -20,6 +20,7 @@ from kvcore.policies.base import (
 )
 from kvcore.policies.hash_ring import HashRing
 from kvcore.policies.inflight import InflightLedger
+from kvcore.policies.prefill import PrefillLedger
 from kvcore.policies.registry import POLICIES, create_policy
 from kvcore.policies.view import StaticStateView
 
@@ -29,6 +30,7 @@ __all__ = [
     "HashRing",
     "InflightLedger",
     "Policy",
+    "PrefillLedger",
     "ReplicaReason",
     "ReplicaState",
     "RouteContext",

@@ -2,9 +2,11 @@
 
     ttft(r) = (queued(r) + locality_weight * uncached(r)) / rate(r)
 
-- ``queued(r)``: prompt tokens ahead of this request — the replica's reported
-  ``queued_prefill_tokens`` when known, else (waiting + this proxy's requests sent since
-  the replica's last load report, ``unreported``) times the workload's
+- ``queued(r)``: prompt tokens ahead of this request — ``queued_prefill_tokens`` when the
+  caller knows it (a proxy's own prefill books, :mod:`kvcore.policies.prefill`: the
+  uncached tokens of the requests it sent r that have no first token yet, less what r
+  has prefilled since its queue last moved), else (waiting + this proxy's requests sent
+  since the replica's last load report, ``unreported``) times the workload's
   ``queued_request_tokens``;
 - ``uncached(r)``: this prompt's tokens beyond r's leading run of blocks;
 - ``rate(r)``: r's prefill tokens per second, else the workload's
@@ -12,7 +14,12 @@
 
 A cost in time puts cache and queue in one unit, so near saturation a long queue
 outweighs a cache hit exactly when waiting costs more than recomputing (Mooncake's and
-Dynamo's schedulers rank this way). Decisions carry ``score = -ttft`` in seconds.
+Dynamo's schedulers rank this way); ``locality_weight`` 1 (the default) is that plain
+prediction. Decisions carry ``score = -ttft`` in seconds.
+
+The prefill in progress is most of the wait for long prompts and no load report shows
+it: with queued work estimated from reported waiting requests, kv_cost measured 5.5 s
+mean TTFT on the Mooncake trace in ``bench.sim``; with the proxy's books, 1.2 s.
 """
 
 from __future__ import annotations

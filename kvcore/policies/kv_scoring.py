@@ -31,6 +31,28 @@ from kvcore.policies.screening import best, decide, screen
 from kvcore.workload import KvAwareWorkload, KvCostWorkload
 
 
+def queue_load(replica: ReplicaState) -> float:
+    """0-1: the replica's requests (running, waiting, sent since its last report) over
+    its capacity. KV usage is left out: a busy engine keeps its KV cache nearly full of
+    the prefixes it serves, so near-full usage is its normal state, not a reason to send
+    a request away from the prefix it holds (the engine's own queue grows when it truly
+    cannot admit)."""
+    return min(1.0, replica.requests / max(replica.capacity, 1))
+
+
+def queue_saturation(replica: ReplicaState, ctx: RouteContext) -> str | None:
+    """Why ``replica`` is saturated for a level-3 strategy: ``max_inflight_per_replica``
+    requests, or a :func:`queue_load` at or over ``load_threshold``."""
+    workload = ctx.workload
+    if replica.requests >= workload.max_inflight_per_replica:
+        limit = workload.max_inflight_per_replica
+        return f"{replica.requests} requests >= max_inflight_per_replica {limit}"
+    load = queue_load(replica)
+    if load >= workload.load_threshold:
+        return f"queue load {load:.3f} >= load_threshold {workload.load_threshold}"
+    return None
+
+
 class KvScoringPolicy:
     """Base of the level-3 strategies; subclasses define :meth:`score`."""
 
@@ -61,7 +83,7 @@ class KvScoringPolicy:
         runs = state.leading_runs(ctx.block_keys, now=ctx.now)
         if not runs and not state.has_residency():
             return self._fall_back(ctx, state)
-        screened = screen(ctx, state)
+        screened = screen(ctx, state, queue_saturation)
         if not screened.usable:
             return decide(self.name, screened, None)
         scores = self.scores(ctx, screened.usable, runs)

@@ -65,8 +65,13 @@ def saturation(replica: ReplicaState, ctx: RouteContext) -> str | None:
     return None
 
 
-def screen(ctx: RouteContext, state: StateView) -> Screened:
-    """Candidates for ``ctx``: unsaturated ones, or all eligible ones if all are saturated."""
+Saturation = Callable[[ReplicaState, RouteContext], str | None]
+
+
+def screen(ctx: RouteContext, state: StateView, saturated_why: Saturation = saturation) -> Screened:
+    """Candidates for ``ctx``: unsaturated ones, or all eligible ones if all are saturated
+    (``saturated_why``: why a replica counts as saturated, a strategy's own test or the shared
+    :func:`saturation`)."""
     excluded: list[ReplicaReason] = []
     eligible: list[ReplicaState] = []
     for replica in state.replicas():
@@ -75,7 +80,7 @@ def screen(ctx: RouteContext, state: StateView) -> Screened:
             eligible.append(replica)
         else:
             excluded.append(reason(replica, excluded=why))
-    saturated = {r.ordinal: why for r in eligible if (why := saturation(r, ctx)) is not None}
+    saturated = {r.ordinal: why for r in eligible if (why := saturated_why(r, ctx)) is not None}
     usable = [r for r in eligible if r.ordinal not in saturated]
     if eligible and not usable:
         return Screened(eligible, {}, excluded, ALL_SATURATED)

@@ -155,10 +155,19 @@ class KvCostWorkload(_KvSettings):
     prompt's uncached tokens, scaled by locality_weight, at the replica's prefill rate)."""
 
     strategy: Literal["kv_cost"] = "kv_cost"
+    locality_weight: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="How much this prompt's uncached tokens count against queued ones: 1 "
+        "is the plain predicted time to first token, below 1 favours short queues over "
+        "cache hits, 0 ignores the cache.",
+    )
     prefill_tokens_per_s: float = Field(
-        8000.0,
+        10_000.0,
         gt=0,
-        description="Prefill rate assumed for a replica that does not report its own.",
+        description="Prefill rate assumed for a replica that does not report its own (also "
+        "how fast a replica is assumed to work through the prefill a proxy sent it).",
     )
     queued_request_tokens: int = Field(
         1024,

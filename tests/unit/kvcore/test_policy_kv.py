@@ -65,11 +65,28 @@ def test_kv_aware_prefers_the_longest_leading_run_at_equal_load() -> None:
     assert [r.hit_blocks for r in decision.reasons] == [2, 6, 4]
 
 
-def test_kv_aware_skips_a_holder_over_the_threshold() -> None:
-    replicas = [ReplicaState(0, "hot", kv_usage=0.95), ReplicaState(1, "cool")]
+def test_kv_aware_skips_a_holder_whose_queue_is_over_the_threshold() -> None:
+    replicas = [ReplicaState(0, "hot", running=200, waiting=40), ReplicaState(1, "cool")]
     decision = _select(KvAwareWorkload(load_threshold=0.9), _view(replicas, {0: 8}))
     assert decision.replica_id == "cool"
-    assert decision.reasons[0].excluded == "load 0.950 >= load_threshold 0.9"
+    assert decision.reasons[0].excluded == "queue load 0.938 >= load_threshold 0.9"
+
+
+@pytest.mark.parametrize(
+    "workload", [KvAwareWorkload(), KvCostWorkload()], ids=["kv_aware", "kv_cost"]
+)
+def test_a_full_kv_cache_with_an_empty_queue_still_gets_its_prefixs_requests(
+    workload: Workload,
+) -> None:
+    """A busy engine keeps its KV cache nearly full of the prefixes it serves; that is
+    no reason to recompute a prefix elsewhere while it admits requests at once."""
+    replicas = [
+        ReplicaState(0, "holder", running=12, kv_usage=0.97),
+        ReplicaState(1, "other", running=12, kv_usage=0.60),
+    ]
+    decision = _select(workload, _view(replicas, {0: 8}))
+    assert decision.replica_id == "holder"
+    assert all(row.excluded is None for row in decision.reasons)
 
 
 def test_kv_aware_ties_go_to_the_lower_load_then_at_random() -> None:

@@ -1,0 +1,74 @@
+"""A proxy's own prefill books: the work each replica has still to prefill for it
+(``PrefillLedger`` -> ``ReplicaState.queued_prefill_tokens``), read by ``kv_cost``."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcore.policies import PrefillLedger, ReplicaState, StaticStateView, create_policy
+from kvcore.workload import KvCostWorkload
+from tests.unit.kvcore.policy_helpers import context
+
+
+def test_an_idle_replica_starts_at_once_and_works_through_its_queue() -> None:
+    ledger = PrefillLedger(prefill_tokens_per_s=1000)
+    ledger.sent(0, 2000, at=10.0)
+    assert ledger.queued_tokens(0, now=10.0) == 2000
+    assert ledger.queued_tokens(0, now=11.5) == pytest.approx(500)  # 1.5 s of prefill done
+    ledger.sent(0, 1000, at=11.5)  # behind the first
+    assert ledger.queued_tokens(0, now=11.5) == 1500
+    assert ledger.queued_tokens(0, now=20.0) == 0  # never negative
+    assert ledger.queued_tokens(1, now=20.0) == 0  # a replica never sent to
+
+
+def test_a_first_token_anchors_what_is_still_pending() -> None:
+    """The engine was slower than assumed: the first answer came at 13.0, not 12.0, so
+    the second request starts then and has all its tokens ahead of it."""
+    ledger = PrefillLedger(prefill_tokens_per_s=1000)
+    first = ledger.sent(0, 2000, at=10.0)
+    ledger.sent(0, 1000, at=10.5)
+    assert ledger.queued_tokens(0, now=12.9) == pytest.approx(100)  # the ledger's guess
+    ledger.first_token(0, first, at=13.0)
+    assert ledger.queued_tokens(0, now=13.0) == 1000
+    assert ledger.queued_tokens(0, now=13.25) == pytest.approx(750)
+    assert ledger.pending(0) == 1
+
+
+def test_an_empty_queue_reads_zero_and_a_late_ticket_changes_nothing() -> None:
+    ledger = PrefillLedger(prefill_tokens_per_s=1000)
+    ticket = ledger.sent(3, 0.1, at=1.0)
+    ledger.first_token(3, ticket, at=1.2)
+    ledger.first_token(3, ticket, at=1.3)  # a second end of the same request
+    ledger.first_token(7, 99, at=1.3)  # unknown replica and ticket
+    assert ledger.pending(3) == 0 and ledger.queued_tokens(3, now=1.3) == 0
+    later = ledger.sent(3, 400, at=5.0)  # idle again: anchors at its own send
+    assert ledger.queued_tokens(3, now=5.1) == pytest.approx(300)
+    ledger.forget(3)
+    assert ledger.pending(3) == 0
+    ledger.first_token(3, later, at=6.0)  # forgotten: ignored
+
+
+def test_the_rate_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="prefill_tokens_per_s"):
+        PrefillLedger(prefill_tokens_per_s=0)
+
+
+def test_kv_cost_sends_the_next_request_away_from_a_replica_busy_prefilling() -> None:
+    """Replica 0 holds the prompt's prefix but is prefilling 20,000 tokens this proxy sent
+    it a moment ago: the engine's last report (waiting 0) cannot show that, the books do."""
+    workload = KvCostWorkload(locality_weight=1.0, prefill_tokens_per_s=10_000)
+    tokens = list(range(100, 228))
+    ctx = context(workload, tokens, now=50.1)
+    ledger = PrefillLedger(workload.prefill_tokens_per_s)
+    ledger.sent(0, 20_000, at=50.0)
+    replicas = [
+        ReplicaState(o, f"r{o}", queued_prefill_tokens=ledger.queued_tokens(o, 50.1))
+        for o in range(2)
+    ]
+    view = StaticStateView(replicas, residency_known=True)
+    view.index.add(0, ctx.block_keys[:7])
+    decision = create_policy(workload).select(ctx, view)
+    assert decision.replica_id == "r1"
+    rows = {r.replica_id: r for r in decision.reasons}
+    assert rows["r0"].score == pytest.approx(-(19_000 + 16) / 10_000)  # 1.9 s still queued
+    assert rows["r1"].score == pytest.approx(-128 / 10_000)
