@@ -72,6 +72,7 @@ class ReplicaModel:
         self._span: tuple[float, int, float] | None = None  # (start, first step, step length)
         self._busy_since: float | None = None
         self.busy_s = 0.0
+        self.prefill_s = 0.0  # of busy_s, the part spent in prefills
         self.served = 0
         self.finished_callback: Callable[[Request, float], None] = lambda req, now: None
         self.first_token_callback: Callable[[Request, float], None] = lambda req, now: None
@@ -118,6 +119,7 @@ class ReplicaModel:
             prefill = sum(
                 timing.prefill_seconds(r.prompt_tokens, r.cached_tokens) for r in admitted
             )
+            self.prefill_s += prefill
             end = now + prefill + timing.decode_seconds(batch)
             for req in admitted:
                 req.first_token_at = end

@@ -36,6 +36,8 @@ class RunMetrics:
     throughput_tok_s: float  # output tokens per second of virtual time
     requests_per_s: float
     load_imbalance: float  # max / mean per-replica busy time
+    busy_share: float  # mean replica's busy time over the run (how near saturation)
+    prefill_share: float  # mean replica's time spent prefilling over the run
     load_share: list[float]  # each replica's share of the requests served
     decision_us: float  # mean wall time of one routing decision
     wall_s: float  # wall time of the whole run
@@ -74,6 +76,8 @@ def summarize(policy: str, outcome: RunOutcome, block_size: int) -> RunMetrics:
         throughput_tok_s=sum(r.output_tokens for r in done) / span,
         requests_per_s=len(done) / span,
         load_imbalance=max(busy) / mean_busy if mean_busy else math.nan,
+        busy_share=mean_busy / span,
+        prefill_share=sum(outcome.prefill_s) / max(len(busy), 1) / span,
         load_share=[s / served for s in outcome.served],
         decision_us=outcome.decide_s / max(len(routed), 1) * 1e6,
         wall_s=outcome.wall_s,

@@ -85,8 +85,8 @@ def _scenario_markdown(result: ScenarioResult) -> list[str]:
         return [*lines, f"Skipped: {result.skipped}.", ""]
     lines += [
         "| policy | hit rate | / oracle | TTFT mean | p50 | p90 | p99 | output tok/s | "
-        "imbalance | decision | lost |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "imbalance | busy (prefill) | decision | lost |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result.runs:
         lines.append(
@@ -94,12 +94,12 @@ def _scenario_markdown(result: ScenarioResult) -> list[str]:
             f"{_fmt(r.ttft_mean_s, '.3f')} s | {_fmt(r.ttft_p50_s, '.3f')} s | "
             f"{_fmt(r.ttft_p90_s, '.3f')} s | {_fmt(r.ttft_p99_s, '.3f')} s | "
             f"{r.throughput_tok_s:,.0f} | {_fmt(r.load_imbalance, '.2f')} | "
-            f"{r.decision_us:.0f} us | {r.lost} |"
+            f"{r.busy_share:.0%} ({r.prefill_share:.0%}) | {r.decision_us:.0f} us | {r.lost} |"
         )
     if result.runs:
         lines.append(
             f"| oracle (one unlimited cache) | {result.runs[0].oracle_hit_rate:.1%} | "
-            "100% | | | | | | | | |"
+            "100% | | | | | | | | | |"
         )
     lines += ["", *(f"- {g.verdict}: {g.goal} ({g.detail})" for g in result.goals), ""]
     return lines

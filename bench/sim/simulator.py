@@ -95,6 +95,7 @@ class RunOutcome:
     requests: list[Request]
     rejected: int
     busy_s: list[float]
+    prefill_s: list[float]
     served: list[int]
     routed: int
     decide_s: float  # wall time spent in routers' decisions
@@ -234,6 +235,7 @@ class Simulation:
             requests=self.requests,
             rejected=self.rejected,
             busy_s=[r.busy_s for r in self.replicas],
+            prefill_s=[r.prefill_s for r in self.replicas],
             served=[r.served for r in self.replicas],
             routed=len(self.requests) - self.rejected,
             decide_s=self._decide_s,
