@@ -1,12 +1,15 @@
 """The floor of a Python proxy on this stack: pass each request through, no routing at all.
 
-``python -m bench.passthrough UPSTREAM_URL PORT CLIENT`` serves a raw ASGI app on
-uvicorn + uvloop + httptools that forwards every request body to ``UPSTREAM_URL`` with
-``CLIENT`` (``aiohttp``: a keep-alive ``ClientSession``; ``raw``: one keep-alive HTTP/1.1
-connection per concurrent request over asyncio streams, Content-Length bodies only) and
-answers with the upstream's body. ``bench.proxy`` starts it to measure how much of the
-proxy's added latency is the server and client stack and how much is kvroute's own work,
-and to compare client libraries side by side. Not a product: no streaming, no errors.
+``python -m bench.passthrough UPSTREAM_URL PORT CLIENT [SERVER]`` serves, with
+``SERVER`` ``uvicorn`` (the default), a raw ASGI app on uvicorn + uvloop + httptools
+that forwards every request body to ``UPSTREAM_URL`` with ``CLIENT`` (``aiohttp``: a
+keep-alive ``ClientSession``; ``raw``: one keep-alive HTTP/1.1 connection per concurrent
+request over asyncio streams, Content-Length bodies only) and answers with the
+upstream's body; with ``SERVER`` ``own``, kvroute-proxy's own stack does the same
+(``dataplane.http_server`` on uvloop, ``dataplane.http_client``; ``CLIENT`` is ignored).
+``bench.proxy`` starts it to measure how much of the proxy's added latency is the server
+and client stack and how much is kvroute's own work, and to compare client libraries
+side by side. Not a product: no streaming, no errors.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import uvicorn
 import uvloop
 
 from bench.enginesim_capacity import _read_response, _request
+from dataplane.http_client import ConnectionPool
+from dataplane.http_server import HttpServer, Request, Response
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -80,11 +85,30 @@ def make_app(upstream: str, client: str) -> Callable[[dict[str, Any], Receive, S
     return app
 
 
-async def serve(upstream: str, port: int, client: str) -> None:
+def make_handler(upstream: str) -> Callable[[Request, Response], Awaitable[None]]:
+    """kvroute-proxy's own server and client with nothing between them."""
+    pool = ConnectionPool(connect_timeout_s=2, read_timeout_s=60)
+    headers = [("content-type", "application/json")]
+
+    async def handler(request: Request, response: Response) -> None:
+        answer = await pool.request("POST", upstream + request.path, request.body, headers)
+        body = await answer.read()
+        answer.release()
+        response.send(answer.status, [(b"content-type", b"application/json")], body)
+
+    return handler
+
+
+async def serve(upstream: str, port: int, client: str, server_name: str) -> None:
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
     sock.listen(2048)
+    if server_name == "own":
+        own = HttpServer(make_handler(upstream), max_body_bytes=1 << 20)
+        await own.start(sock)
+        print(f"passthrough ready http=http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
+        await asyncio.Event().wait()  # until the benchmark terminates the process
     config = uvicorn.Config(
         make_app(upstream, client), lifespan="off", http="httptools", loop="none",
         log_level="warning", access_log=False,
@@ -95,4 +119,5 @@ async def serve(upstream: str, port: int, client: str) -> None:
 
 
 if __name__ == "__main__":
-    uvloop.run(serve(sys.argv[1], int(sys.argv[2]), sys.argv[3]))
+    server_name = sys.argv[4] if len(sys.argv) > 4 else "uvicorn"
+    uvloop.run(serve(sys.argv[1], int(sys.argv[2]), sys.argv[3], server_name))

@@ -1,4 +1,4 @@
-"""The proxy's HTTP face: a raw ASGI app (uvicorn + httptools, no framework on the path).
+"""The proxy's HTTP face: the handler ``dataplane.http_server`` runs for every request.
 
 | method | path | what |
 |---|---|---|
@@ -9,12 +9,13 @@
 | GET | ``/readyz`` | 200 when some replica is routable and the state is usable; details as JSON |
 | GET | ``/metrics`` | Prometheus (``metrics.py``) |
 
-A handler is parse -> select -> stream. ``x-request-id`` is kept (or created) and sent
-both ways; ``traceparent`` is forwarded. A client that disconnects cancels its handler,
-which closes the upstream connection at once (the engine aborts the request). Every
-refusal is an :class:`~dataplane.http_errors.ApiError` in OpenAI's shape; an exception
-the proxy did not expect is logged and answered 500 (the fuzz test keeps it from
-happening).
+A handler is parse -> select -> stream. ``x-request-id`` is kept (or created: a random
+per-process prefix and a counter, cheaper than a UUID) and sent both ways;
+``traceparent`` is forwarded. A client that disconnects cancels its handler (the server
+sees the connection go), which closes the upstream connection at once (the engine aborts
+the request). Every refusal is an :class:`~dataplane.http_errors.ApiError` in OpenAI's
+shape; an exception the proxy did not expect is logged and answered 500 (the fuzz test
+keeps it from happening).
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import logging
+import secrets
 import time
-import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs
@@ -41,10 +43,10 @@ from dataplane.http_errors import (
     BadRequest,
     MethodNotAllowed,
     NotFound,
-    PayloadTooLarge,
     StreamBroken,
     Unauthorized,
 )
+from dataplane.http_server import Request, Response
 from dataplane.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from dataplane.metrics import ProxyMetrics
 from dataplane.openai_request import InferenceRequest, Kind, decode_object, parse_inference
@@ -55,14 +57,6 @@ from kvcore.pb import routing_pb2
 
 log = logging.getLogger("dataplane")
 
-
-class ClientGone(Exception):
-    """The client disconnected: stop working for it, answer nothing."""
-
-
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 JSON = b"application/json"
 INFERENCE: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 THREAD_PROMPT_CHARS = 256 * 1024  # longer prompts are tokenized off the event loop
@@ -82,8 +76,19 @@ class AppOptions:
     state_max_age_s: float
 
 
+class RequestIds:
+    """``x-request-id`` values: 32 hex digits, a random per-process half and a counter."""
+
+    def __init__(self) -> None:
+        self._prefix = secrets.token_hex(8)
+        self._counter = itertools.count(1)
+
+    def next(self) -> str:
+        return f"{self._prefix}{next(self._counter):016x}"
+
+
 class ProxyApp:
-    """The ASGI callable; built by ``service.py`` with its parts."""
+    """The request handler; built by ``service.py`` with its parts."""
 
     def __init__(
         self,
@@ -102,90 +107,72 @@ class ProxyApp:
         self.metrics = metrics
         self.readiness = readiness
         self.tracing = tracing
+        self._ids = RequestIds()
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        request_id = headers.get("x-request-id") or uuid.uuid4().hex
-        response = _Responder(send, request_id)
+    async def __call__(self, request: Request, response: Response) -> None:
+        request_id = request.headers.get("x-request-id") or self._ids.next()
+        reply = _Responder(response, request_id)
         try:
-            await self._dispatch(scope, receive, response, headers)
+            await self._dispatch(request, reply)
         except ApiError as exc:
-            await response.error(exc)
-        except ClientGone:
-            return
+            reply.error(exc)
         except Exception:
-            log.exception("unexpected error", extra={"path": scope["path"], "id": request_id})
-            await response.error(ApiError("internal error in the proxy"))
+            log.exception("unexpected error", extra={"path": request.path, "id": request_id})
+            reply.error(ApiError("internal error in the proxy"))
 
-    async def _dispatch(
-        self, scope: Scope, receive: Receive, response: _Responder, headers: dict[str, str]
-    ) -> None:
-        path, method = scope["path"], scope["method"]
+    async def _dispatch(self, request: Request, response: _Responder) -> None:
+        path, method = request.path, request.method
         kind = INFERENCE.get(path)
         if kind is not None:
             _allow(method, "POST", path)
-            await self._inference(scope, receive, response, headers, kind)
+            await self._inference(request, response, kind)
         elif path == "/v1/models":
             _allow(method, "GET", path)
-            self._authenticate(headers)
-            await response.json(self._models())
+            self._authenticate(request.headers)
+            response.json(self._models())
         elif path.startswith("/v1/"):
-            await self._forward(scope, receive, response, headers)
+            await self._forward(request, response)
         elif path == "/healthz":
-            await response.json({"status": "ok"})
+            response.json({"status": "ok"})
         elif path == "/readyz":
             detail = self._ready()
-            await response.json(detail, 200 if detail["ready"] else 503)
+            response.json(detail, 200 if detail["ready"] else 503)
         elif path == "/metrics":
-            await response.send(200, self.metrics.render(), METRICS_CONTENT_TYPE)
+            response.send(200, self.metrics.render(), METRICS_CONTENT_TYPE)
         else:
             raise NotFound(f"No route {path}.")
 
     # -- inference -----------------------------------------------------------------
 
-    async def _inference(
-        self,
-        scope: Scope,
-        receive: Receive,
-        response: _Responder,
-        headers: dict[str, str],
-        kind: Kind,
-    ) -> None:
-        raw = await _read_body(receive, headers, self.options.max_body_bytes)
-        api_key = self._authenticate(headers)
-        request = parse_inference(raw, kind)
+    async def _inference(self, request: Request, response: _Responder, kind: Kind) -> None:
+        api_key = self._authenticate(request.headers)
+        inference = parse_inference(request.body, kind)
         if self.tracing is None:
-            await self._routed(scope, receive, response, headers, request, api_key, None)
+            await self._routed(request, response, inference, api_key, None)
             return
-        with self.tracing.request(headers, response.id) as span:
-            await self._routed(scope, receive, response, headers, request, api_key, span)
+        with self.tracing.request(request.headers, response.id) as span:
+            await self._routed(request, response, inference, api_key, span)
 
     async def _routed(
         self,
-        scope: Scope,
-        receive: Receive,
+        request: Request,
         response: _Responder,
-        headers: dict[str, str],
-        request: InferenceRequest,
+        inference: InferenceRequest,
         api_key: routing_pb2.ApiKey | None,
         span: Span | None,
     ) -> None:
         started = time.perf_counter()
-        prepared = await self._prepare(request, scope["path"], headers, api_key, response.id)
+        prepared = await self._prepare(inference, request, api_key, response.id)
         self.metrics.decided(prepared.workload.strategy, time.perf_counter() - started)
-        body = request.upstream_body(
-            include_usage=request.stream and not request.wants_usage,
+        body = inference.upstream_body(
+            include_usage=inference.stream and not inference.wants_usage,
             cache_salt=prepared.upstream_salt,
         )
-        upstream_headers = self._upstream_headers(headers, response.id, span)
-        exchange = Exchange(request, prepared)
+        upstream_headers = self._upstream_headers(request.headers, response.id, span)
+        exchange = Exchange(inference, prepared)
         try:
-            await _until_disconnect(
-                receive, self._exchange(exchange, scope, response, body, upstream_headers)
-            )
-        except ClientGone:
+            await self._exchange(exchange, request.path, response, body, upstream_headers)
+        except asyncio.CancelledError:  # the client went away
             exchange.outcome = "cancelled"
             raise
         except ApiError:
@@ -202,47 +189,51 @@ class ProxyApp:
 
     async def _prepare(
         self,
-        request: Any,
-        path: str,
-        headers: dict[str, str],
+        inference: InferenceRequest,
+        request: Request,
         api_key: routing_pb2.ApiKey | None,
         request_id: str,
     ) -> Prepared:
-        spec = self.router.tokenizer_spec(request.model)
-        large = len(request.raw) > THREAD_PROMPT_CHARS
+        spec = self.router.tokenizer_spec(inference.model)
+        large = len(inference.raw) > THREAD_PROMPT_CHARS
         if large or not self.router.tokenizers.loaded(spec):
             return await asyncio.to_thread(
                 self.router.prepare,
-                request,
-                path=path,
-                headers=headers,
+                inference,
+                path=request.path,
+                headers=request.headers,
                 api_key=api_key,
                 request_id=request_id,
             )
         return self.router.prepare(
-            request, path=path, headers=headers, api_key=api_key, request_id=request_id
+            inference,
+            path=request.path,
+            headers=request.headers,
+            api_key=api_key,
+            request_id=request_id,
         )
 
     async def _exchange(
         self,
         exchange: Exchange,
-        scope: Scope,
+        path: str,
         response: _Responder,
         body: bytes,
         upstream_headers: list[tuple[str, str]],
     ) -> None:
-        attempt = await self.dispatcher.send(exchange, scope["path"], body, upstream_headers)
+        attempt = await self.dispatcher.send(exchange, path, body, upstream_headers)
         exchange.attempt = attempt
         extra = self._debug_headers(exchange.prepared, attempt)
         opened = attempt.opened
         if not opened.streaming:
             exchange.usage = usage_of(opened.first)
             opened.release()
-            await response.send(opened.status, opened.first, headers=opened.headers + extra)
+            response.send_as_is(opened.status, opened.headers + extra if extra else opened.headers,
+                                opened.first)  # fmt: skip
             return
         relay = SseRelay(strip_usage=exchange.request.stream and not exchange.request.wants_usage)
         try:
-            await response.start(opened.status, opened.headers + extra)
+            response.start(opened.status, opened.headers + extra)
             await response.chunk(relay.feed(opened.first))
             async for chunk in opened.rest():
                 await response.chunk(relay.feed(chunk))
@@ -255,7 +246,7 @@ class ProxyApp:
             raise
         opened.release()
         exchange.usage = relay.usage
-        await response.end()
+        response.end()
 
     def _upstream_headers(
         self, headers: Mapping[str, str], request_id: str, span: Span | None = None
@@ -308,31 +299,27 @@ class ProxyApp:
         ]
         return {"object": "list", "data": cards}
 
-    async def _forward(
-        self, scope: Scope, receive: Receive, response: _Responder, headers: dict[str, str]
-    ) -> None:
+    async def _forward(self, request: Request, response: _Responder) -> None:
         """Any other /v1/* route: to the least-loaded replica serving the model."""
-        raw = await _read_body(receive, headers, self.options.max_body_bytes)
-        self._authenticate(headers)
-        model = _model_of(scope, raw)
+        self._authenticate(request.headers)
+        model = _model_of(request)
         ordinal = self.router.least_loaded(model)
         endpoint = self.dispatcher.fleet.endpoint(ordinal) if ordinal is not None else None
         if endpoint is None:
             raise NotFound(f"The model `{model}` does not exist.", "model", "model_not_found")
-        query = scope.get("query_string", b"").decode("latin-1")
-        url = endpoint.base_url + scope["path"] + (f"?{query}" if query else "")
+        query = request.query
+        url = endpoint.base_url + request.path + (f"?{query}" if query else "")
         upstream = self.dispatcher.upstream
-        opened = await upstream.open(
-            scope["method"], url, raw, self._upstream_headers(headers, response.id)
-        )
+        headers = self._upstream_headers(request.headers, response.id)
+        opened = await upstream.open(request.method, url, request.body, headers)
         try:
-            await response.start(opened.status, opened.headers)
+            response.start(opened.status, opened.headers)
             await response.chunk(opened.first)
             async for chunk in opened.rest():
                 await response.chunk(chunk)
         finally:
             opened.close()
-        await response.end()
+        response.end()
 
     def _ready(self) -> dict[str, Any]:
         models = self.fleet.served_models()
@@ -374,111 +361,55 @@ def _allow(method: str, allowed: str, path: str) -> None:
         raise MethodNotAllowed(f"{method} is not allowed on {path}; use {allowed}.")
 
 
-def _model_of(scope: Scope, raw: bytes) -> str:
-    if raw:
+def _model_of(request: Request) -> str:
+    if request.body:
         with contextlib.suppress(BadRequest):
-            model = decode_object(raw).get("model")
+            model = decode_object(request.body).get("model")
             if isinstance(model, str) and model:
                 return model
-    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-    values = query.get("model")
+    values = parse_qs(request.query).get("model")
     if values:
         return str(values[0])
     raise BadRequest("'model' is required to route this request.", "model")
 
 
-async def _read_body(receive: Receive, headers: Mapping[str, str], limit: int) -> bytes:
-    length = headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-async def _until_disconnect(receive: Receive, work: Awaitable[None]) -> None:
-    """Run ``work`` in this task; cancel it the moment the client disconnects."""
-    task = asyncio.current_task()
-    assert task is not None
-    gone = False
-
-    def on_message(message: asyncio.Future[dict[str, Any]]) -> None:
-        nonlocal gone
-        if message.cancelled() or message.exception() is not None:
-            return
-        if message.result()["type"] == "http.disconnect":
-            gone = True
-            task.cancel()
-
-    watcher = asyncio.ensure_future(receive())
-    watcher.add_done_callback(on_message)
-    try:
-        await work
-    except asyncio.CancelledError:
-        if gone:
-            task.uncancel()
-            raise ClientGone from None
-        raise
-    finally:
-        watcher.remove_done_callback(on_message)
-        watcher.cancel()
-
-
 class _Responder:
-    """Sends the response: once started, errors can no longer change the status."""
+    """The server's :class:`Response` with this request's id on every answer; once
+    started, errors can no longer change the status."""
 
-    __slots__ = ("_send", "id", "started")
+    __slots__ = ("_id_header", "_response", "id")
 
-    def __init__(self, send: Send, request_id: str) -> None:
-        self._send = send
+    def __init__(self, response: Response, request_id: str) -> None:
+        self._response = response
         self.id = request_id
-        self.started = False
+        self._id_header = (b"x-request-id", request_id.encode("latin-1"))
 
-    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        headers = [*headers, (b"x-request-id", self.id.encode("latin-1"))]
-        self.started = True
-        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+    def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self._response.start(status, [*headers, self._id_header])
 
     async def chunk(self, data: bytes) -> None:
         if data:
-            await self._send({"type": "http.response.body", "body": data, "more_body": True})
+            await self._response.write(data)
 
-    async def end(self) -> None:
-        await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+    def end(self) -> None:
+        self._response.end()
 
-    async def send(
-        self,
-        status: int,
-        body: bytes,
-        content_type: bytes = JSON,
-        headers: list[tuple[bytes, bytes]] | None = None,
-    ) -> None:
-        if headers is None:
-            headers = [(b"content-type", content_type)]
-        headers = [*headers, (b"content-length", str(len(body)).encode())]
-        await self.start(status, headers)
-        await self._send({"type": "http.response.body", "body": body, "more_body": False})
+    def send_as_is(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """A replica's whole answer, with its own headers."""
+        self._response.send(status, [*headers, self._id_header], body)
 
-    async def json(self, obj: Any, status: int = 200) -> None:
-        await self.send(status, _encode(obj))
+    def send(self, status: int, body: bytes, content_type: bytes = JSON) -> None:
+        self._response.send(status, [(b"content-type", content_type), self._id_header], body)
 
-    async def error(self, exc: ApiError) -> None:
-        if self.started:  # the status is out: end the stream with an error event
+    def json(self, obj: Any, status: int = 200) -> None:
+        self.send(status, _encode(obj))
+
+    def error(self, exc: ApiError) -> None:
+        if self._response.started:  # the status is out: end the stream with an error event
+            if self._response.finished:
+                return
             log.warning("stream ended by an error", extra={"id": self.id, "error": exc.message})
-            with contextlib.suppress(Exception):
-                await self.chunk(b"data: " + exc.encode() + b"\n\n")
-                await self.end()
+            self._response.end(b"data: " + exc.encode() + b"\n\n")
             return
-        body = exc.encode()
-        headers = [(b"content-type", JSON), *exc.headers]
-        await self.send(exc.status, body, headers=headers)
+        headers = [(b"content-type", JSON), *exc.headers, self._id_header]
+        self._response.send(exc.status, headers, exc.encode())

@@ -12,6 +12,7 @@ responses; nothing below it builds an error body by hand::
         ├── NotFound                404 not_found_error (an unknown model, a route)
         ├── MethodNotAllowed        405
         ├── PayloadTooLarge         413
+        ├── HeadersTooLarge         431 (the request line and headers)
         ├── StreamBroken            502: the replica broke off a stream already started
                                     (sent as a last SSE error event: the status is out)
         └── NoReplica               503 with Retry-After: no replica can take the request
@@ -77,6 +78,10 @@ class MethodNotAllowed(ApiError):
 
 class PayloadTooLarge(ApiError):
     status, error_type = 413, "invalid_request_error"
+
+
+class HeadersTooLarge(ApiError):
+    status, error_type = 431, "invalid_request_error"
 
 
 class StreamBroken(ApiError):

@@ -10,6 +10,7 @@ stops them on SIGTERM/SIGINT.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import gc
 import logging
@@ -20,10 +21,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any, Literal, NoReturn, get_args, get_origin
 
-import uvicorn
 import uvloop
 from pydantic import ValidationError
 
+from dataplane.http_server import HttpServer
 from dataplane.service import ProxyService
 from dataplane.settings import LIST_FIELDS, ProxySettings
 from kvcore.jsonlog import configure_logging
@@ -32,6 +33,8 @@ log = logging.getLogger("dataplane")
 READY_PREFIX = "kvroute-proxy ready"
 
 PROG = "kvroute-proxy"
+KEEP_ALIVE_S = 75.0  # an idle client connection is closed after this
+GRACE_S = 30.0  # on SIGTERM, requests in progress get this long to finish
 
 
 class SettingsRefused(Exception):
@@ -89,18 +92,6 @@ def describe(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-class ReadyServer(uvicorn.Server):
-    """uvicorn's server, telling the launcher once it accepts connections."""
-
-    def __init__(self, config: uvicorn.Config, on_ready: Any) -> None:
-        super().__init__(config)
-        self.on_ready = on_ready
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        self.on_ready()
-
-
 def bind(host: str, port: int, *, reuse_port: bool) -> socket.socket:
     """A listening-ready TCP socket (``SO_REUSEPORT`` for workers sharing a port)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -126,22 +117,19 @@ async def serve(settings: ProxySettings, sock: socket.socket, on_ready: Any) -> 
     service = ProxyService(settings)
     await service.start()
     sock.listen(4096)
-    config = uvicorn.Config(
-        service.app,
-        lifespan="off",
-        http="httptools",
-        loop="none",
-        access_log=False,
-        log_level="warning",
-        timeout_keep_alive=75,
-        backlog=4096,
-        proxy_headers=False,
-        server_header=False,
-        date_header=False,
+    server = HttpServer(
+        service.app, max_body_bytes=settings.max_body_bytes, keep_alive_s=KEEP_ALIVE_S
     )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
     try:
-        await ReadyServer(config, on_ready).serve(sockets=[sock])
+        await server.start(sock)
+        on_ready()
+        await stop.wait()
     finally:
+        await server.aclose(GRACE_S)
         await service.aclose()
         sock.close()
 
@@ -222,7 +210,8 @@ def _wait(children: list[int]) -> int:
     return status
 
 
-# uvicorn re-raises the signal it stopped on, so a worker stopped by SIGTERM ends by it
+# a worker stopped by SIGTERM/SIGINT ends with status 0 (or by the signal, if it came
+# before the worker's handlers were installed)
 _STOPPED = frozenset({0, -signal.SIGTERM, -signal.SIGINT})
 
 

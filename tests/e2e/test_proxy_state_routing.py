@@ -8,7 +8,6 @@ isolates them never share cached blocks on the engine; a saturated replica overf
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import socket
@@ -19,10 +18,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-import uvicorn
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from dataplane.main import ReadyServer
+from dataplane.http_server import HttpServer
 from dataplane.service import ProxyService
 from dataplane.settings import ProxySettings
 from kvcore.pb import routing_pb2
@@ -77,16 +75,13 @@ async def proxy(
     await service.upstream.start()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    started = asyncio.Event()
-    config = uvicorn.Config(service.app, lifespan="off", log_level="warning")
-    server = ReadyServer(config, started.set)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
+    sock.listen()
+    server = HttpServer(service.app, max_body_bytes=settings.max_body_bytes)
+    await server.start(sock)
     try:
-        await started.wait()
         yield f"http://127.0.0.1:{sock.getsockname()[1]}", service
     finally:
-        server.should_exit = True
-        await task
+        await server.aclose()
         await service.aclose()
 
 

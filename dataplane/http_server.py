@@ -1,0 +1,399 @@
+"""The proxy's own HTTP/1.1 server: one asyncio protocol per connection on httptools.
+
+Why not uvicorn: the proxy adds a hop to every request, so the server's own cost per
+request is a large share of the latency budget. uvicorn builds an ASGI scope, message
+dicts and a task wrapper per request and writes a response's head and body in two
+system calls; measured side by side (docs/architecture.md, "Proxy stack"), a
+pass-through on this server adds about 0.7x the latency and CPU of one on uvicorn. It
+serves only what the proxy needs:
+
+- keep-alive (HTTP/1.1's default; ``Connection: close`` and HTTP/1.0 honoured); a
+  connection that completes no request for ``keep_alive_s`` is closed;
+- request bodies by ``Content-Length`` or chunked, read whole before the handler runs,
+  at most ``max_body_bytes`` (else 413, and the connection closes: the rest is not read);
+  ``Expect: 100-continue`` is answered before the body is read;
+- pipelined requests answered in order, one at a time (reading pauses while
+  ``MAX_PIPELINED`` wait);
+- a response with a body is one write (head and body together); a stream is chunked,
+  and :meth:`Response.write` waits while the client's socket buffer is full
+  (``pause_writing``), so a slow client holds the upstream back instead of filling memory;
+- a client that disconnects cancels its request's handler at once (``connection_lost``),
+  which closes the upstream connection: the engine aborts the request;
+- ``Upgrade`` is ignored (the answer is HTTP/1.1, as RFC 9110 allows);
+- a malformed request (a parser error, a head over ``MAX_HEAD_BYTES``) gets a 4xx in
+  OpenAI's error shape and the connection closes.
+
+The handler is ``async def handler(request: Request, response: Response) -> None``; an
+exception it lets out is logged and answered 500 if nothing was sent yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections import deque
+from collections.abc import Awaitable, Callable
+from http import HTTPStatus
+
+import httptools
+
+from dataplane.http_errors import ApiError, BadRequest, HeadersTooLarge, PayloadTooLarge
+
+log = logging.getLogger("dataplane")
+
+MAX_HEAD_BYTES = 64 * 1024  # request line and headers together
+MAX_PIPELINED = 8  # requests read ahead of the one being answered
+_STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in HTTPStatus}
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_CLOSE = b"connection: close\r\n"
+_CHUNKED = b"transfer-encoding: chunked\r\n"
+_LAST_CHUNK = b"0\r\n\r\n"
+_JSON = b"application/json"
+
+
+class Request:
+    """One parsed request; ``headers`` by lower-case name (a repeated header: the last)."""
+
+    __slots__ = ("body", "headers", "keep_alive", "method", "path", "query")
+
+    def __init__(
+        self, method: str, path: str, query: str, headers: dict[str, str], body: bytes
+    ) -> None:
+        self.method = method
+        self.path = path
+        self.query = query
+        self.headers = headers
+        self.body = body
+        self.keep_alive = True
+
+
+Handler = Callable[[Request, "Response"], Awaitable[None]]
+
+
+class Response:
+    """How a handler answers: :meth:`send` a whole body, or :meth:`start`, then
+    :meth:`write` each piece (chunked) and :meth:`end`. Header names are lower-case bytes."""
+
+    __slots__ = ("_connection", "_head", "_head_only", "closes", "finished", "started")
+
+    def __init__(self, connection: _Connection, request: Request) -> None:
+        self._connection = connection
+        self.closes = not request.keep_alive  # the connection closes after it
+        self._head_only = request.method == "HEAD"
+        self._head = b""  # a stream's head, sent with its first piece
+        self.started = False
+        self.finished = False
+
+    def send(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """The whole response in one write (a ``content-length`` is added)."""
+        self._begin()
+        extra = b"content-length: %d\r\n" % len(body)
+        head = _head(status, headers, extra + _CLOSE if self._must_close() else extra)
+        self._connection.write(head if self._head_only else head + body)
+        self.finished = True
+
+    def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """Begin a streamed (chunked) response; nothing is written before the first piece."""
+        self._begin()
+        extra = _CHUNKED + _CLOSE if self._must_close() else _CHUNKED
+        self._head = _head(status, headers, extra)
+
+    async def write(self, data: bytes) -> None:
+        """One piece of a started stream; waits while the client cannot take more."""
+        if not data or self._head_only:
+            return
+        piece = b"%x\r\n%b\r\n" % (len(data), data)
+        if self._head:
+            piece, self._head = self._head + piece, b""
+        connection = self._connection
+        connection.write(piece)
+        if connection.paused:
+            await connection.drain()
+
+    def end(self, last: bytes = b"") -> None:
+        """The end of a started stream, after ``last`` (written without waiting)."""
+        tail = b"" if self._head_only else _LAST_CHUNK
+        if last and not self._head_only:
+            tail = b"%x\r\n%b\r\n" % (len(last), last) + tail
+        self._connection.write(self._head + tail)
+        self._head = b""
+        self.finished = True
+
+    def _begin(self) -> None:
+        if self.started:
+            raise RuntimeError("the response was already started")
+        self.started = True
+
+    def _must_close(self) -> bool:
+        self.closes = self.closes or self._connection.server.closing
+        return self.closes
+
+
+def _head(status: int, headers: list[tuple[bytes, bytes]], extra: bytes) -> bytes:
+    line = _STATUS_LINES.get(status) or b"HTTP/1.1 %d Unknown\r\n" % status
+    parts = [line]
+    for name, value in headers:
+        parts += (name, b": ", value, b"\r\n")
+    parts += (extra, b"\r\n")
+    return b"".join(parts)
+
+
+def _error_bytes(exc: ApiError) -> bytes:
+    body = exc.encode()
+    headers = [(b"content-type", _JSON), *exc.headers]
+    return _head(exc.status, headers, b"content-length: %d\r\n" % len(body) + _CLOSE) + body
+
+
+class _Refused(Exception):
+    """Raised inside a parser callback to stop reading a request that is refused."""
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: parses requests, runs one handler at a time."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.waiting: deque[Request | ApiError] = deque()
+        self.paused = False  # the client's socket buffer is full
+        self.gone = False
+        self._drained: asyncio.Future[None] | None = None
+        self._reading = True
+        self._broken = False  # a refused request: nothing more is parsed
+        self._refusal: ApiError | None = None
+        self._served = 0  # requests completed, for the idle check
+        self._served_at_check = -1
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._start_message()
+
+    def _start_message(self) -> None:
+        self._url = b""
+        self._headers: dict[str, str] = {}
+        self._head_bytes = 0
+        self._body: list[bytes] = []
+        self._body_bytes = 0
+
+    # -- asyncio.Protocol ------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.server.connections.add(self)
+        self._check_idle()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.gone = True
+        self.server.forget(self)
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        if self.task is not None:
+            self.task.cancel()  # the handler stops; the upstream request is dropped
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        if self._broken:
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade as upgrade:  # ignored, as RFC 9110 allows
+            self.parser = httptools.HttpRequestParser(self)
+            rest = data[upgrade.args[0] :]
+            if rest:
+                self.data_received(rest)
+        except httptools.HttpParserError as exc:
+            refusal = self._refusal or BadRequest(f"Malformed HTTP request: {exc}.")
+            self._refuse(refusal)
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    # -- httptools callbacks -------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._start_message()
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._count_head(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value))
+        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        length = self._headers.get("content-length", "")
+        limit = self.server.max_body_bytes
+        if length.isdigit() and int(length) > limit:
+            self._refusal = PayloadTooLarge(f"The request body is larger than {limit} bytes.")
+            raise _Refused
+        idle = self.task is None and not self.waiting
+        if idle and self._headers.get("expect", "").lower() == "100-continue":
+            self.write(_CONTINUE)
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        if self._body_bytes > self.server.max_body_bytes:
+            limit = self.server.max_body_bytes
+            self._refusal = PayloadTooLarge(f"The request body is larger than {limit} bytes.")
+            raise _Refused
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        path, query = _split_url(self._url)
+        method = self.parser.get_method().decode("ascii")
+        request = Request(method, path, query, self._headers, body)
+        request.keep_alive = self.parser.should_keep_alive()
+        self._served += 1
+        self._enqueue(request)
+
+    def _count_head(self, size: int) -> None:
+        self._head_bytes += size
+        if self._head_bytes > MAX_HEAD_BYTES:
+            self._refusal = HeadersTooLarge(
+                f"The request line and headers are larger than {MAX_HEAD_BYTES} bytes."
+            )
+            raise _Refused
+
+    # -- one request at a time -----------------------------------------------------------
+
+    def _enqueue(self, item: Request | ApiError) -> None:
+        self.waiting.append(item)
+        if len(self.waiting) >= MAX_PIPELINED and self._reading and self.transport is not None:
+            self._reading = False
+            self.transport.pause_reading()
+        if self.task is None:
+            self._next()
+
+    def _refuse(self, exc: ApiError) -> None:
+        self._broken = True
+        self._enqueue(exc)
+
+    def _next(self) -> None:
+        if self.gone or not self.waiting:
+            return
+        item = self.waiting.popleft()
+        if not self._reading and len(self.waiting) < MAX_PIPELINED and not self._broken:
+            self._reading = True
+            assert self.transport is not None
+            self.transport.resume_reading()
+        if isinstance(item, ApiError):  # a refused request: answer, then hang up
+            self.write(_error_bytes(item))
+            self.close()
+            return
+        self.task = asyncio.get_running_loop().create_task(self._run(item))
+
+    async def _run(self, request: Request) -> None:
+        response = Response(self, request)
+        try:
+            await self.server.handler(request, response)
+        except asyncio.CancelledError:
+            pass  # the client went away, or the server stops: nothing more to send
+        except Exception:
+            log.exception("unexpected error", extra={"path": request.path})
+            if not response.started:
+                response.send(500, [(b"content-type", _JSON)], _INTERNAL)
+        self.task = None
+        if not response.finished or response.closes or self.server.closing:
+            self.close()
+        else:
+            self._next()
+
+    # -- writing -------------------------------------------------------------------------
+
+    def write(self, data: bytes) -> None:
+        if not self.gone and self.transport is not None:
+            self.transport.write(data)
+
+    async def drain(self) -> None:
+        """Until the client's socket buffer has room again (or the connection is gone)."""
+        while self.paused and not self.gone:
+            self._drained = asyncio.get_running_loop().create_future()
+            await self._drained
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def idle(self) -> bool:
+        return self.task is None and not self.waiting
+
+    def _check_idle(self) -> None:
+        """Close a connection that completed no request in ``keep_alive_s``."""
+        if self.gone:
+            return
+        if self.idle() and self._served == self._served_at_check:
+            self.close()
+            return
+        self._served_at_check = self._served
+        loop = asyncio.get_running_loop()
+        self._idle_timer = loop.call_later(self.server.keep_alive_s, self._check_idle)
+
+
+_INTERNAL = ApiError("internal error in the proxy").encode()
+
+
+def _split_url(url: bytes) -> tuple[str, str]:
+    """Path and query of an origin-form (``/p?q``) or absolute-form target."""
+    if not url.startswith(b"/"):
+        parsed = httptools.parse_url(url)
+        path = parsed.path or b"/"
+        query = parsed.query or b""
+        return path.decode("latin-1"), query.decode("latin-1")
+    path, _, query = url.partition(b"?")
+    return path.decode("latin-1"), query.decode("latin-1")
+
+
+class HttpServer:
+    """Serves ``handler`` on listening sockets until :meth:`aclose`."""
+
+    def __init__(self, handler: Handler, *, max_body_bytes: int, keep_alive_s: float = 75.0):
+        self.handler = handler
+        self.max_body_bytes = max_body_bytes
+        self.keep_alive_s = keep_alive_s
+        self.connections: set[_Connection] = set()
+        self.closing = False
+        self._servers: list[asyncio.Server] = []
+        self._all_gone: asyncio.Future[None] | None = None
+
+    async def start(self, sock: socket.socket) -> None:
+        """Accept connections on ``sock`` (bound and listening)."""
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: _Connection(self), sock=sock, backlog=4096)
+        self._servers.append(server)
+
+    def forget(self, connection: _Connection) -> None:
+        self.connections.discard(connection)
+        if not self.connections and self._all_gone is not None and not self._all_gone.done():
+            self._all_gone.set_result(None)
+
+    async def aclose(self, grace_s: float = 30.0) -> None:
+        """Stop accepting; let requests in progress finish for up to ``grace_s``, then
+        drop them; close keep-alive connections as they become idle."""
+        self.closing = True
+        for server in self._servers:
+            server.close()
+        for connection in list(self.connections):
+            if connection.idle():
+                connection.close()
+        if self.connections:
+            self._all_gone = asyncio.get_running_loop().create_future()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._all_gone), grace_s)
+            except TimeoutError:
+                for connection in list(self.connections):
+                    connection.close()
+        for server in self._servers:
+            await server.wait_closed()
+        self._servers.clear()

@@ -1,0 +1,363 @@
+"""The proxy's HTTP/1.1 server, spoken to over real loopback sockets.
+
+What a client notices: keep-alive, bodies by length or chunked, pipelined requests
+answered in order, streams that wait for a slow reader, a disconnect that stops the
+handler at once, and every malformed request refused with a 4xx in OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httptools
+import pytest
+import uvloop
+
+from dataplane.http_server import MAX_HEAD_BYTES, HttpServer, Request, Response
+
+LIMIT = 4096
+JSON = [(b"content-type", b"application/json")]
+
+
+def on_both_loops(test: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[str], None]:
+    """The test on uvloop (what the proxy runs on) and on asyncio's own loop."""
+
+    @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+    def run(loop: str) -> None:
+        (uvloop.run if loop == "uvloop" else asyncio.run)(test())
+
+    run.__name__, run.__doc__ = test.__name__, test.__doc__
+    return run
+
+
+@dataclass
+class Answer:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass
+class Client:
+    """A raw connection; answers are parsed with httptools as they arrive."""
+
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    answers: list[Answer] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._parser = httptools.HttpResponseParser(self)
+        self._headers: dict[str, str] = {}
+        self._body: list[bytes] = []
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers[name.decode().lower()] = value.decode()
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        status = self._parser.get_status_code()
+        self.answers.append(Answer(status, self._headers, b"".join(self._body)))
+        self._headers, self._body = {}, []
+
+    async def send(self, data: bytes) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+    async def answer(self) -> Answer:
+        while not self.answers:
+            data = await asyncio.wait_for(self.reader.read(65536), 10)
+            assert data, "the server closed the connection without an answer"
+            self._parser.feed_data(data)
+        return self.answers.pop(0)
+
+    async def closed_by_server(self) -> bool:
+        rest = await asyncio.wait_for(self.reader.read(), 10)
+        if rest:
+            self._parser.feed_data(rest)
+        return True
+
+
+def post(path: str, body: bytes, *extra: str) -> bytes:
+    head = [f"POST {path} HTTP/1.1", "host: t", f"content-length: {len(body)}", *extra]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+class Echo:
+    """Handler: answers the method, path, query and body it got, as JSON."""
+
+    def __init__(self) -> None:
+        self.cancelled = asyncio.Event()
+        self.stream_started = asyncio.Event()
+        self.pieces_written = 0
+        self.finished = asyncio.Event()
+
+    async def __call__(self, request: Request, response: Response) -> None:
+        if request.path == "/stream":
+            await self._stream(response, int(request.query or "3"))
+            return
+        if request.path == "/boom":
+            raise ValueError("a bug in the handler")
+        answer = {
+            "method": request.method,
+            "path": request.path,
+            "query": request.query,
+            "body": request.body.decode(),
+            "agent": request.headers.get("user-agent"),
+        }
+        response.send(200, JSON, json.dumps(answer).encode())
+
+    async def _stream(self, response: Response, pieces: int) -> None:
+        response.start(200, [(b"content-type", b"text/event-stream")])
+        try:
+            for i in range(pieces):
+                await response.write(b"data: %d %s\n\n" % (i, b"x" * 65536))
+                self.pieces_written += 1
+                self.stream_started.set()
+            response.end()
+            self.finished.set()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+@asynccontextmanager
+async def serving(
+    handler: Any, keep_alive_s: float = 75.0
+) -> AsyncIterator[tuple[HttpServer, Any]]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    server = HttpServer(handler, max_body_bytes=LIMIT, keep_alive_s=keep_alive_s)
+    await server.start(sock)
+    port = sock.getsockname()[1]
+    clients: list[Client] = []
+
+    async def connect() -> Client:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        clients.append(Client(reader, writer))
+        return clients[-1]
+
+    try:
+        yield server, connect
+    finally:
+        for client in clients:
+            client.writer.close()
+            with contextlib.suppress(OSError):
+                await client.writer.wait_closed()
+        await server.aclose(grace_s=1)
+
+
+def body_of(answer: Answer) -> Any:
+    return json.loads(answer.body)
+
+
+@on_both_loops
+async def test_one_connection_serves_request_after_request() -> None:
+    async with serving(Echo()) as (_, connect):
+        client = await connect()
+        for i in range(3):
+            await client.send(post(f"/v1/x?n={i}", b'{"i": %d}' % i))
+            answer = await client.answer()
+            assert answer.status == 200
+            assert body_of(answer) == {"method": "POST", "path": "/v1/x", "query": f"n={i}",
+                                       "body": f'{{"i": {i}}}', "agent": None}  # fmt: skip
+            assert "connection" not in answer.headers
+
+
+@on_both_loops
+async def test_a_chunked_request_body_reaches_the_handler_whole() -> None:
+    async with serving(Echo()) as (_, connect):
+        client = await connect()
+        head = b"POST /v1/c HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n"
+        await client.send(head + b"5\r\nhello\r\n")
+        await client.send(b"6\r\n world\r\n0\r\n\r\n")
+        assert body_of(await client.answer())["body"] == "hello world"
+
+
+@on_both_loops
+async def test_pipelined_requests_are_answered_in_order() -> None:
+    async with serving(Echo()) as (_, connect):
+        client = await connect()
+        await client.send(b"".join(post(f"/p{i}", b"%d" % i) for i in range(12)))
+        paths = [body_of(await client.answer())["path"] for _ in range(12)]
+        assert paths == [f"/p{i}" for i in range(12)]
+
+
+@on_both_loops
+async def test_a_malformed_request_gets_an_openai_shaped_400_and_the_connection_closes() -> None:
+    async with serving(Echo()) as (_, connect):
+        client = await connect()
+        await client.send(b"POST /v1/x HTTP/1.1\r\nhost: t\r\ncontent-length: nope\r\n\r\n")
+        answer = await client.answer()
+        assert answer.status == 400
+        assert body_of(answer)["error"]["type"] == "invalid_request_error"
+        assert "Malformed HTTP request" in body_of(answer)["error"]["message"]
+        assert answer.headers["connection"] == "close"
+        assert await client.closed_by_server()
+
+
+@on_both_loops
+async def test_garbage_instead_of_http_is_refused_with_400() -> None:
+    async with serving(Echo()) as (_, connect):
+        client = await connect()
+        await client.send(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 TLS hello\r\n\r\n")
+        assert (await client.answer()).status == 400
+
+
+@on_both_loops
+async def test_a_body_over_the_limit_is_refused_413_before_it_is_read() -> None:
+    async with serving(Echo()) as (_, connect):
+        client = await connect()
+        head = f"POST /v1/x HTTP/1.1\r\nhost: t\r\ncontent-length: {LIMIT + 1}\r\n\r\n"
+        await client.send(head.encode())  # no body sent: the answer must not wait for it
+        answer = await client.answer()
+        assert answer.status == 413
+        assert (
+            body_of(answer)["error"]["message"] == f"The request body is larger than {LIMIT} bytes."
+        )
+        assert await client.closed_by_server()
+
+
+@on_both_loops
+async def test_a_chunked_body_over_the_limit_is_refused_413() -> None:
+    async with serving(Echo()) as (_, connect):
+        client = await connect()
+        head = b"POST /v1/x HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n"
+        piece = b"x" * 1000
+        await client.send(head + b"".join(b"3e8\r\n" + piece + b"\r\n" for _ in range(5)))
+        assert (await client.answer()).status == 413
+
+
+@on_both_loops
+async def test_headers_over_the_limit_are_refused_431() -> None:
+    async with serving(Echo()) as (_, connect):
+        client = await connect()
+        big = "x-big: " + "y" * (MAX_HEAD_BYTES + 10)
+        await client.send(post("/v1/x", b"{}", big))
+        answer = await client.answer()
+        assert answer.status == 431
+        assert body_of(answer)["error"]["type"] == "invalid_request_error"
+
+
+@on_both_loops
+async def test_expect_100_continue_is_answered_before_the_body_is_sent() -> None:
+    async with serving(Echo()) as (_, connect):
+        client = await connect()
+        await client.send(
+            b"POST /v1/x HTTP/1.1\r\nhost: t\r\ncontent-length: 2\r\nexpect: 100-continue\r\n\r\n"
+        )
+        interim = await asyncio.wait_for(client.reader.readuntil(b"\r\n\r\n"), 10)
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        await client.send(b"{}")
+        assert body_of(await client.answer())["body"] == "{}"
+
+
+@on_both_loops
+async def test_connection_close_and_http_1_0_end_the_connection_after_the_answer() -> None:
+    async with serving(Echo()) as (_, connect):
+        client = await connect()
+        await client.send(post("/v1/x", b"{}", "connection: close"))
+        answer = await client.answer()
+        assert answer.status == 200 and answer.headers["connection"] == "close"
+        assert await client.closed_by_server()
+        client = await connect()
+        await client.send(b"GET /v1/y HTTP/1.0\r\n\r\n")
+        assert body_of(await client.answer())["path"] == "/v1/y"
+        assert await client.closed_by_server()
+
+
+@on_both_loops
+async def test_an_upgrade_request_is_answered_as_plain_http() -> None:
+    async with serving(Echo()) as (_, connect):
+        client = await connect()
+        await client.send(
+            b"GET /a HTTP/1.1\r\nhost: t\r\nconnection: Upgrade, HTTP2-Settings\r\n"
+            b"upgrade: h2c\r\nhttp2-settings: AAMAAABkAAQAAP__\r\n\r\n" + post("/b", b"{}")
+        )
+        assert body_of(await client.answer())["path"] == "/a"
+        assert body_of(await client.answer())["path"] == "/b"
+
+
+@on_both_loops
+async def test_a_stream_arrives_chunk_by_chunk_and_the_connection_is_kept() -> None:
+    async with serving(Echo()) as (_, connect):
+        client = await connect()
+        await client.send(b"GET /stream?3 HTTP/1.1\r\nhost: t\r\n\r\n")
+        answer = await client.answer()
+        assert answer.headers["transfer-encoding"] == "chunked"
+        assert answer.body == b"".join(b"data: %d %s\n\n" % (i, b"x" * 65536) for i in range(3))
+        await client.send(post("/after", b""))
+        assert body_of(await client.answer())["path"] == "/after"
+
+
+@on_both_loops
+async def test_a_slow_reader_holds_the_stream_back() -> None:
+    echo = Echo()
+    pieces = 512  # 32 MiB: far more than the socket buffers hold
+    async with serving(echo) as (_, connect):
+        client = await connect()
+        await client.send(f"GET /stream?{pieces} HTTP/1.1\r\nhost: t\r\n\r\n".encode())
+        await echo.stream_started.wait()
+        done, _ = await asyncio.wait([asyncio.ensure_future(echo.finished.wait())], timeout=0.5)
+        assert not done, "the handler wrote 32 MiB to a client that read nothing"
+        assert echo.pieces_written < pieces
+        answer = await client.answer()  # now read it all: the handler resumes and ends
+        assert len(answer.body) == pieces * (65536 + 9) + sum(len(str(i)) for i in range(pieces))
+        assert echo.finished.is_set()
+
+
+@on_both_loops
+async def test_a_client_that_disconnects_mid_stream_cancels_the_handler_at_once() -> None:
+    echo = Echo()
+    async with serving(echo) as (_, connect):
+        client = await connect()
+        await client.send(b"GET /stream?100000 HTTP/1.1\r\nhost: t\r\n\r\n")
+        await echo.stream_started.wait()
+        client.writer.transport.abort()
+        await asyncio.wait_for(echo.cancelled.wait(), 10)
+        assert not echo.finished.is_set()
+
+
+@on_both_loops
+async def test_a_handler_bug_is_a_500_in_openai_shape_and_the_connection_survives() -> None:
+    async with serving(Echo()) as (_, connect):
+        client = await connect()
+        await client.send(post("/boom", b""))
+        answer = await client.answer()
+        assert answer.status == 500
+        assert body_of(answer)["error"]["message"] == "internal error in the proxy"
+        await client.send(post("/after", b""))
+        assert (await client.answer()).status == 200
+
+
+@on_both_loops
+async def test_an_idle_connection_is_closed_after_the_keep_alive_time() -> None:
+    async with serving(Echo(), keep_alive_s=0.05) as (_, connect):
+        client = await connect()
+        await client.send(post("/v1/x", b""))
+        assert (await client.answer()).status == 200
+        assert await client.closed_by_server()
+
+
+@on_both_loops
+async def test_closing_the_server_lets_a_request_in_progress_finish() -> None:
+    echo = Echo()
+    async with serving(echo) as (server, connect):
+        client = await connect()
+        await client.send(b"GET /stream?64 HTTP/1.1\r\nhost: t\r\n\r\n")
+        await echo.stream_started.wait()
+        closing = asyncio.ensure_future(server.aclose(grace_s=10))
+        answer = await client.answer()
+        await closing
+        assert len(answer.body) > 64 * 65536 and echo.finished.is_set()
+        assert answer.headers.get("connection") != "close"  # the head was out before
+        assert await client.closed_by_server()
