@@ -16,6 +16,7 @@ import base64
 import contextlib
 import io
 import json
+import socket
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from controlplane.injection import InjectionConfig, mutate_review
 from controlplane.main import load_settings as load_controlplane_settings
 from controlplane.service import ControlPlane
 from controlplane.settings import ControlPlaneSettings
+from dataplane.http_server import HttpServer
 from dataplane.main import load_settings as load_proxy_settings
 from dataplane.service import ProxyService
 from dataplane.settings import ProxySettings
@@ -77,8 +79,26 @@ def sidecar_serves(settings: SidecarSettings, path: str) -> bool:
 
 
 def proxy_serves(settings: ProxySettings, path: str) -> bool:
-    """Asks the proxy's own ASGI app (not started: no upstream, no state) for ``path``."""
-    return asgi_get(ProxyService(settings).app, path) != 404
+    """Asks the proxy's app (not started: no upstream, no state) for ``path`` through the
+    proxy's own HTTP server on a loopback port."""
+    return asyncio.run(proxy_get(ProxyService(settings).app, path)) != 404
+
+
+async def proxy_get(app: Any, path: str) -> int:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    server = HttpServer(app, max_body_bytes=1024)
+    await server.start(sock)
+    try:
+        reader, writer = await asyncio.open_connection(*sock.getsockname())
+        writer.write(f"GET {path} HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n".encode())
+        status_line = await reader.readline()
+        writer.close()
+        await writer.wait_closed()
+        return int(status_line.split()[1])
+    finally:
+        await server.aclose()
 
 
 def controlplane_serves(settings: ControlPlaneSettings, path: str) -> bool:
