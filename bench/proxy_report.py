@@ -20,6 +20,7 @@ ADDED_LATENCY_MS = 0.3  # kvroute's added latency, p50
 LATENCY_VS_SGLANG = 1.0  # kvroute's added latency / sglang-router's, at most
 THROUGHPUT_VS_SGLANG = 0.9  # kvroute's throughput / sglang-router's, at least
 CEILING_SHARE = 0.9  # a router this close to the replicas' own throughput is not the limit
+IDLE_NOTE = 0.02  # the idle routers' CPU share worth a note beside a router's throughput
 
 # (kvroute's contender, the peer policy it is judged against): like for like
 PAIRS = (("round_robin", "round_robin"), ("kv_aware", "cache_aware"))
@@ -37,6 +38,7 @@ class Measured:
     cpu_share: float | None = None  # of one core, while under the throughput load
     errors: int = 0
     unavailable: str = ""
+    idle_routers_share: float | None = None  # the other routers' CPU while this one ran
 
     @property
     def per_cpu_second(self) -> float | None:
@@ -145,6 +147,8 @@ def _throughput_row(measured: Measured, ceiling: float | None) -> Row:
             f"router used {measured.cpu_share:.0%} of a core, "
             f"{measured.per_cpu_second:,.0f} requests per CPU-second"
         )
+    if measured.idle_routers_share is not None and measured.idle_routers_share >= IDLE_NOTE:
+        notes.append(f"the idle routers took {measured.idle_routers_share:.0%} of a core too")
     if measured.errors:
         notes.append(f"{measured.errors} errors")
     if measured.rps is not None and ceiling and measured.rps >= CEILING_SHARE * ceiling:
