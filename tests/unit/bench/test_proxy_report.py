@@ -1,8 +1,13 @@
-"""``kvroute bench proxy``'s verdicts: like-for-like ratios, bounds each way, routers not run."""
+"""``kvroute bench proxy``'s verdicts (like-for-like ratios, bounds each way, routers not
+run) and its CPU pinning of a router's whole process tree."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +22,7 @@ from bench.proxy_report import (
     throughput_rows,
     write_json,
 )
-from bench.proxy_routers import split_cpus
+from bench.proxy_routers import descendants, pin_tree, split_cpus, tree_cpu_seconds
 
 
 def _results(**routers: Measured) -> Results:
@@ -97,3 +102,32 @@ def test_arguments_quick_and_unknown_peer(capsys: pytest.CaptureFixture[str]) ->
     with pytest.raises(SystemExit):
         parse_args(["--peers", "nginx"])
     assert "unknown peer(s) ['nginx']" in capsys.readouterr().err
+
+
+def test_pin_tree_pins_every_thread_of_a_process_and_its_children() -> None:
+    """The same CPU budget for every router rests on this: threads started before the pin
+    (a runtime's worker pool) and child processes (workers) are pinned too."""
+    cpu = min(os.sched_getaffinity(0))
+    code = "\n".join([
+        "import subprocess, sys, threading, time",
+        "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()",
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])",
+        "while time.process_time() < 0.3: pass",  # CPU the benchmark's accounting must see
+        "print(child.pid, flush=True)",
+        "sys.stdin.read()",
+    ])  # fmt: skip
+    with subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as parent:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        try:
+            assert set(descendants(parent.pid)) == {parent.pid, child}
+            assert pin_tree(parent.pid, frozenset({cpu})) >= 3  # main thread, its thread, child
+            for pid in (parent.pid, child):
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    assert os.sched_getaffinity(int(task.name)) == {cpu}
+            assert tree_cpu_seconds(parent.pid) >= 0.25  # /proc counts in clock ticks
+        finally:
+            os.kill(child, signal.SIGKILL)
+            parent.kill()
