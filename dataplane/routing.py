@@ -43,6 +43,8 @@ from kvcore.workload import (
 )
 from kvcore.workload.classify import WORKLOAD_HEADER
 
+ROOTS_REMEMBERED = 4096  # (model, tenant) roots kept before the memo starts over
+
 
 @dataclass(frozen=True, slots=True)
 class Defaults:
@@ -112,6 +114,7 @@ class Router:
         self._rng = rng or random.Random()
         self._config: RoutingConfig | None = None
         self._policies: dict[str, Policy] = {}
+        self._roots: dict[tuple[str, str], int] = {}
         self._forward_workload = parse_workload({"name": "forward", "strategy": "least_load"})
         self._least_load = create_policy(self._forward_workload, rng=self._rng)
 
@@ -138,8 +141,8 @@ class Router:
         namespace, salt = self._tenant(request, workload, headers, api_key)
         entry = self.fleet.model_entry(request.model)
         block_size = entry.block_size if entry is not None and entry.block_size else None
-        block_size = block_size or self.defaults.block_size
-        root = root_key(model=key_model, namespace=namespace)
+        block_size = block_size or self.fleet.block_size(request.model) or self.defaults.block_size
+        root = self._root(key_model, namespace)
         prompt = self._prompt(request, self.tokenizer_spec(request.model), root, block_size)
         return Prepared(
             workload=workload,
@@ -190,6 +193,9 @@ class Router:
     ) -> Workload:
         """Header, else the first matching rule, else the key's default, else the config's."""
         config = self.fleet.routing_config()
+        keyed = api_key is not None and bool(api_key.default_workload)
+        if not config.rules and not keyed and WORKLOAD_HEADER not in headers:
+            return config.workload(config.default_workload)  # nothing to match
         info = RequestInfo(
             path=path,
             model=request.model,
@@ -205,6 +211,16 @@ class Router:
             return config.workload(api_key.default_workload)
         except UnknownWorkload as exc:
             raise BadRequest(str(exc), WORKLOAD_HEADER, "unknown_workload") from None
+
+    def _root(self, model: str, namespace: str) -> int:
+        """The block keys' root for a model and tenant (remembered: hashing it costs a
+        short prompt as much as keying its blocks)."""
+        root = self._roots.get((model, namespace))
+        if root is None:
+            if len(self._roots) >= ROOTS_REMEMBERED:
+                self._roots.clear()
+            root = self._roots[model, namespace] = root_key(model=model, namespace=namespace)
+        return root
 
     def _policy(self, workload: Workload) -> Policy:
         config = self.fleet.routing_config()

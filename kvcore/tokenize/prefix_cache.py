@@ -32,7 +32,7 @@ from kvcore.tokenize.base import SegmentableTokenizer, Tokenizer
 
 _hash = xxhash.xxh3_64_intdigest
 CHUNK = 1024  # bytes per chained hash: remembered beginnings are found at this step
-_FIRST_STRIDE = 64  # bytes compared first when finding the exact first difference
+_FIRST_STRIDE = 16  # tokens compared first when finding the first different one
 
 
 @dataclass(slots=True)
@@ -117,8 +117,8 @@ class PrefixTokenCache:
             return Encoded(tokens, keys)  # too short to be found again, or cannot be cut
         before, after = self._wrap if add_special_tokens and self._wrap else ([], [])
         data = text.encode("utf-8", "surrogatepass")
-        chunks = _chunk_hashes(data, self.chunk)
-        reuse = self._reuse(text, data, chunks)
+        source, shared, chunks = self._longest(data)
+        reuse = self._reuse(text, data, source, shared)
         prompt = self._tokens(text, data, chunks, reuse)
         bare = prompt.tokens
         tokens = array("I", before) + bare + array("I", after) if before or after else bare
@@ -132,13 +132,11 @@ class PrefixTokenCache:
     def __len__(self) -> int:
         return len(self._prompts)
 
-    def _reuse(self, text: str, data: bytes, chunks: list[int]) -> _Reuse:
-        """The remembered prompt sharing the longest beginning with ``data``, and the
-        cut before the first difference where the new text's tokens take over."""
-        prompt, known = self._longest(data, chunks)
+    def _reuse(self, text: str, data: bytes, prompt: _Prompt | None, shared: int) -> _Reuse:
+        """The cut before the first difference from ``prompt`` (``shared`` bytes in)
+        where the new text's tokens take over."""
         if prompt is None or self._segmentable is None:
             return _Reuse(prompt)
-        shared = _common_prefix(data, prompt.data, known)
         shared = shared if text.isascii() else _characters(data, shared)
         cut = self._segmentable.last_cut(text, shared)
         if cut == 0:
@@ -152,26 +150,39 @@ class PrefixTokenCache:
             return _Reuse(prompt)
         return _Reuse(prompt, cut, index)
 
-    def _find_starts(self, tokenizer: SegmentableTokenizer, prompt: _Prompt) -> None:
-        """Where each of ``prompt``'s tokens after ``resume`` starts: found only when a
-        later prompt needs them (most prompts' own tails are never reused)."""
+    def _find_starts(
+        self, tokenizer: SegmentableTokenizer, prompt: _Prompt, text: str | None = None
+    ) -> None:
+        """Where each of ``prompt``'s tokens after ``resume`` starts: found with the
+        prompt when it was new, else only when a later prompt needs them (most prompts'
+        own new tails, such as one question among many, are never reused)."""
         known = len(prompt.starts)
         if known == len(prompt.tokens):
             return
-        text = prompt.data.decode("utf-8", "surrogatepass")
+        text = prompt.data.decode("utf-8", "surrogatepass") if text is None else text
         starts = tokenizer.token_starts(text, prompt.resume, prompt.tokens[known:].tolist())
         if starts is not None:
             prompt.starts.extend(starts)
             prompt.resume = len(text)
 
-    def _longest(self, data: bytes, chunks: list[int]) -> tuple[_Prompt | None, int]:
-        """The newest prompt sharing the most whole chunks with ``data``, and their size."""
-        for count in range(len(chunks), 0, -1):
-            prompt = self._by_chunk.get(chunks[count - 1])
-            end = count * self.chunk
+    def _longest(self, data: bytes) -> tuple[_Prompt | None, int, list[int]]:
+        """The remembered prompt sharing the longest beginning with ``data``, how many
+        bytes they share, and ``data``'s chunk hashes.
+
+        The last prompt is compared first: the chunks it shares have its hashes, so only
+        the rest are hashed, and only those are looked up for a prompt sharing more.
+        """
+        best = next(reversed(self._prompts.values()), None)
+        shared = _common_bytes(data, best.data, 0) if best is not None else 0
+        count = min(shared // self.chunk, len(best.chunks)) if best is not None else 0
+        chunks = best.chunks[:count] if best is not None and count else []
+        chunks += _chunk_hashes(data, self.chunk, count, chunks[-1] if chunks else 0)
+        for more in range(len(chunks), count, -1):
+            prompt = self._by_chunk.get(chunks[more - 1])
+            end = more * self.chunk
             if prompt is not None and prompt.data.startswith(memoryview(data)[:end]):
-                return prompt, end
-        return None, 0
+                return prompt, _common_bytes(data, prompt.data, end), chunks
+        return (best, shared, chunks) if count else (None, 0, chunks)
 
     def _tokens(self, text: str, data: bytes, chunks: list[int], reuse: _Reuse) -> _Prompt:
         """``text`` as a prompt to remember: the reused tokens, then the rest encoded."""
@@ -182,9 +193,13 @@ class PrefixTokenCache:
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             return _Prompt(data, array("I", ids), array("I"), 0, chunks)
         if reuse.prompt is None or not reuse.tokens:
-            return _Prompt(data, array("I", ids), array("I"), 0, chunks)
+            prompt = _Prompt(data, array("I", ids), array("I"), 0, chunks)
+            if self._segmentable is not None and text.isascii():  # cheap: find them now,
+                self._find_starts(self._segmentable, prompt, text)  # as it may be reused
+            return prompt
         count, source = reuse.tokens, reuse.prompt
-        tokens = source.tokens[:count] + array("I", ids)
+        tokens = source.tokens[:count]
+        tokens.fromlist(ids)
         return _Prompt(data, tokens, source.starts[:count], reuse.cut, chunks)
 
     def _keys(
@@ -196,7 +211,7 @@ class PrefixTokenCache:
         root, block_size, _ = prompt.basis
         reused = 0
         if source is not None and source.basis == prompt.basis:
-            same = _common_prefix(prompt.tokens, source.tokens, known)
+            same = _common_tokens(prompt.tokens, source.tokens, known)
             reused = min((lead + same) // block_size, len(source.keys))
         keys = source.keys[:reused] if source is not None and reused else []
         parent = keys[-1] if keys else root
@@ -228,18 +243,34 @@ class PrefixTokenCache:
                 del self._by_chunk[chunk]
 
 
-def _chunk_hashes(data: bytes, chunk: int) -> list[int]:
-    """Chained hashes of ``data[:chunk]``, ``data[:2 * chunk]``... (whole chunks only)."""
-    view, seed, hashes = memoryview(data), 0, []
-    for start in range(0, len(data) - chunk + 1, chunk):
+def _chunk_hashes(data: bytes, chunk: int, skip: int, seed: int) -> list[int]:
+    """Chained hashes of ``data[:chunk]``, ``data[:2 * chunk]``... (whole chunks only),
+    from the ``skip + 1``-th on, chained from ``seed`` (the ``skip``-th one's hash)."""
+    view, hashes = memoryview(data), []
+    for start in range(skip * chunk, len(data) - chunk + 1, chunk):
         seed = _hash(view[start : start + chunk], seed)
         hashes.append(seed)
     return hashes
 
 
-def _common_prefix(a: bytes | array[int], b: bytes | array[int], start: int) -> int:
+def _common_bytes(a: bytes, b: bytes, start: int) -> int:
     """The length of the longest common prefix of ``a`` and ``b``, known to be at least
-    ``start``: growing strides compared in C, then halving within the first unequal one."""
+    ``start``: halving the unknown span, each half compared by one ``memcmp``."""
+    low, high = start, min(len(a), len(b)) + 1  # a[:low] == b[:low]; a[:high] differs
+    view = memoryview(b)
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a.startswith(view[low:middle], low):
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def _common_tokens(a: array[int], b: array[int], start: int) -> int:
+    """How many leading tokens ``a`` and ``b`` share, known to be at least ``start``:
+    growing strides compared in C (the first difference is usually near ``start``),
+    then halving within the first unequal one."""
     limit, stride = min(len(a), len(b)), _FIRST_STRIDE
     while start < limit:
         end = min(start + stride, limit)

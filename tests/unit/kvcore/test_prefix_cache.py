@@ -376,3 +376,21 @@ def test_a_prompt_extending_a_remembered_one_tokenizes_and_hashes_only_its_tail(
     assert cache.stats.hits == 1
     assert cache.stats.encoded_tokens - len(first.tokens) < 20  # the question and markup
     assert cache.stats.hashed_keys - len(first.keys) <= 2
+
+
+def test_interleaved_conversations_each_extend_their_own() -> None:
+    """Two chats sharing a system prompt take turns: each request reuses its own chat's
+    last prompt, not merely the system prompt the other chat's (newer) prompt shares."""
+    tokenizer = BuiltinTokenizer()
+    cache = PrefixTokenCache(tokenizer, chunk=64)
+    system = {"role": "system", "content": _conversation(50)}
+    chats: dict[str, list[dict[str, str]]] = {"a": [system], "b": [system]}
+    for turn in range(4):
+        for name, chat in chats.items():
+            chat.append({"role": "user", "content": f"{name} asks {turn}:" + " more" * 100})
+            text = tokenizer.apply_chat_template(chat)
+            before = cache.stats.encoded_tokens
+            whole = tokenizer.encode(text, add_special_tokens=False)
+            assert cache.encode(text, add_special_tokens=False) == whole
+            if turn:
+                assert cache.stats.encoded_tokens - before < 120  # the new message alone

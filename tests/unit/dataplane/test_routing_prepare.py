@@ -1,0 +1,94 @@
+"""What Router.prepare computes: the explain endpoint's tokens, keys under the right root and
+block size, and the workload a request is classified into."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dataplane.fleet_state import FleetState
+from dataplane.openai_request import Kind, parse_inference
+from dataplane.routing import Defaults, Prepared, Router
+from kvcore.keys import chain_keys, root_key
+from kvcore.pb import routing_pb2
+from kvcore.request import prompt_token_ids
+from kvcore.tokenize import BuiltinTokenizer
+from tests.unit.dataplane.state_messages import replica
+
+LONG = "".join(f"Line {i}: the router keys this prompt block by block.\n" for i in range(60))
+WORKLOADS = [
+    {"name": "default", "strategy": "round_robin"},
+    {"name": "isolated", "strategy": "round_robin", "tenant_isolation": True},
+]
+
+
+def _router(announced_block_size: int, registry: list[routing_pb2.Model]) -> Router:
+    config = routing_pb2.RoutingConfig(
+        revision=1,
+        workloads=[
+            routing_pb2.Workload(name=w["name"], policy_json=json.dumps(w)) for w in WORKLOADS
+        ],
+        models=registry,
+    )
+    replicas = [replica(o, model="org/m", served=["m"]) for o in range(2)]
+    for info in replicas:
+        info.block_size = announced_block_size
+    chunk = routing_pb2.SnapshotChunk(
+        chunk_index=0, last_chunk=True, config=config, replicas=replicas
+    )
+    fleet = FleetState(max_age_s=3600)
+    fleet.apply(routing_pb2.StateUpdate(epoch=1, version=1, snapshot=chunk))
+    return Router(fleet, Defaults())
+
+
+def _prepare(
+    router: Router, body: dict[str, object], kind: Kind, headers: dict[str, str] | None = None
+) -> Prepared:
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    request = parse_inference(json.dumps(body).encode(), kind)
+    return router.prepare(request, path=path, headers=headers or {}, api_key=None, request_id="t")
+
+
+@pytest.mark.parametrize(
+    ("body", "kind"),
+    [
+        ({"model": "m", "messages": [{"role": "system", "content": LONG}]}, "chat"),
+        ({"model": "m", "prompt": LONG, "cache_salt": "tenant-a"}, "completion"),
+        ({"model": "m", "prompt": [LONG, "second prompt of the batch"]}, "completion"),
+    ],
+)
+def test_the_router_keys_the_tokens_the_explain_endpoint_reads(
+    body: dict[str, object], kind: Kind
+) -> None:
+    """Twice each (the second time through the prefix cache): the block keys are the
+    chained keys of kvcore.request's tokens, rooted at the model id and the tenant."""
+    router = _router(16, [])
+    tokens = prompt_token_ids(body, BuiltinTokenizer(), kind)
+    root = root_key(model="org/m", namespace=str(body.get("cache_salt", "")))
+    for _ in range(2):
+        prepared = _prepare(router, body, kind)
+        assert prepared.prompt_tokens == len(tokens)
+        assert prepared.block_keys == chain_keys(root, tokens, 16)
+
+
+def test_a_model_the_registry_does_not_name_is_keyed_as_its_sidecars_announce() -> None:
+    body = {"model": "m", "prompt": LONG}
+    tokens = BuiltinTokenizer().encode(LONG)
+    unnamed = _prepare(_router(32, []), body, "completion")
+    assert unnamed.block_size == 32
+    assert unnamed.block_keys == chain_keys(root_key(model="org/m"), tokens, 32)
+    entry = routing_pb2.Model(name="m", tokenizer="builtin", block_size=64)
+    assert _prepare(_router(32, [entry]), body, "completion").block_size == 64
+
+
+def test_the_workload_header_picks_a_workload_and_tenants_get_their_own_root() -> None:
+    router = _router(16, [])
+    body = {"model": "m", "prompt": LONG, "prompt_cache_key": "tenant-b"}
+    plain = _prepare(router, body, "completion")
+    isolated = _prepare(router, body, "completion", {"x-kvroute-workload": "isolated"})
+    assert (plain.workload.name, plain.namespace) == ("default", "")
+    assert (isolated.workload.name, isolated.namespace) == ("isolated", "tenant-b")
+    tokens = BuiltinTokenizer().encode(LONG)
+    assert isolated.block_keys == chain_keys(root_key(model="org/m", namespace="tenant-b"), tokens)
+    assert plain.block_keys == chain_keys(root_key(model="org/m"), tokens)
