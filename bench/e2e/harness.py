@@ -19,8 +19,9 @@ import asyncio
 import contextlib
 import socket
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
@@ -176,6 +177,8 @@ class E2EBench:
                 lambda: progress.advance(task),
             )  # fmt: skip
         result.wall_s = time.perf_counter() - started
+        if contender.router == PINNED:
+            self._label_pinned(result)
         final = await watch.scrape()
         for engine in self.engines:
             result.engine_queries += final[engine].prefix_cache_queries
@@ -220,6 +223,12 @@ class E2EBench:
         an oracle router would choose for equal groups, with no router in the way."""
         groups = self.config.workload.request_groups()
         return lambda index: self.engines[groups[index] % len(self.engines)]
+
+    def _label_pinned(self, result: PhaseResult) -> None:
+        """Name the engine each pinned request went to (no router's header says it)."""
+        groups, count = self.config.workload.request_groups(), len(self.engines)
+        result.answers = [replace(a, replica=f"r{groups[a.index] % count}") for a in result.answers]
+        result.by_replica = dict(Counter(a.replica for a in result.answers))
 
     async def _start_peer(
         self, supervisor: Supervisor, peer: Peer, contender: Contender, index: int

@@ -82,6 +82,20 @@ def classify(answers: Sequence[Answer], groups: Sequence[int]) -> tuple[Misses, 
     return misses, [causes[id(a)] for a in answers]
 
 
+def limit_hit_rate(answers: Sequence[Answer], groups: Sequence[int]) -> float:
+    """The hit rate if only each group's first request had missed (an oracle's, with
+    one unlimited cache): every other request cached its group's whole prefix."""
+    prefix: dict[int, int] = defaultdict(int)
+    count: dict[int, int] = defaultdict(int)
+    for answer in answers:
+        group = groups[answer.index]
+        prefix[group] = max(prefix[group], answer.cached_tokens)
+        count[group] += 1
+    prompts = sum(a.prompt_tokens for a in answers)
+    cached = sum(prefix[g] * (count[g] - 1) for g in prefix)
+    return cached / prompts if prompts else 0.0
+
+
 def _cause(answer: Answer, earlier: list[Answer]) -> str:
     if not earlier:
         return "first"

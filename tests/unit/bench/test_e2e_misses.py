@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.e2e.misses import classify, records
+from bench.e2e.misses import classify, limit_hit_rate, records
 from kvroute.demo import Answer, DemoWorkload
 
 PREFIX = 2000
@@ -55,3 +55,9 @@ def test_records_follow_the_send_order_and_name_each_group() -> None:
     lines = records(answers, groups)
     assert [line["sent_s"] for line in lines] == sorted(line["sent_s"] for line in lines)
     assert {line["group"] for line in lines} == {0, 1}
+
+
+def test_the_limit_counts_every_request_but_each_groups_first_as_a_whole_hit() -> None:
+    answers = [answer(0, 0.0, "r0", 0), answer(1, 1.0, "r0", 800), answer(2, 2.0, "r0", PREFIX)]
+    assert limit_hit_rate(answers, [0, 0, 0]) == 2 * PREFIX / (3 * 2099)
+    assert limit_hit_rate([], []) == 0.0
