@@ -389,25 +389,37 @@ def write_report(results: list[PhaseResult], out_dir: Path) -> None:
     plot_ttft(results, out_dir / "ttft.png")
 
 
-def plot_ttft(results: list[PhaseResult], path: Path) -> None:
+def plot_ttft(
+    results: list[PhaseResult],
+    path: Path,
+    title: str = "kvroute demo: TTFT distribution per routing strategy",
+) -> None:
+    """One CDF per phase; past ten phases the colours repeat dashed, and the legend
+    sits beside the plot so that it hides no curve."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7, 4))
-    for result in results:
+    many = len(results) > 4
+    figure, axes = plt.subplots(figsize=(11, 4.5) if many else (7, 4))
+    for index, result in enumerate(results):
         ordered = sorted(result.ttft_s)
         if not ordered:
             continue
         share = [(i + 1) / len(ordered) for i in range(len(ordered))]
-        axes.step([t * 1e3 for t in ordered], share, where="post", label=result.strategy)
+        style = "-" if index < 10 else "--"
+        times = [t * 1e3 for t in ordered]
+        axes.step(times, share, style, where="post", label=result.strategy)
     axes.set_xscale("log")
     axes.set_xlabel("time to first token (ms, client clock)")
     axes.set_ylabel("share of requests")
-    axes.set_title("kvroute demo: TTFT distribution per routing strategy")
+    axes.set_title(title)
     axes.grid(True, which="both", alpha=0.3)
-    axes.legend()
+    if many:
+        axes.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize="small")
+    else:
+        axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

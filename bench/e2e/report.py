@@ -177,7 +177,7 @@ def write(config: E2EConfig, results: list[ContenderResult], out_dir: Path) -> l
     (out_dir / "e2e.md").write_text(markdown(config, results, found))
     write_requests(config, results, out_dir / "requests.jsonl")
     phases = [r.phase for r in results if r.phase is not None]
-    plot_ttft(phases, out_dir / "e2e_ttft_cdf.png")
+    plot_ttft(phases, out_dir / "e2e_ttft_cdf.png", "kvroute bench e2e: TTFT per contender")
     plot_hit_rates(phases, out_dir / "e2e_hit_rate.png")
     return found
 
