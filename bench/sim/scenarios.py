@@ -147,7 +147,7 @@ SCENARIOS: dict[str, Scenario] = {
             _mooncake,
             policies=(
                 *KVROUTE,
-                "kv_cost:queued_request_tokens=12000,prefill_tokens_per_s=10000",
+                "kv_cost:locality_weight=0.7",  # its default before it kept prefill books
                 *PEERS,
             ),
             goals=("mooncake_ttft",),
