@@ -33,16 +33,18 @@ from kvcore.workload import KvAwareWorkload, KvCostWorkload
 
 def queue_load(replica: ReplicaState) -> float:
     """0-1: the replica's requests (running, waiting, sent since its last report) over
-    its capacity. KV usage is left out: a busy engine keeps its KV cache nearly full of
-    the prefixes it serves, so near-full usage is its normal state, not a reason to send
-    a request away from the prefix it holds (the engine's own queue grows when it truly
-    cannot admit)."""
+    its capacity. KV usage is left out: a busy engine serving long prompts keeps its KV
+    cache nearly full of the requests it runs, so near-full usage is its normal state,
+    not a reason to send a request away from the prefix it holds (when it truly cannot
+    admit, requests wait: :func:`queue_saturation`)."""
     return min(1.0, replica.requests / max(replica.capacity, 1))
 
 
 def queue_saturation(replica: ReplicaState, ctx: RouteContext) -> str | None:
     """Why ``replica`` is saturated for a level-3 strategy: ``max_inflight_per_replica``
-    requests, or a :func:`queue_load` at or over ``load_threshold``."""
+    requests, a :func:`queue_load` at or over ``load_threshold``, or KV usage at or over
+    it while the engine reports requests waiting (it cannot admit them: its cache is full
+    of running requests, not just of cached prefixes)."""
     workload = ctx.workload
     if replica.requests >= workload.max_inflight_per_replica:
         limit = workload.max_inflight_per_replica
@@ -50,6 +52,11 @@ def queue_saturation(replica: ReplicaState, ctx: RouteContext) -> str | None:
     load = queue_load(replica)
     if load >= workload.load_threshold:
         return f"queue load {load:.3f} >= load_threshold {workload.load_threshold}"
+    if replica.waiting and replica.kv_usage >= workload.load_threshold:
+        return (
+            f"KV usage {replica.kv_usage:.3f} >= load_threshold {workload.load_threshold} "
+            f"with {replica.waiting} requests waiting"
+        )
     return None
 
 

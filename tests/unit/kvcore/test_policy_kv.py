@@ -89,6 +89,22 @@ def test_a_full_kv_cache_with_an_empty_queue_still_gets_its_prefixs_requests(
     assert all(row.excluded is None for row in decision.reasons)
 
 
+@pytest.mark.parametrize(
+    "workload", [KvAwareWorkload(), KvCostWorkload()], ids=["kv_aware", "kv_cost"]
+)
+def test_a_full_kv_cache_with_requests_waiting_is_saturated(workload: Workload) -> None:
+    """Full of running requests and some already waiting: the engine cannot admit more."""
+    replicas = [
+        ReplicaState(0, "holder", running=12, waiting=2, kv_usage=0.97),
+        ReplicaState(1, "other", running=12, kv_usage=0.97),
+    ]
+    decision = _select(workload, _view(replicas, {0: 8}))
+    assert decision.replica_id == "other"
+    assert decision.reasons[0].excluded == (
+        "KV usage 0.970 >= load_threshold 0.9 with 2 requests waiting"
+    )
+
+
 def test_kv_aware_ties_go_to_the_lower_load_then_at_random() -> None:
     # score(a) = 0.5 * 0.5 + 0.5 * (1 - 0.5) == score(b) = 0 + 0.5 * 1
     replicas = [ReplicaState(0, "a", running=128), ReplicaState(1, "b")]
