@@ -28,11 +28,12 @@ could not be checked (a router that did not run is reported with the reason):
    work the wall time includes waiting for a core, the CPU time does not.
 
 ``--quick`` is a short run (fewer rounds, one throughput run each); ``--peers`` picks the
-peer routers; ``--floors`` adds two bare pass-through proxies (``bench.passthrough``:
-uvicorn with an aiohttp client, and with a raw asyncio client) to show what the stack
-alone costs; ``--router NAME=URL`` adds a router started elsewhere (not pinned; or pass
-``--replicas URL,URL`` to use replicas started elsewhere). Loopback only; every phase is
-bounded by its duration or request count.
+peer routers; ``--floors`` adds two bare pass-through proxies to one replica
+(``bench.passthrough``: uvicorn with a raw asyncio client, and kvroute-proxy's own HTTP
+server and client) to show what the stack alone costs; ``--router NAME=URL`` adds a
+router started elsewhere (not pinned; or pass ``--replicas URL,URL`` to use replicas
+started elsewhere). Loopback only; every phase is bounded by its duration or request
+count.
 """
 
 from __future__ import annotations
@@ -81,6 +82,10 @@ from kvcore.tokenize import BuiltinTokenizer, HFTokenizer, Tokenizer
 
 MODEL = "kvroute/sim-model"
 WARM_UP = 100  # latency rounds not counted
+FLOORS = {  # bench.passthrough's servers, each with a raw asyncio client
+    "uvicorn": "uvicorn + raw client",
+    "own": "kvroute's own server + client",
+}
 DECISION_P50_MS, DECISION_P99_MS, HF_OVER_TAIL_MS = 1.0, 3.0, 0.3
 PROMPT_TOKENS, SEEN = 8192, 0.9
 REPLICAS = 64
@@ -97,9 +102,9 @@ class Target:
 # -- end to end -------------------------------------------------------------------------
 
 
-def start_passthrough(replica: str, client: str) -> tuple[subprocess.Popen[bytes], str]:
+def start_passthrough(replica: str, server: str) -> tuple[subprocess.Popen[bytes], str]:
     """``bench.passthrough``: the stack with no routing (the floor of a Python proxy)."""
-    args = [sys.executable, "-m", "bench.passthrough", replica, "0", client]
+    args = [sys.executable, "-m", "bench.passthrough", replica, "0", "raw", server]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert proc.stdout is not None
     line = proc.stdout.readline().decode()
@@ -471,12 +476,12 @@ def _floors(
     procs: list[subprocess.Popen[bytes]],
 ) -> list[Target]:
     targets = []
-    for client in ("aiohttp", "raw") if args.floors else ():
-        floor, floor_url = start_passthrough(urls[0], client)
+    for server, name in FLOORS.items() if args.floors else ():
+        floor, floor_url = start_passthrough(urls[0], server)
         procs.append(floor)
         if split is not None:
             pin_tree(floor.pid, split.routers)
-        targets.append(Target(f"pass-through floor, {client} client", floor_url, floor.pid))
+        targets.append(Target(f"pass-through floor, {name} (one replica)", floor_url, floor.pid))
     return targets
 
 
