@@ -97,6 +97,7 @@ class Target:
     url: str
     pid: int | None = None  # a process whose CPU share is reported
     samples: list[float] = field(default_factory=list)
+    failed: str = ""  # why it was dropped from the run
 
 
 # -- end to end -------------------------------------------------------------------------
@@ -135,22 +136,42 @@ class Connection:
 
 
 async def latencies(targets: list[Target], rounds: int) -> None:
-    """Each round sends one request to each target in turn, so drift hits all alike."""
-    connections = [await Connection(t.url).open() for t in targets]
+    """Each round sends one request to each target in turn, so drift hits all alike. A
+    router that fails is dropped from the rounds with the reason (``failed``)."""
+    connections = [await _connect(t) for t in targets]
     try:
         for i in range(rounds + WARM_UP):
             body = {"model": MODEL, "prompt": f"Hello number {i % 50}", "max_tokens": 1}
             for target, connection in zip(targets, connections, strict=True):
+                if connection is None or target.failed:
+                    continue
                 start = time.perf_counter()
-                status = await connection.post(body)
+                status = await _status(connection, body)
                 elapsed = time.perf_counter() - start
                 if status != 200:
-                    raise SystemExit(f"{target.name} answered {status}")
-                if i >= WARM_UP:
+                    target.failed = f"answered {status or 'nothing'} in the latency phase"
+                elif i >= WARM_UP:
                     target.samples.append(elapsed * 1000)
     finally:
         for connection in connections:
-            connection.close()
+            if connection is not None:
+                connection.close()
+
+
+async def _connect(target: Target) -> Connection | None:
+    try:
+        return await Connection(target.url).open()
+    except OSError as exc:
+        target.failed = f"refused a connection: {exc}"
+        return None
+
+
+async def _status(connection: Connection, body: dict[str, Any]) -> int:
+    """The answer's status; 0 when the connection broke (the router died, say)."""
+    try:
+        return await connection.post(body)
+    except (OSError, asyncio.IncompleteReadError):
+        return 0
 
 
 def short_prompt(client: int, i: int) -> str:
@@ -179,8 +200,10 @@ async def throughput(urls: list[str], concurrency: int, duration: float) -> tupl
         try:
             while time.perf_counter() < deadline:
                 body = {"model": MODEL, "prompt": short_prompt(wid, i), "max_tokens": 8}
-                ok = await connection.post(body) == 200
-                done, errors = done + ok, errors + (not ok)
+                status = await _status(connection, body)
+                done, errors = done + (status == 200), errors + (status != 200)
+                if not status:
+                    break  # the connection broke: counted, not retried
                 i += 1
         finally:
             connection.close()
@@ -203,11 +226,17 @@ async def measure(args: argparse.Namespace, replicas: list[str], targets: list[T
     ``--repeats`` times over, the median kept."""
     direct = Target("direct", replicas[0])
     await latencies([direct, *targets], args.rounds)
+    if direct.failed:
+        raise SystemExit(f"the replica {direct.url} {direct.failed}")
     direct_ms = statistics.median(direct.samples)
     results = Results(direct_ms=direct_ms)
     for target in targets:
-        added = statistics.median(target.samples) - direct_ms
-        results.routers[target.name] = Measured(target.name, added_ms=added)
+        if target.failed:
+            results.routers[target.name] = Measured(target.name, unavailable=target.failed)
+        else:
+            added = statistics.median(target.samples) - direct_ms
+            results.routers[target.name] = Measured(target.name, added_ms=added)
+    targets = [target for target in targets if not target.failed]
     pids = [t.pid for t in targets if t.pid is not None]
     runs: dict[str, list[Run]] = {}
     for _ in range(args.repeats):

@@ -135,7 +135,8 @@ def throughput_rows(results: Results, concurrency: int) -> list[Row]:
             )  # fmt: skip
             rows.append(
                 Row(f"    {kvroute.name} / {other.name}, per router CPU-second",
-                    _ratio(kvroute.per_cpu_second, other.per_cpu_second), "x")
+                    _ratio(kvroute.per_cpu_second, other.per_cpu_second), "x",
+                    note=_why(kvroute, other))
             )  # fmt: skip
     return rows
 
@@ -164,7 +165,7 @@ def extra_rows(results: Results, known: Iterable[str]) -> list[Row]:
     for name, measured in results.routers.items():
         if name in known:
             continue
-        rows.append(Row(f"added latency p50, {name}", measured.added_ms, "ms"))
+        rows.append(Row(f"added latency p50, {name}", measured.added_ms, "ms", note=_why(measured)))
         rows.append(_throughput_row(measured, results.direct_rps))
     return rows
 
@@ -190,7 +191,7 @@ def _value(row: Row) -> str:
         return "-"
     if row.unit == "req/s":
         return f"{row.value:,.0f}"
-    return f"{row.value:.2f}" if row.unit == "x" else f"{row.value:.3f}"
+    return f"{row.value:.3f}"
 
 
 def _target(row: Row) -> str:
