@@ -70,8 +70,9 @@ class SegmentableTokenizer(Tokenizer, Protocol):
         ...
 
     def token_starts(self, text: str, start: int, ids: list[int]) -> list[int] | None:
-        """Where in ``text`` each of ``ids`` (``encode_from(text, start)``) starts;
-        ``None`` when that is not known."""
+        """Where each of ``ids`` (``encode_from(text, start)``) starts, as an offset in
+        ``text``'s UTF-8 bytes (exact even for a byte-level token that starts inside a
+        character); ``None`` when that is not known."""
         ...
 
     def special_wrap(self) -> tuple[list[int], list[int]] | None:
@@ -102,3 +103,15 @@ def last_match(
             return found
         high, window = low, window * 4
     return 0
+
+
+def utf8_offsets(text: str, offsets: list[int]) -> list[int]:
+    """Character offsets (ascending) of ``text`` as offsets in its UTF-8 bytes."""
+    if text.isascii():
+        return offsets
+    result, previous, size = [], 0, 0
+    for offset in offsets:
+        size += len(text[previous:offset].encode("utf-8", "surrogatepass"))
+        result.append(size)
+        previous = offset
+    return result

@@ -15,7 +15,7 @@ from typing import Any
 
 import xxhash
 
-from kvcore.tokenize.base import ChatTemplateError, last_match
+from kvcore.tokenize.base import ChatTemplateError, last_match, utf8_offsets
 
 VOCAB_SIZE = 32_000
 FIRST_ORDINARY_ID = 256
@@ -143,7 +143,7 @@ class BuiltinTokenizer:
             starts.append(match.start())
             position = match.end()
         starts += _piece_starts(_PIECE_RE.findall(text, position), position)
-        return starts if len(starts) == len(ids) else None
+        return utf8_offsets(text, starts) if len(starts) == len(ids) else None
 
     def special_wrap(self) -> tuple[list[int], list[int]] | None:
         return [self.bos_token_id], []

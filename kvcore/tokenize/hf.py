@@ -17,7 +17,7 @@ from typing import Any
 from tokenizers import Tokenizer as FastTokenizer
 from tokenizers import pre_tokenizers
 
-from kvcore.tokenize.base import ChatTemplateError, TokenizerError, last_match
+from kvcore.tokenize.base import ChatTemplateError, TokenizerError, last_match, utf8_offsets
 from kvcore.tokenize.chat_template import Renderer, compile_chat_template
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -113,10 +113,12 @@ class HFTokenizer:
         return ids[width:] if width else ids
 
     def token_starts(self, text: str, start: int, ids: list[int]) -> list[int] | None:
-        """From the UTF-8 length of byte-level tokens (ASCII text), else from the
-        offsets of the tokens encoded again (which cost about a third more)."""
+        """From the UTF-8 length of byte-level tokens (unless a normalizer may change
+        non-ASCII text), else from the offsets of the tokens encoded again (which cost
+        about a third more)."""
         tail = text[start:]
-        starts = self._starts_by_bytes(ids, tail, start)
+        base = start if text.isascii() else len(text[:start].encode("utf-8", "surrogatepass"))
+        starts = self._starts_by_bytes(ids, tail, base)
         if starts is not None:
             return starts
         anchor = _ANCHOR if start else ""
@@ -125,19 +127,22 @@ class HFTokenizer:
         if encoding.ids[width:] != ids:
             return None
         shift = start - len(anchor)
-        return [begin + shift for begin, _ in encoding.offsets[width:]]
+        return utf8_offsets(text, [begin + shift for begin, _ in encoding.offsets[width:]])
 
-    def _starts_by_bytes(self, ids: list[int], tail: str, start: int) -> list[int] | None:
-        """Where each token starts, for ASCII text and a byte-level vocabulary (whose
-        tokens spell their bytes); ``None`` otherwise."""
+    def _starts_by_bytes(self, ids: list[int], tail: str, base: int) -> list[int] | None:
+        """Where each token starts in bytes, for a byte-level vocabulary (whose tokens
+        spell their bytes); ``None`` for another, or for non-ASCII text that a normalizer
+        may have changed."""
         lengths = self._byte_lengths
-        if lengths is None or not tail.isascii():
+        ascii_tail = tail.isascii()
+        if lengths is None or (self._fast.normalizer is not None and not ascii_tail):
             return None
         try:
-            starts = list(accumulate(map(lengths.__getitem__, ids), initial=start))
+            starts = list(accumulate(map(lengths.__getitem__, ids), initial=base))
         except IndexError:
             return None
-        if starts[-1] != start + len(tail):
+        size = len(tail) if ascii_tail else len(tail.encode("utf-8", "surrogatepass"))
+        if starts[-1] != base + size:
             return None
         starts.pop()
         return starts

@@ -49,7 +49,8 @@ class CacheStats:
 
 @dataclass(slots=True)
 class Encoded:
-    """A prompt's token ids (special tokens included) and, when asked, its block keys."""
+    """A prompt's token ids (special tokens included) and, when asked, its block keys.
+    Both may be the cache's own: read them, never modify them."""
 
     tokens: array[int]
     keys: list[int] = field(default_factory=list)
@@ -62,8 +63,9 @@ class Encoded:
 class _Prompt:
     data: bytes  # the text as UTF-8
     tokens: array[int]  # without special tokens
-    starts: array[int]  # the character offset where each of the first tokens starts
-    resume: int  # where the token after those starts: the rest are found when needed
+    starts: array[int]  # the byte offset in data where each of the first tokens starts
+    resume: int  # the byte offset where the token after those starts (the rest: found
+    # when a later prompt needs them)
     chunks: list[int]  # chained hashes of each whole chunk of data
     basis: tuple[int, int, bool] | None = None  # (root, block_size, specials) of keys
     keys: list[int] = field(default_factory=list)
@@ -74,6 +76,7 @@ class _Reuse:
     prompt: _Prompt | None = None
     cut: int = 0  # characters of the new text whose tokens are the prompt's
     tokens: int = 0  # how many tokens that is
+    at: int = 0  # the cut as a byte offset
 
 
 class PrefixTokenCache:
@@ -141,14 +144,15 @@ class PrefixTokenCache:
         cut = self._segmentable.last_cut(text, shared)
         if cut == 0:
             return _Reuse(prompt)
-        if cut == prompt.resume and len(prompt.starts) < len(prompt.tokens):
-            return _Reuse(prompt, cut, len(prompt.starts))  # where its own tail started
-        if cut > prompt.resume:
+        at = cut if text.isascii() else len(text[:cut].encode("utf-8", "surrogatepass"))
+        if at == prompt.resume and len(prompt.starts) < len(prompt.tokens):
+            return _Reuse(prompt, cut, len(prompt.starts), at)  # where its own tail started
+        if at > prompt.resume:
             self._find_starts(self._segmentable, prompt)
-        index = bisect_left(prompt.starts, cut)
-        if index == len(prompt.starts) or prompt.starts[index] != cut:
+        index = bisect_left(prompt.starts, at)
+        if index == len(prompt.starts) or prompt.starts[index] != at:
             return _Reuse(prompt)
-        return _Reuse(prompt, cut, index)
+        return _Reuse(prompt, cut, index, at)
 
     def _find_starts(
         self, tokenizer: SegmentableTokenizer, prompt: _Prompt, text: str | None = None
@@ -160,10 +164,11 @@ class PrefixTokenCache:
         if known == len(prompt.tokens):
             return
         text = prompt.data.decode("utf-8", "surrogatepass") if text is None else text
-        starts = tokenizer.token_starts(text, prompt.resume, prompt.tokens[known:].tolist())
+        resume = prompt.resume if text.isascii() else _characters(prompt.data, prompt.resume)
+        starts = tokenizer.token_starts(text, resume, prompt.tokens[known:].tolist())
         if starts is not None:
             prompt.starts.extend(starts)
-            prompt.resume = len(text)
+            prompt.resume = len(prompt.data)
 
     def _longest(self, data: bytes) -> tuple[_Prompt | None, int, list[int]]:
         """The remembered prompt sharing the longest beginning with ``data``, how many
@@ -200,7 +205,7 @@ class PrefixTokenCache:
         count, source = reuse.tokens, reuse.prompt
         tokens = source.tokens[:count]
         tokens.fromlist(ids)
-        return _Prompt(data, tokens, source.starts[:count], reuse.cut, chunks)
+        return _Prompt(data, tokens, source.starts[:count], reuse.at, chunks)
 
     def _keys(
         self, prompt: _Prompt, source: _Prompt | None, tokens: array[int], lead: int, known: int

@@ -241,11 +241,12 @@ def test_tokens_resumed_at_a_cut_are_the_whole_texts_from_there(
         tokenizer._byte_lengths = None
     ids = tokenizer.encode_from(text, 0)
     assert ids == tokenizer.encode(text, add_special_tokens=False)
-    starts = tokenizer.token_starts(text, 0, ids)
+    starts = tokenizer.token_starts(text, 0, ids)  # UTF-8 byte offsets
     assert starts is not None and len(starts) == len(ids)
     for cut in _cuts(tokenizer, text):
-        assert cut in starts, (text, cut)
-        index = starts.index(cut)
+        at = len(text[:cut].encode("utf-8", "surrogatepass"))
+        assert at in starts, (text, cut)
+        index = starts.index(at)
         assert tokenizer.encode_from(text, cut) == ids[index:], (text, cut)
         assert tokenizer.token_starts(text, cut, ids[index:]) == starts[index:], (text, cut)
 
@@ -394,3 +395,19 @@ def test_interleaved_conversations_each_extend_their_own() -> None:
             assert cache.encode(text, add_special_tokens=False) == whole
             if turn:
                 assert cache.stats.encoded_tokens - before < 120  # the new message alone
+
+
+@pytest.mark.parametrize("make", [BuiltinTokenizer, "hf"])
+def test_a_conversation_in_other_scripts_reuses_its_prefix(
+    make: object, chatml: HFTokenizer
+) -> None:
+    """Offsets are kept in UTF-8 bytes, so a non-ASCII prompt resumes where it left off."""
+    tokenizer = BuiltinTokenizer() if make is BuiltinTokenizer else chatml
+    cache = PrefixTokenCache(tokenizer, chunk=64)
+    turns = [f"Größe {i}: 日本語のテキスト über café.\n" for i in range(80)]
+    for count in (40, 60, 80):
+        text = "".join(turns[:count])
+        whole = tokenizer.encode(text, add_special_tokens=False)
+        assert cache.encode(text, add_special_tokens=False) == whole
+    assert cache.stats.hits == 2
+    assert cache.stats.encoded_tokens < 1.25 * len(whole)  # not 40 + 60 + 80 turns' worth
