@@ -151,6 +151,7 @@ class FleetState:
         self._records: dict[int, _Replica] = {}
         self._states: dict[int, ReplicaState] = {}  # routable replicas only
         self._dirty: set[int] = set()  # routable replicas whose state must be rebuilt
+        self._reloaded: set[int] = set()  # of those, the ones with a new load report
         self._views: dict[str, FleetView] = {}
         self._canonical: dict[str, str] = {}
         self._block_sizes: dict[str, int] = {}  # canonical model -> announced router block size
@@ -358,7 +359,7 @@ class FleetState:
             return
         record.info.load.CopyFrom(load)
         record.report_ts = load.ts if load.ts > 0 else -math.inf
-        self._refresh(ordinal)
+        self._refresh(ordinal, reloaded=True)
 
     def _valid_ordinal(self, ordinal: int) -> bool:
         if ordinal <= MAX_REPLICA_ORDINAL:
@@ -405,12 +406,15 @@ class FleetState:
         self._canonical = canonical
         self._block_sizes = {m: sizes.most_common(1)[0][0] for m, sizes in block_sizes.items()}
         self._dirty.clear()
+        self._reloaded.clear()
         self._views = {}
         for listener in list(self._listeners):
             listener()
 
-    def _replica_state(self, record: _Replica) -> ReplicaState:
+    def _replica_state(self, record: _Replica, unreported: int | None = None) -> ReplicaState:
         info, load = record.info, record.info.load
+        if unreported is None:
+            unreported = self._ledger.unreported(record.ledger_key, record.report_ts)
         return ReplicaState(
             ordinal=info.ordinal,
             replica_id=info.replica_id,
@@ -418,23 +422,33 @@ class FleetState:
             running=load.running,
             waiting=load.waiting,
             kv_usage=load.kv_usage,
-            unreported=self._ledger.unreported(record.ledger_key, record.report_ts),
+            unreported=unreported,
             capacity=info.capacity_seqs or DEFAULT_CAPACITY,
         )
 
-    def _refresh(self, ordinal: int) -> None:
+    def _refresh(self, ordinal: int, *, reloaded: bool = False) -> None:
         """Mark one routable replica's state for a rebuild when it is next read (a
-        request's start and end cost one rebuild, not two)."""
+        request's start and end cost one rebuild, not two). ``reloaded``: its load report
+        changed; otherwise only its unreported count may have."""
         if ordinal in self._states:
             self._dirty.add(ordinal)
+            if reloaded:
+                self._reloaded.add(ordinal)
 
     def _flush(self) -> None:
-        """Rebuild the marked replicas' states and patch the views holding them."""
+        """Rebuild the marked replicas' states and patch the views holding them; a
+        replica whose requests came and went since it was last read keeps its state."""
         for ordinal in self._dirty:
-            state = self._states[ordinal] = self._replica_state(self._records[ordinal])
+            record = self._records[ordinal]
+            unreported = self._ledger.unreported(record.ledger_key, record.report_ts)
+            current = self._states[ordinal]
+            if ordinal not in self._reloaded and current.unreported == unreported:
+                continue
+            state = self._states[ordinal] = self._replica_state(record, unreported)
             for view in self._views.values():
                 view._replace(state)
         self._dirty.clear()
+        self._reloaded.clear()
 
     # -- what routing reads ---------------------------------------------------------
 

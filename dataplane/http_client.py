@@ -28,6 +28,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+MAX_TARGETS = 4096  # URLs whose parsed form is remembered
+
 
 class ConnectionFailed(OSError):
     """Nothing of a response arrived: connecting failed or the connection broke first."""
@@ -181,6 +183,7 @@ class ConnectionPool:
         self.read_timeout_s = read_timeout_s
         self.max_idle = max_idle
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._targets: dict[str, tuple[tuple[str, int], str]] = {}
 
     def put(self, connection: _Connection) -> None:
         idle = self._idle.setdefault(connection.peer, [])
@@ -199,16 +202,31 @@ class ConnectionPool:
         self, method: str, url: str, body: bytes, headers: Sequence[tuple[str, str]]
     ) -> Response:
         """Send and wait for the status and headers; see the module's errors."""
-        parts = urlsplit(url)
-        host, port = parts.hostname or "", parts.port or 80
-        path = parts.path + (f"?{parts.query}" if parts.query else "")
-        head = _head(method, path, parts.netloc, body, headers)
-        connection = self._reusable((host, port))
+        target = self._targets.get(url)
+        if target is None:
+            target = self._target(url)
+        peer, request_line = target
+        head = _head(method, request_line, body, headers)
+        connection = self._reusable(peer)
         if connection is not None:
             with contextlib.suppress(ConnectionFailed):
                 return await self._exchange(connection, head, body)
-        connection = await self._connect(host, port)
+        connection = await self._connect(*peer)
         return await self._exchange(connection, head, body)
+
+    def _target(self, url: str) -> tuple[tuple[str, int], str]:
+        """``url``'s peer and the request line's target with the host header (remembered:
+        the proxy sends to few distinct URLs)."""
+        parts = urlsplit(url)
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        target = (
+            (parts.hostname or "", parts.port or 80),
+            f" {path} HTTP/1.1\r\nhost: {parts.netloc}\r\n",
+        )
+        if len(self._targets) >= MAX_TARGETS:
+            self._targets.clear()
+        self._targets[url] = target
+        return target
 
     def _reusable(self, peer: tuple[str, int]) -> _Connection | None:
         idle = self._idle.get(peer)
@@ -246,12 +264,11 @@ class ConnectionPool:
         return Response(self, connection)
 
 
-def _head(
-    method: str, path: str, netloc: str, body: bytes, headers: Sequence[tuple[str, str]]
-) -> bytes:
-    lines = [f"{method} {path or '/'} HTTP/1.1\r\nhost: {netloc}\r\n"]
+def _head(method: str, target: str, body: bytes, headers: Sequence[tuple[str, str]]) -> bytes:
+    lines = [method, target]
     if body or method in ("POST", "PUT", "PATCH"):
         lines.append(f"content-length: {len(body)}\r\n")
-    lines.extend(f"{name}: {value}\r\n" for name, value in headers)
+    for name, value in headers:
+        lines += (name, ": ", value, "\r\n")
     lines.append("\r\n")
     return "".join(lines).encode("latin-1")

@@ -18,6 +18,12 @@ Names (prefix ``kvroute_proxy_``):
 | ``requests_in_flight`` | | requests sent to a replica and not finished (the HPA's metric) |
 | ``tokenizer_mismatch`` | model | 1 while the tokenizer probe flags the model |
 
+The per-request series (all but ``retries*`` and the gauges) are plain numbers in dicts
+keyed by label values (:class:`CounterTable`, :class:`HistogramTable`), turned into
+metric families only when scraped: adding to one is a dict update, where a
+``prometheus_client`` child takes a lock and checks its state on every ``inc``. Only the
+worker's event-loop thread writes them, and scrapes run on that thread too.
+
 Outcomes: ``ok``, ``upstream_error`` (a 5xx or a broken stream), ``client_error`` (a 4xx
 from the engine), ``no_replica``, ``cancelled`` (the client went away). Retry reasons:
 ``connect``, ``status_502``, ``status_503``, ``disconnect``. Only requests that reached
@@ -26,18 +32,76 @@ a replica carry its id; requests refused before routing are counted with ``repli
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
-from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 PREFIX = "kvroute_proxy_"
 CONTENT_TYPE = CONTENT_TYPE_LATEST.encode()
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.1)
 TTFB_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class CounterTable:
+    """A labelled counter as numbers by label values; :meth:`collect` at scrape time."""
+
+    def __init__(self, name: str, documentation: str, labels: tuple[str, ...]) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labels = labels
+        self.values: dict[tuple[str, ...], float] = {}
+
+    def add(self, key: tuple[str, ...], amount: float = 1.0) -> None:
+        values = self.values
+        values[key] = values.get(key, 0.0) + amount
+
+    def collect(self) -> Metric:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labels)
+        for key, value in self.values.items():
+            family.add_metric(key, value)
+        return family
+
+
+class HistogramTable:
+    """A labelled histogram as bucket counts by label values (each row: one count per
+    bucket, ``+Inf`` last, then the sum); :meth:`collect` at scrape time."""
+
+    def __init__(
+        self, name: str, documentation: str, labels: tuple[str, ...], buckets: tuple[float, ...]
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labels = labels
+        self.bounds = buckets
+        self.rows: dict[tuple[str, ...], list[float]] = {}
+        self._les = [floatToGoString(b) for b in buckets] + ["+Inf"]  # type: ignore[no-untyped-call]
+
+    def observe(self, key: tuple[str, ...], value: float) -> None:
+        row = self.rows.get(key)
+        if row is None:
+            row = self.rows[key] = [0.0] * (len(self.bounds) + 2)
+        row[bisect_left(self.bounds, value)] += 1  # the first bucket whose bound >= value
+        row[-1] += value
+
+    def collect(self) -> Metric:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labels)
+        for key, row in self.rows.items():
+            cumulative, buckets = 0.0, []
+            for le, count in zip(self._les, row, strict=False):
+                cumulative += count
+                buckets.append((le, cumulative))
+            family.add_metric(key, buckets, row[-1])
+        return family
 
 
 class ProxyMetrics:
@@ -46,29 +110,29 @@ class ProxyMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter(
-            PREFIX + "requests", "Requests by outcome", ["workload", "replica", "outcome"],
-            registry=r,
-        )  # fmt: skip
-        self.decision = Histogram(
-            PREFIX + "decision_seconds", "Routing decision time", ["strategy"],
-            buckets=DECISION_BUCKETS, registry=r,
-        )  # fmt: skip
-        pair = ["workload", "replica"]
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens", pair, registry=r)
-        self.predicted = Counter(
-            PREFIX + "predicted_cached_tokens", "Cached tokens predicted", pair, registry=r
+        pair = ("workload", "replica")
+        self.requests = CounterTable(
+            PREFIX + "requests", "Requests by outcome", ("workload", "replica", "outcome")
         )
-        self.measured = Counter(
-            PREFIX + "measured_cached_tokens", "Cached tokens reported", pair, registry=r
+        self.decision = HistogramTable(
+            PREFIX + "decision_seconds", "Routing decision time", ("strategy",), DECISION_BUCKETS
         )
-        self.measured_requests = Counter(
-            PREFIX + "measured_requests", "Responses reporting cached tokens", pair, registry=r
+        self.prompt_tokens = CounterTable(PREFIX + "prompt_tokens", "Prompt tokens", pair)
+        self.predicted = CounterTable(
+            PREFIX + "predicted_cached_tokens", "Cached tokens predicted", pair
         )
-        self.ttfb = Histogram(
-            PREFIX + "upstream_ttfb_seconds", "Upstream time to first byte", ["replica"],
-            buckets=TTFB_BUCKETS, registry=r,
+        self.measured = CounterTable(
+            PREFIX + "measured_cached_tokens", "Cached tokens reported", pair
+        )
+        self.measured_requests = CounterTable(
+            PREFIX + "measured_requests", "Responses reporting cached tokens", pair
+        )
+        self.ttfb = HistogramTable(
+            PREFIX + "upstream_ttfb_seconds", "Upstream time to first byte", ("replica",),
+            TTFB_BUCKETS,
         )  # fmt: skip
+        r.register(_Tables([self.requests, self.decision, self.prompt_tokens, self.predicted,
+                            self.measured, self.measured_requests, self.ttfb]))  # fmt: skip
         self.retries = Counter(PREFIX + "retries", "Retries by reason", ["reason"], registry=r)
         self.retries_refused = Counter(
             PREFIX + "retries_refused", "Retries the budget refused", registry=r
@@ -80,31 +144,16 @@ class ProxyMetrics:
         self.in_flight = Gauge(
             PREFIX + "requests_in_flight", "Requests sent to a replica, not finished", registry=r
         )
-        # label children by label values: labels() takes a lock and builds a tuple each time
-        self._requests: dict[tuple[str, str, str], Any] = {}
-        self._decisions: dict[str, Any] = {}
-        self._ttfbs: dict[str, Any] = {}
-        self._fidelity: dict[tuple[str, str], tuple[Any, Any, Any, Any]] = {}
 
     def count(self, workload: str, replica: str, outcome: str) -> None:
-        key = (workload, replica, outcome)
-        child = self._requests.get(key)
-        if child is None:
-            child = self._requests[key] = self.requests.labels(*key)
-        child.inc()
+        self.requests.add((workload, replica, outcome))
 
     def decided(self, strategy: str, seconds: float) -> None:
-        child = self._decisions.get(strategy)
-        if child is None:
-            child = self._decisions[strategy] = self.decision.labels(strategy)
-        child.observe(seconds)
+        self.decision.observe((strategy,), seconds)
 
     def first_byte(self, replica: str, seconds: float) -> None:
         """A replica's time to first byte (``upstream_ttfb_seconds``)."""
-        child = self._ttfbs.get(replica)
-        if child is None:
-            child = self._ttfbs[replica] = self.ttfb.labels(replica)
-        child.observe(seconds)
+        self.ttfb.observe((replica,), seconds)
 
     def watch(
         self,
@@ -125,23 +174,26 @@ class ProxyMetrics:
         predicted: int,
         measured: int | None,
     ) -> None:
-        children = self._fidelity.get((workload, replica))
-        if children is None:
-            children = self._fidelity[(workload, replica)] = tuple(  # type: ignore[assignment]
-                metric.labels(workload, replica)
-                for metric in (self.prompt_tokens, self.predicted, self.measured,
-                               self.measured_requests)
-            )  # fmt: skip
-            assert children is not None
-        prompt, predicted_child, measured_child, measured_requests = children
-        prompt.inc(prompt_tokens)
-        predicted_child.inc(predicted)
+        key = (workload, replica)
+        self.prompt_tokens.add(key, prompt_tokens)
+        self.predicted.add(key, predicted)
         if measured is not None:
-            measured_child.inc(measured)
-            measured_requests.inc()
+            self.measured.add(key, measured)
+            self.measured_requests.add(key)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Tables(Collector):
+    """The tables' families, built at scrape time."""
+
+    def __init__(self, tables: list[CounterTable | HistogramTable]) -> None:
+        self._tables = tables
+
+    def collect(self) -> Iterator[Metric]:
+        for table in self._tables:
+            yield table.collect()
 
 
 class _MismatchCollector(Collector):
