@@ -162,7 +162,23 @@ class ProxyApp:
         span: Span | None,
     ) -> None:
         started = time.perf_counter()
-        prepared = await self._prepare(inference, request, api_key, response.id)
+        if self._prepares_inline(inference):
+            prepared = self.router.prepare(
+                inference,
+                path=request.path,
+                headers=request.headers,
+                api_key=api_key,
+                request_id=response.id,
+            )
+        else:
+            prepared = await asyncio.to_thread(
+                self.router.prepare,
+                inference,
+                path=request.path,
+                headers=request.headers,
+                api_key=api_key,
+                request_id=response.id,
+            )
         self.metrics.decided(prepared.workload.strategy, time.perf_counter() - started)
         body = inference.upstream_body(
             include_usage=inference.stream and not inference.wants_usage,
@@ -187,31 +203,12 @@ class ProxyApp:
             if span is not None:
                 describe(span, _span_attributes(exchange), failed=exchange.outcome != "ok")
 
-    async def _prepare(
-        self,
-        inference: InferenceRequest,
-        request: Request,
-        api_key: routing_pb2.ApiKey | None,
-        request_id: str,
-    ) -> Prepared:
-        spec = self.router.tokenizer_spec(inference.model)
-        large = len(inference.raw) > THREAD_PROMPT_CHARS
-        if large or not self.router.tokenizers.loaded(spec):
-            return await asyncio.to_thread(
-                self.router.prepare,
-                inference,
-                path=request.path,
-                headers=request.headers,
-                api_key=api_key,
-                request_id=request_id,
-            )
-        return self.router.prepare(
-            inference,
-            path=request.path,
-            headers=request.headers,
-            api_key=api_key,
-            request_id=request_id,
-        )
+    def _prepares_inline(self, inference: InferenceRequest) -> bool:
+        """Whether routing runs on the event loop: not for a long prompt, nor while the
+        model's tokenizer is still to be loaded (file I/O)."""
+        if len(inference.raw) > THREAD_PROMPT_CHARS:
+            return False
+        return self.router.tokenizers.loaded(self.router.tokenizer_spec(inference.model))
 
     async def _exchange(
         self,

@@ -225,10 +225,14 @@ class _Connection(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self._url += url
-        self._count_head(len(url))
+        self._head_bytes += len(url)
+        if self._head_bytes > MAX_HEAD_BYTES:
+            self._head_too_large()
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count_head(len(name) + len(value))
+        self._head_bytes += len(name) + len(value)
+        if self._head_bytes > MAX_HEAD_BYTES:
+            self._head_too_large()
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
@@ -258,13 +262,11 @@ class _Connection(asyncio.Protocol):
         self._served += 1
         self._enqueue(request)
 
-    def _count_head(self, size: int) -> None:
-        self._head_bytes += size
-        if self._head_bytes > MAX_HEAD_BYTES:
-            self._refusal = HeadersTooLarge(
-                f"The request line and headers are larger than {MAX_HEAD_BYTES} bytes."
-            )
-            raise _Refused
+    def _head_too_large(self) -> None:
+        self._refusal = HeadersTooLarge(
+            f"The request line and headers are larger than {MAX_HEAD_BYTES} bytes."
+        )
+        raise _Refused
 
     # -- one request at a time -----------------------------------------------------------
 
