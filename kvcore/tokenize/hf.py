@@ -99,7 +99,8 @@ class HFTokenizer:
         if not self.segmentable:
             return 0
         end = shared - self._lstrip_reach
-        return last_match(_CUT_RE, text, end, self._before_lstrip_token(text))
+        unsafe = self._before_lstrip_token(text) if self._lstrip_tokens else None
+        return last_match(_CUT_RE, text, end, unsafe)
 
     def encode_from(self, text: str, start: int) -> list[int] | None:
         """Encodes ``text[start:]`` in one call, after the anchor ``"a\\n"`` unless at

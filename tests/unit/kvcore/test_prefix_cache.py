@@ -151,6 +151,24 @@ def test_tokenizers_that_cannot_be_cut_are_called_whole(tmp_path: Path) -> None:
     assert cache.stats.hits == 0
 
 
+def test_a_tokenizer_that_cannot_be_cut_still_reuses_the_keys_of_equal_tokens(
+    tmp_path: Path,
+) -> None:
+    """Encoded whole each time, but the blocks whose tokens equal the last prompt's keep
+    their keys: they are the uncached keys, and only the new blocks are hashed."""
+    train_tiny_bpe(tmp_path, style="metaspace")
+    tokenizer, root = HFTokenizer(tmp_path), root_key(model="m")
+    cache = PrefixTokenCache(tokenizer, chunk=16)
+    shared = "".join(f"the quick fox {i} jumps over the lazy dog\n" for i in range(40))
+    for tail in ("unicode café", "numbers 12345", "punctuation!?"):
+        got = cache.encode_keyed(shared + tail, add_special_tokens=False, root=root, block_size=4)
+        tokens = tokenizer.encode(shared + tail, add_special_tokens=False)
+        assert got.tokens.tolist() == tokens
+        assert got.keys == chain_keys(root, tokens, 4)
+    assert cache.stats.hits == 0  # no tokens reused
+    assert cache.stats.reused_keys > 1.5 * cache.stats.hashed_keys  # most keys were
+
+
 def test_a_pre_tokenizer_that_does_not_cut_at_newlines_is_called_whole(tmp_path: Path) -> None:
     fast = train_tiny_bpe(tmp_path)
     fast.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
