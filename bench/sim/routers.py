@@ -3,7 +3,8 @@
 A :class:`KvrouteRouter` is one proxy: it builds ``ReplicaState`` rows the way the proxy
 does (engine-reported running, waiting and KV usage from the last load sample, plus its
 own requests still in flight that were sent after that sample, from an
-``InflightLedger``, as ``unreported``), keeps its own copy of the
+``InflightLedger``, as ``unreported``) and keeps them on a ``ReplicaBoard`` (one row
+replaced per change, so a decision need not visit every replica), keeps its own copy of the
 residency map in a ``kvcore.index.BitmaskResidencyIndex`` fed by the engines' events,
 calls ``create_policy(workload).select(ctx, view)`` and records the decision's
 speculative residency, exactly as the proxy will. For ``kv_cost`` it also keeps a
@@ -31,6 +32,7 @@ from kvcore.policies import (
     RouteContext,
     create_policy,
 )
+from kvcore.policies.board import ReplicaBoard
 from kvcore.workload import STRATEGIES, KvCostWorkload, Workload, parse_workload
 
 MODEL = "sim-model"
@@ -71,7 +73,7 @@ class _View:
         self._router = router
 
     def replicas(self) -> Sequence[ReplicaState]:
-        return self._router.states
+        return self._router.board
 
     def leading_runs(self, keys: Sequence[int], *, now: float | None) -> dict[int, int]:
         return self._router.index.leading_runs(keys, now=now)
@@ -108,7 +110,7 @@ class KvrouteRouter:
         self._tickets: dict[int, int] = {}  # request id -> ledger ticket
         self._epoch = -1
         self._taken_at = -1e18
-        self.states = [self._state(i) for i in range(n)]
+        self.board = ReplicaBoard(self._state(i) for i in range(n))
         self._next_expiry = 1.0
 
     def _state(self, ordinal: int) -> ReplicaState:
@@ -143,12 +145,12 @@ class KvrouteRouter:
             and fleet.sampled_at - self._taken_at >= self.load_period_s - 1e-9
         ):
             self._epoch, self._taken_at = fleet.epoch, fleet.sampled_at
-            self.states = [self._state(i) for i in range(len(self.states))]
+            self.board = ReplicaBoard(self._state(i) for i in range(len(self.board)))
 
     def route(self, req: Request, now: float) -> int:
         if self._prefill is not None and now != self._now:
             self._now = now  # queued prefill ages with time, not only with load samples
-            self.states = [self._state(i) for i in range(len(self.states))]
+            self.board = ReplicaBoard(self._state(i) for i in range(len(self.board)))
         self._refresh()
         if now >= self._next_expiry:
             self.index.expire(now)
@@ -169,7 +171,7 @@ class KvrouteRouter:
             self.index.add_speculative(record.replica, record.keys, expires_at=record.expires_at)
         ordinal = decision.ordinal if decision.ordinal is not None else 0
         self._tickets[req.rid] = self._ledger.sent(ordinal, now)
-        self.states[ordinal] = self._state(ordinal)
+        self.board.put(self._state(ordinal))
         return ordinal
 
     def _count_prefill(self, req: Request, ordinal: int, now: float) -> None:
@@ -191,11 +193,11 @@ class KvrouteRouter:
         if self._prefill is not None and ticket is not None:
             self._prefill.first_token(req.replica, ticket, now)
             self._now = now
-            self.states[req.replica] = self._state(req.replica)
+            self.board.put(self._state(req.replica))
 
     def on_finished(self, req: Request, now: float) -> None:
         self._ledger.done(req.replica, self._tickets.pop(req.rid))
-        self.states[req.replica] = self._state(req.replica)
+        self.board.put(self._state(req.replica))
 
 
 class RandomRouter:

@@ -31,7 +31,9 @@ from __future__ import annotations
 import random
 
 from kvcore.policies.base import ReplicaState, RouteContext, StateView
+from kvcore.policies.board import ReplicaBoard
 from kvcore.policies.kv_scoring import KvScoringPolicy
+from kvcore.policies.preselect import Candidates, Pool, least_loaded, next_in_turn
 from kvcore.workload import KvAwareWorkload
 
 
@@ -44,6 +46,7 @@ class KvAwarePolicy(KvScoringPolicy):
         super().__init__(workload, rng)
         self.aware = workload
         self._turn = rng.randrange(1 << 16)  # proxies start at different replicas
+        self._last: int | None = None  # the replica of the last such turn
 
     def scores(
         self, ctx: RouteContext, replicas: list[ReplicaState], runs: dict[int, int]
@@ -58,34 +61,40 @@ class KvAwarePolicy(KvScoringPolicy):
             scores[replica.ordinal] = alpha * hit + (1 - alpha) * (1 - replica.load)
         return scores
 
+    def nonholders(
+        self, board: ReplicaBoard, pool: Pool, runs: dict[int, int], floor: float
+    ) -> list[ReplicaState]:
+        ctx = pool.ctx  # a non-holder's score falls as its load rises
+        return least_loaded(board, pool, runs, floor, lambda r: self.nonholder_score(ctx, r))
+
     def without_hit(
         self,
         ctx: RouteContext,
         state: StateView,
-        replicas: list[ReplicaState],
+        found: Candidates,
         runs: dict[int, int],
     ) -> ReplicaState | None:
-        """For a prompt no candidate holds a counted hit of: the next candidate in turn
-        not sent much more than the others lately; ``None`` when some candidate has a hit."""
+        """For a prompt no candidate holds a counted hit of: the next usable replica in
+        turn (ordinal order) not sent much more than the others lately; ``None`` when some
+        candidate has a hit."""
         blocks = len(ctx.block_keys)
         floor = max(self.aware.min_hit * blocks, 1) if blocks else 1
-        if any(runs.get(r.ordinal, 0) >= floor for r in replicas):
+        if any(runs.get(r.ordinal, 0) >= floor for r in found.holders):
             return None
-        chosen = _next_unburdened(replicas, state, ctx.now, self._turn, slack=blocks)
-        self._turn = chosen + 1
-        return replicas[chosen]
+        placed = _placed_blocks(found, state, ctx.now)
+        if not placed:
+            return None
+        limit = min(placed.values()) + blocks  # within one prompt of the least-sent one
+        chosen = next_in_turn(
+            found, self._last, self._turn + 1, lambda r: placed[r.ordinal] <= limit
+        )
+        if chosen is not None:
+            self._last = chosen.ordinal
+        return chosen
 
 
-def _next_unburdened(
-    replicas: list[ReplicaState], state: StateView, now: float, turn: int, slack: int
-) -> int:
-    """From ``turn`` on (round-robin), the first replica this router did not send more
-    than ``slack`` blocks beyond the least-sent one lately; its position."""
-    placed = [state.placed_blocks(r.ordinal, now=now) for r in replicas]
-    limit = min(placed) + slack
-    count = len(replicas)
-    for step in range(count):
-        position = (turn + step) % count
-        if placed[position] <= limit:
-            return position
-    raise AssertionError("the least-sent replica is always within the limit")
+def _placed_blocks(found: Candidates, state: StateView, now: float) -> dict[int, int]:
+    """Blocks this router sent each usable replica lately (every usable replica: a prompt
+    nobody holds costs a look at each)."""
+    usable = (r for r in found.fleet if found.admits(r))
+    return {r.ordinal: state.placed_blocks(r.ordinal, now=now) for r in usable}

@@ -28,7 +28,9 @@ from __future__ import annotations
 import random
 
 from kvcore.policies.base import ReplicaState, RouteContext
+from kvcore.policies.board import ReplicaBoard
 from kvcore.policies.kv_scoring import KvScoringPolicy
+from kvcore.policies.preselect import Pool, cheapest_queues
 from kvcore.workload import KvCostWorkload
 
 
@@ -45,6 +47,12 @@ class KvCostPolicy(KvScoringPolicy):
         self, ctx: RouteContext, replicas: list[ReplicaState], runs: dict[int, int]
     ) -> dict[int, float]:
         return {r.ordinal: -self.predicted_ttft_s(ctx, r, runs.get(r.ordinal, 0)) for r in replicas}
+
+    def nonholders(
+        self, board: ReplicaBoard, pool: Pool, runs: dict[int, int], floor: float
+    ) -> list[ReplicaState]:
+        ctx = pool.ctx  # a non-holder's predicted time grows with its queue at its rate
+        return cheapest_queues(board, pool, runs, floor, lambda r: self.nonholder_score(ctx, r))
 
     def predicted_ttft_s(self, ctx: RouteContext, replica: ReplicaState, held_blocks: int) -> float:
         """Seconds until ``replica`` would start decoding this prompt."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
+from math import inf
 
 from kvcore.policies.base import (
     Decision,
@@ -26,8 +27,10 @@ from kvcore.policies.base import (
     SpeculativeRecord,
     StateView,
 )
+from kvcore.policies.board import ReplicaBoard
 from kvcore.policies.fallback import fallback_policy
-from kvcore.policies.screening import best, decide, screen
+from kvcore.policies.preselect import Candidates, Pool, candidates, decision
+from kvcore.policies.screening import TIE, best
 from kvcore.workload import KvAwareWorkload, KvCostWorkload
 
 
@@ -80,29 +83,42 @@ class KvScoringPolicy:
         self,
         ctx: RouteContext,
         state: StateView,
-        replicas: list[ReplicaState],
+        found: Candidates,
         runs: dict[int, int],
     ) -> ReplicaState | None:
         """A strategy's own choice for a prompt no candidate holds; ``None``: by score."""
         return None
 
+    def nonholders(
+        self, board: ReplicaBoard, pool: Pool, runs: dict[int, int], floor: float
+    ) -> list[ReplicaState]:
+        """The usable replicas holding none of the prompt that could win, none if the
+        best scores below ``floor`` (:mod:`kvcore.policies.preselect`)."""
+        raise NotImplementedError
+
+    def nonholder_score(self, ctx: RouteContext, replica: ReplicaState) -> float:
+        """The score of ``replica`` if it holds none of the prompt."""
+        return self.scores(ctx, [replica], {})[replica.ordinal]
+
     def select(self, ctx: RouteContext, state: StateView) -> Decision:
         runs = state.leading_runs(ctx.block_keys, now=ctx.now)
         if not runs and not state.has_residency():
             return self._fall_back(ctx, state)
-        screened = screen(ctx, state, queue_saturation)
-        if not screened.usable:
-            return decide(self.name, screened, None)
-        scores = self.scores(ctx, screened.usable, runs)
-        chosen = self.without_hit(ctx, state, screened.usable, runs) or best(
-            screened.usable, scores, self._rng
-        )
-        usable = screened.usable
+        found = candidates(ctx, state, runs, queue_saturation)
+        chosen = self.without_hit(ctx, state, found, runs)
+        scores = self.scores(ctx, found.holders, runs)
+        usable = found.holders
+        if chosen is None:
+            usable = found.usable(self.nonholders, max(scores.values(), default=-inf) - 2 * TIE)
+            if usable is not found.holders:
+                scores = self.scores(ctx, usable, runs)
+            chosen = best(usable, scores, self._rng) if usable else None
 
-        def rows() -> list[ReplicaReason]:
-            return [self._row(ctx, r, runs.get(r.ordinal, 0), scores) for r in usable]
+        def rows(replicas: list[ReplicaState]) -> list[ReplicaReason]:
+            table = scores if replicas is usable else self.scores(ctx, replicas, runs)
+            return [self._row(ctx, r, runs.get(r.ordinal, 0), table) for r in replicas]
 
-        return decide(self.name, screened, chosen, rows, speculative=self._speculate(ctx, chosen))
+        return decision(self.name, found, chosen, rows, speculative=self._speculate(ctx, chosen))
 
     def _row(
         self, ctx: RouteContext, replica: ReplicaState, held: int, scores: dict[int, float]

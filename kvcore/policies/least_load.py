@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import random
+from math import inf
 
-from kvcore.policies.base import Decision, RouteContext, StateView
-from kvcore.policies.screening import best, decide, reason, screen
+from kvcore.policies.base import Decision, ReplicaReason, ReplicaState, RouteContext, StateView
+from kvcore.policies.board import ReplicaBoard
+from kvcore.policies.preselect import Pool, candidates, decision, least_loaded
+from kvcore.policies.screening import best, reason
 from kvcore.workload import Workload
 
 
@@ -19,15 +22,19 @@ class LeastLoadPolicy:
         self._rng = rng
 
     def select(self, ctx: RouteContext, state: StateView) -> Decision:
-        screened = screen(ctx, state)
-        if not screened.usable:
-            return decide(self.name, screened, None)
-        scores = {r.ordinal: -r.load for r in screened.usable}
-        chosen = best(screened.usable, scores, self._rng)
-        usable = screened.usable
-        return decide(
-            self.name,
-            screened,
-            chosen,
-            lambda: [reason(r, score=scores[r.ordinal]) for r in usable],
-        )
+        found = candidates(ctx, state, {})
+        usable = found.usable(_lowest_load, -inf)
+        if not usable:
+            return decision(self.name, found, None, _rows)
+        scores = {r.ordinal: -r.load for r in usable}
+        return decision(self.name, found, best(usable, scores, self._rng), _rows)
+
+
+def _lowest_load(
+    board: ReplicaBoard, pool: Pool, runs: dict[int, int], floor: float
+) -> list[ReplicaState]:
+    return least_loaded(board, pool, runs, floor, lambda r: -r.load)
+
+
+def _rows(usable: list[ReplicaState]) -> list[ReplicaReason]:
+    return [reason(r, score=-r.load) for r in usable]

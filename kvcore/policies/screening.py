@@ -72,9 +72,16 @@ def screen(ctx: RouteContext, state: StateView, saturated_why: Saturation = satu
     """Candidates for ``ctx``: unsaturated ones, or all eligible ones if all are saturated
     (``saturated_why``: why a replica counts as saturated, a strategy's own test or the shared
     :func:`saturation`)."""
+    return screen_rows(ctx, state.replicas(), saturated_why)
+
+
+def screen_rows(
+    ctx: RouteContext, replicas: Iterable[ReplicaState], saturated_why: Saturation = saturation
+) -> Screened:
+    """:func:`screen` over ``replicas`` (in ordinal order)."""
     excluded: list[ReplicaReason] = []
     eligible: list[ReplicaState] = []
-    for replica in state.replicas():
+    for replica in replicas:
         why = hard_exclusion(replica, ctx)
         if why is None:
             eligible.append(replica)

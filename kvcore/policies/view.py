@@ -10,11 +10,13 @@ from collections.abc import Iterable, Sequence
 
 from kvcore.index import BitmaskResidencyIndex, ResidencyIndex
 from kvcore.policies.base import Decision, ReplicaState
+from kvcore.policies.board import ReplicaBoard
 
 
 class StaticStateView:
-    """Replicas (kept in ordinal order) and an index; ``residency_known`` overrides
-    the default "the index holds any confirmed key"."""
+    """Replicas (a :class:`ReplicaBoard`, so scored strategies need not visit every
+    replica) and an index; ``residency_known`` overrides the default "the index holds any
+    confirmed key"."""
 
     def __init__(
         self,
@@ -24,11 +26,11 @@ class StaticStateView:
         residency_known: bool | None = None,
     ) -> None:
         self.index: ResidencyIndex = index if index is not None else BitmaskResidencyIndex()
-        self._replicas = sorted(replicas, key=lambda r: r.ordinal)
+        self.board = ReplicaBoard(replicas)
         self._residency_known = residency_known
 
     def replicas(self) -> Sequence[ReplicaState]:
-        return self._replicas
+        return self.board
 
     def leading_runs(self, keys: Sequence[int], *, now: float | None) -> dict[int, int]:
         return self.index.leading_runs(keys, now=now)
@@ -42,8 +44,12 @@ class StaticStateView:
         return self.index.key_count() > 0
 
     def set_replicas(self, replicas: Iterable[ReplicaState]) -> None:
-        """Replace the fleet (loads change between decisions)."""
-        self._replicas = sorted(replicas, key=lambda r: r.ordinal)
+        """Replace the fleet (loads change between decisions; :meth:`put` changes one)."""
+        self.board = ReplicaBoard(replicas)
+
+    def put(self, replica: ReplicaState) -> None:
+        """Add ``replica`` or replace its ordinal's state."""
+        self.board.put(replica)
 
     def apply(self, decision: Decision) -> None:
         """Record the decision's speculative residency, as a caller should."""
