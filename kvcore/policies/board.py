@@ -87,6 +87,10 @@ class ReplicaBoard(Sequence[ReplicaState]):
     def get(self, ordinal: int) -> ReplicaState | None:
         return self._states.get(ordinal)
 
+    def at(self, ordinal: int) -> ReplicaState:
+        """The state of ``ordinal``, which must be on the board."""
+        return self._states[ordinal]
+
     def snapshot(self) -> tuple[ReplicaState, ...]:
         """The fleet as it is now, for explanations built after it has changed."""
         if self._snapshot is None:

@@ -29,7 +29,7 @@ from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from math import inf
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any
 
 from kvcore.policies.base import (
@@ -53,6 +53,7 @@ from kvcore.policies.screening import (
 
 Rows = Callable[[list[ReplicaState]], Iterable[ReplicaReason]]  # usable -> their rows
 _ordinal = attrgetter("ordinal")
+_ordinal_of = itemgetter(2)  # of a queue entry
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,18 +164,29 @@ def least_loaded(
     """For a ``score`` of a replica holding nothing that falls as its load rises: the
     usable non-holder with the lowest load and those within ``2 * TIE`` of it (no other
     one scores higher, or ties at a lower load); none if it scores below ``floor``."""
+    return _near_lowest_load(board.by_load(), pool, runs, lambda r: score(r) >= floor)
+
+
+def _near_lowest_load(
+    replicas: Iterable[ReplicaState],
+    pool: Pool,
+    runs: dict[int, int],
+    wanted: Callable[[ReplicaState], bool] = bool,
+) -> list[ReplicaState]:
+    """Of ``replicas`` (lowest load first), the usable non-holders within ``2 * TIE`` of
+    the first one's load; none unless that first one is ``wanted``."""
     threshold = pool.ctx.workload.load_threshold if pool.unsaturated_only else inf
     found: list[ReplicaState] = []
     limit = inf
-    for replica in board.by_load():
+    for replica in replicas:
         load = replica.load
         if load > limit or load >= threshold:
             break
         if replica.ordinal in runs or not pool.admits(replica):
             continue
         if not found:
-            if score(replica) < floor:
-                return found
+            if not wanted(replica):
+                break
             limit = load + 2 * TIE
         found.append(replica)
     return found
@@ -212,27 +224,10 @@ def _admitted_runs(
     start = 0
     while start < len(queue):
         end = bisect_right(queue, (queue[start][0], inf, inf), lo=start)
-        run = _admitted_run(board, pool, runs, queue[start:end])
+        run = _near_lowest_load(map(board.at, map(_ordinal_of, queue[start:end])), pool, runs)
         if run:
             yield run
         start = end
-
-
-def _admitted_run(
-    board: ReplicaBoard, pool: Pool, runs: dict[int, int], run: list[tuple[float, float, int]]
-) -> list[ReplicaState]:
-    found: list[ReplicaState] = []
-    limit = inf
-    for _, load, ordinal in run:
-        if load > limit:
-            break
-        replica = board.get(ordinal)
-        if replica is None or ordinal in runs or not pool.admits(replica):
-            continue
-        if not found:
-            limit = load + 2 * TIE
-        found.append(replica)
-    return found
 
 
 def next_in_turn(
