@@ -175,12 +175,11 @@ def _near_lowest_load(
 ) -> list[ReplicaState]:
     """Of ``replicas`` (lowest load first), the usable non-holders within ``2 * TIE`` of
     the first one's load; none unless that first one is ``wanted``."""
-    threshold = pool.ctx.workload.load_threshold if pool.unsaturated_only else inf
     found: list[ReplicaState] = []
     limit = inf
     for replica in replicas:
         load = replica.load
-        if load > limit or load >= threshold:
+        if load > limit:
             break
         if replica.ordinal in runs or not pool.admits(replica):
             continue
