@@ -9,11 +9,14 @@ engine, publish what is pending, drain NATS. Tasks:
   ``_HISTORY_RETRY_S``);
 - ``_flush``: publishes at most once per ``batch_delay_ms`` (coalescing what arrives meanwhile),
   or a snapshot when one is due (after drops, after a NATS reconnection, after a rebuild);
-- ``_announce``: ``ReplicaAnnounce`` on start, every ``announce_interval_s`` and on change;
+- ``_announce``: ``ReplicaAnnounce`` on start, every ``announce_interval_s``, on change,
+  after a NATS reconnection and after a resync;
 - ``_report_load``: scrapes ``/metrics`` every ``load_interval_s`` and publishes a
   ``LoadReport``; an engine that becomes reachable (first contact or after an outage),
   or that has sent nothing for ``restart_probe_s``, triggers a probe through replay;
-- resync requests are answered with a ``ResyncReply`` and then a snapshot.
+- resync requests are answered with a ``ResyncReply``, then a snapshot and an announce
+  (a control plane that restarted learns the replica's base URL at once, not one
+  ``announce_interval_s`` later).
 """
 
 from __future__ import annotations
@@ -263,6 +266,7 @@ class SidecarService:
             )
             await respond(reply.SerializeToString())
             await self._send(batches)
+        self._wake_announce.set()  # a control plane asking may not know us yet (restarted)
 
     # -- announce and load -------------------------------------------------------------
     def announcement(self) -> events_pb2.ReplicaAnnounce:

@@ -14,6 +14,27 @@ from tests.unit.enginesim.simproc import SimProcess
 PROXY = Path(sys.executable).parent / "kvroute-proxy"
 
 
+def http_request(
+    url: str,
+    body: Any = None,
+    *,
+    raw: bytes | None = None,
+    method: str = "POST",
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict[str, str], bytes]:
+    """``(status, headers, body)`` of one request to ``url``, errors included."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    request = urllib.request.Request(url, data=data, method=method)
+    request.add_header("content-type", "application/json")
+    for name, value in (headers or {}).items():
+        request.add_header(name, value)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status, dict(resp.headers.items()), resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers.items()), err.read()
+
+
 class ProxyProcess(SimProcess):
     """``kvroute-proxy --port 0 ARGS``, ready once it prints its ready line."""
 
@@ -27,11 +48,4 @@ class ProxyProcess(SimProcess):
         self, path: str, body: Any = None, *, raw: bytes | None = None, method: str = "POST"
     ) -> tuple[int, dict[str, str], bytes]:
         """``(status, headers, body)`` of one request, errors included."""
-        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-        request = urllib.request.Request(self.url + path, data=data, method=method)
-        request.add_header("content-type", "application/json")
-        try:
-            with urllib.request.urlopen(request, timeout=30) as resp:
-                return resp.status, dict(resp.headers.items()), resp.read()
-        except urllib.error.HTTPError as err:
-            return err.code, dict(err.headers.items()), err.read()
+        return http_request(self.url + path, body, raw=raw, method=method)

@@ -3,8 +3,8 @@
 What a user of the proxy notices: the official OpenAI client works through it exactly as
 against a replica; prompts that share a beginning land on the replica that caches it; bad
 input gets OpenAI-shaped 4xx answers and never a 500; a client that goes away stops the
-engine's work; a replica killed under load costs no request that had not started
-streaming.
+engine's work. (A replica killed under load is shown on the whole fleet, in
+``test_fullstack.py``: the retry path is the same in both modes.)
 """
 
 from __future__ import annotations
@@ -12,21 +12,19 @@ from __future__ import annotations
 import json
 import signal
 import socket
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bench.micro.model_files import write_tiny_model
+from tests.e2e.openai_answers import openai_answers
 from tests.e2e.proxyproc import ProxyProcess
 from tests.unit.enginesim.simproc import SimProcess
 
@@ -48,10 +46,6 @@ def fleet() -> Iterator[tuple[list[SimProcess], ProxyProcess]]:
         yield sims, proxy
 
 
-def client_of(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-
-
 def strip_ids(events: list[Any]) -> list[Any]:
     """Events without the fields that differ between two runs of one request."""
     return [{k: v for k, v in e.items() if k not in ("id", "created")} for e in events]
@@ -59,29 +53,10 @@ def strip_ids(events: list[Any]) -> list[Any]:
 
 def test_openai_client_sees_what_the_replica_itself_answers(fleet: Any) -> None:
     sims, proxy = fleet
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi?"}]
-    results = []
-    for url in (proxy.url, sims[0].url):
-        with client_of(url) as client:
-            chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)
-            completion = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=4)
-            chunks = client.chat.completions.create(
-                model=MODEL, messages=messages, max_tokens=6, stream=True
-            )
-            streamed = [c.model_dump(exclude={"id", "created"}) for c in chunks]
-            with_usage = client.completions.create(
-                model=MODEL, prompt="Once", max_tokens=3, stream=True,
-                stream_options={"include_usage": True},
-            )  # fmt: skip
-            usage_chunks = [c.model_dump(exclude={"id", "created", "usage"}) for c in with_usage]
-            models = [m.id for m in client.models.list()]
-        results.append(
-            (chat.choices[0].message.content, completion.choices[0].text, streamed,
-             usage_chunks, models)
-        )  # fmt: skip
-    assert results[0] == results[1]
-    assert results[0][0] and len(results[0][2]) == 7  # role chunk + 6 tokens, no usage chunk
-    assert results[0][3][-1]["choices"] == []  # asked for: the usage chunk is there
+    via_proxy, direct = (openai_answers(url, MODEL, SYSTEM) for url in (proxy.url, sims[0].url))
+    assert via_proxy == direct
+    assert via_proxy[0] and len(via_proxy[2]) == 7  # role chunk + 6 tokens, no usage chunk
+    assert via_proxy[3][-1]["choices"] == []  # asked for: the usage chunk is there
 
 
 def test_raw_stream_without_usage_is_event_for_event_the_replicas(fleet: Any) -> None:
@@ -197,33 +172,6 @@ def test_a_client_that_goes_away_stops_the_engine_at_once() -> None:
 
 def _running(sim: SimProcess) -> int:
     return int(sim.metric("vllm:num_requests_running"))
-
-
-def test_a_replica_killed_under_load_loses_no_request() -> None:
-    with ExitStack() as stack:
-        sims = [stack.enter_context(SimProcess(*SIM_ARGS)) for _ in range(3)]
-        for sim in sims:
-            sim.post("/sim/faults", {"delay_ms": 5})
-        urls = ",".join(sim.url for sim in sims)
-        proxy = stack.enter_context(
-            ProxyProcess(f"--static-replicas={urls}", "--static-strategy=least_load")
-        )
-        done = threading.Event()
-
-        def one(i: int) -> int:
-            body = {"model": MODEL, "prompt": f"request {i} " * 20, "max_tokens": 8}
-            status, _, _ = proxy.request("/v1/completions", body)
-            if i == 30:
-                done.set()
-            return status
-
-        with ThreadPoolExecutor(8) as pool:
-            futures = [pool.submit(one, i) for i in range(120)]
-            assert done.wait(30)
-            assert sims[0].proc is not None
-            sims[0].proc.send_signal(signal.SIGKILL)
-            statuses = [f.result() for f in futures]
-        assert statuses == [200] * 120
 
 
 def test_a_replica_with_another_tokenizer_is_flagged_in_readyz_and_metrics(

@@ -45,8 +45,9 @@ vllm:cache_config_info{block_size="16",num_gpu_blocks="512"} 1.0
 """
 
 
-async def wait_until(predicate: Callable[[], bool], deadline_s: float = 10.0) -> None:
-    """Poll ``predicate`` until it holds; fail after ``deadline_s``."""
+async def wait_until(predicate: Callable[[], bool], deadline_s: float = 30.0) -> None:
+    """Poll ``predicate`` until it holds; fail after ``deadline_s`` (a bound on a failure,
+    not a speed assertion: a loaded machine may take several seconds)."""
     async with asyncio.timeout(deadline_s):
         while True:
             if predicate():
@@ -117,7 +118,7 @@ class Watcher:
     async def resync(self, snapshot_id: int) -> events_pb2.ResyncReply:
         request = events_pb2.ResyncRequest(requester="test", reason="test", snapshot_id=snapshot_id)
         msg = await self.nc.request(
-            subjects.resync_subject(self.pool, self.replica), request.SerializeToString(), timeout=5
+            subjects.resync_subject(self.pool, self.replica), request.SerializeToString(), timeout=30
         )
         return events_pb2.ResyncReply.FromString(msg.data)
 
@@ -147,7 +148,7 @@ async def running_sidecar(settings: SidecarSettings) -> AsyncIterator[SidecarSer
         yield service
     finally:
         stop.set()
-        await asyncio.wait_for(task, timeout=10)
+        await asyncio.wait_for(task, timeout=30)
 
 
 SIM_BIN = Path(sys.executable).parent / "kvroute-sim"

@@ -32,7 +32,7 @@ async def test_event_batch_published_on_replica_subject_reaches_pool_subscriber(
         await nc.publish(subjects.events_subject("pool-a", "r1"), batch.SerializeToString())
         await nc.flush()
 
-        subject, data = await asyncio.wait_for(received.get(), timeout=5)
+        subject, data = await asyncio.wait_for(received.get(), timeout=30)
         assert subject == "kvroute.v1.events.pool-a.r1"
         decoded = events_pb2.KvEventBatch.FromString(data)
         assert (decoded.seq, list(decoded.events[0].stored.keys)) == (3, [1, 2**64 - 1])
@@ -55,7 +55,7 @@ async def test_resync_request_gets_the_sidecars_reply(nats_server: NatsServer) -
         await sidecar.flush()
         request = events_pb2.ResyncRequest(requester="cp-1", reason="gap", snapshot_id=41)
         msg = await controlplane.request(
-            subjects.resync_subject("default", "r9"), request.SerializeToString(), timeout=5
+            subjects.resync_subject("default", "r9"), request.SerializeToString(), timeout=30
         )
         reply = events_pb2.ResyncReply.FromString(msg.data)
         assert reply.accepted and reply.epoch == 42

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import time
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
@@ -151,6 +152,20 @@ async def test_a_restarted_sidecar_rebuilds_from_replay_and_answers_resync(
         await wait_until(lambda: watcher.mirror.snapshots_done == done_before + 1)
         assert watcher.mirror.gpu_keys() == cache.router_keys(16)
         assert watcher.mirror.gaps == 0
+
+
+async def test_a_resync_is_followed_by_an_announce_at_once(
+    nats_server: NatsServer, watcher: Watcher, engine: FakeEngine
+) -> None:
+    """A control plane that restarted asks every replica it hears from for a resync; the
+    announce that follows gives it the replica's base URL without waiting a period."""
+    settings = settings_for(engine, nats_server.url, watcher, announce_interval_s=3600)
+    async with running_sidecar(settings):
+        await wait_until(lambda: bool(watcher.announces))
+        asked_at = time.time()
+        assert (await watcher.resync(snapshot_id=5)).accepted
+        await wait_until(lambda: any(a.ts >= asked_at for a in watcher.announces))
+        assert watcher.announces[-1].base_url == settings.engine_url
 
 
 async def test_nats_killed_and_restarted_ends_with_the_engines_state(

@@ -62,7 +62,7 @@ async def converged(sim: SimProcess, book: PromptBook, watcher: Watcher) -> set[
         nonlocal expected
         expected = book.router_keys(await sim.cached_hashes())
 
-    async with asyncio.timeout(15):
+    async with asyncio.timeout(30):
         while True:
             await refresh()
             if watcher.mirror.gpu_keys() == expected:
@@ -293,7 +293,7 @@ async def test_the_kvroute_sidecar_process_serves_health_and_publishes(
     book = PromptBook("vllm", 16)
     try:
         async with aiohttp.ClientSession() as session:
-            async with asyncio.timeout(15):
+            async with asyncio.timeout(30):
                 while True:
                     try:
                         async with session.get(f"http://127.0.0.1:{port}/healthz") as r:
@@ -307,7 +307,7 @@ async def test_the_kvroute_sidecar_process_serves_health_and_publishes(
             async with session.get(f"http://127.0.0.1:{port}/metrics") as r:
                 assert "kvroute_sidecar_router_keys 3.0" in await r.text()
         proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 10) == 0
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
         assert proc.stderr is not None
         last = (await proc.stderr.read()).decode().strip().splitlines()[-1]
         assert '"msg": "sidecar stopped"' in last
