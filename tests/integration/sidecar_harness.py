@@ -118,7 +118,9 @@ class Watcher:
     async def resync(self, snapshot_id: int) -> events_pb2.ResyncReply:
         request = events_pb2.ResyncRequest(requester="test", reason="test", snapshot_id=snapshot_id)
         msg = await self.nc.request(
-            subjects.resync_subject(self.pool, self.replica), request.SerializeToString(), timeout=30
+            subjects.resync_subject(self.pool, self.replica),
+            request.SerializeToString(),
+            timeout=30,
         )
         return events_pb2.ResyncReply.FromString(msg.data)
 
