@@ -1,4 +1,5 @@
-"""Run a real ``kvroute-proxy`` process for tests, the way ``SimProcess`` runs a simulator."""
+"""Run a real ``kvroute-proxy`` or ``kvroute-controlplane`` process for tests, the way
+``SimProcess`` runs a simulator."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 from tests.unit.enginesim.simproc import SimProcess
 
 PROXY = Path(sys.executable).parent / "kvroute-proxy"
+CONTROLPLANE = Path(sys.executable).parent / "kvroute-controlplane"
 
 
 def http_request(
@@ -49,3 +51,14 @@ class ProxyProcess(SimProcess):
     ) -> tuple[int, dict[str, str], bytes]:
         """``(status, headers, body)`` of one request, errors included."""
         return http_request(self.url + path, body, raw=raw, method=method)
+
+
+class ControlPlaneProcess(SimProcess):
+    """``kvroute-controlplane`` on free admin and gRPC ports, ready once it says so."""
+
+    ready_prefix = "kvroute-controlplane ready"
+    default_args = (str(CONTROLPLANE), "--admin-port=0", "--grpc-port=0")
+
+    def on_ready(self, fields: dict[str, str]) -> None:
+        self.url = fields["admin"]
+        self.grpc = fields["grpc"]

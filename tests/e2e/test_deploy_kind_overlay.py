@@ -33,8 +33,8 @@ import jsonpatch
 import pytest
 
 from kvroute.servers import EtcdServer, NatsServer, PostgresServer
-from tests.e2e.proxyproc import ProxyProcess
-from tests.e2e.test_proxy_controlplane import ControlPlaneProcess, wait_for
+from tests.e2e.fullstack import wait_for
+from tests.e2e.proxyproc import ControlPlaneProcess, ProxyProcess
 from tests.unit.deploy.manifests import KUBERNETES, containers, find, pod_of, render
 from tests.unit.enginesim.simproc import SimProcess
 
