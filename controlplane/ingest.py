@@ -26,7 +26,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from controlplane.fleet import Fleet, FleetFull, ReplicaRecord
-from controlplane.nats_options import connect_options, redacted
+from controlplane.nats_options import connect_options, redacted, subscriptions_live
 from controlplane.settings import ControlPlaneSettings
 from kvcore import subjects
 from kvcore.pb import events_pb2
@@ -61,7 +61,8 @@ class Ingest:
                 await asyncio.sleep(_RETRY_S)
         for subject in self.subscriptions():
             await self._nc.subscribe(subject, cb=self._on_message, pending_msgs_limit=1_000_000)
-        await self._nc.flush()
+        if not await subscriptions_live(self._nc):  # so a message sent after start() is seen
+            log.warning("nats subscriptions not confirmed live", extra={"timeout_s": 5.0})
         self._spawn(self._sweep())
         log.info("nats subscribed", extra={"url": redacted(self.settings.nats_url)})
 

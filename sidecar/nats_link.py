@@ -61,17 +61,26 @@ class NatsLink:
         return self._nc is not None and self._nc.is_connected
 
     async def run(self) -> None:
-        """Connect, retrying until NATS answers; returns once connected."""
-        while self._nc is None:
+        """Connect, retrying until NATS answers; returns once connected and serving
+        (``connected`` is true only once the requests served here can be answered)."""
+        nc = None
+        while nc is None:
             try:
-                self._nc = await nats.connect(**self._options())
+                nc = await nats.connect(**self._options())
             except (nats.errors.Error, OSError, TimeoutError) as exc:
                 log.info(
                     "nats not reachable yet", extra={"url": redacted(self.url), "error": repr(exc)}
                 )
                 await asyncio.sleep(_RETRY_S)
-        for subject, handler in self._subscriptions:
-            await self._subscribe(subject, handler)
+        try:
+            for subject, handler in self._subscriptions:
+                await self._subscribe(nc, subject, handler)
+            if not await subscriptions_live(nc):
+                log.warning("nats subscriptions not confirmed live", extra={"timeout_s": 5.0})
+        except BaseException:  # stopped meanwhile: nobody else would close it
+            await nc.close()
+            raise
+        self._nc = nc
         log.info("nats connected", extra={"url": redacted(self.url)})
         self._on_connected()
 
@@ -114,11 +123,9 @@ class NatsLink:
         """Call ``handler(data, respond)`` for every request on ``subject``."""
         self._subscriptions.append((subject, handler))
         if self._nc is not None:
-            await self._subscribe(subject, handler)
+            await self._subscribe(self._nc, subject, handler)
 
-    async def _subscribe(self, subject: str, handler: RequestHandler) -> None:
-        assert self._nc is not None
-
+    async def _subscribe(self, nc: Client, subject: str, handler: RequestHandler) -> None:
         async def on_message(msg: Msg) -> None:
             async def respond(reply: bytes) -> None:
                 if msg.reply:
@@ -126,7 +133,7 @@ class NatsLink:
 
             await handler(msg.data, respond)
 
-        await self._nc.subscribe(subject, cb=on_message)
+        await nc.subscribe(subject, cb=on_message)
 
     async def flush(self, timeout_s: float = 2.0) -> bool:
         if not self.connected:
@@ -146,3 +153,24 @@ class NatsLink:
             await nc.drain()
         except (nats.errors.Error, OSError, TimeoutError):
             await nc.close()
+
+
+async def subscriptions_live(nc: Client, timeout_s: float = 5.0) -> bool:
+    """Wait until the server holds every subscription made so far on ``nc``; ``False``
+    if that could not be seen within ``timeout_s`` (a server that forbids publishing to
+    ``_INBOX.>``, say: the subscriptions then go live a moment later, as before).
+
+    nats-py's ``flush()`` writes its PING ahead of the SUBs still queued for its flusher
+    (2.16), so its PONG does not prove they reached the server, and a request sent
+    meanwhile from another connection finds no responder. A message to a fresh inbox of
+    ours, queued after them, does prove it: the server handles a connection's commands in
+    order.
+    """
+    probe = await nc.subscribe(nc.new_inbox(), max_msgs=1)
+    await nc.publish(probe.subject, b"")
+    try:
+        await probe.next_msg(timeout=timeout_s)
+    except nats.errors.TimeoutError:
+        await probe.unsubscribe()
+        return False
+    return True

@@ -25,6 +25,7 @@ import trustme
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from controlplane.nats_options import subscriptions_live
 from kvcore import subjects
 from kvcore.pb import events_pb2
 
@@ -48,7 +49,7 @@ class SidecarDouble:
         await self.nc.subscribe(
             subjects.resync_subject(self.pool, self.replica), cb=self._on_resync
         )
-        await self.nc.flush()
+        assert await subscriptions_live(self.nc, timeout_s=30)
         return self
 
     async def stop(self) -> None:

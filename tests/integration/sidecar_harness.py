@@ -31,6 +31,7 @@ from kvcore.engine_events import normalize_hash
 from kvcore.keys import block_keys
 from kvcore.pb import events_pb2
 from kvroute.servers import free_port
+from sidecar.nats_link import subscriptions_live
 from sidecar.service import SidecarService
 from sidecar.settings import SidecarSettings
 from tests.unit.sidecar.support import ResidencyMirror
@@ -113,7 +114,7 @@ class Watcher:
         await self.nc.subscribe(subjects.events_subject(self.pool, self.replica), cb=on_events)
         await self.nc.subscribe(subjects.announce_subject(self.pool), cb=on_announce)
         await self.nc.subscribe(subjects.load_subject(self.pool, self.replica), cb=on_load)
-        await self.nc.flush()
+        assert await subscriptions_live(self.nc, timeout_s=30)
 
     async def resync(self, snapshot_id: int) -> events_pb2.ResyncReply:
         request = events_pb2.ResyncRequest(requester="test", reason="test", snapshot_id=snapshot_id)

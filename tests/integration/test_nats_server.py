@@ -10,6 +10,7 @@ import pytest
 from kvcore import subjects
 from kvcore.pb import events_pb2
 from kvroute.servers import NatsServer
+from sidecar.nats_link import subscriptions_live
 
 pytestmark = pytest.mark.integration
 
@@ -52,7 +53,7 @@ async def test_resync_request_gets_the_sidecars_reply(nats_server: NatsServer) -
             await msg.respond(reply.SerializeToString())
 
         await sidecar.subscribe(subjects.resync_subject("default", "r9"), cb=answer)
-        await sidecar.flush()
+        assert await subscriptions_live(sidecar, timeout_s=30)  # flush() does not prove it
         request = events_pb2.ResyncRequest(requester="cp-1", reason="gap", snapshot_id=41)
         msg = await controlplane.request(
             subjects.resync_subject("default", "r9"), request.SerializeToString(), timeout=30
