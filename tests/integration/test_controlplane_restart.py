@@ -38,9 +38,10 @@ async def send_prompts(sims: list[SimProcess], books: list[PromptBook], rng: ran
 
 
 async def converged(
-    mirror: StateMirror, sims: list[SimProcess], books: list[PromptBook], deadline_s: float = 20
+    mirror: StateMirror, sims: list[SimProcess], books: list[PromptBook], deadline_s: float = 60
 ) -> dict[str, set[int]]:
-    """Wait until the proxy's view equals the engines' caches; return the expected keys."""
+    """Wait until the proxy's view equals the engines' caches; return the expected keys
+    (the deadline bounds a failure: on a loaded machine a restart and resync take 20 s)."""
     async with asyncio.timeout(deadline_s):
         while True:
             expected = {
