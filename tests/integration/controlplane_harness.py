@@ -170,7 +170,7 @@ class ControlPlaneProcess:
             cwd=self.workdir,
         )
         assert self.proc.stdout is not None
-        async with asyncio.timeout(20):
+        async with asyncio.timeout(60):  # a bound on a failure: imports take seconds under load
             line = (await self.proc.stdout.readline()).decode()
         if not line.startswith("kvroute-controlplane ready"):
             raise RuntimeError(f"kvroute-controlplane did not start: {line!r}")

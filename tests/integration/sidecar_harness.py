@@ -196,7 +196,7 @@ class SimProcess:
             *self._args(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
         )
         assert self.proc.stdout is not None
-        async with asyncio.timeout(20):
+        async with asyncio.timeout(60):  # a bound on a failure, not a speed check
             while True:
                 line = (await self.proc.stdout.readline()).decode()
                 if not line:
