@@ -6,11 +6,14 @@ one token per word as with a real model's vocabulary), each uncached (whole prom
 rendered, tokenized and keyed) and cached (``PrefixTokenCache.encode_keyed`` holding a
 prompt with the same first 90%: only the new tail is tokenized and keyed), beside the
 tokenizer's own encode of the new 10% alone; wall and CPU (thread) time, since a machine
-shared with other work stretches the first.
+shared with other work stretches the first. Then the proxy's whole routing decision for
+300 such prompts in CPU time, p50 and p99.
 """
 
 from __future__ import annotations
 
+import gc
+import json
 import random
 import statistics
 import tempfile
@@ -22,12 +25,15 @@ from typing import Any
 
 from bench.micro.model_files import write_tiny_model
 from bench.micro.report import Figure, median_us_each
+from dataplane.openai_request import InferenceRequest, parse_inference
+from dataplane.routing import Defaults, Router
 from kvcore.keys import block_keys, root_key
 from kvcore.tokenize import BuiltinTokenizer, HFTokenizer, PrefixTokenCache, Tokenizer
 
 PROMPT_TOKENS = 8192
 SEEN_FRACTION = 0.9
 VARIANTS = 60
+DECISIONS = 300
 MODEL = "bench-model"
 
 
@@ -107,8 +113,53 @@ def _measure(tokenizer: Tokenizer, label: str) -> list[Figure]:
     return figures
 
 
+def _decisions_cpu(count: int = DECISIONS) -> list[Figure]:
+    """The proxy's whole routing decision (``Router.prepare`` + ``choose``, ``kv_aware``,
+    64 replicas, built-in tokenizer) for ``count`` prompts, each with a new 10%: CPU time
+    over enough samples for a p99 that is not the slowest of a few (``bench.proxy``'s
+    decision figures are wall time over 79)."""
+    from bench.proxy import MODEL as FLEET_MODEL  # bench.proxy imports this module
+    from bench.proxy import _fleet, _hold
+
+    tokenizer, rng, words = BuiltinTokenizer(), random.Random(11), _words()
+    system = _text_of(tokenizer, int(PROMPT_TOKENS * SEEN_FRACTION), rng, words)
+    tail = int(PROMPT_TOKENS * (1 - SEEN_FRACTION))
+    questions = ["warm-up", *(_text_of(tokenizer, tail, rng, words) for _ in range(count))]
+    fleet = _fleet("builtin", 16)
+    router = Router(fleet, Defaults(), random.Random(3))
+
+    def decide(request: InferenceRequest) -> Any:
+        prepared = router.prepare(request, path="/v1/chat/completions", headers={},
+                                  api_key=None, request_id="bench")  # fmt: skip
+        return router.choose(prepared, now=time.monotonic()), prepared
+
+    requests = [
+        parse_inference(json.dumps({"model": FLEET_MODEL, "messages": _chat(system, q)}).encode(),
+                        "chat")
+        for q in questions
+    ]  # fmt: skip
+    _, first = decide(requests[0])
+    _hold(fleet, 7, first.block_keys[: int(len(first.block_keys) * SEEN_FRACTION)])
+    thresholds = gc.get_threshold()
+    gc.set_threshold(50_000, 20, 100)  # as kvroute-proxy's workers run
+    before = _collections()
+    cpu = sorted(_timed(partial(decide, request))[1] / 1000 for request in requests[1:])
+    collections = _collections() - before
+    gc.set_threshold(*thresholds)
+    name = f"routing decision, {count} chats 90% seen, 64 replicas, kv_aware, builtin: CPU"
+    return [
+        Figure(f"{name} (p50)", statistics.median(cpu), "ms", 1.0),
+        Figure(f"{name} (p99)", cpu[int(len(cpu) * 0.99)], "ms", 3.0),
+        Figure("  garbage collections during them", collections, "runs"),
+    ]
+
+
+def _collections() -> int:
+    return sum(generation["collections"] for generation in gc.get_stats())
+
+
 def run() -> list[Figure]:
-    figures = _measure(BuiltinTokenizer(), "builtin")
+    figures = _measure(BuiltinTokenizer(), "builtin") + _decisions_cpu()
     with tempfile.TemporaryDirectory() as scratch:
         corpus = [" ".join(_words()[i : i + 12]) for i in range(0, 3000, 12)]
         model = write_tiny_model(Path(scratch) / "bpe", vocab_size=8000, corpus=corpus)
