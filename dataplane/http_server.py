@@ -372,8 +372,12 @@ class HttpServer:
     async def start(self, sock: socket.socket) -> None:
         """Accept connections on ``sock`` (bound and listening)."""
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: _Connection(self), sock=sock, backlog=4096)
+        server = await loop.create_server(self.protocol, sock=sock, backlog=4096)
         self._servers.append(server)
+
+    def protocol(self) -> asyncio.Protocol:
+        """A new connection's protocol (what the listening socket makes per client)."""
+        return _Connection(self)
 
     def forget(self, connection: _Connection) -> None:
         self.connections.discard(connection)

@@ -76,13 +76,13 @@ class Upstream:
     """Keep-alive connections to every replica (``http_client.ConnectionPool``)."""
 
     def __init__(self, connect_timeout_s: float, read_timeout_s: float) -> None:
-        self._pool = ConnectionPool(connect_timeout_s, read_timeout_s)
+        self.pool = ConnectionPool(connect_timeout_s, read_timeout_s)
 
     async def start(self) -> None:
         """Nothing to open ahead: connections are made on first use."""
 
     async def aclose(self) -> None:
-        self._pool.close()
+        self.pool.close()
 
     async def open(
         self, method: str, url: str, body: bytes, headers: Sequence[tuple[str, str]]
@@ -90,7 +90,7 @@ class Upstream:
         """Send; return once the first bytes arrived. Raises :class:`Retriable`."""
         started = time.perf_counter()
         try:
-            response = await self._pool.request(method, url, body, headers)
+            response = await self.pool.request(method, url, body, headers)
         except (ConnectionFailed, ResponseBroken, TimeoutError) as exc:
             reason = "connect" if isinstance(exc, ConnectionFailed) else "disconnect"
             raise Retriable(f"cannot reach {url}: {_describe(exc)}", reason) from exc
