@@ -41,6 +41,7 @@ class RunMetrics:
     load_share: list[float]  # each replica's share of the requests served
     decision_us: float  # mean wall time of one routing decision
     wall_s: float  # wall time of the whole run
+    cpu_s: float  # CPU time of the whole run (on a shared machine, what a quiet one would take)
     ttft_cdf: list[float] = field(default_factory=list, repr=False)  # 101 quantiles
 
     @property
@@ -81,5 +82,6 @@ def summarize(policy: str, outcome: RunOutcome, block_size: int) -> RunMetrics:
         load_share=[s / served for s in outcome.served],
         decision_us=outcome.decide_s / max(len(routed), 1) * 1e6,
         wall_s=outcome.wall_s,
+        cpu_s=outcome.cpu_s,
         ttft_cdf=[percentile(ttfts, q / 100) for q in range(101)],
     )

@@ -9,6 +9,7 @@ missed plainly; a goal whose contenders were not run is reported as not checked.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -198,7 +199,8 @@ def _speed(result: ScenarioResult) -> GoalCheck:
         return GoalCheck(goal, None, "not run")
     detail = (
         f"{run.requests:,} requests, {result.replicas} replicas: {run.wall_s:.1f} s "
-        f"({run.decision_us:.0f} us of it per routing decision)"
+        f"({run.decision_us:.0f} us of it per routing decision; {run.cpu_s:.1f} s of CPU, "
+        f"load average {os.getloadavg()[0]:.1f})"
     )
     return GoalCheck(goal, run.requests >= 100_000 and run.wall_s < 60, detail)
 

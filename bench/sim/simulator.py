@@ -100,6 +100,7 @@ class RunOutcome:
     routed: int
     decide_s: float  # wall time spent in routers' decisions
     wall_s: float
+    cpu_s: float  # this process's CPU time during the run (wall time less waiting for a core)
     end: float
 
 
@@ -191,7 +192,7 @@ class Simulation:
         self.replicas[ordinal].arrive(req, now)
 
     def run(self) -> RunOutcome:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         arrivals = iter(self.workload.arrivals())
         pending = next(arrivals, None)
         period = min([self.config.load_period_s, *(r.load_period_s for r in self.routers)])
@@ -212,7 +213,7 @@ class Simulation:
             if period <= 0:
                 self.readout.sample(now)
             self._dispatch(kind, payload, now)
-        return self._outcome(now, time.perf_counter() - started)
+        return self._outcome(now, time.perf_counter() - started, time.process_time() - cpu)
 
     def _dispatch(self, kind: int, payload: object, now: float) -> None:
         if kind == _WAKE:
@@ -230,7 +231,7 @@ class Simulation:
             ordinal, events = cast(tuple[int, list[PoolEvent]], payload)
             self._apply_residency(ordinal, events)
 
-    def _outcome(self, end: float, wall_s: float) -> RunOutcome:
+    def _outcome(self, end: float, wall_s: float, cpu_s: float) -> RunOutcome:
         return RunOutcome(
             requests=self.requests,
             rejected=self.rejected,
@@ -240,5 +241,6 @@ class Simulation:
             routed=len(self.requests) - self.rejected,
             decide_s=self._decide_s,
             wall_s=wall_s,
+            cpu_s=cpu_s,
             end=end,
         )
