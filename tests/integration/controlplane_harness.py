@@ -170,8 +170,13 @@ class ControlPlaneProcess:
             cwd=self.workdir,
         )
         assert self.proc.stdout is not None
-        async with asyncio.timeout(60):  # a bound on a failure: imports take seconds under load
-            line = (await self.proc.stdout.readline()).decode()
+        try:
+            async with asyncio.timeout(60):  # a bound on a failure: imports take seconds
+                line = (await self.proc.stdout.readline()).decode()
+        except BaseException:  # not ready in time, or the test gave up: leave nothing behind
+            self.proc.kill()
+            await self.proc.wait()
+            raise
         if not line.startswith("kvroute-controlplane ready"):
             raise RuntimeError(f"kvroute-controlplane did not start: {line!r}")
         fields = dict(part.split("=", 1) for part in line.split()[2:])

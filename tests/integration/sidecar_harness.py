@@ -196,16 +196,25 @@ class SimProcess:
             *self._args(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
         )
         assert self.proc.stdout is not None
-        async with asyncio.timeout(60):  # a bound on a failure, not a speed check
-            while True:
-                line = (await self.proc.stdout.readline()).decode()
-                if not line:
-                    raise RuntimeError("kvroute-sim exited before it was ready")
-                if line.startswith("kvroute-sim ready"):
-                    break
+        try:
+            async with asyncio.timeout(60):  # a bound on a failure, not a speed check
+                line = await self._ready_line(self.proc.stdout)
+        except BaseException:  # not ready in time, or the test gave up: leave nothing behind
+            self.proc.kill()
+            await self.proc.wait()
+            raise
         fields = dict(part.split("=", 1) for part in line.split()[2:])
         self.http_url, self.events, self.replay = fields["http"], fields["events"], fields["replay"]
         return self
+
+    @staticmethod
+    async def _ready_line(stdout: asyncio.StreamReader) -> str:
+        while True:
+            line = (await stdout.readline()).decode()
+            if not line:
+                raise RuntimeError("kvroute-sim exited before it was ready")
+            if line.startswith("kvroute-sim ready"):
+                return line
 
     async def stop(self) -> None:
         if self.proc is not None and self.proc.returncode is None:
