@@ -39,6 +39,7 @@ from kvcore.index import BitmaskResidencyIndex
 from kvcore.index.base import MAX_REPLICA_ORDINAL
 from kvcore.pb import events_pb2, routing_pb2
 from kvcore.policies import Decision, InflightLedger, ReplicaState
+from kvcore.policies.board import ReplicaBoard
 from kvcore.workload import RoutingConfig
 
 HEALTHY = routing_pb2.REPLICA_STATUS_HEALTHY
@@ -94,20 +95,18 @@ class FleetView:
     """kvcore's ``StateView`` over one model's routable replicas (see the module
     docstring for how it stays cheap)."""
 
-    __slots__ = ("_fleet", "_positions", "_replicas", "_states")
+    __slots__ = ("_board", "_fleet")
 
     def __init__(self, fleet: FleetState, states: list[ReplicaState]) -> None:
         self._fleet = fleet
-        self._states = states  # patched in place when one replica changes
-        self._positions = {state.ordinal: i for i, state in enumerate(states)}
-        self._replicas: tuple[ReplicaState, ...] | None = None
+        # patched one replica at a time; a board lets kvcore's strategies read the
+        # prompt's holders and the best of the rest instead of every replica
+        self._board = ReplicaBoard(states)
 
-    def replicas(self) -> Sequence[ReplicaState]:
+    def replicas(self) -> ReplicaBoard:
         if self._fleet._dirty:
             self._fleet._flush()
-        if self._replicas is None:
-            self._replicas = tuple(self._states)
-        return self._replicas
+        return self._board
 
     def leading_runs(self, keys: Sequence[int], *, now: float | None) -> dict[int, int]:
         fleet = self._fleet
@@ -123,10 +122,8 @@ class FleetView:
         return fleet._index.key_count() > 0 and not fleet.is_stale()
 
     def _replace(self, state: ReplicaState) -> None:
-        position = self._positions.get(state.ordinal)
-        if position is not None:
-            self._states[position] = state
-            self._replicas = None
+        if self._board.get(state.ordinal) is not None:
+            self._board.put(state)
 
 
 class FleetState:

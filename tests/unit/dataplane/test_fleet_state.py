@@ -215,14 +215,16 @@ def test_views_are_cached_until_something_they_show_changes() -> None:
     state = fleet()
     apply_all(state, snapshot(1, 1, [replica(0), replica(1), replica(2, model="other")]))
     view = state.view(MODEL)
-    first = view.replicas()
-    assert state.view(MODEL) is view and view.replicas() is first
+    first = list(view.replicas())
+    assert state.view(MODEL) is view
     state.apply(delta(1, 2, loads=[{"ordinal": 2, "load": load(1, 0, ts=5.0)}]))
-    assert view.replicas() is first  # another model's replica changed
+    unchanged = view.replicas()  # another model's replica changed: same states
+    assert len(unchanged) == 2 and all(a is b for a, b in zip(unchanged, first, strict=True))
     state.apply(delta(1, 3, loads=[{"ordinal": 1, "load": load(1, 0, ts=5.0)}]))
     second = view.replicas()
-    assert second is not first
-    assert second[0] is first[0] and second[1].running == 1  # only r1 was rebuilt
+    assert second[0] is first[0]  # only r1 was rebuilt
+    assert second[1] is not first[1] and second[1].running == 1
+    assert [r.ordinal for r in view.replicas().by_load()] == [0, 1]  # patched in its orders
     state.apply(delta(1, 4, replicas_upserted=[replica(3)]))
     assert state.view(MODEL) is not view
 
