@@ -22,6 +22,9 @@ Counting what was sent, whatever chose it, keeps the spread within about a prefi
 SGLang's ``cache_aware`` does by placing a new prefix on its smallest tree; the slack of
 one prompt keeps the turn's even spacing on a no-reuse workload (choosing the least-sent
 outright cost 1.5% of TTFT there and 13% of multi-turn throughput in ``bench.sim``).
+With the default ``least_load`` fallback this rule also places new prompts before the
+first engine event (``places_cold_prompts``): least_load would rank them by the previous
+phase's stale loads, and sent 4 of ``bench.e2e``'s first 6 groups to one replica.
 Confirmed residency is not counted: engines keep their caches full, so it would measure
 their capacity, not what is free, and send every new prefix to the smallest cache.
 """
@@ -47,6 +50,7 @@ class KvAwarePolicy(KvScoringPolicy):
         self.aware = workload
         self._turn = rng.randrange(1 << 16)  # proxies start at different replicas
         self._last: int | None = None  # the replica of the last such turn
+        self.places_cold_prompts = workload.fallback == "least_load"
 
     def scores(
         self, ctx: RouteContext, replicas: list[ReplicaState], runs: dict[int, int]

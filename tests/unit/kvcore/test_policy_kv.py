@@ -11,6 +11,7 @@ from kvcore.policies import Decision, ReplicaState, StaticStateView, create_poli
 from kvcore.policies.kv_cost import KvCostPolicy
 from kvcore.workload import KvAwareWorkload, KvCostWorkload, Workload
 from tests.unit.kvcore.policy_helpers import context, fleet
+from tests.unit.kvcore.test_preselect import WholeFleetView
 
 PROMPT = list(range(100, 228))  # eight blocks
 
@@ -132,14 +133,40 @@ def test_kv_aware_records_speculative_residency_that_steers_the_next_burst() -> 
     assert len(later) > 1  # expired: back to load and chance
 
 
-def test_kv_aware_falls_back_without_residency_data() -> None:
-    workload = KvAwareWorkload(fallback="least_load")
+@pytest.mark.parametrize(
+    "workload",
+    [KvAwareWorkload(fallback="round_robin"), KvCostWorkload(fallback="least_load")],
+    ids=["kv_aware", "kv_cost"],
+)
+def test_kv_strategies_fall_back_without_residency_data(workload: Workload) -> None:
     replicas = [ReplicaState(0, "a", running=5), ReplicaState(1, "b", running=1)]
-    decision = _select(workload, StaticStateView(replicas))
-    assert decision.replica_id == "b"
-    assert decision.strategy == "kv_aware"
-    assert decision.note.startswith("no residency data: fallback least_load")
-    assert decision.speculative is not None and decision.speculative.replica == 1
+    decisions = [_select(workload, StaticStateView(replicas), seed=s) for s in range(4)]
+    fallback = workload.fallback  # type: ignore[union-attr]
+    for decision in decisions:
+        assert decision.strategy == workload.strategy
+        assert decision.note.startswith(f"no residency data: fallback {fallback}")
+        assert decision.speculative is not None
+        assert decision.speculative.replica == decision.ordinal
+    if fallback == "least_load":
+        assert {d.replica_id for d in decisions} == {"b"}
+
+
+def test_kv_aware_places_new_prompts_in_turn_not_by_stale_load_on_a_cold_start() -> None:
+    """With a least_load fallback, kv_aware's own new-prompt rule places prompts before
+    the first engine event: least_load ranked them by the previous phase's loads and sent
+    every one to the replica that last reported least."""
+    replicas = [ReplicaState(0, "a", running=5), ReplicaState(1, "b", running=1)]
+    workload = KvAwareWorkload(fallback="least_load")
+    policy = create_policy(workload, rng=random.Random(0))
+    view = StaticStateView(replicas)
+    chosen = []
+    for group in range(4):
+        tokens = [group * 1000 + t for t in range(128)]
+        decision = policy.select(context(workload, tokens, now=1.0), view)
+        view.apply(decision)
+        assert decision.note.startswith("no residency data: fallback kv_aware's new-prompt")
+        chosen.append(decision.replica_id)
+    assert Counter(chosen) == {"a": 2, "b": 2}, chosen
 
 
 def test_kv_aware_prefix_hash_fallback_keeps_locality_on_a_cold_start() -> None:
@@ -294,3 +321,30 @@ def test_kv_aware_spreads_new_prefixes_evenly_whatever_the_cold_start_placed(see
             view.index.add(decision.ordinal, ctx.block_keys)  # the engine's events
         placed[decision.replica_id or ""] += 1
     assert len(placed) == 4 and max(placed.values()) - min(placed.values()) <= 2, placed
+
+
+@pytest.mark.parametrize("whole_fleet", [False, True], ids=["board", "whole_fleet"])
+@pytest.mark.parametrize("seed", range(4))
+def test_kv_aware_spreads_a_cold_starts_groups_evenly_whatever_the_stale_loads(
+    seed: int, whole_fleet: bool
+) -> None:
+    """16 groups on 4 replicas whose loads are stale leftovers (0.012, 0, 0.004, 0.008),
+    the engines' events arriving after the first 6 groups: 4 groups each, on the board
+    and the whole-fleet path alike (before: least_load sent all 7 cold groups to the
+    replica that last reported least, 7/3/3/3; bench.e2e saw 4 of its first 6 groups on
+    one replica, which then evicted)."""
+    workload = KvAwareWorkload()
+    policy = create_policy(workload, rng=random.Random(seed))
+    usage = [0.012, 0.0, 0.004, 0.008]
+    view = StaticStateView([ReplicaState(i, f"r{i}", kv_usage=u) for i, u in enumerate(usage)])
+    state = WholeFleetView(view) if whole_fleet else view
+    placed: Counter[str] = Counter()
+    for step, group in enumerate(random.Random(seed).sample(range(16), 16)):
+        ctx = context(workload, [group * 1000 + t for t in range(128)], now=step * 0.05)
+        decision = policy.select(ctx, state)
+        assert decision.ordinal is not None
+        view.apply(decision)
+        if step >= 6:
+            view.index.add(decision.ordinal, ctx.block_keys)  # the engine's events
+        placed[decision.replica_id or ""] += 1
+    assert sorted(placed.values()) == [4, 4, 4, 4], placed
