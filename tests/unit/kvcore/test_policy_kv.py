@@ -7,7 +7,14 @@ from collections import Counter, deque
 
 import pytest
 
-from kvcore.policies import Decision, ReplicaState, StaticStateView, create_policy
+from kvcore.policies import (
+    Decision,
+    Policy,
+    ReplicaState,
+    StateView,
+    StaticStateView,
+    create_policy,
+)
 from kvcore.policies.kv_cost import KvCostPolicy
 from kvcore.workload import KvAwareWorkload, KvCostWorkload, Workload
 from tests.unit.kvcore.policy_helpers import context, fleet
@@ -307,19 +314,7 @@ def test_kv_aware_spreads_new_prefixes_evenly_whatever_the_cold_start_placed(see
     workload = KvAwareWorkload()
     policy = create_policy(workload, rng=random.Random(seed))
     view = StaticStateView(fleet(4))
-    order = random.Random(seed).sample(range(16), 16)
-    placed: Counter[str] = Counter()
-    for step, group in enumerate(order):
-        tokens = [group * 1000 + t for t in range(128)] + [
-            90_000 + step * 16 + t for t in range(16)
-        ]
-        ctx = context(workload, tokens, now=step * 0.05)
-        decision = policy.select(ctx, view)
-        assert decision.ordinal is not None
-        view.apply(decision)
-        if step >= 6:
-            view.index.add(decision.ordinal, ctx.block_keys)  # the engine's events
-        placed[decision.replica_id or ""] += 1
+    placed = _place_groups(policy, view, view, seed, questions=True)
     assert len(placed) == 4 and max(placed.values()) - min(placed.values()) <= 2, placed
 
 
@@ -338,13 +333,28 @@ def test_kv_aware_spreads_a_cold_starts_groups_evenly_whatever_the_stale_loads(
     usage = [0.012, 0.0, 0.004, 0.008]
     view = StaticStateView([ReplicaState(i, f"r{i}", kv_usage=u) for i, u in enumerate(usage)])
     state = WholeFleetView(view) if whole_fleet else view
+    placed = _place_groups(policy, view, state, seed, questions=False)
+    assert sorted(placed.values()) == [4, 4, 4, 4], placed
+
+
+def _place_groups(
+    policy: Policy, view: StaticStateView, state: StateView, seed: int, *, questions: bool
+) -> Counter[str]:
+    """Replicas chosen for 16 groups' first prompts (8 blocks each, plus a block of
+    question when ``questions``), in a random order, 50 ms apart; ``view`` (which
+    ``state`` reads) gets each decision's speculation and, after the first 6, the
+    engine's events for its prompt."""
+    workload = KvAwareWorkload()
     placed: Counter[str] = Counter()
     for step, group in enumerate(random.Random(seed).sample(range(16), 16)):
-        ctx = context(workload, [group * 1000 + t for t in range(128)], now=step * 0.05)
+        tokens = [group * 1000 + t for t in range(128)]
+        if questions:
+            tokens += [90_000 + step * 16 + t for t in range(16)]
+        ctx = context(workload, tokens, now=step * 0.05)
         decision = policy.select(ctx, state)
         assert decision.ordinal is not None
         view.apply(decision)
         if step >= 6:
             view.index.add(decision.ordinal, ctx.block_keys)  # the engine's events
         placed[decision.replica_id or ""] += 1
-    assert sorted(placed.values()) == [4, 4, 4, 4], placed
+    return placed
