@@ -56,6 +56,20 @@ async def wait_for_leader(etcd: aetcd.Client, key: str, want: str, deadline_s: f
             await watch.cancel()
 
 
+async def membership_written_by(
+    etcd: aetcd.Client, keys: EtcdKeys, instance: str, deadline_s: float
+) -> dict[str, dict[str, object]]:
+    """The pool's membership records once ``instance`` wrote them all (a deadline bounds a
+    failure): a one-shot read right after a takeover can land before its first write."""
+    async with asyncio.timeout(deadline_s):
+        while True:
+            members = await etcd.get_prefix(keys.replicas_prefix("ha").encode())
+            written = {json.loads(kv.value)["replica_id"]: json.loads(kv.value) for kv in members}
+            if len(written) >= 2 and all(m["instance"] == instance for m in written.values()):
+                return written
+            await asyncio.sleep(0.05)
+
+
 async def test_kill_the_leader_mid_stream_and_the_standby_serves_a_consistent_state(
     nats_server: NatsServer, etcd_server: EtcdServer
 ) -> None:
@@ -90,8 +104,9 @@ async def test_kill_the_leader_mid_stream_and_the_standby_serves_a_consistent_st
         await wait_until(lambda: all(mirror.keys_of(s.replica) == s.held for s in sidecars))
         consistent = time.monotonic() - killed_at
         assert consistent <= TTL_S + 1, f"consistent only {consistent:.2f} s after the kill"
-        members = await etcd.get_prefix(keys.replicas_prefix("ha").encode())
-        written = {json.loads(kv.value)["replica_id"]: json.loads(kv.value) for kv in members}
+        # the new leader rewrites membership under its own lease in its first term step
+        # (the old leader's records went with its lease): wait for that write, bounded
+        written = await membership_written_by(etcd, keys, "cp-b", 10)
         assert set(written) == {"ha-r1", "ha-r2"}
         assert {m["instance"] for m in written.values()} == {"cp-b"}
         # a drain written by anyone (here by hand, as etcdctl would) reaches the proxies
