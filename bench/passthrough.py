@@ -6,17 +6,22 @@ that forwards every request body to ``UPSTREAM_URL`` with ``CLIENT`` (``aiohttp`
 keep-alive ``ClientSession``; ``raw``: one keep-alive HTTP/1.1 connection per concurrent
 request over asyncio streams, Content-Length bodies only) and answers with the
 upstream's body; with ``SERVER`` ``own``, kvroute-proxy's own stack does the same
-(``dataplane.http_server`` on uvloop, ``dataplane.http_client``; ``CLIENT`` is ignored).
-``bench.proxy`` starts it to measure how much of the proxy's added latency is the server
-and client stack and how much is kvroute's own work, and to compare client libraries
-side by side. Not a product: no streaming, no errors.
+(``dataplane.http_server`` on uvloop, ``dataplane.http_client``; ``CLIENT`` is ignored);
+with ``SERVER`` ``relay``, a thread per client connection copies bytes both ways between
+it and its own upstream connection, blocked in ``poll`` (no HTTP, no event loop: what one
+more hop on loopback costs any proxy on this machine). ``bench.proxy`` starts it to
+measure how much of the proxy's added latency is the hop, the server and client stack,
+and kvroute's own work, and to compare client libraries side by side. Not a product: no
+streaming, no errors.
 """
 
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -99,11 +104,33 @@ def make_handler(upstream: str) -> Callable[[Request, Response], Awaitable[None]
     return handler
 
 
+def relay(upstream: str, listener: socket.socket) -> None:
+    """Accept forever; each client connection gets a thread and its own upstream one."""
+    host, port = upstream.removeprefix("http://").rsplit(":", 1)
+    while True:
+        conn, _ = listener.accept()
+        target = socket.create_connection((host, int(port)))
+        threading.Thread(target=_copy_both_ways, args=(conn, target), daemon=True).start()
+
+
+def _copy_both_ways(a: socket.socket, b: socket.socket) -> None:
+    peers = {a.fileno(): (a, b), b.fileno(): (b, a)}
+    poller = select.poll()
+    for sock in (a, b):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        poller.register(sock, select.POLLIN)
+    with a, b:
+        while True:
+            for fd, _ in poller.poll():
+                source, sink = peers[fd]
+                data = source.recv(1 << 16)
+                if not data:
+                    return
+                sink.sendall(data)
+
+
 async def serve(upstream: str, port: int, client: str, server_name: str) -> None:
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", port))
-    sock.listen(2048)
+    sock = _listen(port)
     if server_name == "own":
         own = HttpServer(make_handler(upstream), max_body_bytes=1 << 20)
         await own.start(sock)
@@ -118,6 +145,18 @@ async def serve(upstream: str, port: int, client: str, server_name: str) -> None
     await server.serve(sockets=[sock])
 
 
+def _listen(port: int) -> socket.socket:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(2048)
+    return sock
+
+
 if __name__ == "__main__":
     server_name = sys.argv[4] if len(sys.argv) > 4 else "uvicorn"
+    if server_name == "relay":
+        listener = _listen(int(sys.argv[2]))
+        print(f"passthrough ready http=http://127.0.0.1:{listener.getsockname()[1]}", flush=True)
+        relay(sys.argv[1], listener)
     uvloop.run(serve(sys.argv[1], int(sys.argv[2]), sys.argv[3], server_name))

@@ -28,9 +28,10 @@ could not be checked (a router that did not run is reported with the reason):
    work the wall time includes waiting for a core, the CPU time does not.
 
 ``--quick`` is a short run (fewer rounds, one throughput run each); ``--peers`` picks the
-peer routers; ``--floors`` adds two bare pass-through proxies to one replica
-(``bench.passthrough``: uvicorn with a raw asyncio client, and kvroute-proxy's own HTTP
-server and client) to show what the stack alone costs; ``--router NAME=URL`` adds a
+peer routers; ``--floors`` adds three bare pass-through proxies to one replica
+(``bench.passthrough``: a byte relay that parses nothing, uvicorn with a raw asyncio
+client, and kvroute-proxy's own HTTP server and client) to show what the hop and the
+stack alone cost; ``--router NAME=URL`` adds a
 router started elsewhere (not pinned; or pass ``--replicas URL,URL`` to use replicas
 started elsewhere). Loopback only; every phase is bounded by its duration or request
 count.
@@ -83,6 +84,7 @@ from kvcore.tokenize import BuiltinTokenizer, HFTokenizer, Tokenizer
 MODEL = "kvroute/sim-model"
 WARM_UP = 100  # latency rounds not counted
 FLOORS = {  # bench.passthrough's servers, each with a raw asyncio client
+    "relay": "byte relay, no HTTP (the hop itself)",
     "uvicorn": "uvicorn + raw client",
     "own": "kvroute's own server + client",
 }
