@@ -123,8 +123,9 @@ class Dispatcher:
                 break
             exchange.tried.append(endpoint.replica_id)
             self.fleet.apply_speculative(decision)
+            uncached = exchange.prepared.prompt_tokens - predicted
             try:
-                opened, ticket = await self._open(endpoint, now, path, body, headers)
+                opened, ticket = await self._open(endpoint, now, path, body, headers, uncached)
             except Retriable as failure:
                 last_failure = f"{endpoint.replica_id}: {failure}"
                 exclude |= {endpoint.ordinal}
@@ -144,8 +145,9 @@ class Dispatcher:
         path: str,
         body: bytes,
         headers: Sequence[tuple[str, str]],
+        uncached: int,
     ) -> tuple[Opened, InflightTicket | None]:
-        ticket = self.fleet.on_sent(endpoint.ordinal, time.time())
+        ticket = self.fleet.on_sent(endpoint.ordinal, time.time(), uncached)
         self.breakers.on_sent(endpoint.replica_id, endpoint.ordinal, now)
         try:
             opened = await self.upstream.open("POST", endpoint.base_url + path, body, headers)
@@ -157,6 +159,7 @@ class Dispatcher:
             self.fleet.on_done(ticket)
             self.breakers.on_abandoned(endpoint.replica_id, self._clock())
             raise
+        self.fleet.on_first_byte(ticket, opened.status, opened.streaming)
         self.breakers.on_success(endpoint.replica_id, self._clock())
         self.metrics.first_byte(endpoint.replica_id, opened.ttfb_s)
         return opened, ticket

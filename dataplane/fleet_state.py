@@ -14,10 +14,12 @@ chunks, then deltas with consecutive versions (``proto/kvroute/v1/routing.proto`
   yield to the event loop while a large chunk or a replica's clear is applied.
 
 Views are cached per model and rebuilt only for what changed: a load report or one of
-this proxy's requests starting or ending rebuilds one replica's
+this proxy's requests starting, answering or ending rebuilds one replica's
 :class:`~kvcore.policies.ReplicaState`; a membership or config change drops the views.
 A replica's load is the engine's last report plus this proxy's requests sent after
 that report (:class:`~kvcore.policies.InflightLedger`), so nothing is counted twice.
+While a ``kv_cost`` workload is configured, its queued prefill is this proxy's own
+books (:mod:`dataplane.prefill_books`), re-aged as routing reads the fleet.
 
 With no control plane, :meth:`FleetState.from_static` builds the fleet from
 ``--static-replicas`` (no residency: kv strategies use their fallback).
@@ -33,8 +35,11 @@ from dataclasses import dataclass, field
 from itertools import count
 from urllib.parse import urlsplit
 
+from dataplane.endpoints import Endpoint as Endpoint  # re-exported: callers import it here
+from dataplane.endpoints import endpoint_of
 from dataplane.errors import SnapshotNeeded
 from dataplane.fleet_config import DEFAULT_ROUTING, FleetConfig, InvalidConfig, fleet_config
+from dataplane.prefill_books import DEFAULT_STEP_S, PrefillBooks
 from kvcore.index import BitmaskResidencyIndex
 from kvcore.index.base import MAX_REPLICA_ORDINAL
 from kvcore.pb import events_pb2, routing_pb2
@@ -45,20 +50,6 @@ from kvcore.workload import RoutingConfig
 HEALTHY = routing_pb2.REPLICA_STATUS_HEALTHY
 DEFAULT_CAPACITY = 256  # a replica that does not announce max_num_seqs
 STEP_KEYS = 2_000  # residency keys applied between two yields to the event loop
-ENGINE_KINDS = {events_pb2.ENGINE_KIND_VLLM: "vllm", events_pb2.ENGINE_KIND_SGLANG: "sglang"}
-
-
-@dataclass(frozen=True, slots=True)
-class Endpoint:
-    """Where a replica is and what it serves."""
-
-    ordinal: int
-    replica_id: str
-    pool: str
-    base_url: str
-    model: str
-    served_names: tuple[str, ...]
-    engine_kind: str  # "vllm", "sglang" or "" when unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +59,7 @@ class InflightTicket:
     ordinal: int
     ledger_key: int
     ticket: int
+    prefill: int = 0  # the prefill books' ticket (0: not booked)
 
 
 @dataclass(slots=True)
@@ -104,8 +96,11 @@ class FleetView:
         self._board = ReplicaBoard(states)
 
     def replicas(self) -> ReplicaBoard:
-        if self._fleet._dirty:
-            self._fleet._flush()
+        fleet = self._fleet
+        if fleet._books.draining and fleet._books.due():
+            fleet._dirty.update(fleet._books.draining)  # queued prefill drains with time
+        if fleet._dirty:
+            fleet._flush()
         return self._board
 
     def leading_runs(self, keys: Sequence[int], *, now: float | None) -> dict[int, int]:
@@ -131,7 +126,8 @@ class FleetState:
 
     ``max_age_s``: past this long without a message from a control plane the state is
     stale, and views show no residency at all (kv strategies take their fallback).
-    ``clock``: monotonic seconds, for :meth:`age_s` and staleness.
+    ``clock``: monotonic seconds, for :meth:`age_s`, staleness and the prefill books.
+    ``prefill_step_s``: how stale the books' queued prefill may get (``PrefillBooks``).
     """
 
     def __init__(
@@ -140,6 +136,7 @@ class FleetState:
         default_routing: RoutingConfig = DEFAULT_ROUTING,
         max_age_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        prefill_step_s: float = DEFAULT_STEP_S,
     ) -> None:
         self.max_age_s = max_age_s
         self._default_routing = default_routing
@@ -154,6 +151,7 @@ class FleetState:
         self._block_sizes: dict[str, int] = {}  # canonical model -> announced router block size
         self._index = BitmaskResidencyIndex()
         self._ledger = InflightLedger()
+        self._books = PrefillBooks(clock, prefill_step_s)
         self._ledger_keys: dict[str, int] = {}
         self._next_ledger_key = count()
         self._listeners: list[Callable[[], None]] = []
@@ -382,6 +380,7 @@ class FleetState:
         key = self._ledger_keys.pop(record.info.replica_id, None)
         if key is not None:
             self._ledger.forget(key)
+            self._books.forget(key)
 
     def _membership_changed(self) -> None:
         """Recompute served names, routable states and canonical names; drop views."""
@@ -389,6 +388,7 @@ class FleetState:
         canonical: dict[str, str] = dict(aliases)
         block_sizes: dict[str, Counter[int]] = {}
         self._states = {}
+        self._books.configure(self._config.routing)
         for ordinal, record in self._records.items():
             info = record.info
             served = {info.model, *info.served_names} - {""}
@@ -408,10 +408,17 @@ class FleetState:
         for listener in list(self._listeners):
             listener()
 
-    def _replica_state(self, record: _Replica, unreported: int | None = None) -> ReplicaState:
+    def _counts(self, record: _Replica) -> tuple[int, float | None]:
+        """This proxy's own figures for a replica: unreported requests, queued prefill."""
+        key = record.ledger_key
+        unreported = self._ledger.unreported(key, record.report_ts)
+        return unreported, self._books.queued(record.info.ordinal, key)
+
+    def _replica_state(
+        self, record: _Replica, counts: tuple[int, float | None] | None = None
+    ) -> ReplicaState:
         info, load = record.info, record.info.load
-        if unreported is None:
-            unreported = self._ledger.unreported(record.ledger_key, record.report_ts)
+        unreported, queued = counts or self._counts(record)
         return ReplicaState(
             ordinal=info.ordinal,
             replica_id=info.replica_id,
@@ -421,6 +428,7 @@ class FleetState:
             kv_usage=load.kv_usage,
             unreported=unreported,
             capacity=info.capacity_seqs or DEFAULT_CAPACITY,
+            queued_prefill_tokens=queued,
         )
 
     def _refresh(self, ordinal: int, *, reloaded: bool = False) -> None:
@@ -437,11 +445,14 @@ class FleetState:
         replica whose requests came and went since it was last read keeps its state."""
         for ordinal in self._dirty:
             record = self._records[ordinal]
-            unreported = self._ledger.unreported(record.ledger_key, record.report_ts)
+            counts = self._counts(record)
             current = self._states[ordinal]
-            if ordinal not in self._reloaded and current.unreported == unreported:
+            if ordinal not in self._reloaded and counts == (
+                current.unreported,
+                current.queued_prefill_tokens,
+            ):
                 continue
-            state = self._states[ordinal] = self._replica_state(record, unreported)
+            state = self._states[ordinal] = self._replica_state(record, counts)
             for view in self._views.values():
                 view._replace(state)
         self._dirty.clear()
@@ -511,12 +522,12 @@ class FleetState:
         if record is None:
             return None
         if record.endpoint is None:
-            record.endpoint = _endpoint(record)
+            record.endpoint = endpoint_of(record.info)
         return record.endpoint
 
     def endpoints(self) -> list[Endpoint]:
         """The routable replicas, in ordinal order."""
-        return [_endpoint(self._records[o]) for o in sorted(self._states)]
+        return [endpoint_of(self._records[o].info) for o in sorted(self._states)]
 
     def subscribe(self, listener: Callable[[], None]) -> None:
         """Call ``listener`` after every change of replicas or config."""
@@ -524,20 +535,33 @@ class FleetState:
 
     # -- what the proxy writes back -----------------------------------------------
 
-    def on_sent(self, ordinal: int, now: float) -> InflightTicket | None:
-        """A request went to ``ordinal`` at ``now`` (wall clock, like LoadReport.ts)."""
+    def on_sent(self, ordinal: int, now: float, uncached_tokens: int = 0) -> InflightTicket | None:
+        """A request went to ``ordinal`` at ``now`` (wall clock, like LoadReport.ts) with
+        ``uncached_tokens`` to prefill there (its prompt less the predicted cached tokens)."""
         record = self._records.get(ordinal)
         if record is None:
             return None
-        ticket = self._ledger.sent(record.ledger_key, now)
+        key = record.ledger_key
+        ticket = self._ledger.sent(key, now)
         self._refresh(ordinal)
-        return InflightTicket(ordinal, record.ledger_key, ticket)
+        return InflightTicket(ordinal, key, ticket, self._books.sent(key, uncached_tokens))
+
+    def on_first_byte(self, ticket: InflightTicket | None, status: int, streaming: bool) -> None:
+        """The first bytes of the request's answer arrived (a stream's first event, or a
+        whole body), with HTTP ``status``: its prefill is settled."""
+        if ticket is not None and ticket.prefill:
+            self._books.answered(ticket.ledger_key, ticket.prefill, status, streaming)
+            self._refresh_ticket(ticket)
 
     def on_done(self, ticket: InflightTicket | None) -> None:
         """The request of ``ticket`` ended, in any way (twice: ignored)."""
         if ticket is None:
             return
         self._ledger.done(ticket.ledger_key, ticket.ticket)
+        self._books.ended(ticket.ledger_key, ticket.prefill)
+        self._refresh_ticket(ticket)
+
+    def _refresh_ticket(self, ticket: InflightTicket) -> None:
         record = self._records.get(ticket.ordinal)
         if record is not None and record.ledger_key == ticket.ledger_key:
             self._refresh(ticket.ordinal)
@@ -577,16 +601,3 @@ def _add_in_steps(
     for start in range(0, len(keys), STEP_KEYS):
         index.add(ordinal, keys[start : start + STEP_KEYS])
         yield
-
-
-def _endpoint(record: _Replica) -> Endpoint:
-    info = record.info
-    return Endpoint(
-        ordinal=info.ordinal,
-        replica_id=info.replica_id,
-        pool=info.pool,
-        base_url=info.base_url,
-        model=info.model,
-        served_names=tuple(info.served_names),
-        engine_kind=ENGINE_KINDS.get(info.engine_kind, ""),
-    )

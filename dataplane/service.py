@@ -55,7 +55,9 @@ class ProxyService:
                 settings.static_replicas, default_routing=static_routing(settings)
             )
         else:
-            self.fleet = FleetState(max_age_s=settings.state_max_age_s)
+            self.fleet = FleetState(
+                max_age_s=settings.state_max_age_s, prefill_step_s=settings.prefill_step_ms / 1000
+            )
         self.state_client = None if settings.static else StateClient(settings, self.fleet)
         self.metrics = ProxyMetrics()
         self.router = Router(

@@ -89,6 +89,14 @@ class ProxySettings(BaseSettings):
         description="Routing state older than this makes kv_aware/kv_cost use the "
         "workload's fallback.",
     )
+    prefill_step_ms: float = Field(
+        default=5.0,
+        gt=0,
+        le=1000,
+        description="While a kv_cost workload is configured, how often the proxy re-ages "
+        "the prefill it has queued on each replica (its own books): an estimate is at most "
+        "this much prefill high.",
+    )
     report_interval_s: float = Field(
         default=10.0, gt=0, le=3600, description="Period of the counters sent to the control plane."
     )

@@ -18,9 +18,20 @@ anchors the replica works through it at ``rate`` tokens per second::
 An idle replica (nothing pending) anchors at the next send. ``rate`` is only used to
 age the queue between first tokens; an error in it is corrected at the next one.
 
+A request can also leave the books without a first token the router saw, and then the
+queue is taken to be worked first come, first served (``ahead``: the tokens of this
+router's requests sent before it and still pending):
+
+- :meth:`~PrefillLedger.prefilled`: its prefill finished at some time before ``at`` (a
+  whole non-streamed answer came back): at least ``ahead`` + its own tokens are done;
+- :meth:`~PrefillLedger.dropped`: it ended with no first token (refused, failed,
+  cancelled, retried elsewhere): work assumed done on it was wasted, not done on the
+  requests behind it.
+
 :class:`PrefillLedger`: ``ticket = sent(r, tokens, at)`` when a request goes upstream,
-``first_token(r, ticket, at)`` when its first token arrives (or it ends without one;
-a second call is ignored), ``queued_tokens(r, now)`` for the routing state. O(1) each.
+``first_token(r, ticket, at)`` when its first token arrives, or ``prefilled``/``dropped``
+(a second settlement of a ticket is ignored), ``queued_tokens(r, now)`` for the routing
+state. O(1) each, except ``prefilled``/``dropped``: O(this router's requests pending on r).
 """
 
 from __future__ import annotations
@@ -63,7 +74,7 @@ class PrefillLedger:
         return ticket
 
     def first_token(self, replica: int, ticket: int, at: float) -> None:
-        """The request of ``ticket`` produced its first token (or ended) at ``at``."""
+        """The request of ``ticket`` produced its first token at ``at``."""
         queue = self._queues.get(replica)
         if queue is None or ticket not in queue.pending:
             return
@@ -71,6 +82,33 @@ class PrefillLedger:
         if not queue.pending:
             queue.tokens = 0.0  # no drift from float sums
         queue.anchor = max(queue.anchor, at)
+
+    def prefilled(self, replica: int, ticket: int, at: float) -> None:
+        """The request of ``ticket`` was prefilled at some time before ``at`` (its whole
+        answer came back at once)."""
+        self._settle(replica, ticket, at, done=True)
+
+    def dropped(self, replica: int, ticket: int, at: float) -> None:
+        """The request of ``ticket`` ended at ``at`` without a first token."""
+        self._settle(replica, ticket, at, done=False)
+
+    def _settle(self, replica: int, ticket: int, at: float, *, done: bool) -> None:
+        queue = self._queues.get(replica)
+        if queue is None or ticket not in queue.pending:
+            return
+        ahead = 0.0
+        for other, pending in queue.pending.items():
+            if other == ticket:
+                break
+            ahead += pending
+        tokens = queue.pending.pop(ticket)
+        at = max(at, queue.anchor)
+        drained = self.rate * (at - queue.anchor)  # work the replica has done since
+        if done:
+            drained = max(drained, ahead + tokens)
+        drained -= min(max(drained - ahead, 0.0), tokens)  # of which on the others
+        queue.tokens = queue.tokens - tokens if queue.pending else 0.0
+        queue.anchor = at - drained / self.rate
 
     def queued_tokens(self, replica: int, now: float) -> float:
         """Prompt tokens of this proxy's requests ``replica`` has still to prefill."""

@@ -72,3 +72,54 @@ def test_kv_cost_sends_the_next_request_away_from_a_replica_busy_prefilling() ->
     rows = {r.replica_id: r for r in decision.reasons}
     assert rows["r0"].score == pytest.approx(-(19_000 + 16) / 10_000)  # 1.9 s still queued
     assert rows["r1"].score == pytest.approx(-128 / 10_000)
+
+
+def three_queued() -> tuple[PrefillLedger, list[int]]:
+    """Replica 0 at 1,000 tokens/s, sent three requests of 1,000 uncached tokens at 10 s."""
+    ledger = PrefillLedger(prefill_tokens_per_s=1000)
+    return ledger, [ledger.sent(0, 1000, at=10.0) for _ in range(3)]
+
+
+def test_a_request_dropped_before_its_turn_takes_only_its_own_tokens_away() -> None:
+    """At 10.5 s the replica is half way through the first request (first come, first
+    served). Dropping the last leaves the first two as they were."""
+    ledger, (_, _, last) = three_queued()
+    ledger.dropped(0, last, at=10.5)
+    assert ledger.queued_tokens(0, now=10.5) == pytest.approx(1500)
+    assert ledger.queued_tokens(0, now=11.0) == pytest.approx(1000)
+    assert ledger.pending(0) == 2
+
+
+def test_work_on_a_dropped_request_is_not_credited_to_those_behind_it() -> None:
+    """The first request is cancelled half way through its prefill: the replica starts on
+    the second then, with all of it still to do."""
+    ledger = PrefillLedger(prefill_tokens_per_s=1000)
+    first = ledger.sent(0, 1000, at=10.0)
+    ledger.sent(0, 1000, at=10.0)
+    ledger.dropped(0, first, at=10.5)
+    assert ledger.queued_tokens(0, now=10.5) == pytest.approx(1000)
+    assert ledger.queued_tokens(0, now=10.75) == pytest.approx(750)
+    ledger.dropped(0, first, at=10.8)  # settled once
+    assert ledger.queued_tokens(0, now=10.75) == pytest.approx(750)
+
+
+def test_a_whole_answer_proves_its_prefill_and_the_earlier_ones_done() -> None:
+    """A non-streamed answer for the second request arrives at 10.1 s, sooner than the
+    assumed rate allows: both it and the request ahead of it were prefilled, so only the
+    third is left, all of it, starting now."""
+    ledger, (_, second, _) = three_queued()
+    ledger.prefilled(0, second, at=10.1)
+    assert ledger.queued_tokens(0, now=10.1) == pytest.approx(1000)
+    assert ledger.queued_tokens(0, now=10.6) == pytest.approx(500)
+    assert ledger.pending(0) == 2
+
+
+def test_a_whole_answer_after_the_estimate_keeps_the_rest_of_the_queue_aging() -> None:
+    """The second request's answer comes at 12.5 s, after the ledger thought both it and
+    the first were done (12.0 s): the third has been prefilling since, at the rate."""
+    ledger, (_, second, _) = three_queued()
+    ledger.prefilled(0, second, at=12.5)
+    assert ledger.queued_tokens(0, now=12.5) == pytest.approx(500)
+    ledger.dropped(0, 99, at=12.5)  # unknown ticket
+    ledger.prefilled(3, 1, at=12.5)  # unknown replica
+    assert ledger.queued_tokens(0, now=12.5) == pytest.approx(500)

@@ -1,0 +1,181 @@
+"""The proxy's own prefill books (``dataplane.prefill_books`` through ``FleetState``): what
+kv_cost reads as each replica's queued prefill, right at decision time."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from dataplane.fleet_state import FleetState
+from kvcore.keys import block_keys
+from kvcore.policies import Decision, RouteContext, create_policy
+from kvcore.workload import KvCostWorkload
+from tests.unit.dataplane.state_messages import (
+    MODEL,
+    config,
+    delta,
+    replica,
+    residency_change,
+    snapshot,
+)
+
+RATE = 10_000.0  # the kv_cost workload's prefill tokens per second
+KV_COST = {"name": "default", "strategy": "kv_cost", "prefill_tokens_per_s": RATE}
+PROMPT = list(range(1000, 1000 + 2048))  # 128 blocks
+KEYS = block_keys(PROMPT, model=MODEL)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def fleet(
+    clock: Clock, workloads: list[dict[str, Any]] | None = None, replicas: int = 2
+) -> FleetState:
+    state = FleetState(clock=clock, prefill_step_s=0.005)
+    routing = config(workloads or [KV_COST])
+    state.apply(snapshot(1, 1, [replica(o) for o in range(replicas)], routing=routing)[0])
+    return state
+
+
+def queued(state: FleetState) -> list[float | None]:
+    return [r.queued_prefill_tokens for r in state.view(MODEL).replicas()]
+
+
+def route(state: FleetState, keys: list[int], now: float) -> Decision:
+    workload = state.routing_config().workload("default")
+    assert isinstance(workload, KvCostWorkload)
+    ctx = RouteContext(workload=workload, model=MODEL, block_keys=keys, now=now)
+    return create_policy(workload, rng=random.Random(0)).select(ctx, state.view(MODEL))
+
+
+def test_a_replica_prefilling_a_big_prompt_ranks_behind_an_idle_one_under_kv_cost() -> None:
+    """Replica 0 holds the prompt's first 100 blocks, but this proxy just sent it 20,000
+    uncached tokens: its last load report (nothing waiting) cannot show that, the books
+    do, and kv_cost recomputes the prompt on idle replica 1 (0.2 s) rather than wait
+    behind them (2.0 s). The engine's report alone would have said otherwise."""
+    clock = Clock()
+    state = fleet(clock)
+    state.apply(delta(1, 2, residency=[residency_change(0, KEYS[:100])]))
+    assert route(state, KEYS, clock.now).replica_id == "r0"  # idle: the cache wins
+    state.on_sent(0, 1e9, uncached_tokens=20_000)
+    clock.now += 0.001
+    decision = route(state, KEYS, clock.now)
+    assert decision.replica_id == "r1"
+    scores = {row.replica_id: row.score for row in decision.reasons}
+    assert scores["r0"] == pytest.approx(-(19_990 + 448) / RATE)
+    assert scores["r1"] == pytest.approx(-2048 / RATE)
+
+
+def test_the_queue_drains_with_time_though_nothing_else_changes() -> None:
+    clock = Clock()
+    state = fleet(clock)
+    state.on_sent(0, 1e9, uncached_tokens=5_000)
+    assert queued(state) == [5_000, 0]
+    clock.now += 0.01
+    assert queued(state) == [pytest.approx(4_900), 0]
+    clock.now += 0.004  # within a step: never low, at most a step of prefill high
+    assert queued(state) == [pytest.approx(4_900), 0]
+    clock.now += 0.2
+    assert queued(state) == [pytest.approx(2_860), 0]
+    clock.now += 1.0
+    assert queued(state) == [0, 0]
+    assert not state._books.draining  # drained: no more re-aging for it
+
+
+def test_a_streamed_first_byte_settles_the_ticket_and_anchors_the_rest() -> None:
+    """Two requests queued on replica 0; the first answers its first event 0.5 s later
+    than the assumed rate says: the second has all its tokens ahead of it from then."""
+    clock = Clock()
+    state = fleet(clock)
+    first = state.on_sent(0, 1e9, uncached_tokens=2_000)
+    state.on_sent(0, 1e9, uncached_tokens=1_000)
+    clock.now += 0.7
+    assert queued(state) == [0, 0]  # by the assumed rate, both are done
+    state.on_first_byte(first, 200, streaming=True)
+    assert queued(state) == [1_000, 0]
+    state.on_done(first)  # the stream ends later: nothing more to settle
+    assert queued(state) == [1_000, 0]
+
+
+def test_a_whole_answer_settles_as_prefilled_and_an_error_status_as_never_prefilled() -> None:
+    clock = Clock()
+    state = fleet(clock)
+    whole = state.on_sent(0, 1e9, uncached_tokens=2_000)
+    behind = state.on_sent(0, 1e9, uncached_tokens=3_000)
+    refused = state.on_sent(1, 1e9, uncached_tokens=4_000)
+    clock.now += 0.1
+    state.on_first_byte(whole, 200, streaming=False)  # its prefill and nothing after it
+    state.on_first_byte(refused, 400, streaming=False)  # the engine refused it: none
+    assert queued(state) == [3_000, 0]
+    state.on_done(behind)  # cancelled before its first byte
+    assert queued(state) == [0, 0]
+
+
+def test_no_tokens_leak_when_attempts_fail_or_are_retried_elsewhere() -> None:
+    """A connect failure on replica 0 retried on replica 1, whose stream is cancelled
+    before its first byte: after both ends, both queues are empty."""
+    clock = Clock()
+    state = fleet(clock)
+    failed = state.on_sent(0, 1e9, uncached_tokens=6_000)
+    state.on_done(failed)  # Dispatcher._open on a Retriable failure
+    retried = state.on_sent(1, 1e9, uncached_tokens=6_000)
+    assert queued(state) == [0, 6_000]
+    state.on_done(retried)  # the client went away
+    assert queued(state) == [0, 0]
+    assert state.inflight_total() == 0
+    assert all(state._books._ledger.pending(key) == 0 for key in (0, 1))
+
+
+def test_without_a_kv_cost_workload_no_books_are_kept() -> None:
+    clock = Clock()
+    state = fleet(clock, [{"name": "default", "strategy": "kv_aware"}])
+    ticket = state.on_sent(0, 1e9, uncached_tokens=5_000)
+    assert ticket is not None and ticket.prefill == 0
+    assert queued(state) == [None, None]
+    state.on_first_byte(ticket, 200, streaming=True)
+    assert not state._books.draining
+
+
+def test_books_follow_the_config_and_tickets_booked_before_still_settle() -> None:
+    """kv_cost is added by a config delta, then removed while a request is in flight; the
+    request's end still settles its ticket, so a later kv_cost config starts clean."""
+    clock = Clock()
+    state = fleet(clock, [{"name": "default", "strategy": "least_load"}])
+    assert queued(state) == [None, None]
+    state.apply(delta(1, 2, config=config([KV_COST], revision=2)))
+    ticket = state.on_sent(1, 1e9, uncached_tokens=3_000)
+    assert queued(state) == [0, 3_000]
+    state.apply(delta(1, 3, config=config([{"name": "default", "strategy": "kv_aware"}])))
+    assert queued(state) == [None, None]
+    state.on_done(ticket)
+    state.apply(delta(1, 4, config=config([KV_COST], revision=4)))
+    assert queued(state) == [0, 0]
+
+
+def test_the_lowest_prefill_rate_of_the_kv_cost_workloads_ages_the_books() -> None:
+    clock = Clock()
+    slow = {"name": "slow", "strategy": "kv_cost", "prefill_tokens_per_s": 1_000}
+    state = fleet(clock, [KV_COST, slow])
+    state.on_sent(0, 1e9, uncached_tokens=2_000)
+    clock.now += 1.0
+    assert queued(state) == [pytest.approx(1_000), 0]
+
+
+def test_a_replica_that_leaves_takes_its_books_along() -> None:
+    """Replica 1 leaves with a request in flight and a new replica takes its ordinal: the
+    newcomer starts with an empty queue, and the old request's end changes nothing."""
+    clock = Clock()
+    state = fleet(clock)
+    ticket = state.on_sent(1, 1e9, uncached_tokens=3_000)
+    state.apply(delta(1, 2, replicas_removed=[1]))
+    state.apply(delta(1, 3, replicas_upserted=[replica(1, replica_id="newcomer")]))
+    assert queued(state) == [0, 0]
+    state.on_done(ticket)
+    assert queued(state) == [0, 0]
