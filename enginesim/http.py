@@ -244,11 +244,14 @@ class SimApp:
         self, handle: RequestHandle, body: p.ChatRequest
     ) -> AsyncIterator[bytes]:
         rid, model = self._ids(handle)
-        yield sse(p.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, None))
+        role = sse(p.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, None))
         async for pieces, last in self._pieces(handle):
             if pieces is None:
                 yield sse(p.ApiError("engine restarted").body())
                 break
+            if role:  # as vLLM and SGLang: the role comes with the first output, after prefill
+                yield role
+                role = b""
             for i, piece in enumerate(pieces):
                 finish = "length" if last and i == len(pieces) - 1 else None
                 yield sse(p.chat_chunk(rid, model, {"content": piece}, finish, None))

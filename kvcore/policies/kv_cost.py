@@ -20,7 +20,7 @@ prediction. Decisions carry ``score = -ttft`` in seconds.
 The prefill in progress is most of the wait for long prompts and no load report shows
 it: with queued work estimated from reported waiting requests, kv_cost measured 5.5 s
 mean TTFT on the Mooncake trace in ``bench.sim``; with a router's own books, 1.2 s
-(``bench.sim``'s routers keep them; the proxy does not yet).
+(``bench.sim``'s routers keep them, and so does the proxy: ``dataplane.prefill_books``).
 """
 
 from __future__ import annotations

@@ -95,3 +95,32 @@ def test_a_missing_tokenizer_directory_is_refused_at_start(tmp_path: Path) -> No
     sim = SimProcess(f"--tokenizer={tmp_path / 'nothing'}")
     with pytest.raises(RuntimeError, match=r"exit 2\).*tokenizer"):
         sim.__enter__()
+
+
+def test_a_chat_stream_begins_with_the_first_token_as_vllm_does() -> None:
+    """vLLM and SGLang send a chat stream's role event with the first output, after the
+    prompt's prefill; a proxy reads that first event as the first token (its prefill
+    books settle then). Modelled prefill here: the prompt's tokens at 2,000 per second."""
+    body = {
+        "messages": [{"role": "user", "content": "tell me more about caches " * 200}],
+        "max_tokens": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with SimProcess("--prefill-rate=2000", "--prefill-overhead-ms=0") as sim:
+        host, port = sim.url.removeprefix("http://").rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        started = time.monotonic()
+        conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                     {"content-type": "application/json"})  # fmt: skip
+        response = conn.getresponse()
+        first = json.loads(read_event(response))
+        first_at = time.monotonic() - started
+        events = [first]
+        while (event := read_event(response)) != "[DONE]":
+            events.append(json.loads(event))
+        conn.close()
+    assert first["choices"][0]["delta"]["role"] == "assistant"
+    prompt_tokens = events[-1]["usage"]["prompt_tokens"]
+    assert prompt_tokens > 800
+    assert first_at >= prompt_tokens / 2000
