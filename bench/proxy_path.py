@@ -1,7 +1,9 @@
 """What kvroute-proxy's own code costs per request, with no sockets and no other process.
 
 ``python -m bench.proxy_path [--requests N] [--strategy S]`` builds one worker's
-``ProxyService`` (static mode, two replicas), serves it with its ``HttpServer`` on an
+``ProxyService`` (static mode, two replicas; with ``--strategy kv_aware``, a proxy of a
+fleet as ``kvroute up`` runs it, debug headers on, its routing state one control-plane
+snapshot of two healthy replicas and its control-plane reporter counting), serves it with its ``HttpServer`` on an
 in-memory transport and lets its ``ConnectionPool`` reach in-memory replicas, then sends
 short non-streaming completions through the whole real path: request parsing, routing,
 the upstream request and response parsing, the relay, metrics and the response. A
@@ -30,6 +32,7 @@ from dataplane.http_client import ConnectionPool, _Connection
 from dataplane.http_server import HttpServer
 from dataplane.service import ProxyService
 from dataplane.settings import ProxySettings
+from kvcore.pb import events_pb2, routing_pb2
 
 MODEL = "kvroute/sim-model"
 ANSWER = json.dumps({
@@ -84,18 +87,49 @@ class _MemoryReplicas(ConnectionPool):
         return connection
 
 
-async def measure(requests: int, strategy: str, profile: bool, warmup: int = 500) -> list[float]:
-    settings = ProxySettings.model_validate(
-        {
-            "static_replicas": ["http://10.0.0.1:8000", "http://10.0.0.2:8000"],
-            "static_strategy": strategy,
-            "log_level": "WARNING",
-        }
+REPLICAS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+
+
+def _service(strategy: str) -> ProxyService:
+    """A static proxy, or (``kv_aware``) one of a fleet: its state one snapshot, never
+    started (no control plane to reach)."""
+    if strategy != "kv_aware":
+        static = {"static_replicas": REPLICAS, "static_strategy": strategy}
+        service = ProxyService(ProxySettings.model_validate({**static, "log_level": "WARNING"}))
+        for endpoint in service.fleet.endpoints():
+            service.fleet.set_served_names(endpoint.ordinal, [MODEL])
+        return service
+    settings = {"controlplane": ["127.0.0.1:1"], "debug_headers": True, "log_level": "WARNING"}
+    service = ProxyService(ProxySettings.model_validate(settings))
+    service.fleet.apply(_snapshot())
+    return service
+
+
+def _snapshot() -> routing_pb2.StateUpdate:
+    """Two healthy idle replicas serving ``MODEL``; the ``default`` workload kv_aware."""
+    config = routing_pb2.RoutingConfig(
+        revision=1,
+        workloads=[routing_pb2.Workload(name="default", policy_json='{"strategy": "kv_aware"}')],
+        models=[routing_pb2.Model(name=MODEL, tokenizer="builtin", block_size=16)],
     )
-    service = ProxyService(settings)
+    replicas = [
+        routing_pb2.Replica(
+            ordinal=i, replica_id=f"r{i}", pool="default", base_url=url, model=MODEL,
+            status=routing_pb2.REPLICA_STATUS_HEALTHY, capacity_seqs=1024,
+            load=events_pb2.LoadReport(ts=time.time()),
+        )
+        for i, url in enumerate(REPLICAS)
+    ]  # fmt: skip
+    chunk = routing_pb2.SnapshotChunk(
+        chunk_index=0, last_chunk=True, config=config, replicas=replicas
+    )
+    return routing_pb2.StateUpdate(epoch=1, version=1, snapshot=chunk)
+
+
+async def measure(requests: int, strategy: str, profile: bool, warmup: int = 500) -> list[float]:
+    service = _service(strategy)
+    settings = service.settings
     await asyncio.to_thread(service.router.tokenizers.load, settings.tokenizer)
-    for endpoint in service.fleet.endpoints():
-        service.fleet.set_served_names(endpoint.ordinal, [MODEL])
     service.upstream.pool = _MemoryReplicas(2.0, 60.0)
     server = HttpServer(service.app, max_body_bytes=settings.max_body_bytes)
     answered: list[asyncio.Future[bytes]] = []  # the one request in flight
@@ -137,6 +171,7 @@ async def measure(requests: int, strategy: str, profile: bool, warmup: int = 500
             await one(i)
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+    service.reporter = None  # no control plane to deliver its last report to
     await service.aclose()
     return samples
 
@@ -145,11 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=10_000)
     parser.add_argument("--strategy", default="round_robin",
-                        choices=["round_robin", "least_load", "prefix_hash"])  # fmt: skip
+                        choices=["round_robin", "least_load", "prefix_hash", "kv_aware"])  # fmt: skip
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args(argv)
     samples = uvloop.run(measure(args.requests, args.strategy, args.profile))
-    print(f"kvroute-proxy request path in process, static {args.strategy}, short completion")
+    mode = "a fleet's" if args.strategy == "kv_aware" else "static"
+    print(f"kvroute-proxy request path in process, {mode} {args.strategy}, short completion")
     print(f"  CPU per request, fastest of {BATCHES} batches  {min(samples):8.1f} us")
     print(f"  CPU per request, median batch            {statistics.median(samples):8.1f} us")
     return 0

@@ -80,8 +80,8 @@ class RingRouter:
                 continue
             if replica.ordinal not in screened.saturated:
                 note = f"passed on by {len(passed)} saturated replica(s)" if passed else ""
-                rows = plain_rows(screened)
-                return decide(strategy, screened, replica, rows, note=note, extra={"ring_key": key})
+                extra = {"ring_key": key}
+                return decide(strategy, screened, replica, plain_rows, note=note, extra=extra)
             passed.append(replica)
         raise AssertionError("screen() leaves a usable replica when any is eligible")
 

@@ -268,7 +268,10 @@ def decision(
             whole = screen_rows(ctx, fleet, found.saturated_why)
         return [*whole.excluded, *rows(whole.usable)]
 
+    def chosen_row() -> ReplicaReason | None:
+        return None if chosen is None else next(iter(rows([chosen])), None)
+
     note = details.pop("note", "") or found.note
     if chosen is None:
         note = note or "no replica can serve this request"
-    return Decision(chosen, strategy, Reasons(explain), note, **details)
+    return Decision(chosen, strategy, Reasons(explain, chosen_row), note, **details)

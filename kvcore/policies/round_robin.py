@@ -24,4 +24,4 @@ class RoundRobinPolicy:
             return decide(self.name, screened, None)
         chosen = screened.usable[self._turn % len(screened.usable)]
         self._turn += 1
-        return decide(self.name, screened, chosen, plain_rows(screened))
+        return decide(self.name, screened, chosen, plain_rows)

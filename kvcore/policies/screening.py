@@ -121,18 +121,22 @@ def decide(
     strategy: str,
     screened: Screened,
     chosen: ReplicaState | None,
-    rows: Callable[[], Iterable[ReplicaReason]] = tuple,
+    rows: Callable[[list[ReplicaState]], Iterable[ReplicaReason]] = lambda _: (),
     **details: Any,
 ) -> Decision:
-    """A decision whose reasons (``rows()`` for the usable replicas, built only when
-    read) list every replica once, in ordinal order."""
-    reasons = Reasons(lambda: [*screened.excluded, *rows()])
+    """A decision whose reasons (``rows(screened.usable)``, built only when read) list
+    every replica once, in ordinal order."""
+
+    def chosen_row() -> ReplicaReason | None:
+        return None if chosen is None else next(iter(rows([chosen])), None)
+
+    reasons = Reasons(lambda: [*screened.excluded, *rows(screened.usable)], chosen_row)
     note = details.pop("note", "") or screened.note
     if chosen is None:
         note = note or "no replica can serve this request"
     return Decision(chosen, strategy, reasons, note, **details)
 
 
-def plain_rows(screened: Screened) -> Callable[[], list[ReplicaReason]]:
+def plain_rows(usable: list[ReplicaState]) -> list[ReplicaReason]:
     """Rows with just the load, for strategies that do not score."""
-    return lambda: [reason(r) for r in screened.usable]
+    return [reason(r) for r in usable]

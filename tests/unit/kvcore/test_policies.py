@@ -107,6 +107,21 @@ def test_decisions_explain_every_replica_as_json(strategy: str) -> None:
     assert all("load" in r for r in explained["replicas"])
 
 
+def test_the_debug_header_shows_the_chosen_replicas_explain_row(strategy: str) -> None:
+    """The header is built from the chosen replica's row alone; it reads as the explain
+    endpoint's row for that replica, with the others excluded or scored around it."""
+    replicas = [ReplicaState(0, "busy", running=300), ReplicaState(1, "sick", healthy=False),
+                ReplicaState(2, "a", running=3), ReplicaState(3, "b", running=5)]  # fmt: skip
+    decision = _route(strategy, replicas)
+    header = decision.summary()
+    row = next(r for r in decision.reasons if r.ordinal == decision.ordinal)  # every row
+    values = {"hit": row.hit, "load": row.load, "score": row.score}
+    figures = [f"{name}={value:.3f}" for name, value in values.items() if value is not None]
+    assert header.startswith(f"replica={decision.replica_id}; strategy={strategy}; ")
+    assert figures and "; ".join(figures) in header
+    assert decision.summary() == header  # the same once every row is built
+
+
 replica_states = st.tuples(
     st.sampled_from([True, True, True, False]),  # healthy
     st.sampled_from([False, False, False, True]),  # draining

@@ -75,10 +75,12 @@ def _workload(fields: dict[str, Any]) -> Any:
 
 
 def _same(board: Decision, whole: Decision) -> None:
+    headers = board.summary(), whole.summary()  # the chosen replica's row alone
     assert board.ordinal == whole.ordinal
     assert board.note == whole.note
     assert board.speculative == whole.speculative
     assert board.to_dict() == whole.to_dict()
+    assert headers == (board.summary(), whole.summary())  # the same, from every row
 
 
 @settings(max_examples=150, deadline=None)
