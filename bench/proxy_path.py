@@ -3,15 +3,16 @@
 ``python -m bench.proxy_path [--requests N] [--strategy S]`` builds one worker's
 ``ProxyService`` (static mode, two replicas; with ``--strategy kv_aware``, a proxy of a
 fleet as ``kvroute up`` runs it, debug headers on, its routing state one control-plane
-snapshot of two healthy replicas and its control-plane reporter counting), serves it with its ``HttpServer`` on an
-in-memory transport and lets its ``ConnectionPool`` reach in-memory replicas, then sends
-short non-streaming completions through the whole real path: request parsing, routing,
-the upstream request and response parsing, the relay, metrics and the response. A
-replica answers with a fixed vLLM-shaped body at once. Printed: CPU time per request, the
-fastest of 10 batches and their median (on a machine shared with other work the fastest
-batch is the least disturbed one). No system call is made, so this is the proxy's Python
-work alone; what the kernel adds per hop is the same for any Python proxy (``bench.proxy
---floors``). ``--profile`` prints where the time goes (cProfile, CPU time).
+snapshot of two healthy replicas and its control-plane reporter counting), serves it
+with its ``HttpServer`` on an in-memory transport and lets its ``ConnectionPool`` reach
+in-memory replicas, then sends short non-streaming completions through the whole real
+path: request parsing, routing, the upstream request and response parsing, the relay,
+metrics and the response. A replica answers with a fixed vLLM-shaped body at once.
+Printed: CPU time per request, the fastest of 10 batches and their median (on a machine
+shared with other work the fastest batch is the least disturbed one). No system call is
+made, so this is the proxy's Python work alone; what the kernel adds per hop is the same
+for any Python proxy (``bench.proxy --floors``). ``--profile`` prints where the time goes
+(cProfile, CPU time).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ REPLY = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %
     ANSWER,
 )
 BATCHES = 10
+STRATEGIES = ["round_robin", "least_load", "prefix_hash", "kv_aware"]
 
 
 class _Transport:
@@ -179,8 +181,7 @@ async def measure(requests: int, strategy: str, profile: bool, warmup: int = 500
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=10_000)
-    parser.add_argument("--strategy", default="round_robin",
-                        choices=["round_robin", "least_load", "prefix_hash", "kv_aware"])  # fmt: skip
+    parser.add_argument("--strategy", default="round_robin", choices=STRATEGIES)
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args(argv)
     samples = uvloop.run(measure(args.requests, args.strategy, args.profile))
