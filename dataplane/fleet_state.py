@@ -96,11 +96,7 @@ class FleetView:
         self._board = ReplicaBoard(states)
 
     def replicas(self) -> ReplicaBoard:
-        fleet = self._fleet
-        if fleet._books.draining and fleet._books.due():
-            fleet._dirty.update(fleet._books.draining)  # queued prefill drains with time
-        if fleet._dirty:
-            fleet._flush()
+        self._fleet._bring_up_to_date()
         return self._board
 
     def leading_runs(self, keys: Sequence[int], *, now: float | None) -> dict[int, int]:
@@ -440,6 +436,13 @@ class FleetState:
             if reloaded:
                 self._reloaded.add(ordinal)
 
+    def _bring_up_to_date(self) -> None:
+        books = self._books
+        if books.draining and books.due():
+            self._dirty.update(books.draining)  # queued prefill drains with time
+        if self._dirty:
+            self._flush()
+
     def _flush(self) -> None:
         """Rebuild the marked replicas' states and patch the views holding them; a
         replica whose requests came and went since it was last read keeps its state."""
@@ -465,8 +468,7 @@ class FleetState:
         alias), with load and residency (speculative entries included)."""
         view = self._views.get(model)
         if view is None:
-            if self._dirty:
-                self._flush()
+            self._bring_up_to_date()
             records = self._records
             states = [
                 state

@@ -1,5 +1,6 @@
-"""The proxy's routing state (``dataplane.fleet_state``): its cost per request, and how
-fast and how smoothly it applies what the control plane streams."""
+"""The proxy's routing state (``dataplane.fleet_state``): its cost per request (with and
+without kv_cost's prefill books), and how fast and how smoothly it applies what the
+control plane streams."""
 
 from __future__ import annotations
 
@@ -102,7 +103,57 @@ def _apply_figures(rng: random.Random) -> tuple[list[Figure], FleetState]:
     ], state
 
 
+class _Clock:
+    """Monotonic seconds the benchmark moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _kv_cost_state(clock: _Clock) -> FleetState:
+    """64 replicas routed by a kv_cost workload: the proxy keeps its prefill books."""
+    workload = routing_pb2.Workload(name="default", policy_json='{"strategy": "kv_cost"}')
+    chunk = routing_pb2.SnapshotChunk(
+        chunk_index=0,
+        last_chunk=True,
+        replicas=map(_replica, range(REPLICAS)),
+        config=routing_pb2.RoutingConfig(workloads=[workload]),
+    )
+    state = FleetState(clock=clock)
+    state.apply(routing_pb2.StateUpdate(epoch=1, version=1, snapshot=chunk))
+    return state
+
+
+def _books_figures() -> list[Figure]:
+    clock = _Clock()
+    state = _kv_cost_state(clock)
+    ordinals = iter(range(10**9))
+
+    def one_request() -> None:
+        ticket = state.on_sent(next(ordinals) % REPLICAS, 200.0, 2_000)
+        state.view(MODEL).replicas()
+        state.on_first_byte(ticket, 200, streaming=True)
+        state.on_done(ticket)
+
+    per_request = median_us(one_request, repeat=2000)
+    for ordinal in range(REPLICAS):  # every replica prefilling for minutes
+        state.on_sent(ordinal, 200.0, 10**9)
+
+    def one_step() -> None:
+        clock.now += 0.01  # past the 5 ms step: every replica's state is re-aged
+        state.view(MODEL).replicas()
+
+    step = median_us(one_step, repeat=200)
+    return [
+        Figure("  the same with kv_cost's prefill books (+ on_first_byte)", per_request, "us", 25),
+        Figure(f"  re-aging {REPLICAS} draining replicas (at most once per 5 ms)", step, "us"),
+    ]
+
+
 def run() -> list[Figure]:
     rng = random.Random(5)
     figures, state = _apply_figures(rng)
-    return figures + _request_figures(state)
+    return figures + _request_figures(state) + _books_figures()
