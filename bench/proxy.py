@@ -21,11 +21,13 @@ could not be checked (a router that did not run is reported with the reason):
    second: kvroute's >= 0.9x sglang-router's, ``round_robin`` vs ``round_robin`` and
    ``kv_aware`` vs ``cache_aware``;
 3. the routing decision in-process (classify + render + tokenize + key + score) for an
-   8,192-token chat prompt whose first 90% was seen before, 64 replicas, ``kv_aware``:
-   p50 <= 1 ms and p99 <= 3 ms with the built-in tokenizer; with an HF byte-level BPE,
-   p50 at most 0.3 ms above that tokenizer's own encode of the new 10%. The decision's
-   CPU time (thread time) is printed beside its wall time: on a machine shared with other
-   work the wall time includes waiting for a core, the CPU time does not.
+   8,192-token chat prompt whose first 90% was seen before, 64 replicas, ``kv_aware``,
+   300 decisions per tokenizer: p50 <= 1 ms and p99 <= 3 ms with the built-in tokenizer;
+   with an HF byte-level BPE, p50 at most 0.3 ms above that tokenizer's own encode of the
+   new 10% (timed beside each decision, alternately before and after it; the HF
+   decision's own p50 and p99 have no target). The decision's CPU time (thread time) is
+   printed beside its wall time: on a machine shared with other work the wall time
+   includes waiting for a core, the CPU time does not.
 
 ``--quick`` is a short run (fewer rounds, one throughput run each); ``--peers`` picks the
 peer routers; ``--floors`` adds three bare pass-through proxies to one replica
@@ -91,6 +93,8 @@ FLOORS = {  # bench.passthrough's servers, each with a raw asyncio client
 DECISION_P50_MS, DECISION_P99_MS, HF_OVER_TAIL_MS = 1.0, 3.0, 0.3
 PROMPT_TOKENS, SEEN = 8192, 0.9
 REPLICAS = 64
+DECISIONS = 300  # timed per tokenizer: the p99 is the 4th slowest, not the slowest of a few
+DECISION_WARM_UP = 10  # decisions not counted
 
 
 @dataclass
@@ -310,19 +314,20 @@ def _hold(fleet: FleetState, ordinal: int, keys: list[int]) -> None:
     fleet.apply(routing_pb2.StateUpdate(epoch=1, version=2, delta=delta))
 
 
-def decision(tokenizer: Tokenizer, spec: str, label: str) -> list[Figure]:
+def decision(tokenizer: Tokenizer, spec: str, label: str, count: int = DECISIONS) -> list[Figure]:
+    """``count`` timed decisions, each for a chat whose new 10% no earlier one had, and
+    beside each the tokenizer's own encode of that new 10%, alternately before and after
+    it, so that whatever else runs on the machine weighs on both alike."""
     rng = random.Random(11)
     words = _words()
     system = _text_of(tokenizer, int(PROMPT_TOKENS * SEEN), rng, words)
-    tail = int(PROMPT_TOKENS * (1 - SEEN))
-    questions = [_text_of(tokenizer, tail, rng, words) for _ in range(80)]
+    new = int(PROMPT_TOKENS * (1 - SEEN))
+    questions = [_text_of(tokenizer, new, rng, words) for _ in range(count + DECISION_WARM_UP)]
     fleet = _fleet(spec, 16)
     router = Router(fleet, Defaults(), random.Random(3))
-    bodies = [
-        json.dumps({"model": MODEL, "messages": _chat(system, q)}).encode() for q in questions
-    ]
 
-    def decide(raw: bytes) -> Callable[[], Any]:
+    def decide(question: str) -> Callable[[], Any]:
+        raw = json.dumps({"model": MODEL, "messages": _chat(system, question)}).encode()
         request = parse_inference(raw, "chat")
 
         def run() -> Any:
@@ -332,36 +337,60 @@ def decision(tokenizer: Tokenizer, spec: str, label: str) -> list[Figure]:
 
         return run
 
-    (chosen, _), prepared = decide(bodies[0])()  # warm: the 90% is now seen and cached
+    _, prepared = decide(_text_of(tokenizer, new, rng, words))()  # the 90% is now cached
     _hold(fleet, 7, prepared.block_keys[: int(len(prepared.block_keys) * SEEN)])
-    samples, cpu = [], []
-    for raw in bodies[1:]:
-        run = decide(raw)
-        start, start_cpu = time.perf_counter(), time.thread_time()
-        (chosen, _), _ = run()
-        samples.append((time.perf_counter() - start) * 1000)
-        cpu.append((time.thread_time() - start_cpu) * 1000)
+    walls, cpus, tails = [], [], []
+    for i, question in enumerate(questions):
+        run = decide(question)
+
+        def encode_tail(question: str = question) -> None:
+            tokenizer.encode(question, add_special_tokens=False)
+
+        tail = _timed(encode_tail) if i % 2 else None  # every other round: the tail first
+        (wall, cpu), ((chosen, _), prepared) = _timed_result(run)
+        tail = tail or _timed(encode_tail)
         assert chosen.replica_id == "r7", chosen.summary()
-    tail_encode = []
-    for question in questions[1:]:
-        start = time.perf_counter()
-        tokenizer.encode(question, add_special_tokens=False)
-        tail_encode.append((time.perf_counter() - start) * 1000)
-    p50, p99 = statistics.median(samples), _p99(samples)
-    name = f"routing decision, {prepared.prompt_tokens}-token chat 90% seen, 64 replicas, {label}"
+        if i >= DECISION_WARM_UP:
+            walls.append(wall)
+            cpus.append(cpu)
+            tails.append(tail[0])
+    return _decision_figures(label, prepared.prompt_tokens, walls, cpus, tails)
+
+
+def _decision_figures(
+    label: str, tokens: int, walls: list[float], cpus: list[float], tails: list[float]
+) -> list[Figure]:
+    """The built-in tokenizer's p50 and p99 against the issue's targets; an HF
+    tokenizer's against its own encode of the new tail (its p50 and p99 are reported
+    only: the issue's target for it is relative)."""
+    builtin = label == "builtin"
+    name = f"routing decision, {tokens}-token chat 90% seen, {REPLICAS} replicas, {label}"
+    reported = "" if builtin else "; no target of its own"
+    p50_target, p99_target = (DECISION_P50_MS, DECISION_P99_MS) if builtin else (None, None)
     figures = [
-        Figure(name + " (p50)", p50, "ms", DECISION_P50_MS),
-        Figure("  its CPU time (p50; what a busy machine does not stretch)", _p50(cpu), "ms"),
-        Figure(name + " (p99)", p99, "ms", DECISION_P99_MS),
+        Figure(f"{name} (p50{reported})", _p50(walls), "ms", p50_target),
+        Figure("  its CPU time (p50; what a busy machine does not stretch)", _p50(cpus), "ms"),
+        Figure(f"{name} (p99 of {len(walls)}{reported})", _p99(walls), "ms", p99_target),
+        Figure("  its CPU time (p99)", _p99(cpus), "ms"),
     ]
-    if label != "builtin":
-        over = p50 - statistics.median(tail_encode)
-        figures.append(
-            Figure(
-                f"  above {label}'s own encode of the new 10% (p50)", over, "ms", HF_OVER_TAIL_MS
-            )
-        )
+    if not builtin:
+        over = _p50(walls) - _p50(tails)
+        figures += [
+            Figure(f"  {label}'s own encode of the new 10%, alternating (p50)", _p50(tails), "ms"),
+            Figure("  the decision above that encode (p50 - p50)", over, "ms", HF_OVER_TAIL_MS),
+        ]
     return figures
+
+
+def _timed(run: Callable[[], Any]) -> tuple[float, float]:
+    """Wall and CPU (thread) time of ``run()`` in milliseconds."""
+    return _timed_result(run)[0]
+
+
+def _timed_result(run: Callable[[], Any]) -> tuple[tuple[float, float], Any]:
+    wall, cpu = time.perf_counter(), time.thread_time()
+    result = run()
+    return ((time.perf_counter() - wall) * 1000, (time.thread_time() - cpu) * 1000), result
 
 
 def _p50(samples: list[float]) -> float:
@@ -372,13 +401,13 @@ def _p99(samples: list[float]) -> float:
     return sorted(samples)[min(len(samples) - 1, int(len(samples) * 0.99))]
 
 
-def decisions() -> list[Figure]:
+def decisions(count: int = DECISIONS) -> list[Figure]:
     gc.set_threshold(50_000, 20, 100)  # as kvroute-proxy's workers run
-    figures = decision(BuiltinTokenizer(), "builtin", "builtin")
+    figures = decision(BuiltinTokenizer(), "builtin", "builtin", count)
     with tempfile.TemporaryDirectory() as scratch:
         corpus = [" ".join(_words()[i : i + 12]) for i in range(0, 3000, 12)]
         model = write_tiny_model(Path(scratch) / "bpe", vocab_size=8000, corpus=corpus)
-        figures += decision(HFTokenizer(model), str(model), "HF byte-level BPE")
+        figures += decision(HFTokenizer(model), str(model), "HF byte-level BPE", count)
     return figures
 
 
