@@ -70,10 +70,16 @@ def compile_chat_template(source: str) -> Renderer:
         template = env.from_string(source)
     except jinja2.TemplateError as exc:
         raise TokenizerError(f"chat template does not compile: {exc}") from exc
+    # What ``template.render`` does, minus its per-call copies: the globals (a ChainMap,
+    # iterated in Python by every render and again by the context) as one dict, merged
+    # with the variables into a context that uses that dict as it is.
+    template.globals = dict(template.globals)
+    base = template.globals
 
     def render(variables: Mapping[str, Any]) -> str:
         try:
-            return template.render(**variables)
+            context = template.new_context({**base, **variables}, shared=True)
+            return "".join(template.root_render_func(context))
         except ChatTemplateError:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, KeyError) as exc:

@@ -178,6 +178,41 @@ def test_hf_template_globals_and_generation_blocks(tmp_path: Path, hf_model_dir:
 
 
 @pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        (  # jinja's own globals (range, namespace, cycler, joiner) and a top-level set
+            "{% set ns = namespace(n=0) %}{% set row = cycler('a', 'b') %}"
+            "{% set comma = joiner(',') %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+            "{{ comma() }}{{ row.next() }}{{ m.role }}{% endfor %}"
+            "|{{ ns.n }}|{{ range(3) | list | length }}",
+            "asystem,buser|2|3",
+        ),
+        (  # a macro, loop.last, tojson, add_generation_prompt
+            "{% macro turn(m) %}<{{ m.role }}>{{ m.content | tojson }}{% endmacro %}"
+            "{% for m in messages %}{{ turn(m) }}{% if not loop.last %};{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}",
+            '<system>"You are terse.";<user>"What is KV cache reuse?"<assistant>',
+        ),
+    ],
+)
+def test_hf_templates_render_as_jinja_renders_them(
+    tmp_path: Path, hf_model_dir: Path, template: str, expected: str
+) -> None:
+    tokenizer = HFTokenizer(_model_dir(tmp_path, hf_model_dir, chat_template=template))
+    assert tokenizer.apply_chat_template(CHAT) == expected
+    assert tokenizer.apply_chat_template(CHAT) == expected  # nothing left from the first
+
+
+def test_hf_template_state_does_not_leak_between_renders(
+    tmp_path: Path, hf_model_dir: Path
+) -> None:
+    template = "{% if seen is defined %}again{% endif %}{% set seen = 1 %}{{ messages | length }}"
+    tokenizer = HFTokenizer(_model_dir(tmp_path, hf_model_dir, chat_template=template))
+    assert [tokenizer.apply_chat_template(CHAT) for _ in range(2)] == ["2", "2"]
+    assert tokenizer.apply_chat_template(CHAT[:1]) == "1"
+
+
+@pytest.mark.parametrize(
     "template",
     [
         "{{ ''.__class__.__mro__[1].__subclasses__() }}",
