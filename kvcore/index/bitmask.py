@@ -2,8 +2,9 @@
 
 Why this shape: a Python dict lookup is the fastest membership test Python has, and an
 ``int`` bitmask holds any number of replicas in one object, so a prompt lookup is one
-dict probe and two bit operations per block. A 64-bit key costs about 100 bytes in all
-(dict slot, key object, mask object; masks of replicas 0-7 alone are shared small ints).
+dict probe and one comparison per block (the masks are read as runs of equal masks). A
+64-bit key costs about 100 bytes in all (dict slot, key object, mask object; masks of
+replicas 0-7 alone are shared small ints).
 
 Speculative entries live apart: ``_spec_mask`` (key -> mask, only unexpired entries
 after :meth:`expire`) and, per replica, each key's expiry, with one expiry record per
@@ -18,7 +19,7 @@ import heapq
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate, compress, count, repeat, takewhile
+from itertools import accumulate, compress, count, groupby, repeat, takewhile
 from operator import and_, eq
 
 from kvcore.index.base import check_replica
@@ -204,9 +205,46 @@ class BitmaskResidencyIndex:
             self._with_spec.pop(key, None)
 
 
+_GROUPS = 8  # runs of equal masks walked one by one before the general pass takes over
+
+
 def _runs(
     keys: Sequence[int], masks: dict[int, int], with_spec: dict[int, int], hidden: int
 ) -> dict[int, int]:
+    """Each replica's leading run. A prompt's blocks come in long runs held by the same
+    replicas (a shared system prompt, then one conversation's blocks), so the holder
+    masks are read as runs of equal masks, each counted at C speed; a prompt whose masks
+    change more often than ``_GROUPS`` times is read again by :func:`_runs_by_and`."""
+    runs: dict[int, int] = {}
+    live, end = 0, 0
+    for group, (mask, same) in enumerate(groupby(_held(keys, masks, with_spec, hidden))):
+        if group == _GROUPS:
+            return _runs_by_and(_held(keys, masks, with_spec, hidden))
+        kept = live & mask if group else mask
+        for replica in _bits(live & ~kept):
+            runs[replica] = end
+        if not kept:
+            return runs
+        live = kept
+        end += len(list(same))
+    for replica in _bits(live):
+        runs[replica] = end
+    return runs
+
+
+def _held(
+    keys: Sequence[int], masks: dict[int, int], with_spec: dict[int, int], hidden: int
+) -> Iterator[int]:
+    """Each key's holder mask, lazily, counting speculation when ``with_spec`` is given."""
+    held = map(masks.get, keys, repeat(0))
+    if with_spec:  # its mask where it has one, else the confirmed mask
+        held = map(with_spec.get, keys, held)
+    if hidden:
+        held = map(and_, held, repeat(~hidden))
+    return held
+
+
+def _runs_by_and(held: Iterator[int]) -> dict[int, int]:
     """Each replica's leading run, in one lazy pass that runs at C speed.
 
     ``live[i]`` (the AND of the first ``i + 1`` keys' holder masks) is consumed only
@@ -214,11 +252,6 @@ def _runs(
     holds. Holder sets only shrink along ``live``, so its values never increase: where
     each value ends is a binary search in the reversed list (at most one per replica).
     """
-    held = map(masks.get, keys, repeat(0))
-    if with_spec:  # its mask where it has one, else the confirmed mask
-        held = map(with_spec.get, keys, held)
-    if hidden:
-        held = map(and_, held, repeat(~hidden))
     live = list(takewhile(bool, accumulate(held, and_)))
     rising, total = live[::-1], len(live)
     runs: dict[int, int] = {}

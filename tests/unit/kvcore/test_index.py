@@ -203,6 +203,42 @@ def test_bitmask_index_agrees_with_the_reference(
     assert dict(fast.holdings()) == dict(oracle.holdings())
 
 
+PREFIXES = st.lists(  # (replica, how much of the prompt it holds, blocks missing from it)
+    st.tuples(st.integers(0, 70), st.integers(0, 40), st.lists(st.integers(0, 40), max_size=6)),
+    max_size=12,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(confirmed=PREFIXES, speculated=PREFIXES, length=st.integers(0, 40))
+def test_leading_runs_of_long_prompts_agree_with_the_reference(
+    confirmed: list[tuple[int, int, list[int]]],
+    speculated: list[tuple[int, int, list[int]]],
+    length: int,
+) -> None:
+    """Replicas holding prefixes of one prompt, some with holes: the holder masks along
+    it change a few times or many (past the bitmask index's walk of equal runs)."""
+    fast, oracle = BitmaskResidencyIndex(), ReferenceResidencyIndex()
+    for impl in (fast, oracle):
+        for replica, held, holes in confirmed:
+            impl.add(replica, [k for k in range(held) if k not in holes])
+        for replica, held, holes in speculated:
+            impl.add_speculative(
+                replica, [k for k in range(held) if k not in holes], expires_at=9.0
+            )
+    prompt = list(range(length))
+    assert fast.leading_runs(prompt) == oracle.leading_runs(prompt)
+    assert fast.leading_runs(prompt, now=1.0) == oracle.leading_runs(prompt, now=1.0)
+
+
+def test_leading_runs_when_the_holders_change_at_every_block(index: ResidencyIndex) -> None:
+    index.add(0, range(30))
+    index.add(1, range(0, 30, 2))  # every other block: the masks alternate
+    index.add(2, range(20))
+    index.add(3, [0])
+    assert index.leading_runs(list(range(40))) == {0: 30, 1: 1, 2: 20, 3: 1}
+
+
 def _apply(index: ResidencyIndex, op: str, replica: int, keys: list[int], when: int) -> None:
     if op == "add":
         index.add(replica, keys)
