@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 
 from dataplane.fleet_state import FleetState
+from dataplane.main import SettingsRefused, load_settings
+from dataplane.service import ProxyService
 from kvcore.keys import block_keys
 from kvcore.policies import Decision, RouteContext, create_policy
 from kvcore.workload import KvCostWorkload
@@ -179,3 +181,13 @@ def test_a_replica_that_leaves_takes_its_books_along() -> None:
     assert queued(state) == [0, 0]
     state.on_done(ticket)
     assert queued(state) == [0, 0]
+
+
+def test_the_step_is_a_setting_in_milliseconds_and_must_be_positive(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVROUTE_PREFILL_STEP_MS", "20")
+    service = ProxyService(load_settings(["--controlplane", "127.0.0.1:9"]))
+    assert service.fleet._books.step_s == pytest.approx(0.02)
+    with pytest.raises(SettingsRefused, match="--prefill-step-ms"):
+        load_settings(["--controlplane", "127.0.0.1:9", "--prefill-step-ms", "0"])
