@@ -96,7 +96,9 @@ class FleetView:
         self._board = ReplicaBoard(states)
 
     def replicas(self) -> ReplicaBoard:
-        self._fleet._bring_up_to_date()
+        fleet = self._fleet
+        if fleet._dirty or fleet._books.draining:
+            fleet._bring_up_to_date()
         return self._board
 
     def leading_runs(self, keys: Sequence[int], *, now: float | None) -> dict[int, int]:
@@ -560,7 +562,8 @@ class FleetState:
         if ticket is None:
             return
         self._ledger.done(ticket.ledger_key, ticket.ticket)
-        self._books.ended(ticket.ledger_key, ticket.prefill)
+        if ticket.prefill:
+            self._books.ended(ticket.ledger_key, ticket.prefill)
         self._refresh_ticket(ticket)
 
     def _refresh_ticket(self, ticket: InflightTicket) -> None:

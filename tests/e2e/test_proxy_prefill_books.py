@@ -30,7 +30,7 @@ RATE = 20_000  # the sims' prefill tokens per second, and the workload's
 KV_COST = {"name": "default", "strategy": "kv_cost", "prefill_tokens_per_s": RATE}
 AUTH = {"authorization": "Bearer alpha-secret"}
 SHARED = list(range(1000, 3000))  # a 2,000-token prefix
-LONG_TAIL = list(range(5000, 11000))  # 6,000 tokens nobody holds: 0.3 s of prefill
+LONG_TAIL = list(range(5000, 17000))  # 12,000 tokens nobody holds: 0.6 s of prefill
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +77,11 @@ async def until(condition: Callable[[], bool], what: str) -> None:
 async def test_a_replica_busy_prefilling_for_this_proxy_is_passed_over(
     sims: list[SimProcess],
 ) -> None:
-    """The replica holding the shared prefix is prefilling 6,000 new tokens for this proxy:
-    a new prompt on that prefix would wait 0.3 s there and takes 0.1 s to recompute on
-    the idle one, so kv_cost sends it there. (Counted in requests, as without the books,
-    the busy replica's queue is one request of 1,024 tokens and the prefix would win.)"""
+    """The replica holding the shared prefix is prefilling 12,000 new tokens for this
+    proxy: a new prompt on that prefix would wait up to 0.6 s there and takes 0.1 s to
+    recompute on the idle one, so kv_cost sends it there (if routed within 0.5 s of the
+    long prompt). Counted in requests, as without the books, the busy replica's queue is
+    one request of 1,024 tokens and the prefix would win."""
     async with (
         proxy(routing_state(sims, KV_COST)) as (url, service),
         aiohttp.ClientSession() as session,

@@ -7,6 +7,8 @@ import random
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dataplane.fleet_state import FleetState
 from dataplane.main import SettingsRefused, load_settings
@@ -191,3 +193,47 @@ def test_the_step_is_a_setting_in_milliseconds_and_must_be_positive(
     assert service.fleet._books.step_s == pytest.approx(0.02)
     with pytest.raises(SettingsRefused, match="--prefill-step-ms"):
         load_settings(["--controlplane", "127.0.0.1:9", "--prefill-step-ms", "0"])
+
+
+EVENT = st.tuples(
+    st.sampled_from(["send", "first_byte", "whole", "refused", "end", "wait"]),
+    st.integers(0, 3),  # replica, or which live request
+    st.integers(1, 30_000),  # uncached tokens of a send
+    st.floats(0.0, 0.5),  # seconds that pass before the event
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(EVENT, max_size=40))
+def test_what_kv_cost_reads_is_never_low_at_most_a_step_high_and_nothing_leaks(
+    events: list[tuple[str, int, int, float]],
+) -> None:
+    """Any interleaving of sends, first bytes, whole answers, refusals, ends and time:
+    every figure a decision reads is the ledger's own figure at that moment, or at most
+    one step (5 ms) of prefill above it; when every request has ended, no ticket is open
+    and every queue reads zero."""
+    clock = Clock()
+    state = fleet(clock, replicas=4)
+    ledger = state._books._ledger
+    assert ledger is not None
+    live: list[Any] = []
+    for kind, which, tokens, wait in events:
+        clock.now += wait
+        if kind == "send":
+            live.append(state.on_sent(which, 1e9, uncached_tokens=tokens))
+        elif kind != "wait" and live:
+            ticket = live[which % len(live)]
+            if kind == "end":
+                state.on_done(ticket)
+                live.remove(ticket)
+            else:
+                status = 400 if kind == "refused" else 200
+                state.on_first_byte(ticket, status, streaming=kind == "first_byte")
+        for row in state.view(MODEL).replicas():
+            exact = ledger.queued_tokens(row.ordinal, clock.now)
+            assert row.queued_prefill_tokens is not None
+            assert exact - 1e-6 <= row.queued_prefill_tokens <= exact + RATE * 0.005 + 1e-6
+    for ticket in live:
+        state.on_done(ticket)
+    assert all(ledger.pending(ordinal) == 0 for ordinal in range(4))
+    assert queued(state) == [0, 0, 0, 0]
