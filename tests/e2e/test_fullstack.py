@@ -7,7 +7,9 @@ whose engine tokenizes with a BPE the proxy does not use. What a client notices:
 official ``openai`` client gets what the replica itself answers; prompts sharing a
 system prompt land where it is cached, and the engines' cached tokens equal the router's
 predictions within 2%; a replica its sidecar reports saturated overflows to the others;
-the model behind another tokenizer is flagged ``tokenizer_mismatch``; killing the
+a ``kv_cost`` workload passes over a replica still prefilling a long prompt the proxy
+sent it, before any load report shows it (the proxy's prefill books); the model behind
+another tokenizer is flagged ``tokenizer_mismatch``; killing the
 control plane changes nothing, and once it is back the proxy routes on its state at
 once; killing a replica under load loses no request that had not started streaming.
 Tests that break something run last: the control plane is restarted within its test,
@@ -164,6 +166,48 @@ def test_a_replica_reported_saturated_overflows_to_the_others(stack: FullStack) 
             connection.close()
         busy.post("/sim/faults", {"delay_ms": 0})
     wait_for(lambda: busy.metric("vllm:num_requests_running") == 0, "the held streams to end")
+
+
+def complete_ids(stack: FullStack, prompt: list[int], **headers: str) -> tuple[int, str]:
+    """``(status, replica)`` of a one-token completion of ``prompt`` (token ids)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "stream": True}
+    status, got, _ = stack.request("/v1/completions", body, **headers)
+    return status, got.get("x-kvroute-replica", "")
+
+
+def in_flight(stack: FullStack) -> float:
+    """Requests the proxy has sent to a replica and not finished (its gauge)."""
+    text = stack.request("/metrics", method="GET")[2].decode()
+    for family in text_string_to_metric_families(text):
+        if family.name == "kvroute_proxy_requests_in_flight":
+            return sum(sample.value for sample in family.samples)
+    raise AssertionError("no kvroute_proxy_requests_in_flight")
+
+
+def test_kv_cost_passes_over_a_replica_prefilling_for_this_proxy(stack: FullStack) -> None:
+    """The replica holding a 2,000-token prefix is prefilling 6,000 more tokens the proxy
+    sent it (its engine is slowed: that first token is 1.5 s away). No load report can
+    show it yet; the proxy's own books can: by them a new prompt on the prefix would wait
+    ~1.2 s there against 0.4 s to recompute elsewhere (at the workload's 5,000 tokens/s),
+    so it goes elsewhere. Counted in requests instead, one request of 1,024 tokens is all
+    that replica has queued, and the prefix would win."""
+    workload = {"strategy": "kv_cost", "prefill_tokens_per_s": 5000}
+    assert stack.admin("PUT", "/v1/workloads/books", workload)[0] in (200, 201)
+    header = {"x-kvroute-workload": "books"}
+    prefix = list(range(20_000, 22_000))
+    wait_for(lambda: complete_ids(stack, prefix, **header)[0] == 200, "the new workload")
+    owner = complete_ids(stack, prefix, **header)[1]
+    busy = sim_of(stack, owner)
+    busy.post("/sim/faults", {"delay_ms": 1500})
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            long = pool.submit(complete_ids, stack, [*prefix, *range(30_000, 36_000)], **header)
+            wait_for(lambda: in_flight(stack) == 1, "the long prompt sent")
+            status, landed = complete_ids(stack, [*prefix, *range(50)], **header)
+            assert status == 200 and landed != owner
+            assert long.result() == (200, owner)
+    finally:
+        busy.post("/sim/faults", {"delay_ms": 0})
 
 
 def test_killing_the_control_plane_changes_nothing_and_its_restart_is_routed_at_once(
