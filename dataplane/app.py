@@ -113,7 +113,12 @@ class ProxyApp:
         request_id = request.headers.get("x-request-id") or self._ids.next()
         reply = _Responder(response, request_id)
         try:
-            await self._dispatch(request, reply)
+            kind = INFERENCE.get(request.path)
+            if kind is not None:  # the hot path: one coroutine fewer
+                _allow(request.method, "POST", request.path)
+                await self._inference(request, reply, kind)
+            else:
+                await self._dispatch(request, reply)
         except ApiError as exc:
             reply.error(exc)
         except Exception:
@@ -121,12 +126,9 @@ class ProxyApp:
             reply.error(ApiError("internal error in the proxy"))
 
     async def _dispatch(self, request: Request, response: _Responder) -> None:
+        """Every route but inference."""
         path, method = request.path, request.method
-        kind = INFERENCE.get(path)
-        if kind is not None:
-            _allow(method, "POST", path)
-            await self._inference(request, response, kind)
-        elif path == "/v1/models":
+        if path == "/v1/models":
             _allow(method, "GET", path)
             self._authenticate(request.headers)
             response.json(self._models())

@@ -154,6 +154,19 @@ class Response:
             await connection.wait(self._pool.read_timeout_s)
         return connection.body.popleft()
 
+    def read_now(self) -> bytes | None:
+        """The whole (rest of the) body if it has all arrived (a short answer usually
+        comes with its head), else ``None``: then :meth:`read` it."""
+        connection = self._connection
+        if not connection.complete:
+            return None
+        body = connection.body
+        if len(body) <= 1:
+            return body.popleft() if body else b""
+        whole = b"".join(body)
+        body.clear()
+        return whole
+
     async def read(self) -> bytes:
         """The whole (rest of the) body."""
         parts = []

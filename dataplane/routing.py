@@ -119,7 +119,9 @@ class Router:
         self._least_load = create_policy(self._forward_workload, rng=self._rng)
 
     def tokenizer_spec(self, model: str) -> str:
-        entry = self.fleet.model_entry(model)
+        return self._spec(self.fleet.model_entry(model))
+
+    def _spec(self, entry: routing_pb2.Model | None) -> str:
         return entry.tokenizer if entry is not None and entry.tokenizer else self.defaults.tokenizer
 
     def prepare(
@@ -143,7 +145,7 @@ class Router:
         block_size = entry.block_size if entry is not None and entry.block_size else None
         block_size = block_size or self.fleet.block_size(request.model) or self.defaults.block_size
         root = self._root(key_model, namespace)
-        prompt = self._prompt(request, self.tokenizer_spec(request.model), root, block_size)
+        prompt = self._prompt(request, self._spec(entry), root, block_size)
         return Prepared(
             workload=workload,
             policy=self._policy(workload),

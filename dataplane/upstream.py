@@ -106,7 +106,9 @@ class Upstream:
         content_type = response.header(b"content-type") or b""
         streaming = content_type.startswith(b"text/event-stream")
         try:
-            first = await (response.read_chunk() if streaming else response.read())
+            first = None if streaming else response.read_now()
+            if first is None:
+                first = await (response.read_chunk() if streaming else response.read())
         except (ConnectionFailed, ResponseBroken, TimeoutError) as exc:
             raise Retriable(f"replica broke off: {_describe(exc)}", "disconnect") from exc
         if streaming and not first:

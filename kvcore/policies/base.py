@@ -206,10 +206,16 @@ class Decision:
             else:
                 row = next((r for r in reasons if r.ordinal == self.ordinal), None)
         if row is not None:
-            figures = (("hit", row.hit), ("load", row.load), ("score", row.score))
-            parts += [f"{name}={value:.3f}" for name, value in figures if value is not None]
-        if self.note:
-            parts.append("note=" + self.note.encode("ascii", "replace").decode())
+            if row.hit is not None:
+                parts.append(f"hit={row.hit:.3f}")
+            parts.append(f"load={row.load:.3f}")
+            if row.score is not None:
+                parts.append(f"score={row.score:.3f}")
+        note = self.note
+        if note:
+            parts.append(
+                "note=" + (note if note.isascii() else note.encode("ascii", "replace").decode())
+            )
         return "; ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:

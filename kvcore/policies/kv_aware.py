@@ -85,20 +85,16 @@ class KvAwarePolicy(KvScoringPolicy):
         floor = max(self.aware.min_hit * blocks, 1) if blocks else 1
         if any(runs.get(r.ordinal, 0) >= floor for r in found.holders):
             return None
-        placed = _placed_blocks(found, state, ctx.now)
+        # blocks this router sent each usable replica lately (every usable replica: a
+        # prompt nobody holds costs a look at each)
+        usable = [r for r in found.fleet if found.admits(r)]
+        now = ctx.now
+        placed = [state.placed_blocks(r.ordinal, now=now) for r in usable]
         if not placed:
             return None
-        limit = min(placed.values()) + blocks  # within one prompt of the least-sent one
-        chosen = next_in_turn(
-            found, self._last, self._turn + 1, lambda r: placed[r.ordinal] <= limit
-        )
+        limit = min(placed) + blocks  # within one prompt of the least-sent one
+        turn = [r for r, sent in zip(usable, placed, strict=True) if sent <= limit]
+        chosen = next_in_turn(found.fleet, turn, self._last, self._turn + 1)
         if chosen is not None:
             self._last = chosen.ordinal
         return chosen
-
-
-def _placed_blocks(found: Candidates, state: StateView, now: float) -> dict[int, int]:
-    """Blocks this router sent each usable replica lately (every usable replica: a prompt
-    nobody holds costs a look at each)."""
-    usable = (r for r in found.fleet if found.admits(r))
-    return {r.ordinal: state.placed_blocks(r.ordinal, now=now) for r in usable}

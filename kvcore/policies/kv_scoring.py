@@ -105,7 +105,7 @@ class KvScoringPolicy:
         return self.scores(ctx, [replica], {})[replica.ordinal]
 
     def select(self, ctx: RouteContext, state: StateView) -> Decision:
-        runs = state.leading_runs(ctx.block_keys, now=ctx.now)
+        runs = state.leading_runs(ctx.block_keys, now=ctx.now) if ctx.block_keys else {}
         cold = not runs and not state.has_residency()
         if cold and not self.places_cold_prompts:
             return self._fall_back(ctx, state)

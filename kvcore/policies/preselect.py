@@ -25,7 +25,7 @@ replica holding nothing stops being monotone in its order must change the order 
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from math import inf
@@ -56,7 +56,7 @@ _ordinal = attrgetter("ordinal")
 _ordinal_of = itemgetter(2)  # of a queue entry
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Pool:
     """Which replicas may take the request: eligible, and unsaturated while any is."""
 
@@ -76,7 +76,7 @@ class Pool:
 NonHolders = Callable[[ReplicaBoard, Pool, dict[int, int], float], list[ReplicaState]]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Candidates:
     """What a scored decision chooses among, and what explains it afterwards.
 
@@ -230,23 +230,21 @@ def _admitted_runs(
 
 
 def next_in_turn(
-    found: Candidates,
+    fleet: Sequence[ReplicaState],
+    turn: Sequence[ReplicaState],
     after: int | None,
     start: int,
-    wanted: Callable[[ReplicaState], bool] = bool,
 ) -> ReplicaState | None:
-    """Round-robin: the first usable and ``wanted`` replica (in ordinal order, wrapping)
-    after ordinal ``after``, or from position ``start`` of the fleet when there is none."""
-    fleet = found.fleet
-    if not fleet:
+    """Round-robin over ``turn`` (some of ``fleet``'s replicas; both in ordinal order):
+    the first after ordinal ``after``, wrapping, or from position ``start`` of the fleet
+    when there is none."""
+    if not turn or not fleet:
         return None
-    first = start if after is None else bisect_right(fleet, after, key=_ordinal)
-    total = len(fleet)
-    for step in range(total):
-        replica = fleet[(first + step) % total]
-        if found.admits(replica) and wanted(replica):
-            return replica
-    return None
+    if after is None:
+        index = bisect_left(turn, fleet[start % len(fleet)].ordinal, key=_ordinal)
+    else:
+        index = bisect_right(turn, after, key=_ordinal)
+    return turn[index % len(turn)]
 
 
 def decision(
