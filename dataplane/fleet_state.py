@@ -449,7 +449,9 @@ class FleetState:
         """Rebuild the marked replicas' states and patch the views holding them; a
         replica whose requests came and went since it was last read keeps its state."""
         for ordinal in self._dirty:
-            record = self._records[ordinal]
+            record = self._records.get(ordinal)
+            if record is None:  # leaving, in a delta not yet applied to its end
+                continue
             counts = self._counts(record)
             current = self._states[ordinal]
             if ordinal not in self._reloaded and counts == (
@@ -471,11 +473,10 @@ class FleetState:
         view = self._views.get(model)
         if view is None:
             self._bring_up_to_date()
-            records = self._records
             states = [
                 state
-                for o, state in sorted(self._states.items())
-                if model in records[o].served or not records[o].served
+                for _, state in sorted(self._states.items())
+                if model in state.models or not state.models  # models: the record's served
             ]
             view = FleetView(self, states)
             if model in self._canonical:  # not every name a client sends: memory is bounded
@@ -502,7 +503,7 @@ class FleetState:
         """The model id block keys use for a requested name; ``None``: nobody serves it
         (a static replica whose models are not known yet serves every name)."""
         canonical = self._canonical.get(name)
-        if canonical is None and any(not self._records[o].served for o in self._states):
+        if canonical is None and any(not state.models for state in self._states.values()):
             return name
         return canonical
 
@@ -517,8 +518,8 @@ class FleetState:
     def served_models(self) -> list[str]:
         """Every name routable replicas answer to, sorted (``GET /v1/models``)."""
         names: set[str] = set()
-        for ordinal in self._states:
-            names |= self._records[ordinal].served
+        for state in self._states.values():
+            names |= state.models
         return sorted(names)
 
     def endpoint(self, ordinal: int) -> Endpoint | None:
@@ -531,7 +532,8 @@ class FleetState:
 
     def endpoints(self) -> list[Endpoint]:
         """The routable replicas, in ordinal order."""
-        return [endpoint_of(self._records[o].info) for o in sorted(self._states)]
+        records = self._records  # a replica leaving in a delta being applied has none
+        return [endpoint_of(records[o].info) for o in sorted(self._states) if o in records]
 
     def subscribe(self, listener: Callable[[], None]) -> None:
         """Call ``listener`` after every change of replicas or config."""

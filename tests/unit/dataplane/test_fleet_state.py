@@ -341,3 +341,25 @@ def test_static_replicas_route_without_a_control_plane() -> None:
     workload = KvAwareWorkload(fallback="prefix_hash")
     decision = route(state, workload, KEYS)
     assert decision.replica_id == "127.0.0.1:8101" and "fallback prefix_hash" in decision.note
+
+
+def test_a_request_routed_while_a_leaving_replica_is_cleared_sees_the_fleet_as_it_was() -> None:
+    """One of this proxy's requests went to r1, then a delta removes r1 and is applied in
+    steps (its residency cleared between them); a request routed in between, /v1/models
+    and /readyz read the fleet as before the delta (r1 has no endpoint left), not an
+    error. Both for a view built before the delta and one built during it."""
+    state = fleet()
+    apply_all(state, snapshot(1, 1, [replica(0), replica(1)], {1: KEYS * 600}))
+    assert ids(state) == ["r0", "r1"]
+    ticket = state.on_sent(1, 5000.0)
+    steps = state.apply_steps(delta(1, 2, replicas_removed=[1]))
+    next(steps)
+    assert ids(state) == ["r0", "r1"]
+    state._views.clear()  # as if no request had been routed since the snapshot
+    assert ids(state) == ["r0", "r1"]
+    assert state.canonical_model(MODEL) == MODEL and state.served_models() == [MODEL]
+    assert [e.replica_id for e in state.endpoints()] == ["r0"]
+    for _ in steps:
+        pass
+    state.on_done(ticket)
+    assert ids(state) == ["r0"]

@@ -237,3 +237,21 @@ def test_what_kv_cost_reads_is_never_low_at_most_a_step_high_and_nothing_leaks(
         state.on_done(ticket)
     assert all(ledger.pending(ordinal) == 0 for ordinal in range(4))
     assert queued(state) == [0, 0, 0, 0]
+
+
+def test_routing_between_the_steps_of_a_replica_leaving_reads_the_fleet_as_it_was() -> None:
+    """A delta removing replica 1 (still prefilling for this proxy) is applied in steps,
+    and a request is routed between two of them: it sees both replicas as they were
+    before the delta (the leaving one's figures no longer age), and no error."""
+    clock = Clock()
+    state = fleet(clock)
+    state.apply(delta(1, 2, residency=[residency_change(1, KEYS * 40)]))
+    state.on_sent(1, 1e9, uncached_tokens=5_000)
+    assert queued(state) == [0, 5_000]
+    steps = state.apply_steps(delta(1, 3, replicas_removed=[1]))
+    next(steps)  # the removal has begun: the replica's residency is being cleared
+    clock.now += 0.01
+    assert queued(state) == [0, 5_000]
+    for _ in steps:
+        pass
+    assert queued(state) == [0]
