@@ -27,6 +27,7 @@ import xxhash
 DEFAULT_BLOCK_SIZE = 16
 _ROOT_TAG = "kvroute-v1\0"
 _hash = xxhash.xxh3_64_intdigest
+_NATIVE_UINT32 = array("I").itemsize == 4 and sys.byteorder == "little"
 
 
 def root_key(*, model: str, lora_name: str = "", namespace: str = "") -> int:
@@ -37,6 +38,8 @@ def root_key(*, model: str, lora_name: str = "", namespace: str = "") -> int:
 
 def token_bytes(token_ids: Sequence[int]) -> bytes:
     """``token_ids`` as little-endian uint32; raises ``ValueError`` for ids out of range."""
+    if _NATIVE_UINT32 and type(token_ids) is array and token_ids.typecode == "I":
+        return token_ids.tobytes()  # already uint32 in memory: one copy, not two
     try:
         packed = array("I", token_ids)
     except OverflowError as exc:
@@ -54,7 +57,7 @@ def chain_keys(
     """Keys of the full blocks of ``token_ids``, chained from the key ``parent``."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    data = memoryview(token_bytes(token_ids))
+    data = token_bytes(token_ids)  # sliced as bytes: cheaper than a memoryview per block
     stride = 4 * block_size
     keys: list[int] = []
     key = parent

@@ -31,6 +31,7 @@ _ANCHOR = "a\n"
 _CUTTING_PRE_TOKENIZERS = {"Split", "Whitespace", "WhitespaceSplit", "BertPreTokenizer"}
 _LOCAL_PRE_TOKENIZERS = _CUTTING_PRE_TOKENIZERS | {"ByteLevel", "Digits", "Punctuation"}
 _LOCAL_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase"}
+_NEWLINES_TRIED = 16  # by last_cut before the regex's backward search takes over
 _PROBES = ("ab\ncd", "a.\nb", "12\n34", "x\n's", "日本\n語", "a,\n(b", "q  r\ns t", "<\n>")
 
 
@@ -100,7 +101,7 @@ class HFTokenizer:
             return 0
         end = shared - self._lstrip_reach
         unsafe = self._before_lstrip_token(text) if self._lstrip_tokens else None
-        return last_match(_CUT_RE, text, end, unsafe)
+        return _last_newline_cut(text, end, unsafe) or last_match(_CUT_RE, text, end, unsafe)
 
     def encode_from(self, text: str, start: int) -> list[int] | None:
         """Encodes ``text[start:]`` in one call, after the anchor ``"a\\n"`` unless at
@@ -184,6 +185,22 @@ class HFTokenizer:
 
     def _token_id(self, token: str | None) -> int | None:
         return None if token is None else self._fast.token_to_id(token)
+
+
+def _last_newline_cut(text: str, end: int, unsafe: Callable[[int], bool] | None) -> int:
+    """What ``last_match(_CUT_RE, text, end, unsafe)`` returns when the cut is after one
+    of the last few newlines before ``end``, found with ``str.rfind`` (``str.isspace``
+    and the regex's ``\\s`` agree on every character); 0 when it is not."""
+    newline = text.rfind("\n", 0, end - 1) if end > 1 else -1  # a cut after it is < end
+    for _ in range(_NEWLINES_TRIED):
+        if newline < 1:
+            return 0
+        cut = newline + 1
+        between_non_spaces = not (text[newline - 1].isspace() or text[cut].isspace())
+        if between_non_spaces and (unsafe is None or not unsafe(cut)):
+            return cut
+        newline = text.rfind("\n", 0, newline)
+    return 0
 
 
 def _byte_lengths(fast: FastTokenizer) -> list[int] | None:

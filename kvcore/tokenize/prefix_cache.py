@@ -71,8 +71,8 @@ class _Prompt:
     keys: list[int] = field(default_factory=list)
 
 
-@dataclass(slots=True, frozen=True)
-class _Reuse:
+@dataclass(slots=True)
+class _Reuse:  # not frozen: a frozen dataclass's __init__ costs a setattr call per field
     prompt: _Prompt | None = None
     cut: int = 0  # characters of the new text whose tokens are the prompt's
     tokens: int = 0  # how many tokens that is

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from array import array
 
 import pytest
 import xxhash
@@ -34,6 +35,15 @@ def test_keys_are_the_documented_xxh3_chain() -> None:
         key = xxhash.xxh3_64_intdigest(struct.pack("<16I", *tokens[i : i + 16]), seed=key)
         expected.append(key)
     assert block_keys(tokens, model=MODEL, lora_name="lora-x", namespace="tenant") == expected
+
+
+@given(tokens=st.lists(st.integers(0, 2**32 - 1), max_size=80), size=st.integers(1, 20))
+def test_uint32_arrays_key_like_lists(tokens: list[int], size: int) -> None:
+    """The proxy keys ``array('I')`` token buffers (read without a copy): same keys."""
+    assert chain_keys(GOLDEN_ROOT, array("I", tokens), size) == chain_keys(
+        GOLDEN_ROOT, tokens, size
+    )
+    assert block_keys(array("I", range(32)), model=MODEL) == GOLDEN_KEYS_0_31
 
 
 def test_partial_trailing_block_has_no_key() -> None:

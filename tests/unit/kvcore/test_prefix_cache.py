@@ -269,6 +269,32 @@ def test_tokens_resumed_at_a_cut_are_the_whole_texts_from_there(
         assert tokenizer.token_starts(text, cut, ids[index:]) == starts[index:], (text, cut)
 
 
+def _newline_cuts_reference(text: str, end: int) -> int:
+    """The HF rule, spelled out: the last offset before ``end`` right after a newline
+    that follows a non-space and precedes one."""
+    found = [
+        p
+        for p in range(2, end)
+        if text[p - 1] == "\n" and not text[p - 2].isspace() and not text[p].isspace()
+    ]
+    return max(found, default=0)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(text=texts, blank_lines=st.integers(0, 40), tail=texts)
+def test_hf_last_cut_is_the_last_newline_between_non_spaces(
+    chatml: HFTokenizer, text: str, blank_lines: int, tail: str
+) -> None:
+    """Found from the last few newlines, or by the regex when more than a few blank or
+    indented lines come after the last cut."""
+    assert not chatml._lstrip_tokens  # no added token moves a cut
+    text = text + "\n \n" * blank_lines + tail
+    for shared in range(len(text) + 1):
+        assert chatml.last_cut(text, shared) == _newline_cuts_reference(text, shared), shared
+
+
 @settings(max_examples=40, deadline=None)
 @given(head=texts, tails=st.lists(texts, min_size=2, max_size=2))
 def test_a_cut_is_decided_by_the_shared_text_alone(head: str, tails: list[str]) -> None:
