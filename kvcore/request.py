@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from kvcore.keys import chain_keys
 from kvcore.tokenize import Encoded, PrefixTokenCache, Tokenizer
@@ -34,8 +33,7 @@ class InvalidRequest(ValueError):
         self.field = field
 
 
-@dataclass(frozen=True, slots=True)
-class PromptText:
+class PromptText(NamedTuple):
     """The text an engine encodes for a request, and whether it adds special tokens."""
 
     text: str
