@@ -64,6 +64,8 @@ class _Prompt:
     data: bytes  # the text as UTF-8
     tokens: array[int]  # without special tokens
     starts: array[int]  # the byte offset in data where each of the first tokens starts
+    known: int  # how many of starts are this prompt's (a derived prompt shares its
+    # source's array, which may hold more: copied before this prompt extends it)
     resume: int  # the byte offset where the token after those starts (the rest: found
     # when a later prompt needs them)
     chunks: list[int]  # chained hashes of each whole chunk of data
@@ -145,12 +147,12 @@ class PrefixTokenCache:
         if cut == 0:
             return _Reuse(prompt)
         at = cut if text.isascii() else len(text[:cut].encode("utf-8", "surrogatepass"))
-        if at == prompt.resume and len(prompt.starts) < len(prompt.tokens):
-            return _Reuse(prompt, cut, len(prompt.starts), at)  # where its own tail started
+        if at == prompt.resume and prompt.known < len(prompt.tokens):
+            return _Reuse(prompt, cut, prompt.known, at)  # where its own tail started
         if at > prompt.resume:
             self._find_starts(self._segmentable, prompt)
-        index = bisect_left(prompt.starts, at)
-        if index == len(prompt.starts) or prompt.starts[index] != at:
+        index = bisect_left(prompt.starts, at, 0, prompt.known)
+        if index == prompt.known or prompt.starts[index] != at:
             return _Reuse(prompt)
         return _Reuse(prompt, cut, index, at)
 
@@ -160,14 +162,17 @@ class PrefixTokenCache:
         """Where each of ``prompt``'s tokens after ``resume`` starts: found with the
         prompt when it was new, else only when a later prompt needs them (most prompts'
         own new tails, such as one question among many, are never reused)."""
-        known = len(prompt.starts)
+        known = prompt.known
         if known == len(prompt.tokens):
             return
         text = prompt.data.decode("utf-8", "surrogatepass") if text is None else text
         resume = prompt.resume if text.isascii() else _characters(prompt.data, prompt.resume)
         starts = tokenizer.token_starts(text, resume, prompt.tokens[known:].tolist())
         if starts is not None:
+            if len(prompt.starts) != known:  # shared, and holding another prompt's
+                prompt.starts = prompt.starts[:known]
             prompt.starts.extend(starts)
+            prompt.known = len(prompt.starts)
             prompt.resume = len(prompt.data)
 
     def _longest(self, data: bytes) -> tuple[_Prompt | None, int, list[int]]:
@@ -196,16 +201,16 @@ class PrefixTokenCache:
             ids = self._segmentable.encode_from(text, reuse.cut)
         if ids is None:
             ids = self.tokenizer.encode(text, add_special_tokens=False)
-            return _Prompt(data, array("I", ids), array("I"), 0, chunks)
+            return _Prompt(data, array("I", ids), array("I"), 0, 0, chunks)
         if reuse.prompt is None or not reuse.tokens:
-            prompt = _Prompt(data, array("I", ids), array("I"), 0, chunks)
+            prompt = _Prompt(data, array("I", ids), array("I"), 0, 0, chunks)
             if self._segmentable is not None and text.isascii():  # cheap: find them now,
                 self._find_starts(self._segmentable, prompt, text)  # as it may be reused
             return prompt
         count, source = reuse.tokens, reuse.prompt
         tokens = source.tokens[:count]
         tokens.fromlist(ids)
-        return _Prompt(data, tokens, source.starts[:count], reuse.at, chunks)
+        return _Prompt(data, tokens, source.starts, count, reuse.at, chunks)  # starts shared
 
     def _keys(
         self, prompt: _Prompt, source: _Prompt | None, tokens: array[int], lead: int, known: int

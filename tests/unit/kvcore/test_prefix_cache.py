@@ -109,6 +109,33 @@ def test_hf_cache_is_token_for_token_identical(
     _check_same_as_whole(hf_tokenizer, shared, tails, chunk, specials)
 
 
+@pytest.mark.parametrize("make", [BuiltinTokenizer, "hf"])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    first=texts,
+    steps=st.lists(st.tuples(st.integers(0, 10), texts), min_size=1, max_size=6),
+    chunk=st.integers(1, 12),
+)
+def test_branching_conversations_are_token_and_key_identical(
+    make: object, chatml: HFTokenizer, first: str, steps: list[tuple[int, str]], chunk: int
+) -> None:
+    """Each prompt extends an earlier one (a conversation that goes on, or branches off
+    an older turn), so prompts resume inside tails that other prompts share."""
+    tokenizer: Tokenizer = BuiltinTokenizer() if make is BuiltinTokenizer else chatml
+    cache = PrefixTokenCache(tokenizer, chunk=chunk, max_prompts=4)
+    root = root_key(model="m")
+    prompts = [first]
+    for parent, more in steps:
+        prompts.append(prompts[parent % len(prompts)] + "\n" + more)
+    for text in [*prompts, *reversed(prompts)]:
+        got = cache.encode_keyed(text, add_special_tokens=False, root=root, block_size=2)
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        assert got.token_list() == tokens, repr(text)
+        assert got.keys == chain_keys(root, tokens, 2), repr(text)
+
+
 def _conversation(turns: int) -> str:
     body = "".join(f"Turn {i}: the user asks about replica {i % 7}.\n" for i in range(turns))
     return "<s><|system|>\nYou route requests.\n" + body
