@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from dataplane.fleet_state import FleetState, FleetView
@@ -283,22 +283,17 @@ class _RunsOnce:
     """One decision's view of the fleet: the leading runs the policy looked up are the
     ones the prediction reads, without a second lookup."""
 
-    __slots__ = ("_keys", "_now", "_runs", "_view")
+    __slots__ = ("_keys", "_now", "_runs", "_view", "has_residency", "placed_blocks", "replicas")
 
     def __init__(self, view: FleetView) -> None:
         self._view = view
         self._keys: Sequence[int] | None = None
         self._now: float | None = None
         self._runs: dict[int, int] = {}
-
-    def replicas(self) -> Sequence[ReplicaState]:
-        return self._view.replicas()
-
-    def placed_blocks(self, ordinal: int, *, now: float) -> int:
-        return self._view.placed_blocks(ordinal, now=now)
-
-    def has_residency(self) -> bool:
-        return self._view.has_residency()
+        # the view's own methods (a policy calls them per replica: one call, not two)
+        self.replicas: Callable[[], Sequence[ReplicaState]] = view.replicas
+        self.placed_blocks: Callable[..., int] = view.placed_blocks
+        self.has_residency: Callable[[], bool] = view.has_residency
 
     def leading_runs(self, keys: Sequence[int], *, now: float | None) -> dict[int, int]:
         if keys is not self._keys or now != self._now:
