@@ -15,8 +15,10 @@ anchors the replica works through it at ``rate`` tokens per second::
 
     queued(r, now) = max(0, pending(r) - rate * (now - anchor(r)))
 
-An idle replica (nothing pending) anchors at the next send. ``rate`` is only used to
-age the queue between first tokens; an error in it is corrected at the next one.
+An idle replica (nothing pending) anchors at the next send, and a send never inherits
+more work done than was pending (a replica slower than ``rate``, whose estimate reached
+zero before its first token, still owes the new request all of it). ``rate`` is only
+used to age the queue between first tokens; an error in it is corrected at the next one.
 
 A request can also leave the books without a first token the router saw, and then the
 queue is taken to be worked first come, first served (``ahead``: the tokens of this
@@ -67,6 +69,8 @@ class PrefillLedger:
             queue = self._queues[replica] = _Queue()
         if not queue.pending:
             queue.anchor = at  # idle: the replica starts on it now
+        else:  # work beyond what it had been sent is no head start on this one
+            queue.anchor = max(queue.anchor, at - queue.tokens / self.rate)
         ticket = next(self._tickets)
         tokens = max(float(uncached_tokens), 0.0)
         queue.pending[ticket] = tokens

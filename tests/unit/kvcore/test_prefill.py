@@ -34,6 +34,17 @@ def test_a_first_token_anchors_what_is_still_pending() -> None:
     assert ledger.pending(0) == 1
 
 
+def test_a_replica_slower_than_the_rate_owes_a_new_request_all_of_it() -> None:
+    """By the rate, the first request was prefilled by 11 s, but no first token came: a
+    request sent at 15 s has none of its work done yet, not 4 s of it."""
+    ledger = PrefillLedger(prefill_tokens_per_s=1000)
+    ledger.sent(0, 1000, at=10.0)
+    assert ledger.queued_tokens(0, now=15.0) == 0
+    ledger.sent(0, 2000, at=15.0)
+    assert ledger.queued_tokens(0, now=15.0) == pytest.approx(2000)
+    assert ledger.queued_tokens(0, now=15.5) == pytest.approx(1500)
+
+
 def test_an_empty_queue_reads_zero_and_a_late_ticket_changes_nothing() -> None:
     ledger = PrefillLedger(prefill_tokens_per_s=1000)
     ticket = ledger.sent(3, 0.1, at=1.0)
