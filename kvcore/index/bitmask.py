@@ -213,18 +213,19 @@ def _runs(
 ) -> dict[int, int]:
     """Each replica's leading run. A prompt's blocks come in long runs held by the same
     replicas (a shared system prompt, then one conversation's blocks), so the holder
-    masks are read as runs of equal masks, each counted at C speed; a prompt whose masks
-    change more often than ``_GROUPS`` times is read again by :func:`_runs_by_and`."""
+    masks are read as runs of equal masks, each counted at C speed; from the
+    ``_GROUPS``-th change on, the rest is read by :func:`_runs_by_and`."""
+    held = _held(keys, masks, with_spec, hidden)
     runs: dict[int, int] = {}
     live, end = 0, 0
-    for group, (mask, same) in enumerate(groupby(_held(keys, masks, with_spec, hidden))):
-        if group == _GROUPS:
-            return _runs_by_and(_held(keys, masks, with_spec, hidden))
+    for group, (mask, same) in enumerate(groupby(held)):
         kept = live & mask if group else mask
         for replica in _bits(live & ~kept):
             runs[replica] = end
         if not kept:
             return runs
+        if group == _GROUPS:  # ``held`` is just past this run's first mask
+            return _runs_by_and(accumulate(held, and_, initial=kept), end, runs)
         live = kept
         end += len(list(same))
     for replica in _bits(live):
@@ -244,24 +245,24 @@ def _held(
     return held
 
 
-def _runs_by_and(held: Iterator[int]) -> dict[int, int]:
-    """Each replica's leading run, in one lazy pass that runs at C speed.
+def _runs_by_and(lives: Iterator[int], offset: int, runs: dict[int, int]) -> dict[int, int]:
+    """``runs`` completed from ``lives``, the ANDs of the holder masks from key ``offset``
+    on, in one lazy pass that runs at C speed.
 
-    ``live[i]`` (the AND of the first ``i + 1`` keys' holder masks) is consumed only
-    while non-zero, so the pass stops at the first key no replica still in the run
-    holds. Holder sets only shrink along ``live``, so its values never increase: where
-    each value ends is a binary search in the reversed list (at most one per replica).
+    ``live[i]`` is consumed only while non-zero, so the pass stops at the first key no
+    replica still in the run holds. Holder sets only shrink along ``live``, so its
+    values never increase: where each value ends is a binary search in the reversed
+    list (at most one per replica).
     """
-    live = list(takewhile(bool, accumulate(held, and_)))
+    live = list(takewhile(bool, lives))
     rising, total = live[::-1], len(live)
-    runs: dict[int, int] = {}
     end = 0
     while end < total:
         mask = live[end]
         end = total - bisect_left(rising, mask)
         following = live[end] if end < total else 0
         for replica in _bits(mask & ~following):
-            runs[replica] = end
+            runs[replica] = offset + end
     return runs
 
 
