@@ -96,9 +96,10 @@ class RouteContext:
         return len(self.token_ids) or len(self.block_keys) * self.block_size
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ReplicaReason:
-    """Why a replica was or was not chosen: the explain endpoint and debug headers."""
+    """Why a replica was or was not chosen: the explain endpoint and debug headers (not
+    frozen: a debug header builds one per request, and a frozen init costs 3x)."""
 
     ordinal: int
     replica_id: str
@@ -167,7 +168,7 @@ class Reasons(Sequence[ReplicaReason]):
         return f"Reasons({list(self._materialize())!r})"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # one per request; a frozen init costs 3x (read-only by convention)
 class SpeculativeRecord:
     """Residency the caller should record: ``keys`` on ``replica`` until ``expires_at``."""
 
@@ -176,7 +177,7 @@ class SpeculativeRecord:
     expires_at: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # one per request; a frozen init costs 3x (read-only by convention)
 class Decision:
     """The chosen replica (``None``: no replica can serve) and the reasons."""
 
@@ -197,7 +198,7 @@ class Decision:
 
     def summary(self) -> str:
         """One ASCII line for a debug response header: the choice and its figures."""
-        parts = [f"replica={self.replica_id or '-'}", f"strategy={self.strategy}"]
+        text = f"replica={self.replica_id or '-'}; strategy={self.strategy}"
         row = None
         if self.ordinal is not None:
             reasons = self.reasons
@@ -207,16 +208,16 @@ class Decision:
                 row = next((r for r in reasons if r.ordinal == self.ordinal), None)
         if row is not None:
             if row.hit is not None:
-                parts.append(f"hit={row.hit:.3f}")
-            parts.append(f"load={row.load:.3f}")
+                text += f"; hit={row.hit:.3f}"
+            text += f"; load={row.load:.3f}"
             if row.score is not None:
-                parts.append(f"score={row.score:.3f}")
+                text += f"; score={row.score:.3f}"
         note = self.note
         if note:
-            parts.append(
-                "note=" + (note if note.isascii() else note.encode("ascii", "replace").decode())
+            text += "; note=" + (
+                note if note.isascii() else note.encode("ascii", "replace").decode()
             )
-        return "; ".join(parts)
+        return text
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready explanation."""
