@@ -39,6 +39,10 @@ WATCH_METHOD = "/kvroute.v1.RoutingState/Watch"
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 16 * 1024 * 1024),  # chunks stay below 4 MiB
     ("grpc.enable_retries", 0),  # this client decides when and where to reconnect
+    # A channel's own connections: with gRPC's process-wide pool a new channel took over
+    # another's connection to the same address while it waited out gRPC's own backoff, and
+    # failed at once ("Connection refused") though the control plane was back.
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 
 

@@ -6,10 +6,12 @@ import asyncio
 import time
 from collections import Counter
 
+import grpc
 import pytest
 
 from dataplane.reporter import COUNTERS, Reporter
 from dataplane.settings import ProxySettings
+from dataplane.state_client import CHANNEL_OPTIONS
 from kvcore.pb import routing_pb2
 from kvroute.servers import free_port
 from tests.integration.routing_state_server import RoutingStateServer
@@ -93,6 +95,28 @@ async def test_nothing_is_lost_while_the_control_plane_is_down() -> None:
         }
         assert sum(r.interval_s for r in server.reports) > 0
     finally:
+        await reporter.aclose()
+        await server.stop()
+
+
+async def test_a_control_plane_back_gets_the_report_while_another_channel_waits_on_it() -> None:
+    """Another channel to the same address (the proxy's Watch) failed and waits out gRPC's
+    reconnect backoff: the report sent once the control plane is back still arrives (with
+    gRPC's process-wide connection pool it took that connection over and failed at once)."""
+    address = f"127.0.0.1:{free_port()}"
+    reporter = Reporter(settings(address), send_timeout_s=2.0)
+    watch = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    with pytest.raises(grpc.aio.AioRpcError):
+        await watch.unary_unary("/kvroute.RoutingState/Nothing")(b"", timeout=2.0)
+    reporter.record("chat", "default", "r0", 10, 5, 4, error=False)
+    reporter.close_interval()
+    server = await RoutingStateServer(1, port=int(address.rsplit(":", 1)[1])).start()
+    try:
+        await reporter.flush()
+        assert not reporter.pending and reporter.failures == 0, reporter.last_error
+        assert totals(server.reports)[("chat", "default", "r0")]["requests"] == 1
+    finally:
+        await watch.close()
         await reporter.aclose()
         await server.stop()
 
