@@ -106,6 +106,7 @@ class Target:
     name: str
     url: str
     pid: int | None = None  # a process whose CPU share is reported
+    helpers: tuple[int, ...] = ()  # processes working for it on the other CPUs (reported)
     samples: list[float] = field(default_factory=list)
     failed: str = ""  # why it was dropped from the run
 
@@ -229,6 +230,7 @@ class Run:
     errors: int
     share: float | None  # of a core, the router under load
     idle_share: float  # of a core, every other router (idle, pinned to the same CPU)
+    helpers_share: float  # of a core, the router's helper processes (kv_aware's fleet)
 
 
 async def measure(args: argparse.Namespace, replicas: list[str], targets: list[Target]) -> Results:
@@ -254,7 +256,7 @@ async def measure(args: argparse.Namespace, replicas: list[str], targets: list[T
         for target in targets:
             others = [pid for pid in pids if pid != target.pid]
             runs.setdefault(target.name, []).append(
-                await _loaded(args, [target.url], target.pid, others)
+                await _loaded(args, [target.url], target.pid, others, target.helpers)
             )
     results.direct_rps = statistics.median(run.rps for run in runs.pop("direct"))
     for name, samples in runs.items():
@@ -264,22 +266,31 @@ async def measure(args: argparse.Namespace, replicas: list[str], targets: list[T
         shares = [run.share for run in samples if run.share is not None]
         measured.cpu_share = statistics.median(shares) if shares else None
         measured.idle_routers_share = max(run.idle_share for run in samples)
+        if any(target.helpers for target in targets if target.name == name):
+            measured.helpers_share = statistics.median(run.helpers_share for run in samples)
     return results
 
 
 async def _loaded(
-    args: argparse.Namespace, urls: list[str], pid: int | None, others: list[int]
+    args: argparse.Namespace,
+    urls: list[str],
+    pid: int | None,
+    others: list[int],
+    helpers: tuple[int, ...] = (),
 ) -> Run:
-    """One throughput run: req/s, errors, and the CPU share of the router ``pid`` and of
-    the ``others`` (which should stay idle)."""
+    """One throughput run: req/s, errors, and the CPU share of the router ``pid``, of
+    the ``others`` (which should stay idle) and of the router's ``helpers`` (kv_aware's
+    control plane, NATS, etcd and sidecars, which share the replicas' CPU)."""
     before = tree_cpu_seconds(pid) if pid else 0.0
     others_before = sum(tree_cpu_seconds(other) for other in others)
+    helpers_before = sum(tree_cpu_seconds(helper) for helper in helpers)
     started = time.perf_counter()
     rps, errors = await throughput(urls, args.concurrency, args.duration)
     elapsed = time.perf_counter() - started
     idle = (sum(tree_cpu_seconds(other) for other in others) - others_before) / elapsed
     share = (tree_cpu_seconds(pid) - before) / elapsed if pid else None
-    return Run(rps, errors, share, idle)
+    helped = (sum(tree_cpu_seconds(helper) for helper in helpers) - helpers_before) / elapsed
+    return Run(rps, errors, share, idle, helped)
 
 
 # -- the routing decision in process ---------------------------------------------------
@@ -540,7 +551,7 @@ async def _measure_routers(
     try:
         async with aiohttp.ClientSession() as session:
             await routers.start(session, _peer_names(args))
-        targets = [Target(r.name, r.url, r.pid) for r in routers.running]
+        targets = [Target(r.name, r.url, r.pid, r.helpers) for r in routers.running]
         targets += _floors(args, urls, split, procs)
         for spec in args.router:
             name, _, url = spec.partition("=")

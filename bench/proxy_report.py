@@ -39,6 +39,7 @@ class Measured:
     errors: int = 0
     unavailable: str = ""
     idle_routers_share: float | None = None  # the other routers' CPU while this one ran
+    helpers_share: float | None = None  # its helper processes' CPU (kv_aware's fleet)
 
     @property
     def per_cpu_second(self) -> float | None:
@@ -150,6 +151,11 @@ def _throughput_row(measured: Measured, ceiling: float | None) -> Row:
         )
     if measured.idle_routers_share is not None and measured.idle_routers_share >= IDLE_NOTE:
         notes.append(f"the idle routers took {measured.idle_routers_share:.0%} of a core too")
+    if measured.helpers_share is not None:
+        notes.append(
+            f"its control plane, NATS, etcd and sidecars took {measured.helpers_share:.0%} "
+            "of a core beside the replicas"
+        )
     if measured.errors:
         notes.append(f"{measured.errors} errors")
     if measured.rps is not None and ceiling and measured.rps >= CEILING_SHARE * ceiling:

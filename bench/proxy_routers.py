@@ -106,6 +106,7 @@ class Router:
     name: str  # "kvroute round_robin", "sglang-router cache_aware", ...
     url: str
     pid: int
+    helpers: tuple[int, ...] = ()  # processes that work for it off its CPU (kv_aware's fleet)
 
 
 class Routers:
@@ -140,10 +141,10 @@ class Routers:
         if self.fleet is not None:
             await self.fleet.aclose()
 
-    def _add(self, name: str, url: str, pid: int) -> None:
+    def _add(self, name: str, url: str, pid: int, helpers: tuple[int, ...] = ()) -> None:
         if self.split is not None:
             pin_tree(pid, self.split.routers)
-        self.running.append(Router(name, url, pid))
+        self.running.append(Router(name, url, pid, helpers))
 
     async def _start_static(self) -> None:
         argv = [
@@ -168,8 +169,10 @@ class Routers:
         except (UpError, ChildFailed) as exc:
             self.not_run["kvroute kv_aware"] = f"the local fleet did not start: {exc}"
             return
-        child = next(c for c in self.fleet.supervisor.children if c.name == FLEET_PROXY)
-        self._add("kvroute kv_aware", fleet.proxy_urls[0], child.proc.pid)
+        children = self.fleet.supervisor.children
+        child = next(c for c in children if c.name == FLEET_PROXY)
+        helpers = tuple(c.proc.pid for c in children if c is not child)
+        self._add("kvroute kv_aware", fleet.proxy_urls[0], child.proc.pid, helpers)
 
     async def _start_peer(self, name: str, policy: str) -> None:
         peer = PEERS[name]

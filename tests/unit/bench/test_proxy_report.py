@@ -59,6 +59,16 @@ def test_throughput_is_judged_like_for_like_against_sglang_router() -> None:
     assert not all_met(rows)
 
 
+def test_kv_awares_fleet_cpu_beside_the_replicas_is_shown_with_its_throughput() -> None:
+    results = _everyone(kv_rps=850.0, kv_ms=0.2)
+    results.routers["kvroute kv_aware"].helpers_share = 0.37
+    rows = throughput_rows(results, 32)
+    assert "control plane, NATS, etcd and sidecars took 37% of a core" in (
+        _row(rows, "throughput, kvroute kv_aware").note
+    )
+    assert "sidecars" not in _row(rows, "throughput, sglang-router cache_aware").note
+
+
 def test_added_latency_needs_both_the_bound_and_sglang_routers_figure() -> None:
     rows = latency_rows(_everyone(kv_rps=1000.0, kv_ms=0.28))
     assert _row(rows, "added latency p50, kvroute kv_aware").verdict == "met"  # <= 0.3 ms
