@@ -3,7 +3,8 @@
 Contenders, all on loopback: ``kvroute round_robin`` (``kvroute-proxy --static-replicas``,
 one worker: no control plane to ask), ``kvroute kv_aware`` (one ``kvroute-proxy`` of a
 whole local fleet as ``kvroute up --engines`` runs it: NATS, etcd, the control plane and
-a sidecar per replica, the ``default`` workload's ``kv_aware``), and the peer routers
+a sidecar per replica, the ``default`` workload's ``kv_aware``; without the debug headers
+the demo shows, as deploy/ runs a proxy), and the peer routers
 ``sglang-router`` and ``vllm-router`` with their ``round_robin`` and ``cache_aware``
 policies (installed into their own virtual environments by :mod:`bench.e2e.peers`).
 
@@ -161,7 +162,7 @@ class Routers:
         """kv_aware needs the residency map: one proxy of a whole local fleet."""
         options = UpOptions(
             engines=tuple(self.replicas), proxies=1, port=free_port(),
-            data_dir=self.run_dir / "kvroute-fleet",
+            data_dir=self.run_dir / "kvroute-fleet", debug_headers=False,
         )  # fmt: skip
         self.fleet = LocalFleet(options, say=lambda _: None)
         try:

@@ -59,6 +59,7 @@ class UpOptions:
     num_blocks: int = 8192
     demo: bool = False
     demo_only: bool = False
+    debug_headers: bool = True  # x-kvroute-* on every answer (the demo shows them)
 
 
 @dataclass
@@ -255,15 +256,21 @@ class LocalFleet:
             return self.options.engine_kind == "sglang"
         return self.options.event_format == "sglang"
 
+    def proxy_argv(self, index: int) -> list[str]:
+        """The command line of the fleet's ``index``-th proxy."""
+        argv = [
+            venv_tool_or_fail("kvroute-proxy"),
+            "--port", str(self.options.port + index),
+            "--controlplane", ",".join(self.fleet.grpc_addresses),
+            "--tokenizer", self.options.tokenizer,
+        ]  # fmt: skip
+        if self.options.debug_headers:
+            argv.append("--debug-headers")
+        return argv
+
     async def _start_proxies(self) -> None:
         for index in range(self.options.proxies):
-            argv = [
-                venv_tool_or_fail("kvroute-proxy"),
-                "--port", str(self.options.port + index),
-                "--controlplane", ",".join(self.fleet.grpc_addresses),
-                "--tokenizer", self.options.tokenizer,
-                "--debug-headers",
-            ]  # fmt: skip
+            argv = self.proxy_argv(index)
             port = self.options.port + index
             spec = ChildSpec(
                 f"proxy-{index}",

@@ -1,0 +1,25 @@
+"""The proxies ``kvroute up`` starts: debug headers for the demo, none when asked (the
+proxy benchmark measures a proxy as deploy/ runs it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvroute.up import LocalFleet, UpOptions
+
+
+def _argv(tmp_path: Path, **options: object) -> list[str]:
+    fleet = LocalFleet(UpOptions(data_dir=tmp_path, port=9100, **options), say=lambda _: None)  # type: ignore[arg-type]
+    fleet.fleet.grpc_addresses = ["127.0.0.1:7001", "127.0.0.1:7002"]
+    return fleet.proxy_argv(1)
+
+
+def test_a_fleets_proxies_show_their_decisions_in_headers_by_default(tmp_path: Path) -> None:
+    argv = _argv(tmp_path)
+    assert argv[argv.index("--port") + 1] == "9101"
+    assert argv[argv.index("--controlplane") + 1] == "127.0.0.1:7001,127.0.0.1:7002"
+    assert "--debug-headers" in argv
+
+
+def test_debug_headers_can_be_left_off(tmp_path: Path) -> None:
+    assert "--debug-headers" not in _argv(tmp_path, debug_headers=False)
