@@ -13,6 +13,13 @@ shared with other work the fastest batch is the least disturbed one). No system 
 made, so this is the proxy's Python work alone; what the kernel adds per hop is the same
 for any Python proxy (``bench.proxy --floors``). ``--profile`` prints where the time goes
 (cProfile, CPU time).
+
+Then the critical path, in wall time per request (p50 and p90 over a second pass of the
+same requests, stamped by the in-memory transports): *in*, from the request's bytes
+handed to the server to the upstream write; *out*, from the replica's answer handed to
+the client connection to the write to the client; *after*, from that write to the end of
+the handler (work the client does not wait for, but the next request on a busy worker
+does). In + out is what a client waits for beyond the two hops.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from typing import Any
 import uvloop
 
 from dataplane.http_client import ConnectionPool, _Connection
-from dataplane.http_server import HttpServer
+from dataplane.http_server import HttpServer, Request, Response
 from dataplane.service import ProxyService
 from dataplane.settings import ProxySettings
 from kvcore.pb import events_pb2, routing_pb2
@@ -47,6 +54,11 @@ REPLY = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %
     ANSWER,
 )
 BATCHES = 10
+SPLIT = {  # part of the path: (from stamp, to stamp); see the module docstring
+    "in": ("sent", "upstream"),
+    "out": ("reply", "answered"),
+    "after": ("answered", "ended"),
+}
 STRATEGIES = ["round_robin", "least_load", "prefix_hash", "kv_aware"]
 
 
@@ -77,14 +89,29 @@ class _Transport:
 
 class _MemoryReplicas(ConnectionPool):
     """The proxy's client, its connections answered in memory by a replica that replies
-    to every request with ``REPLY`` (on the next turn of the loop, as a socket would)."""
+    to every request with ``REPLY`` (on the next turn of the loop, as a socket would);
+    with ``stamps``, the times of the upstream write and of the reply's arrival in it."""
+
+    def __init__(self, stamps: dict[str, float] | None = None) -> None:
+        super().__init__(2.0, 60.0)
+        self.stamps = stamps
 
     async def _connect(self, host: str, port: int) -> _Connection:
         connection = _Connection()
         loop = asyncio.get_running_loop()
-        connection.connection_made(
-            _Transport(lambda _: loop.call_soon(connection.data_received, REPLY))  # type: ignore[arg-type]
-        )
+        stamps = self.stamps
+
+        def reply() -> None:
+            if stamps is not None:
+                stamps["reply"] = time.perf_counter()
+            connection.data_received(REPLY)
+
+        def on_write(_: bytes) -> None:
+            if stamps is not None:
+                stamps["upstream"] = time.perf_counter()
+            loop.call_soon(reply)
+
+        connection.connection_made(_Transport(on_write))  # type: ignore[arg-type]
         connection.peer = (host, port)
         return connection
 
@@ -128,54 +155,109 @@ def _snapshot() -> routing_pb2.StateUpdate:
     return routing_pb2.StateUpdate(epoch=1, version=1, snapshot=chunk)
 
 
-async def measure(requests: int, strategy: str, profile: bool, warmup: int = 500) -> list[float]:
-    service = _service(strategy)
-    settings = service.settings
-    await asyncio.to_thread(service.router.tokenizers.load, settings.tokenizer)
-    service.upstream.pool = _MemoryReplicas(2.0, 60.0)
-    server = HttpServer(service.app, max_body_bytes=settings.max_body_bytes)
-    answered: list[asyncio.Future[bytes]] = []  # the one request in flight
+class _Path:
+    """One worker's proxy served in memory, and a client sending it short completions."""
 
-    def on_response(data: bytes) -> None:
-        if answered and not answered[0].done():
-            answered[0].set_result(data)
+    def __init__(self, strategy: str, stamps: dict[str, float] | None = None) -> None:
+        self.service = _service(strategy)
+        self.service.upstream.pool = _MemoryReplicas(stamps)
+        self.stamps = stamps
+        handler: Any = self.service.app if stamps is None else self._stamped
+        server = HttpServer(handler, max_body_bytes=self.service.settings.max_body_bytes)
+        self._answered: list[asyncio.Future[bytes]] = []  # the one request in flight
+        self._client = server.protocol()
+        self._client.connection_made(_Transport(self._on_response))  # type: ignore[arg-type]
 
-    client = server.protocol()
-    client.connection_made(_Transport(on_response))  # type: ignore[arg-type]
-    loop = asyncio.get_running_loop()
+    async def start(self) -> None:
+        tokenizer = self.service.settings.tokenizer
+        await asyncio.to_thread(self.service.router.tokenizers.load, tokenizer)
 
-    async def one(i: int) -> None:
+    async def _stamped(self, request: Request, response: Response) -> None:
+        assert self.stamps is not None
+        await self.service.app(request, response)
+        self.stamps["ended"] = time.perf_counter()
+
+    def _on_response(self, data: bytes) -> None:
+        if self.stamps is not None:
+            self.stamps["answered"] = time.perf_counter()
+        if self._answered and not self._answered[0].done():
+            self._answered[0].set_result(data)
+
+    async def one(self, i: int) -> None:
         body = json.dumps({"model": MODEL, "prompt": f"Hello number {i % 50}", "max_tokens": 1})
-        answered.append(loop.create_future())
-        client.data_received(
+        request = (
             b"POST /v1/completions HTTP/1.1\r\nhost: proxy\r\ncontent-type: application/json"
             b"\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body.encode())
         )
-        reply = await answered[0]
-        answered.clear()
+        self._answered.append(asyncio.get_running_loop().create_future())
+        if self.stamps is not None:
+            self.stamps["sent"] = time.perf_counter()
+        self._client.data_received(request)
+        reply = await self._answered[0]
+        self._answered.clear()
         if not reply.startswith(b"HTTP/1.1 200"):
             raise SystemExit(f"the proxy answered {reply[:200]!r}")
 
+    async def aclose(self) -> None:
+        self.service.reporter = None  # no control plane to deliver its last report to
+        await self.service.aclose()
+
+
+async def measure(requests: int, strategy: str, profile: bool, warmup: int = 500) -> list[float]:
+    """CPU microseconds per request of each of ``BATCHES`` batches."""
+    path = _Path(strategy)
+    await path.start()
     for i in range(warmup):  # tokenizer caches, connections, metric children
-        await one(i)
+        await path.one(i)
     gc.collect()
     per_batch = max(1, requests // BATCHES)
     samples = []
     for _ in range(BATCHES):
         started = time.thread_time()
         for i in range(per_batch):
-            await one(i)
+            await path.one(i)
         samples.append((time.thread_time() - started) / per_batch * 1e6)
     if profile:
         profiler = cProfile.Profile(time.thread_time)
         profiler.enable()
         for i in range(per_batch):
-            await one(i)
+            await path.one(i)
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
-    service.reporter = None  # no control plane to deliver its last report to
-    await service.aclose()
+    await path.aclose()
     return samples
+
+
+async def measure_split(requests: int, strategy: str, warmup: int = 500) -> dict[str, list[float]]:
+    """Wall microseconds per request of each part of the path (``SPLIT``), request by
+    request."""
+    stamps: dict[str, float] = {}
+    path = _Path(strategy, stamps)
+    await path.start()
+    for i in range(warmup):
+        await path.one(i)
+    gc.collect()
+    parts: dict[str, list[float]] = {name: [] for name in SPLIT}
+    for i in range(requests):
+        stamps.clear()
+        await path.one(i)
+        for name, (begin, end) in SPLIT.items():
+            parts[name].append((stamps[end] - stamps[begin]) * 1e6)
+    await path.aclose()
+    return parts
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+_SPLIT_NAMES = {
+    "in": "request in -> upstream write",
+    "out": "reply in -> client write",
+    "after": "client write -> handler end",
+    "in + out": "what the client waits",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,10 +267,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args(argv)
     samples = uvloop.run(measure(args.requests, args.strategy, args.profile))
+    parts = uvloop.run(measure_split(args.requests, args.strategy))
     mode = "a fleet's" if args.strategy == "kv_aware" else "static"
     print(f"kvroute-proxy request path in process, {mode} {args.strategy}, short completion")
     print(f"  CPU per request, fastest of {BATCHES} batches  {min(samples):8.1f} us")
     print(f"  CPU per request, median batch            {statistics.median(samples):8.1f} us")
+    print(f"  wall time per request over {args.requests} requests     p50        p90")
+    parts["in + out"] = [a + b for a, b in zip(parts["in"], parts["out"], strict=True)]
+    for name, values in parts.items():
+        p50, p90 = _percentile(values, 0.5), _percentile(values, 0.9)
+        print(f"  {name + ' (' + _SPLIT_NAMES[name] + ')':38s} {p50:8.1f} us {p90:7.1f} us")
     return 0
 
 
