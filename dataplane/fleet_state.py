@@ -52,7 +52,7 @@ DEFAULT_CAPACITY = 256  # a replica that does not announce max_num_seqs
 STEP_KEYS = 2_000  # residency keys applied between two yields to the event loop
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # one per request; a frozen init costs 3x (read-only by convention)
 class InflightTicket:
     """One request sent by this proxy, for :meth:`FleetState.on_done`."""
 
@@ -159,6 +159,9 @@ class FleetState:
         self._need_snapshot = True
         self._updated_at = -math.inf
         self.config_error = ""  # the last config refused, for /readyz; "" when fine
+        # bumped by every change of replicas, served names or config: what a model name
+        # resolves to (canonical id, registry entry, block size) may be kept until then
+        self.generation = 0
         self.ignored = 0  # malformed entries skipped (ordinal out of range or unknown)
 
     # -- building ---------------------------------------------------------------
@@ -314,6 +317,7 @@ class FleetState:
             self.config_error = str(exc)
             return False
         self.config_error = ""
+        self.generation += 1  # the registry changed now, the names at the delta's end
         return True
 
     def _upsert(self, info: routing_pb2.Replica) -> Iterator[None]:
@@ -403,6 +407,7 @@ class FleetState:
         self._dirty.clear()
         self._reloaded.clear()
         self._views = {}
+        self.generation += 1  # last: a name resolved while this ran is resolved again
         for listener in list(self._listeners):
             listener()
 

@@ -7,7 +7,9 @@ through ``kvcore.request.prompt_keys`` and a per-thread
 prompt began with; the explain endpoint reads requests through the same module);
 :meth:`Router.choose` runs
 the workload's policy and may run again with replicas excluded (a retry). Policies are
-built once per workload and rebuilt when the routing config object changes.
+built once per workload and rebuilt when the routing config object changes; what a
+requested model name resolves to (canonical id, tokenizer, block size) is remembered
+until the fleet's replicas or config change (:attr:`FleetState.generation`).
 
 Tenant namespace (the ``namespace`` of the block keys must be the ``cache_salt`` the
 engine sees, since the sidecar keys the engine's blocks under it):
@@ -44,6 +46,7 @@ from kvcore.workload import (
 from kvcore.workload.classify import WORKLOAD_HEADER
 
 ROOTS_REMEMBERED = 4096  # (model, tenant) roots kept before the memo starts over
+MODELS_REMEMBERED = 1024  # requested model names resolved, kept before the memo starts over
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +73,16 @@ class Prepared:
     block_keys: list[int]
     session_id: str | None
     request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _ModelRoute:
+    """What a requested model name resolves to while the fleet's generation lasts."""
+
+    generation: int
+    key_model: str | None  # the canonical model id (None: nobody serves the name)
+    spec: str  # the tokenizer spec
+    block_size: int
 
 
 class TokenizerPool:
@@ -115,14 +128,32 @@ class Router:
         self._config: RoutingConfig | None = None
         self._policies: dict[str, Policy] = {}
         self._roots: dict[tuple[str, str], int] = {}
+        self._models: dict[str, _ModelRoute] = {}
         self._forward_workload = parse_workload({"name": "forward", "strategy": "least_load"})
         self._least_load = create_policy(self._forward_workload, rng=self._rng)
 
     def tokenizer_spec(self, model: str) -> str:
-        return self._spec(self.fleet.model_entry(model))
+        return self._model(model).spec
 
-    def _spec(self, entry: routing_pb2.Model | None) -> str:
-        return entry.tokenizer if entry is not None and entry.tokenizer else self.defaults.tokenizer
+    def _model(self, name: str) -> _ModelRoute:
+        """``name``'s canonical id, tokenizer and block size, looked up once per fleet
+        generation (five lookups cost a short request as much as tokenizing it)."""
+        fleet = self.fleet
+        route = self._models.get(name)
+        if route is None or route.generation != fleet.generation:
+            if len(self._models) >= MODELS_REMEMBERED:
+                self._models = {}
+            route = self._models[name] = self._resolve(name)
+        return route
+
+    def _resolve(self, name: str) -> _ModelRoute:
+        fleet, defaults = self.fleet, self.defaults
+        generation = fleet.generation  # read first: a change after it is seen next time
+        entry = fleet.model_entry(name)
+        spec = entry.tokenizer if entry is not None and entry.tokenizer else defaults.tokenizer
+        block_size = entry.block_size if entry is not None and entry.block_size else None
+        block_size = block_size or fleet.block_size(name) or defaults.block_size
+        return _ModelRoute(generation, fleet.canonical_model(name), spec, block_size)
 
     def prepare(
         self,
@@ -134,18 +165,16 @@ class Router:
         request_id: str,
     ) -> Prepared:
         """Workload, tenant, tokens and keys of ``request``; 400/404 when it cannot route."""
-        key_model = self.fleet.canonical_model(request.model)
+        route = self._model(request.model)
+        key_model, block_size = route.key_model, route.block_size
         if key_model is None:
             raise NotFound(
                 f"The model `{request.model}` does not exist.", "model", "model_not_found"
             )
         workload = self.classify(request, path, headers, api_key)
         namespace, salt = self._tenant(request, workload, headers, api_key)
-        entry = self.fleet.model_entry(request.model)
-        block_size = entry.block_size if entry is not None and entry.block_size else None
-        block_size = block_size or self.fleet.block_size(request.model) or self.defaults.block_size
         root = self._root(key_model, namespace)
-        prompt = self._prompt(request, self._spec(entry), root, block_size)
+        prompt = self._prompt(request, route.spec, root, block_size)
         return Prepared(
             workload=workload,
             policy=self._policy(workload),
@@ -164,19 +193,24 @@ class Router:
         self, prepared: Prepared, *, now: float, exclude: frozenset[int] = frozenset()
     ) -> tuple[Decision, int]:
         """The policy's decision and the predicted cached tokens on its replica."""
+        keys = prepared.block_keys
         ctx = RouteContext(
-            workload=prepared.workload,
-            model=prepared.key_model,
-            block_keys=prepared.block_keys,
-            block_size=prepared.block_size,
-            session_id=prepared.session_id,
-            now=now,
-            exclude=exclude,
-            request_id=prepared.request_id,
+            prepared.workload,
+            prepared.key_model,
+            keys,
+            (),
+            prepared.block_size,
+            prepared.session_id,
+            now,
+            exclude,
+            prepared.request_id,
         )
-        view = _RunsOnce(self.fleet.view(prepared.model))
-        decision = prepared.policy.select(ctx, view)
-        return decision, self._predicted(prepared, decision, view, now)
+        view = self.fleet.view(prepared.model)
+        if not keys:  # nothing to look up, nothing predicted
+            return prepared.policy.select(ctx, view), 0
+        runs = _RunsOnce(view)
+        decision = prepared.policy.select(ctx, runs)
+        return decision, self._predicted(prepared, decision, runs, now)
 
     def least_loaded(self, model: str) -> int | None:
         """The least-loaded replica serving ``model`` (routes other than inference)."""

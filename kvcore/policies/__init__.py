@@ -1,7 +1,7 @@
 """Routing strategies: one module each behind :class:`Policy`, created by name.
 
 ``create_policy(workload, rng=)`` builds the strategy a workload names; each takes a
-frozen :class:`RouteContext` and a read-only :class:`StateView` and returns a
+read-only :class:`RouteContext` and a read-only :class:`StateView` and returns a
 :class:`Decision` that explains itself per replica. :class:`InflightLedger` counts a
 proxy's requests per replica that the engine's last load report does not include yet
 (``ReplicaState.unreported``).

@@ -1,7 +1,8 @@
-"""The routing contract: one frozen context in, one self-explaining decision out.
+"""The routing contract: one read-only context in, one self-explaining decision out.
 
 Every strategy implements :class:`Policy`: ``select(ctx, state) -> Decision``. The
-context (:class:`RouteContext`) is frozen, so adding a field never changes a signature;
+context (:class:`RouteContext`) is one object, so adding a field never changes a
+signature, and read-only (by convention: a frozen init costs 3x, built per request);
 the state (:class:`StateView`) is read-only, so policies are pure apart from their own
 small state (a round-robin cursor, a cached ring, a random generator). What a policy
 wants written back (speculative residency) is part of the :class:`Decision`.
@@ -76,9 +77,11 @@ class StateView(Protocol):
         ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RouteContext:
-    """Everything a policy may look at about one request."""
+    """Everything a policy may look at about one request; read-only by convention (not
+    frozen: the proxy builds one per decision, and a frozen init of its nine fields cost
+    1.25 us against 0.45 us)."""
 
     workload: Workload
     model: str

@@ -87,11 +87,11 @@ class KvAwarePolicy(KvScoringPolicy):
             return None
         # blocks this router sent each usable replica lately (every usable replica: a
         # prompt nobody holds costs a look at each)
-        usable = [r for r in found.fleet if found.admits(r)]
-        now = ctx.now
-        placed = [state.placed_blocks(r.ordinal, now=now) for r in usable]
-        if not placed:
+        usable = list(filter(found.admits, found.fleet))
+        if not usable:
             return None
+        now, placed_blocks = ctx.now, state.placed_blocks
+        placed = [placed_blocks(r.ordinal, now=now) for r in usable]
         limit = min(placed) + blocks  # within one prompt of the least-sent one
         turn = [r for r, sent in zip(usable, placed, strict=True) if sent <= limit]
         chosen = next_in_turn(found.fleet, turn, self._last, self._turn + 1)

@@ -52,6 +52,13 @@ def queue_saturation(replica: ReplicaState, ctx: RouteContext) -> str | None:
     it while the engine reports requests waiting (it cannot admit them: its cache is full
     of running requests, not just of cached prefixes)."""
     workload = ctx.workload
+    requests, threshold = replica.requests, workload.load_threshold
+    if (
+        requests < workload.max_inflight_per_replica
+        and min(1.0, requests / max(replica.capacity, 1)) < threshold  # queue_load's
+        and not (replica.waiting and replica.kv_usage >= threshold)
+    ):
+        return None  # the usual answer, without a call (asked per replica per request)
     if replica.requests >= workload.max_inflight_per_replica:
         limit = workload.max_inflight_per_replica
         return f"{replica.requests} requests >= max_inflight_per_replica {limit}"
@@ -111,7 +118,7 @@ class KvScoringPolicy:
             return self._fall_back(ctx, state)
         found = candidates(ctx, state, runs, queue_saturation)
         chosen = self.without_hit(ctx, state, found, runs)
-        scores = self.scores(ctx, found.holders, runs)
+        scores = self.scores(ctx, found.holders, runs) if found.holders else {}
         usable = found.holders
         if chosen is None:
             usable = found.usable(self.nonholders, max(scores.values(), default=-inf) - 2 * TIE)

@@ -30,7 +30,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from math import inf
 from operator import attrgetter, itemgetter
-from typing import Any
 
 from kvcore.policies.base import (
     Decision,
@@ -38,11 +37,13 @@ from kvcore.policies.base import (
     ReplicaReason,
     ReplicaState,
     RouteContext,
+    SpeculativeRecord,
     StateView,
 )
 from kvcore.policies.board import ReplicaBoard
 from kvcore.policies.screening import (
     ALL_SATURATED,
+    NO_REPLICA,
     TIE,
     Saturation,
     Screened,
@@ -65,9 +66,10 @@ class Pool:
     saturated_why: Saturation = saturation
 
     def admits(self, replica: ReplicaState) -> bool:
-        if hard_exclusion(replica, self.ctx) is not None:
+        ctx = self.ctx
+        if hard_exclusion(replica, ctx) is not None:
             return False
-        return not self.unsaturated_only or self.saturated_why(replica, self.ctx) is None
+        return not self.unsaturated_only or self.saturated_why(replica, ctx) is None
 
 
 # A strategy's search among the usable replicas holding none of the prompt: (board, pool,
@@ -252,7 +254,9 @@ def decision(
     found: Candidates,
     chosen: ReplicaState | None,
     rows: Rows,
-    **details: Any,
+    *,
+    note: str = "",
+    speculative: SpeculativeRecord | None = None,
 ) -> Decision:
     """A decision whose reasons (built only when read) list every replica once: the
     candidates were all that was needed to decide; an explanation screens the whole
@@ -269,7 +273,7 @@ def decision(
     def chosen_row() -> ReplicaReason | None:
         return None if chosen is None else next(iter(rows([chosen])), None)
 
-    note = details.pop("note", "") or found.note
+    note = note or found.note
     if chosen is None:
-        note = note or "no replica can serve this request"
-    return Decision(chosen, strategy, Reasons(explain, chosen_row), note, **details)
+        note = note or NO_REPLICA
+    return Decision(chosen, strategy, Reasons(explain, chosen_row), note, speculative)

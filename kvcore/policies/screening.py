@@ -24,6 +24,7 @@ from kvcore.policies.base import (
 
 TIE = 1e-9
 ALL_SATURATED = "every replica is saturated: considering all"
+NO_REPLICA = "no replica can serve this request"
 
 
 @dataclass(slots=True)  # one per request; a frozen init costs 3x
@@ -38,6 +39,14 @@ class Screened:
 
 def hard_exclusion(replica: ReplicaState, ctx: RouteContext) -> str | None:
     """Why ``replica`` can never take this request, or ``None``."""
+    models = replica.models
+    if (
+        replica.healthy
+        and not replica.draining
+        and (not models or ctx.model in models)
+        and replica.ordinal not in ctx.exclude
+    ):
+        return None  # the usual answer, in one test (asked per replica per request)
     if replica.ordinal in ctx.exclude:
         return "already tried for this request"
     return static_exclusion(replica, ctx)
@@ -80,21 +89,23 @@ def screen_rows(
 ) -> Screened:
     """:func:`screen` over ``replicas`` (in ordinal order)."""
     excluded: list[ReplicaReason] = []
-    eligible: list[ReplicaState] = []
+    usable: list[ReplicaState] = []
+    saturated: dict[int, str] = {}
+    left_out: list[ReplicaState] = []  # eligible but saturated
     for replica in replicas:
         why = hard_exclusion(replica, ctx)
-        if why is None:
-            eligible.append(replica)
-        else:
+        if why is not None:
             excluded.append(reason(replica, excluded=why))
-    saturated = {r.ordinal: why for r in eligible if (why := saturated_why(r, ctx)) is not None}
-    usable = [r for r in eligible if r.ordinal not in saturated]
-    if eligible and not usable:
-        return Screened(eligible, {}, excluded, ALL_SATURATED)
-    left_out = [
-        reason(r, excluded=saturated[r.ordinal]) for r in eligible if r.ordinal in saturated
-    ]
-    return Screened(usable, saturated, excluded + left_out)
+        elif (why := saturated_why(replica, ctx)) is None:
+            usable.append(replica)
+        else:
+            saturated[replica.ordinal] = why
+            left_out.append(replica)
+    if left_out:
+        if not usable:  # every eligible replica is saturated
+            return Screened(left_out, {}, excluded, ALL_SATURATED)
+        excluded += [reason(r, excluded=saturated[r.ordinal]) for r in left_out]
+    return Screened(usable, saturated, excluded)
 
 
 def reason(
@@ -122,7 +133,9 @@ def decide(
     screened: Screened,
     chosen: ReplicaState | None,
     rows: Callable[[list[ReplicaState]], Iterable[ReplicaReason]] = lambda _: (),
-    **details: Any,
+    *,
+    note: str = "",
+    extra: dict[str, Any] | None = None,
 ) -> Decision:
     """A decision whose reasons (``rows(screened.usable)``, built only when read) list
     every replica once, in ordinal order."""
@@ -131,10 +144,12 @@ def decide(
         return None if chosen is None else next(iter(rows([chosen])), None)
 
     reasons = Reasons(lambda: [*screened.excluded, *rows(screened.usable)], chosen_row)
-    note = details.pop("note", "") or screened.note
+    note = note or screened.note
     if chosen is None:
-        note = note or "no replica can serve this request"
-    return Decision(chosen, strategy, reasons, note, **details)
+        note = note or NO_REPLICA
+    if extra is None:
+        return Decision(chosen, strategy, reasons, note)
+    return Decision(chosen, strategy, reasons, note, extra=extra)
 
 
 def plain_rows(usable: list[ReplicaState]) -> list[ReplicaReason]:

@@ -107,6 +107,8 @@ class BuiltinTokenizer:
         return "".join(parts)
 
     def _encode_text(self, text: str, start: int = 0) -> list[int]:
+        if "<" not in text:  # every special token starts with "<": no search for one
+            return self._piece_ids(_PIECE_RE.findall(text, start))
         ids: list[int] = []
         for match in _SPECIAL_RE.finditer(text, start):
             ids += self._piece_ids(_PIECE_RE.findall(text, start, match.start()))

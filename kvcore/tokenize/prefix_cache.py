@@ -117,9 +117,11 @@ class PrefixTokenCache:
         """The tokens of ``text`` and, when ``root`` is given, the router block keys
         ``chain_keys(root, tokens, block_size)``."""
         if len(text) < self.chunk or (add_special_tokens and self._wrap is None):
+            # too short to be found again, or cannot be cut
             tokens = array("I", self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-            keys = [] if root is None else chain_keys(root, tokens, block_size)
-            return Encoded(tokens, keys)  # too short to be found again, or cannot be cut
+            if root is None or len(tokens) < block_size:  # not one whole block: no keys
+                return Encoded(tokens)
+            return Encoded(tokens, chain_keys(root, tokens, block_size))
         before, after = self._wrap if add_special_tokens and self._wrap else ([], [])
         data = text.encode("utf-8", "surrogatepass")
         source, shared, chunks = self._longest(data)

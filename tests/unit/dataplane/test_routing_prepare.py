@@ -7,14 +7,22 @@ import json
 
 import pytest
 
+from dataplane import fleet_state
 from dataplane.fleet_state import FleetState
+from dataplane.http_errors import NotFound
 from dataplane.openai_request import Kind, parse_inference
 from dataplane.routing import Defaults, Prepared, Router
 from kvcore.keys import chain_keys, root_key
 from kvcore.pb import routing_pb2
 from kvcore.request import prompt_token_ids
 from kvcore.tokenize import BuiltinTokenizer
-from tests.unit.dataplane.state_messages import replica
+from tests.unit.dataplane.state_messages import (
+    config,
+    delta,
+    model_entry,
+    replica,
+    residency_change,
+)
 
 LONG = "".join(f"Line {i}: the router keys this prompt block by block.\n" for i in range(60))
 WORKLOADS = [
@@ -92,3 +100,63 @@ def test_the_workload_header_picks_a_workload_and_tenants_get_their_own_root() -
     tokens = BuiltinTokenizer().encode(LONG)
     assert isolated.block_keys == chain_keys(root_key(model="org/m", namespace="tenant-b"), tokens)
     assert plain.block_keys == chain_keys(root_key(model="org/m"), tokens)
+
+
+def test_what_a_model_name_resolves_to_follows_the_fleets_changes() -> None:
+    """The router remembers a name's canonical id, tokenizer and block size until the
+    replicas or the config change: each change below is seen by the next request."""
+    router = _router(16, [])
+    body = {"model": "m", "prompt": LONG}
+    tokens = BuiltinTokenizer().encode(LONG)
+    assert _prepare(router, body, "completion").block_size == 16
+    announced = replica(0, model="org/m", served=["m"])
+    announced.block_size = 32  # both replicas' sidecars now key with 32
+    second = replica(1, model="org/m", served=["m"])
+    second.block_size = 32
+    router.fleet.apply(delta(1, 2, replicas_upserted=[announced, second]))
+    prepared = _prepare(router, body, "completion")
+    assert prepared.block_size == 32
+    assert prepared.block_keys == chain_keys(root_key(model="org/m"), tokens, 32)
+    registry = config(WORKLOADS, models=[model_entry("m")])
+    registry.models[0].block_size = 64  # the registry names the model: its size wins
+    router.fleet.apply(delta(1, 3, config=registry))
+    assert _prepare(router, body, "completion").block_size == 64
+    renamed = replica(0, model="org/other", served=["other"])
+    router.fleet.apply(delta(1, 4, replicas_upserted=[renamed], replicas_removed=[1]))
+    with pytest.raises(NotFound):  # nobody serves "m" any more
+        _prepare(router, body, "completion")
+    assert _prepare(router, {"model": "other", "prompt": LONG}, "completion").key_model == (
+        "org/other"
+    )
+
+
+def test_a_static_replicas_served_names_end_the_any_name_routing() -> None:
+    router = Router(FleetState.from_static(["http://127.0.0.1:9000"]), Defaults())
+    body = {"model": "whatever", "prompt": "Hello"}
+    assert _prepare(router, body, "completion").key_model == "whatever"
+    router.fleet.set_served_names(0, ["org/m"])
+    with pytest.raises(NotFound):
+        _prepare(router, body, "completion")
+    assert _prepare(router, {"model": "org/m", "prompt": "Hello"}, "completion").key_model == (
+        "org/m"
+    )
+
+
+def test_a_request_routed_between_the_steps_of_a_delta_reads_its_new_registry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A delta is applied in steps with routing in between; its config is in force from
+    its first step, as the registry is read (the rest of the delta still to come)."""
+    monkeypatch.setattr(fleet_state, "STEP_KEYS", 10)
+    router = _router(16, [])
+    body = {"model": "m", "prompt": LONG}
+    assert _prepare(router, body, "completion").block_size == 16
+    registry = config(WORKLOADS, models=[model_entry("m")])
+    registry.models[0].block_size = 64
+    added = residency_change(0, added=list(range(1, 100)))
+    steps = router.fleet.apply_steps(delta(1, 2, config=registry, residency=[added]))
+    next(steps)
+    assert _prepare(router, body, "completion").block_size == 64
+    for _ in steps:
+        pass
+    assert _prepare(router, body, "completion").block_size == 64
