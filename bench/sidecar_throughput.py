@@ -1,7 +1,7 @@
 """How fast the sidecar turns engine KV events into router events on NATS.
 
-``python -m bench.sidecar_throughput`` starts a real ``nats-server`` on loopback and
-prints each figure beside its target:
+``python -m bench.sidecar_throughput [throughput latency cost]`` (all by default) starts a
+real ``nats-server`` on loopback and prints each figure beside its target:
 
 1. **throughput** -- vLLM 0.33 batches (each: 4 ``BlockStored`` of 4 blocks chained onto
    earlier requests' blocks, and 4 one-block ``BlockRemoved``: 20 block events) pushed
@@ -10,7 +10,14 @@ prints each figure beside its target:
 2. **latency** -- the whole ``SidecarService`` (ZMQ SUB, pipeline, coalescing flusher,
    NATS) fed by a ZMQ PUB on another thread at 10,000 block events/s for ``--seconds``;
    the service's own receive-to-publish samples (oldest frame of each NATS batch, so
-   the 1 ms coalescing deadline is included) give the p50/p99 (target p99 <= 5 ms).
+   the 1 ms coalescing deadline is included) give the p50/p99 (target p99 <= 5 ms);
+3. **cost** -- the same whole service fed batches shaped like ``bench.proxy``'s replicas'
+   (each: one ``BlockStored`` of 2 blocks chained onto one of 8 shared system prefixes,
+   and one one-block ``BlockRemoved``) at 1,000 batches/s for ``--seconds``: the CPU time
+   of the service's event-loop thread per engine batch (receive, decode, key, publish;
+   the publisher's thread not counted), reported without a target. At one engine batch
+   per request (an engine batches a step's events, so under load it is fewer),
+   microseconds per batch read as milliseconds per 1,000 requests.
 
 Loopback only; bounded by ``--batches`` and ``--seconds``; stops by itself.
 """
@@ -44,6 +51,9 @@ from sidecar.zmq_source import Frame
 TARGET_EVENTS_PER_S = 50_000
 TARGET_P99_MS = 5.0
 LATENCY_RATE = 10_000  # block events per second
+COST_RATE = 1_000  # engine batches per second, part 3
+SYSTEM_PREFIXES = 8
+PARTS = ("throughput", "latency", "cost")
 BLOCKS_PER_STORE = 4
 STORES_PER_BATCH = 4
 REMOVALS_PER_BATCH = 4
@@ -78,6 +88,28 @@ def workload(batches: int, seed: int = 0) -> Iterator[list[EngineEvent]]:
                 stored.append(victim)
                 victim = stored.pop(rng.randrange(len(stored) // 2))
             events.append(BlockRemoved((victim,)))
+        yield events
+
+
+def request_batches(batches: int, seed: int = 2) -> Iterator[list[EngineEvent]]:
+    """One request's events per batch: 2 new blocks after one of 8 shared 2-block system
+    prefixes (stored first), and the eviction of an older request's block."""
+    rng = random.Random(seed)
+    prefixes: list[int] = []
+    first: list[EngineEvent] = []
+    for _ in range(SYSTEM_PREFIXES):
+        hashes = (rng.getrandbits(64), rng.getrandbits(64))
+        first.append(BlockStored(hashes, None, tuple(rng.randrange(32_000) for _ in range(32)), 16))
+        prefixes.append(hashes[-1])
+    older: list[int] = []
+    for index in range(batches):
+        hashes = (rng.getrandbits(64), rng.getrandbits(64))
+        tokens = tuple(rng.randrange(32_000) for _ in range(32))
+        events = [*first] if index == 0 else []
+        events.append(BlockStored(hashes, rng.choice(prefixes), tokens, 16))
+        if len(older) > 64:
+            events.append(BlockRemoved((older.pop(0),)))
+        older.append(hashes[-1])
         yield events
 
 
@@ -126,6 +158,25 @@ async def latency(nats_url: str, seconds: float) -> list[float]:
     rate_batches = LATENCY_RATE / BLOCK_EVENTS_PER_BATCH
     count = int(rate_batches * seconds)
     payloads = [encode_batch(events, "vllm-0.33") for events in workload(count, seed=1)]
+    service, _ = await paced_service(nats_url, payloads, rate_batches)
+    return list(service.pipeline.stats.latency.recent)
+
+
+async def cost(nats_url: str, seconds: float) -> tuple[float, int]:
+    """Event-loop thread CPU seconds per engine batch, and the NATS batches published."""
+    count = int(COST_RATE * seconds)
+    payloads = [encode_batch(events, "vllm-0.33") for events in request_batches(count)]
+    service, cpu_s = await paced_service(nats_url, payloads, COST_RATE)
+    assert service.outbox.stats.events_dropped == 0 and not service.pipeline.state_incomplete
+    return cpu_s / count, service.outbox.stats.batches_published
+
+
+async def paced_service(
+    nats_url: str, payloads: list[bytes], rate_batches: float
+) -> tuple[SidecarService, float]:
+    """A whole service fed ``payloads`` by a paced ZMQ PUB, until all are published; the
+    CPU time this (the event loop's) thread spent meanwhile."""
+    count = len(payloads)
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     settings = SidecarSettings(
         replica_id="bench",
@@ -140,6 +191,7 @@ async def latency(nats_url: str, seconds: float) -> list[float]:
     service = SidecarService(settings)
     stop = asyncio.Event()
     runner = asyncio.create_task(service.run(stop))
+    started = time.thread_time()
     await asyncio.to_thread(_paced_publisher, endpoint, payloads, rate_batches)
     async with asyncio.timeout(10):  # every frame read and every event published
         while True:
@@ -147,42 +199,55 @@ async def latency(nats_url: str, seconds: float) -> list[float]:
             if source is not None and source.expected >= count and not service.outbox.depth:
                 break
             await asyncio.sleep(0.01)
+    cpu_s = time.thread_time() - started
     stop.set()
     await runner
-    return list(service.pipeline.stats.latency.recent)
+    return service, cpu_s
 
 
 def p(samples: list[float], q: float) -> float:
     return statistics.quantiles(samples, n=1000)[int(q * 1000) - 1] * 1000
 
 
-async def run(batches: int, seconds: float) -> None:
+async def run(batches: int, seconds: float, parts: list[str]) -> None:
     with NatsServer() as server:
-        rate, nbatches = await throughput(server.url, batches)
-        verdict = "ok" if rate >= TARGET_EVENTS_PER_S else "MISSED"
-        print(
-            f"throughput: {rate:,.0f} block events/s decoded+translated+published "
-            f"({batches} engine batches -> {nbatches} NATS batches)  "
-            f"target >= {TARGET_EVENTS_PER_S:,}  [{verdict}]"
-        )
-        samples = await latency(server.url, seconds)
-        p50, p99 = p(samples, 0.5), p(samples, 0.99)
-        verdict = "ok" if p99 <= TARGET_P99_MS else "MISSED"
-        print(
-            f"latency at {LATENCY_RATE:,} block events/s: receive->publish p50 {p50:.2f} ms, "
-            f"p99 {p99:.2f} ms over {len(samples)} NATS batches  "
-            f"target p99 <= {TARGET_P99_MS} ms  [{verdict}]"
-        )
+        if "throughput" in parts:
+            rate, nbatches = await throughput(server.url, batches)
+            verdict = "ok" if rate >= TARGET_EVENTS_PER_S else "MISSED"
+            print(
+                f"throughput: {rate:,.0f} block events/s decoded+translated+published "
+                f"({batches} engine batches -> {nbatches} NATS batches)  "
+                f"target >= {TARGET_EVENTS_PER_S:,}  [{verdict}]"
+            )
+        if "latency" in parts:
+            samples = await latency(server.url, seconds)
+            p50, p99 = p(samples, 0.5), p(samples, 0.99)
+            verdict = "ok" if p99 <= TARGET_P99_MS else "MISSED"
+            print(
+                f"latency at {LATENCY_RATE:,} block events/s: receive->publish p50 {p50:.2f} "
+                f"ms, p99 {p99:.2f} ms over {len(samples)} NATS batches  "
+                f"target p99 <= {TARGET_P99_MS} ms  [{verdict}]"
+            )
+        if "cost" in parts:
+            per_batch, nbatches = await cost(server.url, seconds)
+            print(
+                f"cost at {COST_RATE:,} request-sized batches/s: {per_batch * 1e6:.0f} us of "
+                f"the service's CPU per engine batch (= ms per 1,000 requests; {nbatches} "
+                "NATS batches)  (reported)"
+            )
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=5000, help="engine batches, part 1")
-    parser.add_argument("--seconds", type=float, default=3.0, help="duration of part 2")
+    parser.add_argument("--seconds", type=float, default=3.0, help="duration of parts 2, 3")
+    parser.add_argument("parts", nargs="*", default=list(PARTS), help=f"of {list(PARTS)}")
     args = parser.parse_args(argv)
+    if unknown := set(args.parts) - set(PARTS):
+        parser.error(f"unknown part(s) {sorted(unknown)}; choose from {list(PARTS)}")
     tune_gc()  # as kvroute-sidecar does
     logging.basicConfig(level=logging.ERROR)
-    run_loop(run(args.batches, args.seconds))
+    run_loop(run(args.batches, args.seconds, args.parts))
 
 
 if __name__ == "__main__":
