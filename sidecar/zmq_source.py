@@ -29,13 +29,17 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import cast
 
 import xxhash
 import zmq
 import zmq.asyncio
 
 END_SEQ = (1 << 64) - 1  # (-1).to_bytes(8, "big", signed=True) read unsigned
-_POLL_MS = 100
+_POLL_S = 0.1
+_POLLIN = int(zmq.POLLIN)  # plain ints: pyzmq's flag enums cost a Python call per operation
+_NOBLOCK = int(zmq.NOBLOCK)
+_EVENTS, _FD = int(zmq.EVENTS), int(zmq.FD)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +137,16 @@ class _SeenFrames:
         self._digests.clear()
 
 
+def _queued(sub: zmq.Socket[bytes]) -> bool:
+    """A message is waiting on ``sub`` (reading ``EVENTS`` also re-arms its descriptor)."""
+    return bool(cast(int, sub.getsockopt(_EVENTS)) & _POLLIN)
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 def parse_live(parts: list[bytes], received_ns: int) -> Frame | str:
     """A live message as a :class:`Frame`, or the reason it is not one."""
     if len(parts) != 3:
@@ -183,6 +197,7 @@ class ZmqEventSource:
         self.expected = 0
         self._context = zmq.asyncio.Context()
         self._sub: zmq.asyncio.Socket | None = None
+        self._sub_now: zmq.Socket[bytes] | None = None  # the same socket, read without futures
         self._seen = _SeenFrames(config.seen_window)
         self._want_history = False
         self._want_probe = False
@@ -201,6 +216,7 @@ class ZmqEventSource:
         else:
             sub.connect(self.config.endpoint)
         self._sub = sub
+        self._sub_now = zmq.Socket.shadow(sub.underlying)
 
     def close(self) -> None:
         self._closed = True
@@ -232,10 +248,13 @@ class ZmqEventSource:
                     yield item
 
     async def _receive(self) -> Frame | None:
-        assert self._sub is not None
-        if not await self._sub.poll(_POLL_MS):
-            return None
-        parts = await self._sub.recv_multipart()
+        parts = self._receive_now()
+        if parts is None:
+            if not await self._readable(_POLL_S):
+                return None
+            parts = self._receive_now()
+            if parts is None:
+                return None
         self.stats.frames_received += 1
         self.last_frame_at = time.monotonic()
         parsed = parse_live(parts, time.monotonic_ns())
@@ -243,6 +262,41 @@ class ZmqEventSource:
             self.stats.reject(parsed)
             return None
         return parsed
+
+    def _receive_now(self) -> list[bytes] | None:
+        """A live message already queued, or ``None``. Read through a plain (shadow) socket:
+        a future per message costs more than the rest of the sidecar's work on it."""
+        sub = self._sub_now
+        assert sub is not None
+        if not _queued(sub):
+            return None
+        try:
+            return sub.recv_multipart(_NOBLOCK)
+        except zmq.Again:  # pragma: no cover - EVENTS said a message was queued
+            return None
+
+    async def _readable(self, timeout_s: float) -> bool:
+        """Wait until a live message is queued (``False`` after ``timeout_s``). ZMQ's file
+        descriptor only signals that the socket's state may have changed, so ``EVENTS``
+        is checked before every wait and after every wake-up."""
+        sub = self._sub_now
+        assert sub is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        fd = cast(int, sub.getsockopt(_FD))
+        while not _queued(sub):
+            remaining = deadline - loop.time()
+            if remaining <= 0 or self._closed:
+                return False
+            woken = loop.create_future()
+            loop.add_reader(fd, _wake, woken)
+            timer = loop.call_later(remaining, _wake, woken)
+            try:
+                await woken
+            finally:
+                loop.remove_reader(fd)
+                timer.cancel()
+        return True
 
     async def _requested(self) -> AsyncIterator[SourceItem]:
         if self._want_probe:

@@ -80,6 +80,21 @@ async def test_live_frames_arrive_in_order(engine: FakeEngine) -> None:
     await reader.stop()
 
 
+async def test_a_burst_queued_while_the_reader_is_busy_arrives_whole_and_in_order(
+    engine: FakeEngine,
+) -> None:
+    source = source_for(engine)
+    reader = await started(engine, source)
+    for i in range(500):  # all queued before the reader runs again: read without waiting
+        await engine.publish(b"b%d" % i)
+    items = await reader.take(500)
+    assert [(i.seq, i.payload) for i in items] == [(n, b"b%d" % n) for n in range(500)]  # type: ignore[union-attr]
+    assert source.stats.gaps == 0 and source.stats.frames_received == 500
+    await engine.publish(b"after a quiet spell")  # and waiting works again afterwards
+    assert seqs(await reader.take(1)) == [500]
+    await reader.stop()
+
+
 @pytest.mark.parametrize("framing", ["old", "new"])
 async def test_a_gap_is_filled_from_the_replay_socket(framing: str) -> None:
     async with FakeEngine(framing=framing) as engine:  # type: ignore[arg-type]
