@@ -62,7 +62,7 @@ SPLIT = {  # part of the path: (from stamp, to stamp); see the module docstring
 STRATEGIES = ["round_robin", "least_load", "prefix_hash", "kv_aware"]
 
 
-class _Transport:
+class MemoryTransport:
     """What the protocols write to; ``on_write`` gets every write."""
 
     def __init__(self, on_write: Any) -> None:
@@ -111,7 +111,7 @@ class _MemoryReplicas(ConnectionPool):
                 stamps["upstream"] = time.perf_counter()
             loop.call_soon(reply)
 
-        connection.connection_made(_Transport(on_write))  # type: ignore[arg-type]
+        connection.connection_made(MemoryTransport(on_write))  # type: ignore[arg-type]
         connection.peer = (host, port)
         return connection
 
@@ -166,7 +166,7 @@ class _Path:
         server = HttpServer(handler, max_body_bytes=self.service.settings.max_body_bytes)
         self._answered: list[asyncio.Future[bytes]] = []  # the one request in flight
         self._client = server.protocol()
-        self._client.connection_made(_Transport(self._on_response))  # type: ignore[arg-type]
+        self._client.connection_made(MemoryTransport(self._on_response))  # type: ignore[arg-type]
 
     async def start(self) -> None:
         tokenizer = self.service.settings.tokenizer

@@ -181,13 +181,13 @@ class ProxyApp:
                 api_key=api_key,
                 request_id=response.id,
             )
-        self.metrics.decided(prepared.workload.strategy, time.perf_counter() - started)
+        decision_s = time.perf_counter() - started
         body = inference.upstream_body(
             include_usage=inference.stream and not inference.wants_usage,
             cache_salt=prepared.upstream_salt,
         )
         upstream_headers = self._upstream_headers(request.headers, response.id, span)
-        exchange = Exchange(inference, prepared)
+        exchange = Exchange(inference, prepared, decision_s)
         try:
             await self._exchange(exchange, request.path, response, body, upstream_headers)
         except asyncio.CancelledError:  # the client went away
@@ -225,15 +225,20 @@ class ProxyApp:
         extra = self._debug_headers(exchange.prepared, attempt)
         opened = attempt.opened
         if not opened.streaming:
-            exchange.usage = usage_of(opened.first)
-            opened.release()
             response.send_as_is(opened.status, opened.headers + extra if extra else opened.headers,
                                 opened.first)  # fmt: skip
+            # the client has its answer: the rest is bookkeeping
+            self.dispatcher.answered(attempt)
+            exchange.usage = usage_of(opened.first)
+            opened.release()
             return
         relay = SseRelay(strip_usage=exchange.request.stream and not exchange.request.wants_usage)
         try:
             response.start(opened.status, opened.headers + extra)
-            await response.chunk(relay.feed(opened.first))
+            full = response.put(relay.feed(opened.first))
+            self.dispatcher.answered(attempt)
+            if full:
+                await response.drain()
             async for chunk in opened.rest():
                 await response.chunk(relay.feed(chunk))
             await response.chunk(relay.flush())
@@ -389,6 +394,13 @@ class _Responder:
     async def chunk(self, data: bytes) -> None:
         if data:
             await self._response.write(data)
+
+    def put(self, data: bytes) -> bool:
+        """Write a piece now; True when the client's buffer is full (then :meth:`drain`)."""
+        return self._response.put(data) if data else False
+
+    async def drain(self) -> None:
+        await self._response.drain()
 
     def end(self) -> None:
         self._response.end()

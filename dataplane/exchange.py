@@ -7,7 +7,14 @@ failure (nothing reached the client yet) tries the next-best replica, at most
 ``retry_attempts`` times and only while the :class:`~dataplane.breaker.RetryBudget`
 allows. No replica left -> 503 with ``Retry-After``.
 
-Every request ends in :meth:`Exchange.finish`, whatever happened: the in-flight count
+The critical path is kept short: what the upstream request need not wait for (the
+decision's latency, the retry budget, the in-flight count, speculative residency) is done
+just after it is written, and what the client need not wait for (the prefill booking's
+settlement, the breaker's success, time to first byte: :meth:`Dispatcher.answered`; the
+usage read and the counters of :meth:`Dispatcher.finish`) just after the answer is
+written to the client, each before anything else is awaited.
+
+Every request ends in :meth:`Dispatcher.finish`, whatever happened: the in-flight count
 is released, the fidelity counters (predicted vs engine-reported cached tokens) go to
 Prometheus and to the control-plane reporter, and the outcome is counted.
 """
@@ -27,7 +34,7 @@ from dataplane.metrics import ProxyMetrics
 from dataplane.openai_request import InferenceRequest
 from dataplane.relay import Usage
 from dataplane.routing import Prepared, Router
-from dataplane.upstream import Opened, Retriable, Upstream
+from dataplane.upstream import Opened, Pending, Retriable, Upstream
 from kvcore.policies import Decision
 
 log = logging.getLogger("dataplane")
@@ -66,6 +73,7 @@ class Attempt:
     predicted: int
     ticket: InflightTicket | None
     tried: int  # replicas tried, this one included
+    answered: bool = False  # Dispatcher.answered has settled it
 
 
 @dataclass(slots=True)
@@ -74,6 +82,7 @@ class Exchange:
 
     request: InferenceRequest
     prepared: Prepared
+    decision_s: float  # routing's time (Router.prepare), observed after the upstream write
     attempt: Attempt | None = None
     usage: Usage | None = None
     outcome: str = "ok"
@@ -108,49 +117,70 @@ class Dispatcher:
     async def send(
         self, exchange: Exchange, path: str, body: bytes, headers: Sequence[tuple[str, str]]
     ) -> Attempt:
-        """The first replica that answers; raises :class:`NoReplica` when none can."""
-        self.budget.on_request()
+        """The first replica that answers; raises :class:`NoReplica` when none can. Each
+        attempt's request is written before its bookkeeping (in-flight count, speculative
+        residency, breaker probe), which is done before anything is awaited."""
         exclude: frozenset[int] = frozenset()
         last_failure = "no replica serves this model"
-        for tries in range(1, self.policies.retry_attempts + 2):
-            now = self._clock()
-            held_out = self.breakers.excluded(now)
-            decision, predicted = self.router.choose(
-                exchange.prepared, now=now, exclude=exclude | held_out if exclude else held_out
-            )
-            endpoint = None if decision.ordinal is None else self.fleet.endpoint(decision.ordinal)
-            if endpoint is None:
-                break
-            exchange.tried.append(endpoint.replica_id)
-            self.fleet.apply_speculative(decision)
-            uncached = exchange.prepared.prompt_tokens - predicted
-            try:
-                opened, ticket = await self._open(endpoint, now, path, body, headers, uncached)
-            except Retriable as failure:
-                last_failure = f"{endpoint.replica_id}: {failure}"
-                exclude |= {endpoint.ordinal}
-                if not self._may_retry(failure, tries):
+        try:
+            for tries in range(1, self.policies.retry_attempts + 2):
+                now = self._clock()
+                held_out = self.breakers.excluded(now)
+                excluded = exclude | held_out if exclude else held_out
+                decision, predicted = self.router.choose(
+                    exchange.prepared, now=now, exclude=excluded
+                )
+                ordinal = decision.ordinal
+                endpoint = None if ordinal is None else self.fleet.endpoint(ordinal)
+                if endpoint is None:
                     break
-                continue
-            return Attempt(opened, decision, endpoint, predicted, ticket, tries)
+                pending = self.upstream.send("POST", endpoint.base_url + path, body, headers)
+                try:
+                    ticket = self._sent(exchange, decision, endpoint, now, predicted)
+                except BaseException:
+                    pending.close()
+                    raise
+                try:
+                    opened = await self._opened(pending, endpoint, ticket)
+                except Retriable as failure:
+                    last_failure = f"{endpoint.replica_id}: {failure}"
+                    exclude |= {endpoint.ordinal}
+                    if not self._may_retry(failure, tries):
+                        break
+                    continue
+                return Attempt(opened, decision, endpoint, predicted, ticket, tries)
+        finally:
+            if not exchange.tried:  # no request was written: account for it all the same
+                self._routed(exchange)
         exchange.outcome = "no_replica"
         raise NoReplica(
             f"No replica could take the request ({last_failure}).", self.policies.retry_after_s
         )
 
-    async def _open(
-        self,
-        endpoint: Endpoint,
-        now: float,
-        path: str,
-        body: bytes,
-        headers: Sequence[tuple[str, str]],
-        uncached: int,
-    ) -> tuple[Opened, InflightTicket | None]:
+    def _sent(
+        self, exchange: Exchange, decision: Decision, endpoint: Endpoint, now: float, predicted: int
+    ) -> InflightTicket | None:
+        """The bookkeeping of a request just written to ``endpoint``."""
+        first = not exchange.tried
+        exchange.tried.append(endpoint.replica_id)
+        if first:
+            self._routed(exchange)
+        self.fleet.apply_speculative(decision)
+        uncached = exchange.prepared.prompt_tokens - predicted
         ticket = self.fleet.on_sent(endpoint.ordinal, time.time(), uncached)
         self.breakers.on_sent(endpoint.replica_id, endpoint.ordinal, now)
+        return ticket
+
+    def _routed(self, exchange: Exchange) -> None:
+        """A request's own accounting, once, after its first upstream write."""
+        self.budget.on_request()
+        self.metrics.decided(exchange.prepared.workload.strategy, exchange.decision_s)
+
+    async def _opened(
+        self, pending: Pending, endpoint: Endpoint, ticket: InflightTicket | None
+    ) -> Opened:
         try:
-            opened = await self.upstream.open("POST", endpoint.base_url + path, body, headers)
+            return await pending.opened()
         except Retriable:
             self.fleet.on_done(ticket)
             self.breakers.on_failure(endpoint.replica_id, endpoint.ordinal, self._clock())
@@ -159,10 +189,18 @@ class Dispatcher:
             self.fleet.on_done(ticket)
             self.breakers.on_abandoned(endpoint.replica_id, self._clock())
             raise
-        self.fleet.on_first_byte(ticket, opened.status, opened.streaming)
-        self.breakers.on_success(endpoint.replica_id, self._clock())
-        self.metrics.first_byte(endpoint.replica_id, opened.ttfb_s)
-        return opened, ticket
+
+    def answered(self, attempt: Attempt) -> None:
+        """The replica's first bytes went on to the client: settle what waited for them
+        (the prefill booking, the breaker, time to first byte); once, and at the latest
+        in :meth:`finish`."""
+        if attempt.answered:
+            return
+        attempt.answered = True
+        opened, replica = attempt.opened, attempt.endpoint.replica_id
+        self.fleet.on_first_byte(attempt.ticket, opened.status, opened.streaming)
+        self.breakers.on_success(replica, self._clock())
+        self.metrics.first_byte(replica, opened.ttfb_s)
 
     def _may_retry(self, failure: Retriable, tries: int) -> bool:
         if tries > self.policies.retry_attempts:
@@ -180,6 +218,7 @@ class Dispatcher:
         if attempt is None:
             self.metrics.count(workload, "", exchange.outcome)
             return
+        self.answered(attempt)
         self.fleet.on_done(attempt.ticket)
         replica = attempt.endpoint.replica_id
         if exchange.outcome == "ok" and attempt.opened.status >= 400:

@@ -211,10 +211,11 @@ class ConnectionPool:
                 connection.close()
         self._idle.clear()
 
-    async def request(
+    def send(
         self, method: str, url: str, body: bytes, headers: Sequence[tuple[str, str]]
-    ) -> Response:
-        """Send and wait for the status and headers; see the module's errors."""
+    ) -> Sending:
+        """Write the request at once on an idle kept-alive connection to the URL's peer
+        (with none idle, :meth:`Sending.response` connects first, then writes)."""
         target = self._targets.get(url)
         if target is None:
             target = self._target(url)
@@ -222,10 +223,14 @@ class ConnectionPool:
         head = _head(method, request_line, body, headers)
         connection = self._reusable(peer)
         if connection is not None:
-            with contextlib.suppress(ConnectionFailed):
-                return await self._exchange(connection, head, body)
-        connection = await self._connect(*peer)
-        return await self._exchange(connection, head, body)
+            _write(connection, head, body)
+        return Sending(self, peer, head, body, connection)
+
+    async def request(
+        self, method: str, url: str, body: bytes, headers: Sequence[tuple[str, str]]
+    ) -> Response:
+        """Send and wait for the status and headers; see the module's errors."""
+        return await self.send(method, url, body, headers).response()
 
     def _target(self, url: str) -> tuple[tuple[str, int], str]:
         """``url``'s peer and the request line's target with the host header (remembered:
@@ -263,11 +268,8 @@ class ConnectionPool:
         connection.peer = (host, port)
         return connection
 
-    async def _exchange(self, connection: _Connection, head: bytes, body: bytes) -> Response:
-        assert connection.transport is not None
-        connection.transport.write(head + body if len(body) < 65536 else head)
-        if len(body) >= 65536:
-            connection.transport.write(body)
+    async def _response_head(self, connection: _Connection) -> Response:
+        """Wait for the status and headers of the request written on ``connection``."""
         try:
             while not connection.headers_done:
                 await connection.wait(self.read_timeout_s)
@@ -275,6 +277,52 @@ class ConnectionPool:
             connection.close()
             raise
         return Response(self, connection)
+
+
+class Sending:
+    """A request written (or to be written once connected); await :meth:`response`, or
+    :meth:`close` it."""
+
+    __slots__ = ("_body", "_connection", "_head", "_peer", "_pool")
+
+    def __init__(
+        self,
+        pool: ConnectionPool,
+        peer: tuple[str, int],
+        head: bytes,
+        body: bytes,
+        connection: _Connection | None,
+    ) -> None:
+        self._pool = pool
+        self._peer = peer
+        self._head = head
+        self._body = body
+        self._connection = connection  # the kept-alive connection it was written on
+
+    async def response(self) -> Response:
+        """The status and headers; see the module's errors. A kept-alive connection that
+        breaks before any response byte is replaced once, unseen."""
+        pool = self._pool
+        if self._connection is not None:
+            with contextlib.suppress(ConnectionFailed):
+                return await pool._response_head(self._connection)
+        connection = self._connection = await pool._connect(*self._peer)
+        _write(connection, self._head, self._body)
+        return await pool._response_head(connection)
+
+    def close(self) -> None:
+        """Drop the connection the request was written on (its response is not wanted)."""
+        if self._connection is not None:
+            self._connection.close()
+
+
+def _write(connection: _Connection, head: bytes, body: bytes) -> None:
+    assert connection.transport is not None
+    if len(body) < 65536:
+        connection.transport.write(head + body)
+    else:
+        connection.transport.write(head)
+        connection.transport.write(body)
 
 
 def _head(method: str, target: str, body: bytes, headers: Sequence[tuple[str, str]]) -> bytes:

@@ -101,15 +101,24 @@ class Response:
 
     async def write(self, data: bytes) -> None:
         """One piece of a started stream; waits while the client cannot take more."""
+        if self.put(data):
+            await self._connection.drain()
+
+    def put(self, data: bytes) -> bool:
+        """:meth:`write` without the wait: True when the client cannot take more now
+        (then :meth:`drain` before the next piece)."""
         if not data or self._head_only:
-            return
+            return False
         piece = b"%x\r\n%b\r\n" % (len(data), data)
         if self._head:
             piece, self._head = self._head + piece, b""
         connection = self._connection
         connection.write(piece)
-        if connection.paused:
-            await connection.drain()
+        return connection.paused
+
+    async def drain(self) -> None:
+        """Until the client can take more (or is gone)."""
+        await self._connection.drain()
 
     def end(self, last: bytes = b"") -> None:
         """The end of a started stream, after ``last`` (written without waiting)."""

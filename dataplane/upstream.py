@@ -7,7 +7,9 @@ decompressed (``accept-encoding: identity`` upstream), nothing re-chunked.
 :meth:`Upstream.open` sends one request and waits for its first body bytes (the whole
 body for a non-streaming answer), so every failure before anything could reach the
 client is a :class:`Retriable` the caller can retry elsewhere: a connection that fails or
-breaks, or a 502/503. Errors::
+breaks, or a 502/503. :meth:`Upstream.send` is its first half: the request is written at
+once on a kept-alive connection, and the caller does what need not delay that write
+before it awaits :meth:`Pending.opened`. Errors::
 
     DataplaneError
     └── UpstreamError              a replica did not answer usefully
@@ -21,7 +23,13 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from dataplane.errors import DataplaneError
-from dataplane.http_client import ConnectionFailed, ConnectionPool, Response, ResponseBroken
+from dataplane.http_client import (
+    ConnectionFailed,
+    ConnectionPool,
+    Response,
+    ResponseBroken,
+    Sending,
+)
 
 RETRY_STATUSES = frozenset({502, 503})
 _NOT_RELAYED = frozenset(
@@ -84,38 +92,65 @@ class Upstream:
     async def aclose(self) -> None:
         self.pool.close()
 
+    def send(
+        self, method: str, url: str, body: bytes, headers: Sequence[tuple[str, str]]
+    ) -> Pending:
+        """Send: written at once on a kept-alive connection (else once connected); await
+        :meth:`Pending.opened` for the answer."""
+        started = time.perf_counter()
+        return Pending(self.pool.send(method, url, body, headers), url, started)
+
     async def open(
         self, method: str, url: str, body: bytes, headers: Sequence[tuple[str, str]]
     ) -> Opened:
         """Send; return once the first bytes arrived. Raises :class:`Retriable`."""
-        started = time.perf_counter()
+        return await self.send(method, url, body, headers).opened()
+
+
+class Pending:
+    """A request sent to a replica, its answer not yet read."""
+
+    __slots__ = ("_sending", "_started", "_url")
+
+    def __init__(self, sending: Sending, url: str, started: float) -> None:
+        self._sending = sending
+        self._url = url
+        self._started = started
+
+    async def opened(self) -> Opened:
+        """Once the answer's first bytes arrived. Raises :class:`Retriable`."""
         try:
-            response = await self.pool.request(method, url, body, headers)
+            response = await self._sending.response()
         except (ConnectionFailed, ResponseBroken, TimeoutError) as exc:
             reason = "connect" if isinstance(exc, ConnectionFailed) else "disconnect"
-            raise Retriable(f"cannot reach {url}: {_describe(exc)}", reason) from exc
+            raise Retriable(f"cannot reach {self._url}: {_describe(exc)}", reason) from exc
         try:
-            return await self._first_bytes(response, started)
+            return await _first_bytes(response, self._started)
         except BaseException:
             response.close()
             raise
 
-    async def _first_bytes(self, response: Response, started: float) -> Opened:
-        if response.status in RETRY_STATUSES:
-            raise Retriable(f"replica answered {response.status}", f"status_{response.status}")
-        content_type = response.header(b"content-type") or b""
-        streaming = content_type.startswith(b"text/event-stream")
-        try:
-            first = None if streaming else response.read_now()
-            if first is None:
-                first = await (response.read_chunk() if streaming else response.read())
-        except (ConnectionFailed, ResponseBroken, TimeoutError) as exc:
-            raise Retriable(f"replica broke off: {_describe(exc)}", "disconnect") from exc
-        if streaming and not first:
-            raise Retriable("replica ended the stream before any event", "disconnect")
-        headers = [(k, v) for k, v in response.headers if k not in _NOT_RELAYED]
-        ttfb = time.perf_counter() - started
-        return Opened(response, response.status, headers, first, streaming, ttfb)
+    def close(self) -> None:
+        """Drop the request (its answer is not wanted)."""
+        self._sending.close()
+
+
+async def _first_bytes(response: Response, started: float) -> Opened:
+    if response.status in RETRY_STATUSES:
+        raise Retriable(f"replica answered {response.status}", f"status_{response.status}")
+    content_type = response.header(b"content-type") or b""
+    streaming = content_type.startswith(b"text/event-stream")
+    try:
+        first = None if streaming else response.read_now()
+        if first is None:
+            first = await (response.read_chunk() if streaming else response.read())
+    except (ConnectionFailed, ResponseBroken, TimeoutError) as exc:
+        raise Retriable(f"replica broke off: {_describe(exc)}", "disconnect") from exc
+    if streaming and not first:
+        raise Retriable("replica ended the stream before any event", "disconnect")
+    headers = [(k, v) for k, v in response.headers if k not in _NOT_RELAYED]
+    ttfb = time.perf_counter() - started
+    return Opened(response, response.status, headers, first, streaming, ttfb)
 
 
 def _describe(exc: BaseException) -> str:
