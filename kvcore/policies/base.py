@@ -18,7 +18,7 @@ from kvcore.keys import DEFAULT_BLOCK_SIZE
 from kvcore.workload import Workload
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class ReplicaState:
     """A replica as routing sees it (from announcements, load reports, this proxy).
 
@@ -26,6 +26,10 @@ class ReplicaState:
     already include the requests this proxy sent before that report; ``unreported``
     counts only the ones sent after it (see :mod:`kvcore.policies.inflight`), so no
     request is counted twice.
+
+    Read-only by convention, hashed by its fields as a frozen one would be: not frozen,
+    because a proxy under load builds one or two per request (each request it sends or
+    ends changes a replica's ``unreported``), and a frozen init cost 1.6 us against 0.9.
     """
 
     ordinal: int
@@ -47,12 +51,12 @@ class ReplicaState:
     def __post_init__(self) -> None:
         reported = self.running + self.waiting
         capacity = max(self.capacity, 1)
-        object.__setattr__(self, "requests", reported + self.unreported)
+        self.requests = reported + self.unreported
         # unreported requests add on top of whichever reported measure dominates: with
         # max() alone they vanish under a higher KV usage and a proxy herds every request
         # of a report period to the replica whose last report was lowest
         measured = max(reported / capacity, self.kv_usage, 0.0)
-        object.__setattr__(self, "load", min(1.0, measured + self.unreported / capacity))
+        self.load = min(1.0, measured + self.unreported / capacity)
 
 
 class StateView(Protocol):

@@ -39,50 +39,59 @@ def queued_work(replica: ReplicaState) -> float:
 
 
 class ReplicaBoard(Sequence[ReplicaState]):
-    """Replicas by ordinal, by load, and by queued work per :func:`queue_kind`."""
+    """Replicas by ordinal, by load, and by queued work per :func:`queue_kind`.
 
-    __slots__ = ("_by_load", "_keys", "_ordinals", "_queues", "_rows", "_snapshot", "_states")
+    Each sorted order is built when first read and kept from then on: a proxy puts a
+    replica or two per request under load (its in-flight count changed), and a strategy
+    that never reads an order (``round_robin`` reads none, ``kv_aware`` no queue) does
+    not pay for keeping it.
+    """
+
+    __slots__ = ("_by_load", "_ordinals", "_queues", "_rows", "_snapshot", "_states")
 
     def __init__(self, replicas: Iterable[ReplicaState] = ()) -> None:
         states = {r.ordinal: r for r in replicas}
         self._states = states
         self._ordinals = sorted(states)
         self._rows = [states[o] for o in self._ordinals]
-        self._by_load = sorted((r.load, r.ordinal) for r in self._rows)
-        self._queues: dict[QueueKind, list[QueueEntry]] = {}
-        self._keys: dict[int, tuple[tuple[float, int], QueueKind, QueueEntry]] = {}
-        for replica in self._rows:
-            kind, entry = queue_kind(replica), _queue_entry(replica)
-            self._queues.setdefault(kind, []).append(entry)
-            self._keys[replica.ordinal] = ((replica.load, replica.ordinal), kind, entry)
-        for queue in self._queues.values():
-            queue.sort()
+        self._by_load: list[tuple[float, int]] | None = None  # built when first read
+        self._queues: dict[QueueKind, list[QueueEntry]] | None = None  # likewise
         self._snapshot: tuple[ReplicaState, ...] | None = None
 
     def put(self, replica: ReplicaState) -> None:
         """Add ``replica`` or replace the state of its ordinal."""
         ordinal = replica.ordinal
-        keys = self._keys.get(ordinal)
-        if keys is None:
+        old = self._states.get(ordinal)
+        if old is None:
             position = bisect_left(self._ordinals, ordinal)
             self._ordinals.insert(position, ordinal)
             self._rows.insert(position, replica)
         else:
             self._rows[bisect_left(self._ordinals, ordinal)] = replica
-            self._unsort(keys)
         self._states[ordinal] = replica
-        self._sort(replica)
         self._snapshot = None
+        by_load = self._by_load
+        if by_load is not None and (old is None or old.load != replica.load):
+            if old is not None:
+                del by_load[bisect_left(by_load, (old.load, ordinal))]
+            insort(by_load, (replica.load, ordinal))
+        if self._queues is not None:
+            if old is not None:
+                self._unqueue(old)
+            insort(self._queues.setdefault(queue_kind(replica), []), _queue_entry(replica))
 
     def discard(self, ordinal: int) -> None:
         """Forget ``ordinal``; unknown ordinals are ignored."""
-        keys = self._keys.get(ordinal)
-        if keys is None:
+        old = self._states.get(ordinal)
+        if old is None:
             return
-        self._unsort(keys)
         position = bisect_left(self._ordinals, ordinal)
         del self._ordinals[position], self._rows[position], self._states[ordinal]
         self._snapshot = None
+        if self._by_load is not None:
+            del self._by_load[bisect_left(self._by_load, (old.load, ordinal))]
+        if self._queues is not None:
+            self._unqueue(old)
 
     def get(self, ordinal: int) -> ReplicaState | None:
         return self._states.get(ordinal)
@@ -99,13 +108,23 @@ class ReplicaBoard(Sequence[ReplicaState]):
 
     def by_load(self) -> Iterator[ReplicaState]:
         """Lowest load first (then lowest ordinal)."""
+        by_load = self._by_load
+        if by_load is None:
+            by_load = self._by_load = sorted((r.load, r.ordinal) for r in self._rows)
         states = self._states
-        return (states[ordinal] for _, ordinal in self._by_load)
+        return (states[ordinal] for _, ordinal in by_load)
 
     def queues(self) -> Iterator[tuple[QueueKind, list[QueueEntry]]]:
         """Each :func:`queue_kind`'s entries, least queued work first, then lowest load;
         read-only."""
-        return iter(self._queues.items())
+        queues = self._queues
+        if queues is None:
+            queues = self._queues = {}
+            for replica in self._rows:
+                queues.setdefault(queue_kind(replica), []).append(_queue_entry(replica))
+            for queue in queues.values():
+                queue.sort()
+        return iter(queues.items())
 
     def position_after(self, ordinal: int) -> int:
         """Index (in ordinal order) of the first replica with an ordinal above ``ordinal``."""
@@ -124,24 +143,14 @@ class ReplicaBoard(Sequence[ReplicaState]):
     def __iter__(self) -> Iterator[ReplicaState]:
         return iter(self._rows)
 
-    def _sort(self, replica: ReplicaState) -> None:
-        by_load, kind, entry = (
-            (replica.load, replica.ordinal),
-            queue_kind(replica),
-            _queue_entry(replica),
-        )
-        insort(self._by_load, by_load)
-        insort(self._queues.setdefault(kind, []), entry)
-        self._keys[replica.ordinal] = (by_load, kind, entry)
-
-    def _unsort(self, keys: tuple[tuple[float, int], QueueKind, QueueEntry]) -> None:
-        by_load, kind, entry = keys
-        del self._by_load[bisect_left(self._by_load, by_load)]
+    def _unqueue(self, old: ReplicaState) -> None:
+        """Take ``old``'s entry (as it was put) out of its queue."""
+        assert self._queues is not None
+        kind = queue_kind(old)
         queue = self._queues[kind]
-        del queue[bisect_left(queue, entry)]
+        del queue[bisect_left(queue, _queue_entry(old))]
         if not queue:
             del self._queues[kind]
-        del self._keys[by_load[1]]
 
 
 def _queue_entry(replica: ReplicaState) -> QueueEntry:

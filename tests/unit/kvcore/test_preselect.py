@@ -166,6 +166,59 @@ def test_a_board_keeps_its_orders_through_changes(
         assert all(truth[o].waiting + truth[o].unreported == work for work, _, o in queue)
 
 
+_PUT = st.tuples(
+    st.just("put"),
+    st.integers(0, 12),  # ordinal
+    st.integers(0, 8),  # running
+    st.integers(0, 3),  # waiting
+    st.sampled_from([None, 0.0, 500.0]),  # queued prefill tokens
+    st.sampled_from([None, 2000.0]),  # prefill rate
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    steps=st.lists(
+        st.one_of(_PUT, st.tuples(st.just("discard"), st.integers(0, 12)), st.just(("read",))),
+        max_size=60,
+    )
+)
+def test_a_board_keeps_the_orders_once_read_through_later_changes(
+    steps: list[tuple[Any, ...]],
+) -> None:
+    """The orders are built when first read, then kept by every put and discard: read
+    between any changes, they are the orders of the fleet as it is then."""
+    board = ReplicaBoard()
+    truth: dict[int, ReplicaState] = {}
+    for step in steps:
+        if step[0] == "put":
+            _, ordinal, running, waiting, queued, rate = step
+            state = ReplicaState(
+                ordinal, f"r{ordinal}", running=running, waiting=waiting, capacity=8,
+                prefill_tokens_per_s=rate, queued_prefill_tokens=queued,
+            )  # fmt: skip
+            board.put(state)
+            truth[ordinal] = state
+        elif step[0] == "discard":
+            board.discard(step[1])
+            truth.pop(step[1], None)
+        else:
+            _assert_orders(board, truth)
+    _assert_orders(board, truth)
+
+
+def _assert_orders(board: ReplicaBoard, truth: dict[int, ReplicaState]) -> None:
+    assert list(board) == [truth[o] for o in sorted(truth)]
+    assert list(board.by_load()) == sorted(truth.values(), key=lambda r: (r.load, r.ordinal))
+    queues: dict[tuple[float | None, bool], list[tuple[float, float, int]]] = {}
+    for state in truth.values():
+        kind = (state.prefill_tokens_per_s, state.queued_prefill_tokens is not None)
+        work = state.queued_prefill_tokens
+        work = float(state.waiting + state.unreported) if work is None else work
+        queues.setdefault(kind, []).append((work, state.load, state.ordinal))
+    assert dict(board.queues()) == {kind: sorted(queue) for kind, queue in queues.items()}
+
+
 def _both(workload: Any, states: list[ReplicaState], held: dict[int, int]) -> Decision:
     index = BitmaskResidencyIndex()
     for ordinal, blocks in held.items():
