@@ -39,19 +39,19 @@ class RequestHandle:
     stream: bool
     arrival: float
     error: str | None = None
-    _progress: asyncio.Event = field(default_factory=asyncio.Event)
+    progress: asyncio.Event = field(default_factory=asyncio.Event)  # may be shared
 
     @property
     def done(self) -> bool:
         return self.req.finished or self.error is not None
 
     def notify(self) -> None:
-        self._progress.set()
+        self.progress.set()
 
     async def wait(self) -> None:
         """Until there is something new (tokens when streaming, else the end)."""
-        await self._progress.wait()
-        self._progress.clear()
+        await self.progress.wait()
+        self.progress.clear()
         if self.error is not None:
             raise EngineRestarted(self.error)
 
@@ -104,6 +104,10 @@ class Engine:
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids):x}{time.monotonic_ns() & 0xFFFFFF:06x}"
 
+    def check(self, prompt_len: int, max_tokens: int) -> None:
+        """Raise ``RequestRejected`` for a request this engine can never serve."""
+        self.core.check(prompt_len, max_tokens)
+
     async def submit(self, req: SimRequest, *, stream: bool) -> RequestHandle:
         """Queue ``req``; raises ``RequestRejected`` if it can never run. A long prompt's
         block hashes are computed in a thread so that the loop keeps serving."""
@@ -117,6 +121,37 @@ class Engine:
         self._handles[req] = handle
         self._wake.set()
         return handle
+
+    async def submit_all(self, reqs: list[SimRequest], *, stream: bool) -> list[RequestHandle]:
+        """Queue ``reqs`` back to back, so that they are admitted in this order; all or
+        none: raises ``RequestRejected`` before queueing any if one can never run.
+
+        The handles share one progress event, so one consumer awaits them together.
+        Requests that share a prompt list (the ``n`` samples of one prompt) hash it once,
+        in a thread if it is long."""
+        if len(reqs) == 1:  # the common case, kept as cheap as ``submit``
+            return [await self.submit(reqs[0], stream=stream)]
+        arrival = time.perf_counter()
+        for req in reqs:
+            self.core.check(len(req.prompt), req.max_tokens)
+        hashed: dict[tuple[int, str | None], list[bytes]] = {}
+        for req in reqs:
+            key = (id(req.prompt), req.salt)
+            if key in hashed:
+                continue
+            if len(req.prompt) > THREAD_HASH_TOKENS:
+                hashed[key] = await asyncio.to_thread(self.core.prompt_digests, req)
+            else:
+                hashed[key] = self.core.prompt_digests(req)
+        progress = asyncio.Event()
+        handles = []
+        for req in reqs:
+            handle = RequestHandle(req, stream, arrival, progress=progress)
+            self.core.add(req, list(hashed[id(req.prompt), req.salt]))  # each extends its own
+            self._handles[req] = handle
+            handles.append(handle)
+        self._wake.set()
+        return handles
 
     def abort(self, handle: RequestHandle) -> None:
         self.core.abort(handle.req)

@@ -36,8 +36,9 @@ from typing import Any
 import msgspec
 
 from enginesim import protocol as p
-from enginesim.engine import Engine, RequestHandle
-from enginesim.errors import EngineRestarted, RequestRejected
+from enginesim.choices import DISCONNECTED, Choices
+from enginesim.engine import Engine
+from enginesim.errors import RequestRejected
 from enginesim.faults import CRASH_EXIT_CODE, FaultUpdate
 from enginesim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from enginesim.scheduler import SimRequest
@@ -77,7 +78,7 @@ class Response:
 @dataclass
 class EventStream:
     chunks: AsyncIterator[bytes]
-    handle: RequestHandle
+    choices: Choices
 
 
 Result = Response | EventStream
@@ -159,13 +160,14 @@ class SimApp:
     async def _stream(self, stream: EventStream, receive: Receive, send: Send) -> None:
         headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        watcher = asyncio.create_task(self._watch_disconnect(stream.handle, receive))
+        watcher = asyncio.create_task(self._watch_disconnect(stream.choices, receive))
         try:
             async for chunk in stream.chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except Exception:  # the status is sent: end the stream with an error event
-            log.exception("unexpected error while streaming %s", stream.handle.req.request_id)
-            self.engine.abort(stream.handle)
+            log.exception("unexpected error while streaming %s", stream.choices.request_id)
+            for handle in stream.choices.handles:
+                self.engine.abort(handle)
             error = sse(p.ApiError("internal error").body()) + b"data: [DONE]\n\n"
             await send({"type": "http.response.body", "body": error, "more_body": True})
         finally:
@@ -174,107 +176,120 @@ class SimApp:
                 await watcher
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def _watch_disconnect(self, handle: RequestHandle, receive: Receive) -> None:
+    async def _watch_disconnect(self, choices: Choices, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             continue
-        if not handle.done:
-            self.engine.abort(handle)
-            handle.error = "client disconnected"
-            handle.notify()
+        for handle in choices.handles:
+            if not handle.done:
+                self.engine.abort(handle)
+                handle.error = DISCONNECTED
+                handle.notify()
 
     # -- inference -------------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Result:
-        body = p.decode_body(request.body, p.CompletionRequest)
-        prompt = await self._completion_prompt(body.prompt)
-        handle = await self._submit(prompt, body, "cmpl")
+        body = p.decode_completion(request.body)
+        choices = await self._submit(await self._completion_prompts(body), body, "cmpl")
         if body.stream:
-            return EventStream(self._completion_chunks(handle, body), handle)
-        await _until_done(handle)
-        text = self.tokenizer.text_of(handle.req.output)
-        return json_response(p.completion_body(*self._ids(handle), text, _usage(handle)))
+            return EventStream(self._completion_chunks(choices, body), choices)
+        await choices.until_done()
+        texts = choices.texts(self.tokenizer.text_of)
+        rid, model = choices.request_id, self.settings.model
+        return json_response(p.completion_batch_body(rid, model, texts, choices.final_usage()))
 
     async def chat_completions(self, request: Request) -> Result:
         body = p.decode_body(request.body, p.ChatRequest)
         prompt = await self._chat_prompt(body.messages, body.tools, body.add_generation_prompt)
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
-        handle = await self._submit(prompt, body, "chatcmpl")
+        choices = await self._submit([prompt], body, "chatcmpl")
         if body.stream:
-            return EventStream(self._chat_chunks(handle, body), handle)
-        await _until_done(handle)
-        text = self.tokenizer.text_of(handle.req.output)
-        return json_response(p.chat_body(*self._ids(handle), text, _usage(handle)))
+            return EventStream(self._chat_chunks(choices, body), choices)
+        await choices.until_done()
+        texts = choices.texts(self.tokenizer.text_of)
+        rid, model = choices.request_id, self.settings.model
+        return json_response(p.chat_body(rid, model, texts, choices.final_usage()))
 
-    async def _submit(self, prompt: list[int], body: p._Sampling, prefix: str) -> RequestHandle:
+    async def _submit(self, prompts: list[list[int]], body: p._Sampling, prefix: str) -> Choices:
+        """One engine request per prompt and sample, checked in vLLM's order: the model,
+        each prompt's length, then the sampling parameters."""
         self._check_model(body.model)
         p.check_salt(body.cache_salt)
-        if body.n != 1:
-            raise p.BadRequest("kvroute-sim generates one choice per request (n=1).", "n")
-        if self.engine.faults.should_fail():
-            raise p.InjectedFailure("Injected failure (kvroute-sim fault).")
         max_tokens = body.max_tokens or p.DEFAULT_MAX_TOKENS
-        rid = self.engine.new_request_id(prefix)
-        req = SimRequest(rid, prompt, max_tokens, body.cache_salt)
         try:
-            return await self.engine.submit(req, stream=body.stream)
+            for prompt in prompts:
+                self.engine.check(len(prompt), max_tokens)
         except RequestRejected as exc:
             raise p.BadRequest(str(exc)) from exc
-
-    def _ids(self, handle: RequestHandle) -> tuple[str, str]:
-        return handle.req.request_id, self.settings.model
+        n = p.check_sampling(body.n, body.temperature)
+        if self.engine.faults.should_fail():
+            raise p.InjectedFailure("Injected failure (kvroute-sim fault).")
+        rid = self.engine.new_request_id(prefix)
+        reqs = [
+            SimRequest(
+                _engine_request_id(rid, prefix, i, j, n), prompt, max_tokens, body.cache_salt
+            )
+            for i, prompt in enumerate(prompts)
+            for j in range(n)
+        ]
+        try:
+            handles = await self.engine.submit_all(reqs, stream=body.stream)
+        except RequestRejected as exc:
+            raise p.BadRequest(str(exc)) from exc
+        return Choices(rid, handles, n)
 
     async def _completion_chunks(
-        self, handle: RequestHandle, body: p.CompletionRequest
+        self, choices: Choices, body: p.CompletionRequest | p.CompletionBatchRequest
     ) -> AsyncIterator[bytes]:
-        rid, model = self._ids(handle)
-        async for pieces, last in self._pieces(handle):
-            if pieces is None:
+        rid, model = choices.request_id, self.settings.model
+        async for delta in choices.deltas(self.tokenizer.text_of):
+            if delta is None:
                 yield sse(p.ApiError("engine restarted").body())
                 break
+            choice, pieces, last = delta
             for i, piece in enumerate(pieces):
                 finish = "length" if last and i == len(pieces) - 1 else None
-                yield sse(p.completion_body(rid, model, piece, None, finish))
+                yield sse(p.completion_body(rid, model, piece, None, finish, choice))
         else:
             if body.stream_options is not None and body.stream_options.include_usage:
-                yield sse(p.usage_chunk(rid, model, "text_completion", _usage(handle)))
+                yield sse(p.usage_chunk(rid, model, "text_completion", choices.stream_usage()))
         yield b"data: [DONE]\n\n"
 
-    async def _chat_chunks(
-        self, handle: RequestHandle, body: p.ChatRequest
-    ) -> AsyncIterator[bytes]:
-        rid, model = self._ids(handle)
-        role = sse(p.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, None))
-        async for pieces, last in self._pieces(handle):
-            if pieces is None:
+    async def _chat_chunks(self, choices: Choices, body: p.ChatRequest) -> AsyncIterator[bytes]:
+        rid, model = choices.request_id, self.settings.model
+        roles = []  # no comprehension: no cells in this frame
+        for j in range(choices.n):
+            start = {"role": "assistant", "content": ""}
+            roles.append(sse(p.chat_chunk(rid, model, start, None, None, j)))
+        async for delta in choices.deltas(self.tokenizer.text_of):
+            if delta is None:
                 yield sse(p.ApiError("engine restarted").body())
                 break
-            if role:  # as vLLM and SGLang: the role comes with the first output, after prefill
+            # as vLLM and SGLang: the roles come with the first output, after prefill; as
+            # vLLM, one event per choice
+            for role in roles:
                 yield role
-                role = b""
+            roles = []
+            choice, pieces, last = delta
             for i, piece in enumerate(pieces):
                 finish = "length" if last and i == len(pieces) - 1 else None
-                yield sse(p.chat_chunk(rid, model, {"content": piece}, finish, None))
+                yield sse(p.chat_chunk(rid, model, {"content": piece}, finish, None, choice))
         else:
             if body.stream_options is not None and body.stream_options.include_usage:
-                yield sse(p.usage_chunk(rid, model, "chat.completion.chunk", _usage(handle)))
+                usage = choices.stream_usage()
+                yield sse(p.usage_chunk(rid, model, "chat.completion.chunk", usage))
         yield b"data: [DONE]\n\n"
-
-    async def _pieces(self, handle: RequestHandle) -> AsyncIterator[tuple[list[str] | None, bool]]:
-        """New output text pieces as they are generated; ``None`` when the request failed."""
-        sent = 0
-        while sent < handle.req.max_tokens:
-            try:
-                await handle.wait()
-            except EngineRestarted:
-                if handle.error != "client disconnected":
-                    yield None, True
-                return
-            new = handle.req.output[sent:]
-            sent += len(new)
-            yield [self.tokenizer.text_of([t]) for t in new], sent >= handle.req.max_tokens
 
     # -- prompts ---------------------------------------------------------------------------
+
+    async def _completion_prompts(
+        self, body: p.CompletionRequest | p.CompletionBatchRequest
+    ) -> list[list[int]]:
+        """The prompts of a completion request (a batch or one), as token ids."""
+        prompts = []
+        for prompt in p.completion_prompts(body):  # no comprehension: no cell in the frame
+            prompts.append(await self._completion_prompt(prompt))
+        return prompts
 
     async def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
@@ -348,10 +363,10 @@ class SimApp:
         )
 
     async def render_completion(self, request: Request) -> Result:
-        body = p.decode_body(request.body, p.CompletionRequest)
+        body = p.decode_completion(request.body)
         self._check_model(body.model)
-        tokens = await self._completion_prompt(body.prompt)
-        return json_response([self._generate_request(tokens, body, "cmpl")])
+        prompts = await self._completion_prompts(body)
+        return json_response([self._generate_request(t, body, "cmpl") for t in prompts])
 
     async def render_chat(self, request: Request) -> Result:
         body = p.decode_body(request.body, p.ChatRequest)
@@ -463,17 +478,11 @@ def _crash() -> None:
     os._exit(CRASH_EXIT_CODE)
 
 
-def _usage(handle: RequestHandle) -> dict[str, Any]:
-    req = handle.req
-    return p.usage(len(req.prompt), len(req.output), req.num_cached_tokens)
-
-
-async def _until_done(handle: RequestHandle) -> None:
-    try:
-        while not handle.done:
-            await handle.wait()
-    except EngineRestarted as exc:
-        raise p.InjectedFailure(f"The request failed: {exc}.") from exc
+def _engine_request_id(rid: str, prefix: str, prompt: int, sample: int, n: int) -> str:
+    """vLLM's ids: ``{rid}-{i}`` for prompt ``i`` of a completion request (a batch or
+    not), and ``{j}_{...}`` for sample ``j`` of ``n > 1`` (v1's ``ParentRequest``)."""
+    rid = f"{rid}-{prompt}" if prefix == "cmpl" else rid
+    return f"{sample}_{rid}" if n > 1 else rid
 
 
 def _model_path(settings: SimSettings) -> str:

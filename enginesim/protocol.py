@@ -17,6 +17,7 @@ with vLLM's status codes::
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import Annotated, Any, TypeVar
@@ -25,6 +26,8 @@ import msgspec
 
 DEFAULT_MAX_TOKENS = 16
 MAX_SALT_CHARS = 128
+MAX_N = 16384  # vLLM's ``VLLM_MAX_N_SEQUENCES`` default
+GREEDY_TEMPERATURE = 1e-5  # vLLM's ``_SAMPLING_EPS``: below it, sampling is greedy
 T = TypeVar("T")
 _json_decoder_cache: dict[type, msgspec.json.Decoder[Any]] = {}
 
@@ -95,11 +98,18 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     cache_salt: str | None = None
-    n: int = 1
+    n: int | None = 1  # vLLM's chat request takes null for 1
+    temperature: float | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | list[TokenId]
+    n: int = 1  # vLLM's completion request does not take null
+
+
+class CompletionBatchRequest(_Sampling, kw_only=True):
+    prompt: list[str | list[TokenId]]  # all strings or all token-id lists
+    n: int = 1
 
 
 class ChatRequest(_Sampling, kw_only=True):
@@ -143,6 +153,58 @@ def check_salt(salt: str | None) -> None:
         raise BadRequest("cache_salt must not contain '@', '/', '\\' or NUL.", "cache_salt")
 
 
+def decode_completion(body: bytes) -> CompletionRequest | CompletionBatchRequest:
+    """A completion request, whose ``prompt`` is a batch when it is a list that does not
+    begin with a token id: one prompt decodes as fast, and fails with the same messages,
+    as if batches did not exist."""
+    try:
+        return decode_body(body, CompletionRequest)
+    except BadRequest as exc:
+        if not exc.message.endswith(_NOT_A_TOKEN_ID):
+            raise
+    return decode_body(body, CompletionBatchRequest)
+
+
+_NOT_A_TOKEN_ID = ("got `str` - at `$.prompt[0]`", "got `array` - at `$.prompt[0]`")
+
+
+def completion_prompts(
+    body: CompletionRequest | CompletionBatchRequest,
+) -> list[str | list[int]]:
+    """The prompts of a completion request, one per engine request."""
+    if isinstance(body, CompletionRequest):
+        return [body.prompt]
+    kind = type(body.prompt[0])
+    if not all(type(item) is kind for item in body.prompt):
+        raise BadRequest("prompt must be a string, token ids, or a list of either.", "prompt")
+    return body.prompt
+
+
+def check_sampling(n: int | None, temperature: float | None) -> int:
+    """vLLM's ``SamplingParams`` checks of what the simulator reads, in vLLM's order
+    (``_verify_num_sequences``, the temperature's range, then ``_verify_greedy_sampling``
+    at temperature 0); returns ``n``."""
+    n = 1 if n is None else n
+    if n < 1:
+        raise BadRequest(f"n must be at least 1, got {n}.")
+    if n > MAX_N:
+        raise BadRequest(
+            f"n must be at most {MAX_N}, got {n}. To increase this limit, set the "
+            "VLLM_MAX_N_SEQUENCES environment variable."
+        )
+    if temperature is None:
+        return n
+    if not math.isfinite(temperature):
+        raise BadRequest(f"temperature must be a finite number, got {temperature}.", "temperature")
+    if temperature < 0.0:
+        raise BadRequest(f"temperature must be non-negative, got {temperature}.", "temperature")
+    if temperature > 2.0:
+        raise BadRequest(f"temperature must be in [0, 2], got {temperature}.", "temperature")
+    if temperature < GREEDY_TEMPERATURE and n > 1:
+        raise BadRequest(f"n must be 1 when using greedy sampling, got {n}.")
+    return n
+
+
 def check_messages(messages: Sequence[dict[str, Any]]) -> None:
     if not messages:
         raise BadRequest("messages must not be empty.", "messages")
@@ -164,33 +226,59 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 def completion_body(
-    rid: str, model: str, text: str, use: dict[str, Any] | None, finish: str | None = "length"
+    rid: str,
+    model: str,
+    text: str,
+    use: dict[str, Any] | None,
+    finish: str | None = "length",
+    index: int = 0,
 ) -> dict[str, Any]:
-    choice = {
-        "index": 0,
+    """A completion with one choice, or one streamed chunk of choice ``index``."""
+    return _envelope(rid, "text_completion", model, [_text_choice(index, text, finish)], use)
+
+
+def completion_batch_body(
+    rid: str, model: str, texts: Sequence[str], use: dict[str, Any]
+) -> dict[str, Any]:
+    """A finished completion with a choice per text, indexed in order."""
+    choices = [_text_choice(i, text, "length") for i, text in enumerate(texts)]
+    return _envelope(rid, "text_completion", model, choices, use)
+
+
+def _text_choice(index: int, text: str, finish: str | None) -> dict[str, Any]:
+    return {
+        "index": index,
         "text": text,
         "logprobs": None,
         "finish_reason": finish,
         "stop_reason": None,
     }
-    return _envelope(rid, "text_completion", model, [choice], use)
 
 
-def chat_body(rid: str, model: str, text: str, use: dict[str, Any]) -> dict[str, Any]:
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": text, "tool_calls": []},
-        "logprobs": None,
-        "finish_reason": "length",
-        "stop_reason": None,
-    }
-    return _envelope(rid, "chat.completion", model, [choice], use)
+def chat_body(rid: str, model: str, texts: Sequence[str], use: dict[str, Any]) -> dict[str, Any]:
+    """A finished chat completion with a choice per text, indexed in order."""
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": text, "tool_calls": []},
+            "logprobs": None,
+            "finish_reason": "length",
+            "stop_reason": None,
+        }
+        for i, text in enumerate(texts)
+    ]
+    return _envelope(rid, "chat.completion", model, choices, use)
 
 
 def chat_chunk(
-    rid: str, model: str, delta: dict[str, Any], finish: str | None, use: dict[str, Any] | None
+    rid: str,
+    model: str,
+    delta: dict[str, Any],
+    finish: str | None,
+    use: dict[str, Any] | None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+    choices = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]
     return _envelope(rid, "chat.completion.chunk", model, choices, use)
 
 

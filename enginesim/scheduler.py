@@ -8,8 +8,11 @@ event loop and turns steps into wall-clock time. One ``step()``:
 2. waiting requests are admitted first come, first served while fewer than
    ``max_num_seqs`` run and their blocks are free; admission looks up the longest cached
    prefix (capped at ``prompt_len - 1`` tokens, as vLLM recomputes at least one token),
-   takes those blocks, allocates the rest (evicting LRU cached blocks) and prefills:
-   the prompt's full blocks are cached and the first token is sampled;
+   takes those blocks, allocates the rest (evicting LRU cached blocks) and caches the
+   prompt's full blocks at once, before the step's forward pass, as vLLM v1 does
+   (``KVCacheManager.allocate_slots``): a request admitted later in the same step hits
+   them, which is how the ``n`` samples of one prompt share its prefill; then it
+   prefills and samples the first token;
 3. requests that reached ``max_tokens`` finish and release their blocks.
 
 Differences from vLLM, on purpose: a request reserves the blocks for its whole
@@ -163,12 +166,12 @@ class EngineCore:
             req.blocks = [*hits, *self.pool.allocate(n_new)]
             req.num_cached_blocks = len(hits)
             req.num_cached_tokens = len(hits) * self.limits.block_size
+            self._cache_full_blocks(req)  # at allocation, as vLLM v1's ``allocate_slots``
             self.running.append(req)
             admitted.append(req)
         return admitted
 
     def _prefill(self, req: SimRequest, out: StepOutput) -> tuple[int, int]:
-        self._cache_full_blocks(req)
         self._sample(req, out)
         out.admitted.append(req)
         return len(req.prompt), req.num_cached_tokens

@@ -77,6 +77,32 @@ def test_text_completion_matches_tokenize(sim: SimProcess) -> None:
     assert len(answer["choices"][0]["text"].split()) == 3
 
 
+def test_n_samples_are_n_engine_requests_that_hit_the_blocks_the_first_allocated(
+    sim: SimProcess,
+) -> None:
+    # vLLM v1 fans n out into n requests, each looked up in the prefix cache: the first
+    # misses, the others hit the prompt's 6 full blocks (99 tokens, capped at prompt - 1).
+    prompt = list(range(40_000, 40_100))
+    metrics = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+               "vllm:generation_tokens_total")  # fmt: skip
+    before = [sim.metric(m) for m in metrics]
+    answer = complete(sim, prompt, max_tokens=4, n=3)
+    assert [sim.metric(m) - b for m, b in zip(metrics, before, strict=True)] == [300, 192, 12]
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    assert answer["usage"]["prompt_tokens"] == 100  # the prompt once, not n times
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 96  # the last sample's
+
+
+def test_a_batch_with_one_prompt_too_long_is_refused_whole(sim: SimProcess) -> None:
+    queries = sim.metric("vllm:prefix_cache_queries_total")
+    code, answer = sim.call("POST", "/v1/completions", {"prompt": [[1, 2, 3], list(range(8190))],
+                                                         "max_tokens": 5})  # fmt: skip
+    assert code == 400 and "maximum context length" in answer["error"]["message"]
+    assert sim.metric("vllm:prefix_cache_queries_total") == queries
+    rendered = sim.post("/v1/completions/render", {"prompt": [[5, 6], [7]]})
+    assert [r["token_ids"] for r in rendered] == [[5, 6], [7]]
+
+
 @pytest.mark.parametrize(
     ("path", "raw", "status", "needle"),
     [
@@ -88,7 +114,10 @@ def test_text_completion_matches_tokenize(sim: SimProcess) -> None:
         ("/v1/completions", b'{"prompt": "hi", "model": "other"}', 404, "other"),
         ("/v1/completions", b'{"prompt": [1], "cache_salt": "a/b"}', 400, "cache_salt"),
         ("/v1/completions", b"[1, 2, 3]", 400, "Invalid request"),
-        ("/v1/completions", b'{"prompt": [1], "n": 2}', 400, "n=1"),
+        ("/v1/completions", b'{"prompt": [1], "n": 0}', 400, "n must be at least 1"),
+        ("/v1/completions", b'{"prompt": [1], "n": 2, "temperature": 0}', 400, "greedy"),
+        ("/v1/completions", b'{"prompt": [[1], []]}', 400, "empty"),
+        ("/v1/completions", b'{"prompt": [[1], "two"]}', 400, "prompt must be"),
         ("/v1/chat/completions", b'{"messages": []}', 400, "messages"),
         ("/v1/chat/completions", b'{"messages": [{"content": "x"}]}', 400, "role"),
         ("/v1/chat/completions", b'{"messages": "hi"}', 400, "Invalid request"),

@@ -78,3 +78,105 @@ def test_bad_requests_raise_the_clients_own_errors_with_vllms_statuses(
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=-1)
     assert chat(client, "still serving?").choices[0].message.content
+
+
+def fresh(start: int, length: int) -> list[int]:
+    """Token ids no other test of this module sends."""
+    return list(range(start, start + length))
+
+
+def test_a_batch_of_prompts_with_two_samples_each_is_four_choices_in_order(
+    client: openai.OpenAI,
+) -> None:
+    first, second = fresh(31_000, 40), fresh(32_000, 24)
+    answer = client.completions.create(model=MODEL, prompt=[first, second], n=2, max_tokens=3)
+    assert [c.index for c in answer.choices] == [0, 1, 2, 3]  # prompt i, sample j: i * 2 + j
+    assert all(c.finish_reason == "length" and len(c.text.split()) == 3 for c in answer.choices)
+    assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
+    # each prompt counted once, every choice's tokens; and, as vLLM, not a sum of cached
+    # tokens but the last request's: the second prompt's second sample, which hits the one
+    # full block its first sample allocated
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (64, 12)
+    assert answer.usage.total_tokens == 76
+    assert answer.usage.prompt_tokens_details.cached_tokens == 16
+
+
+def test_a_batch_of_texts_counts_what_each_text_alone_counts(client: openai.OpenAI) -> None:
+    texts = ["Once upon a time there was", "A batch of two"]
+    alone = [client.completions.create(model=MODEL, prompt=t, max_tokens=2) for t in texts]
+    batch = client.completions.create(model=MODEL, prompt=texts, max_tokens=2)
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
+    assert batch.usage is not None and all(a.usage is not None for a in alone)
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone if a.usage)
+
+
+def test_a_streamed_batch_ends_each_choice_once_and_reports_the_first_outputs_cache(
+    client: openai.OpenAI,
+) -> None:
+    first, second = fresh(33_000, 40), fresh(34_000, 24)
+    stream = client.completions.create(
+        model=MODEL, prompt=[first, second], n=2, max_tokens=3, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    texts: dict[int, str] = {}
+    ends: dict[int, list[str]] = {}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices  # vLLM sends one choice per chunk
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
+        if choice.finish_reason is not None:
+            ends.setdefault(choice.index, []).append(choice.finish_reason)
+    assert sorted(texts) == [0, 1, 2, 3] and all(len(t.split()) == 3 for t in texts.values())
+    assert ends == {k: ["length"] for k in range(4)}
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (64, 12)
+    # streamed, vLLM reports the first output's count: the first prompt's first sample, cold
+    assert usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_chat_with_two_samples_shares_the_prompt(client: openai.OpenAI) -> None:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Two ways?"}]
+    one = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)  # type: ignore[arg-type]
+    two = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, n=2)  # type: ignore[arg-type]
+    assert [c.index for c in two.choices] == [0, 1]
+    assert all(c.message.content == one.choices[0].message.content for c in two.choices)
+    assert one.usage is not None and two.usage is not None
+    assert two.usage.prompt_tokens == one.usage.prompt_tokens  # once, not n times
+    assert two.usage.completion_tokens == 8
+    assert two.usage.prompt_tokens_details is not None
+    assert two.usage.prompt_tokens_details.cached_tokens == (one.usage.prompt_tokens - 1) // 16 * 16
+
+
+def test_a_chat_stream_with_two_samples_sends_a_role_per_choice_first(
+    client: openai.OpenAI,
+) -> None:
+    messages = [{"role": "user", "content": "Stream two answers."}]
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=3, n=2, stream=True,  # type: ignore[arg-type]
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    roles = [(c.choices[0].index, c.choices[0].delta.role) for c in chunks[:2]]
+    assert roles == [(0, "assistant"), (1, "assistant")]
+    content: dict[int, str] = {0: "", 1: ""}
+    finished = []
+    for chunk in chunks[2:-1]:
+        (choice,) = chunk.choices
+        content[choice.index] += choice.delta.content or ""
+        if choice.finish_reason:
+            finished.append((choice.index, choice.finish_reason))
+    assert all(len(text.split()) == 3 for text in content.values())
+    assert sorted(finished) == [(0, "length"), (1, "length")]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+
+
+def test_two_greedy_samples_are_refused_as_vllm_refuses_them(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="n must be 1 when using greedy sampling"):
+        client.completions.create(model=MODEL, prompt="x", n=2, temperature=0, max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="n must be at least 1"):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], n=0, max_tokens=1
+        )

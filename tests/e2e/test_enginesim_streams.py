@@ -65,6 +65,21 @@ def test_a_disconnected_stream_is_aborted_and_frees_its_blocks(slow_sim: SimProc
     assert len(state["cached_block_hashes"]) >= 4
 
 
+def test_two_samples_stream_side_by_side_and_a_disconnect_aborts_both(
+    slow_sim: SimProcess,
+) -> None:
+    conn, response = open_stream(
+        slow_sim, {"prompt": list(range(700, 764)), "max_tokens": 1000, "n": 2, "stream": True}
+    )
+    first = [json.loads(read_event(response))["choices"] for _ in range(6)]
+    assert all(len(choices) == 1 for choices in first)  # one choice per event, as vLLM
+    assert {choices[0]["index"] for choices in first} == {0, 1}  # step by step, not one then 1
+    assert slow_sim.call("GET", "/sim/state")[1]["running"] == 2
+    conn.close()
+    state = wait_for_state(slow_sim, lambda s: s["running"] == 0)
+    assert state["num_free_blocks"] == state["num_blocks"]
+
+
 def test_an_engine_restart_ends_running_streams_with_an_error(slow_sim: SimProcess) -> None:
     conn, response = open_stream(
         slow_sim, {"prompt": list(range(500, 600)), "max_tokens": 1000, "stream": True}

@@ -68,6 +68,39 @@ def test_raw_stream_without_usage_is_event_for_event_the_replicas(fleet: Any) ->
     assert all("usage" not in e for e in via_proxy[:-1])
 
 
+def test_a_batch_with_two_samples_each_arrives_intact_and_answers_as_the_replica(
+    fleet: Any,
+) -> None:
+    sims, proxy = fleet
+    prompts = [list(range(50_000, 50_040)), list(range(51_000, 51_024))]
+    body = {"model": MODEL, "prompt": prompts, "n": 2, "max_tokens": 3}
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+
+    def cold() -> None:  # every replica cold: the same cache hits both ways
+        for sim in sims:
+            assert sim.call("POST", "/reset_prefix_cache")[0] == 200
+
+    def answers(url: str) -> tuple[Any, Any]:
+        cold()
+        whole = json.loads(urllib.request.urlopen(_post(url, body), timeout=30).read())
+        cold()
+        events = strip_ids(_events(url, stream)[:-1])
+        return {k: v for k, v in whole.items() if k not in ("id", "created")}, events
+
+    via_proxy, direct = answers(proxy.url), answers(sims[2].url)
+    assert via_proxy == direct
+    whole, events = via_proxy
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2, 3]
+    assert whole["usage"]["prompt_tokens"] == 64
+    assert whole["usage"]["prompt_tokens_details"]["cached_tokens"] == 16
+    assert sorted({e["choices"][0]["index"] for e in events[:-1]}) == [0, 1, 2, 3]
+    assert events[-1]["usage"]["completion_tokens"] == 12
+
+
+def _post(url: str, body: dict[str, Any]) -> urllib.request.Request:
+    return urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode())
+
+
 def _events(url: str, body: dict[str, Any]) -> list[Any]:
     request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode())
     with urllib.request.urlopen(request, timeout=30) as resp:

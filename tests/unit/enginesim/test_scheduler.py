@@ -199,3 +199,20 @@ def test_pool_refuses_to_hand_out_blocks_it_does_not_have() -> None:
     pool.allocate(2)
     with pytest.raises(PoolExhausted):
         pool.allocate(1)
+
+
+def test_a_request_admitted_with_its_twin_hits_the_blocks_the_twin_allocated() -> None:
+    # vLLM v1 caches a request's full blocks when it allocates them, before the forward
+    # pass: the n samples of one prompt, admitted in one step, share one prefill.
+    core, mirror = make_core(), Mirror()
+    prompt = list(range(70))
+    first, second = req("0_a", prompt), req("1_a", prompt)
+    core.add(first)
+    core.add(second)
+    step = core.step()
+    mirror.apply(core)
+    assert step.admitted == [first, second]
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 64)
+    assert step.duration == pytest.approx(TimingModel().step_seconds([(70, 0), (70, 64)], 0))
+    run(core, mirror=mirror)
+    assert mirror.stored == 4 == len(core.pool.cached_digests())

@@ -1,0 +1,83 @@
+"""What a completion's ``prompt`` may hold, and vLLM's refusals of ``n`` and temperature."""
+
+from __future__ import annotations
+
+import pytest
+
+from enginesim import protocol as p
+
+MORE_N = "To increase this limit, set the VLLM_MAX_N_SEQUENCES environment variable."
+
+
+def decode(raw: bytes) -> p.CompletionRequest | p.CompletionBatchRequest:
+    return p.decode_completion(raw)
+
+
+@pytest.mark.parametrize(
+    ("raw", "prompts"),
+    [
+        (b'{"prompt": "one"}', ["one"]),
+        (b'{"prompt": [1, 2, 3]}', [[1, 2, 3]]),
+        (b'{"prompt": ["one", "two"]}', ["one", "two"]),
+        (b'{"prompt": [[1, 2], [3]]}', [[1, 2], [3]]),
+        (b'{"prompt": ["only"]}', ["only"]),
+    ],
+)
+def test_a_batch_is_one_prompt_per_item_and_token_ids_are_one_prompt(raw, prompts) -> None:
+    assert p.completion_prompts(decode(raw)) == prompts
+
+
+def test_a_batch_mixing_texts_and_token_ids_is_a_400_on_prompt() -> None:
+    with pytest.raises(p.BadRequest) as caught:
+        p.completion_prompts(decode(b'{"prompt": ["one", [2]]}'))
+    assert caught.value.param == "prompt" and caught.value.status == 400
+
+
+@pytest.mark.parametrize(
+    ("raw", "where"),
+    [
+        (b'{"prompt": [1, -2]}', "`int` >= 0 - at `$.prompt[1]`"),  # as before batches
+        (b'{"prompt": [1, "two"]}', "got `str` - at `$.prompt[1]`"),
+        (b'{"prompt": [-1, 2]}', "`int` >= 0 - at `$.prompt[0]`"),
+        (b'{"prompt": [[1], 2]}', "got `int` - at `$.prompt[1]`"),
+        (b'{"prompt": [[-1]]}', "`int` >= 0 - at `$.prompt[0][0]`"),
+        (b'{"prompt": [[1.5]]}', "got `float` - at `$.prompt[0][0]`"),
+        (b'{"prompt": 7}', "got `int` - at `$.prompt`"),
+    ],
+)
+def test_what_is_neither_text_nor_token_ids_fails_to_decode_where_it_is(raw, where) -> None:
+    with pytest.raises(p.BadRequest, match="Invalid request") as caught:
+        decode(raw)
+    assert caught.value.message.endswith(where)
+
+
+def test_n_defaults_to_one_and_null_means_one_in_chat_only() -> None:
+    assert p.check_sampling(None, None) == 1
+    chat = p.decode_body(b'{"messages": [], "n": null}', p.ChatRequest)
+    assert chat.n is None
+    with pytest.raises(p.BadRequest, match="Invalid request"):
+        decode(b'{"prompt": "x", "n": null}')
+
+
+@pytest.mark.parametrize(
+    ("n", "temperature", "message", "param"),
+    [
+        (0, None, "n must be at least 1, got 0.", None),
+        (16385, None, f"n must be at most 16384, got 16385. {MORE_N}", None),
+        (0, 0.0, "n must be at least 1, got 0.", None),  # n is checked first
+        (2, -1.0, "temperature must be non-negative, got -1.0.", "temperature"),
+        (2, 2.5, "temperature must be in [0, 2], got 2.5.", "temperature"),
+        (2, float("inf"), "temperature must be a finite number, got inf.", "temperature"),
+        (2, 0.0, "n must be 1 when using greedy sampling, got 2.", None),
+        (2, 1e-6, "n must be 1 when using greedy sampling, got 2.", None),
+    ],
+)
+def test_vllms_sampling_refusals(n, temperature, message, param) -> None:
+    with pytest.raises(p.BadRequest) as caught:
+        p.check_sampling(n, temperature)
+    assert (caught.value.message, caught.value.param) == (message, param)
+
+
+@pytest.mark.parametrize(("n", "temperature"), [(1, 0.0), (2, None), (3, 0.7), (16384, 2.0)])
+def test_what_vllm_accepts(n: int, temperature: float | None) -> None:
+    assert p.check_sampling(n, temperature) == n
