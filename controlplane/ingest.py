@@ -33,6 +33,7 @@ from kvcore.pb import events_pb2
 
 log = logging.getLogger(__name__)
 _RETRY_S = 0.25
+_SUBJECTS_KEPT = 4096  # parsed subjects remembered (three per replica are in use)
 
 
 class Ingest:
@@ -45,6 +46,7 @@ class Ingest:
         self.resyncs_sent: Counter[str] = Counter()  # by outcome
         self._nc: Client | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._subjects: dict[str, subjects.Subject] = {}  # valid subjects, parsed once
         fleet.resync = self._request_resync
 
     @property
@@ -89,15 +91,20 @@ class Ingest:
 
     def handle(self, subject: str, data: bytes, now: float) -> None:
         """Decode one message and apply it; malformed ones are counted and skipped."""
-        try:
-            parsed = subjects.parse_subject(subject)
-        except subjects.InvalidName:
-            self.malformed["subject"] += 1
-            return
+        parsed = self._subjects.get(subject)
+        if parsed is None:
+            try:
+                parsed = subjects.parse_subject(subject)
+            except subjects.InvalidName:
+                self.malformed["subject"] += 1
+                return
+            if len(self._subjects) >= _SUBJECTS_KEPT:
+                self._subjects.clear()
+            self._subjects[subject] = parsed
         kind = parsed.kind
         try:
             if kind is subjects.SubjectKind.EVENTS:
-                self._batch(events_pb2.KvEventBatch.FromString(data), parsed)
+                self._batch(events_pb2.KvEventBatch.FromString(data), parsed, now)
             elif kind is subjects.SubjectKind.LOAD:
                 self._load(events_pb2.LoadReport.FromString(data), parsed, now)
             elif kind is subjects.SubjectKind.ANNOUNCE:
@@ -107,10 +114,10 @@ class Ingest:
         except FleetFull:
             self.malformed["fleet_full"] += 1
 
-    def _batch(self, batch: events_pb2.KvEventBatch, subject: subjects.Subject) -> None:
+    def _batch(self, batch: events_pb2.KvEventBatch, subject: subjects.Subject, now: float) -> None:
         if batch.replica_id != subject.replica or batch.pool != subject.pool:
             raise ValueError("ids disagree with the subject")
-        self.fleet.on_batch(batch, subject.pool, time.monotonic())
+        self.fleet.on_batch(batch, subject.pool, now)
 
     def _load(self, load: events_pb2.LoadReport, subject: subjects.Subject, now: float) -> None:
         if load.replica_id != subject.replica:

@@ -52,6 +52,9 @@ class Verdict:
     resync: str | None = None  # ask the sidecar for a snapshot, for this reason
 
 
+_APPLY = Verdict(Action.APPLY)  # the usual verdict, made once
+
+
 @dataclass(slots=True)
 class _Snapshot:
     snapshot_id: int
@@ -145,7 +148,7 @@ class ReplicaStream:
         contiguous = contiguous or (self.last_seq is not None and batch.seq == self.last_seq + 1)
         self.last_seq = batch.seq
         if contiguous or not self.exact:
-            return Verdict(Action.APPLY)
+            return _APPLY
         self.exact = False
         return Verdict(Action.APPLY, resync="seq gap")
 
