@@ -94,6 +94,8 @@ class SidecarService:
         self.subject = subjects.events_subject(settings.pool, settings.replica_id)
         self._publish_lock = asyncio.Lock()
         self._wake_flush = asyncio.Event()
+        self._delay_s = settings.batch_delay_ms / 1000
+        self._last_publish = -self._delay_s  # monotonic time of the last publishing turn
         self._wake_announce = asyncio.Event()
         self._last_history_request = -_HISTORY_RETRY_S
         self.started = asyncio.Event()
@@ -190,7 +192,7 @@ class SidecarService:
         async for item in source.items():
             if await self._handle(item, rank):
                 self._on_state_change(source)
-            self._wake_flush.set()
+            await self._publish_or_wake()
             handled += 1
             if handled % _YIELD_EVERY == 0:
                 await asyncio.sleep(0)  # let the flusher run under a flood of frames
@@ -221,17 +223,29 @@ class SidecarService:
     # -- publishing --------------------------------------------------------------------
     async def _flush(self) -> None:
         """Publish at most once per ``batch_delay_ms``: the first event after a quiet spell
-        goes out at once, later ones coalesce until the deadline (or a full batch)."""
-        delay = self.settings.batch_delay_ms / 1000
-        last = -delay
+        goes out at once (from the consumer, see :meth:`_publish_or_wake`), later ones
+        coalesce here until the deadline (or a full batch)."""
         while True:
             await self._wake_flush.wait()
             self._wake_flush.clear()
-            wait = last + delay - time.monotonic()
+            wait = self._last_publish + self._delay_s - time.monotonic()
             if wait > 0 and self.outbox.depth < self.settings.max_batch_events:
                 await asyncio.sleep(wait)  # coalescing deadline
-            last = time.monotonic()
+            self._last_publish = time.monotonic()
             await self._publish_pending()
+
+    async def _publish_or_wake(self) -> None:
+        """After an engine item: publish what it produced at once when the coalescing
+        deadline has passed and nobody is publishing (what the flusher would do, without
+        waking it for every batch), else leave it to the flusher."""
+        if not self.outbox.depth and not self.outbox.needs_snapshot:
+            return
+        now = time.monotonic()
+        if self._publish_lock.locked() or now < self._last_publish + self._delay_s:
+            self._wake_flush.set()
+            return
+        self._last_publish = now
+        await self._publish_pending()
 
     async def _publish_pending(self) -> None:
         async with self._publish_lock:

@@ -25,6 +25,7 @@ still connecting when the engine's first batches went out) are caught up.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -198,6 +199,8 @@ class ZmqEventSource:
         self._context = zmq.asyncio.Context()
         self._sub: zmq.asyncio.Socket | None = None
         self._sub_now: zmq.Socket[bytes] | None = None  # the same socket, read without futures
+        self._watched: int | None = None  # its descriptor, once registered with the loop
+        self._waiter: asyncio.Future[None] | None = None  # set while waiting for a message
         self._seen = _SeenFrames(config.seen_window)
         self._want_history = False
         self._want_probe = False
@@ -220,6 +223,10 @@ class ZmqEventSource:
 
     def close(self) -> None:
         self._closed = True
+        if self._watched is not None:
+            with contextlib.suppress(RuntimeError):  # no loop running: nothing registered
+                asyncio.get_running_loop().remove_reader(self._watched)
+            self._watched = None
         if self._sub is not None:
             self._sub.close(linger=0)
         self._context.destroy(linger=0)
@@ -240,10 +247,15 @@ class ZmqEventSource:
             yield item
         self.caught_up.set()
         while not self._closed:
-            async for item in self._requested():
-                yield item
+            if self._want_probe or self._want_history:
+                async for item in self._requested():
+                    yield item
             frame = await self._receive()
-            if frame is not None:
+            if frame is None:
+                continue
+            if frame.seq == self.expected:  # the usual case, without a generator per frame
+                yield self._accept(frame)
+            else:
                 async for item in self._sequence(frame):
                     yield item
 
@@ -278,25 +290,36 @@ class ZmqEventSource:
     async def _readable(self, timeout_s: float) -> bool:
         """Wait until a live message is queued (``False`` after ``timeout_s``). ZMQ's file
         descriptor only signals that the socket's state may have changed, so ``EVENTS``
-        is checked before every wait and after every wake-up."""
+        is checked before every wait and after every wake-up. The descriptor stays
+        registered with the loop between waits (two ``epoll_ctl`` calls saved per batch)."""
         sub = self._sub_now
         assert sub is not None
         loop = asyncio.get_running_loop()
+        if self._watched is None:
+            self._watched = cast(int, sub.getsockopt(_FD))
+            loop.add_reader(self._watched, self._on_readable)
         deadline = loop.time() + timeout_s
-        fd = cast(int, sub.getsockopt(_FD))
         while not _queued(sub):
             remaining = deadline - loop.time()
             if remaining <= 0 or self._closed:
                 return False
-            woken = loop.create_future()
-            loop.add_reader(fd, _wake, woken)
+            self._waiter = woken = loop.create_future()
             timer = loop.call_later(remaining, _wake, woken)
             try:
                 await woken
             finally:
-                loop.remove_reader(fd)
+                self._waiter = None
                 timer.cancel()
         return True
+
+    def _on_readable(self) -> None:
+        """The loop saw the descriptor readable: wake the waiting reader, or, when none
+        waits, read ``EVENTS`` so that the descriptor stops signalling (what is queued is
+        found by the next receive)."""
+        if self._waiter is not None:
+            _wake(self._waiter)
+        elif self._sub_now is not None and not self._closed:
+            _queued(self._sub_now)
 
     async def _requested(self) -> AsyncIterator[SourceItem]:
         if self._want_probe:
