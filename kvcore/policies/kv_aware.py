@@ -65,6 +65,11 @@ class KvAwarePolicy(KvScoringPolicy):
             scores[replica.ordinal] = alpha * hit + (1 - alpha) * (1 - replica.load)
         return scores
 
+    def nonholder_score(self, ctx: RouteContext, replica: ReplicaState) -> float:
+        """:meth:`scores` of a replica holding none of the prompt (a hit of 0), the same
+        float without building a list and a table for it."""
+        return (1 - self.aware.locality_weight) * (1 - replica.load)
+
     def nonholders(
         self, board: ReplicaBoard, pool: Pool, runs: dict[int, int], floor: float
     ) -> list[ReplicaState]:
@@ -83,7 +88,7 @@ class KvAwarePolicy(KvScoringPolicy):
         candidate has a hit."""
         blocks = len(ctx.block_keys)
         floor = max(self.aware.min_hit * blocks, 1) if blocks else 1
-        if any(runs.get(r.ordinal, 0) >= floor for r in found.holders):
+        if found.holders and any(runs.get(r.ordinal, 0) >= floor for r in found.holders):
             return None
         # blocks this router sent each usable replica lately (every usable replica: a
         # prompt nobody holds costs a look at each)

@@ -127,8 +127,10 @@ def candidates(
     pool = usable_pool(ctx, fleet, saturated_why)
     if pool is None:
         return Candidates([], fleet.snapshot(), pool_admits_none, ctx=ctx)
-    holders = [r for o in runs if (r := fleet.get(o)) is not None and pool.admits(r)]
-    holders.sort(key=_ordinal)
+    holders: list[ReplicaState] = []
+    if runs:
+        holders = [r for o in runs if (r := fleet.get(o)) is not None and pool.admits(r)]
+        holders.sort(key=_ordinal)
     note = "" if pool.unsaturated_only else ALL_SATURATED
     snapshot = fleet.snapshot()
     return Candidates(

@@ -6,6 +6,8 @@ import random
 from collections import Counter, deque
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvcore.policies import (
     Decision,
@@ -15,6 +17,7 @@ from kvcore.policies import (
     StaticStateView,
     create_policy,
 )
+from kvcore.policies.kv_aware import KvAwarePolicy
 from kvcore.policies.kv_cost import KvCostPolicy
 from kvcore.workload import KvAwareWorkload, KvCostWorkload, Workload
 from tests.unit.kvcore.policy_helpers import context, fleet
@@ -358,3 +361,24 @@ def _place_groups(
             view.index.add(decision.ordinal, ctx.block_keys)  # the engine's events
         placed[decision.replica_id or ""] += 1
     return placed
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    locality=st.floats(0, 1),
+    min_hit=st.floats(0, 1),
+    running=st.integers(0, 400),
+    kv_usage=st.floats(0, 1),
+    unreported=st.integers(0, 50),
+    blocks=st.integers(0, 8),
+)
+def test_kv_awares_score_of_a_replica_holding_nothing_is_its_scores_figure(
+    locality: float, min_hit: float, running: int, kv_usage: float, unreported: int, blocks: int
+) -> None:
+    """The non-holder search ranks by a shortcut of the score: the very same float."""
+    workload = KvAwareWorkload(locality_weight=locality, min_hit=min_hit)
+    policy = create_policy(workload, rng=random.Random(0))
+    assert isinstance(policy, KvAwarePolicy)
+    replica = ReplicaState(3, "r3", running=running, kv_usage=kv_usage, unreported=unreported)
+    ctx = context(workload, PROMPT[: blocks * 16])
+    assert policy.nonholder_score(ctx, replica) == policy.scores(ctx, [replica], {})[3]
