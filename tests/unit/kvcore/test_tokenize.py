@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer as FastTokenizer
 
 from bench.micro.model_files import train_tiny_bpe, write_config
@@ -277,3 +279,27 @@ def test_training_fixture_is_a_real_bpe(tmp_path: Path) -> None:
     fast = train_tiny_bpe(tmp_path / "m", vocab_size=300)
     assert fast.get_vocab_size() == 300
     assert len(fast.encode("the quick brown fox").ids) < len("the quick brown fox")
+
+
+_WORDS_ALPHABET = [
+    "a", "Zq", "é", "字", "_", "7", "internationalization", ",", ".", "!", "'",
+    " ", "  ", "\t", "\n", "\xa0", "\u2003", "\x1c", "<", "s>", "<s>", "<|end|>",
+]  # fmt: skip
+_SHARED = BuiltinTokenizer()  # its word memo carries over from text to text
+
+
+@settings(max_examples=300, deadline=None)
+@given(parts=st.lists(st.sampled_from(_WORDS_ALPHABET), max_size=24), start=st.integers(0, 30))
+def test_builtin_words_between_single_spaces_are_remembered_without_changing_a_token(
+    parts: list[str], start: int
+) -> None:
+    """Texts of words between single spaces are encoded word by word from a memo; every
+    text, of that shape or not, still follows the documented rule, also from an offset
+    (what the prefix cache asks for a new tail)."""
+    text = "".join(parts)
+    for tokenizer in (BuiltinTokenizer(), _SHARED):
+        assert tokenizer.encode(text, add_special_tokens=False) == _reference_builtin_ids(text)
+        spaced = " ".join(parts)
+        assert tokenizer.encode(spaced, add_special_tokens=False) == _reference_builtin_ids(spaced)
+        start = min(start, len(spaced))
+        assert tokenizer.encode_from(spaced, start) == _reference_builtin_ids(spaced[start:])
