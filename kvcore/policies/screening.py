@@ -121,8 +121,11 @@ def best(
     candidates: Sequence[ReplicaState], scores: dict[int, float], rng: random.Random
 ) -> ReplicaState:
     """Highest score; ties (within 1e-9) to the lower load, then at random."""
-    top = max(scores[r.ordinal] for r in candidates)
-    tied = [r for r in candidates if scores[r.ordinal] >= top - TIE]
+    values = [scores[r.ordinal] for r in candidates]
+    top = max(values) - TIE
+    tied = [r for r, value in zip(candidates, values, strict=True) if value >= top]
+    if len(tied) == 1:  # the usual case: no tie to break
+        return tied[0]
     lowest = min(r.load for r in tied)
     tied = [r for r in tied if r.load <= lowest + TIE]
     return tied[0] if len(tied) == 1 else rng.choice(tied)
