@@ -75,6 +75,9 @@ def prompt_keys(
 ) -> Encoded:
     """The token ids of ``body`` and their block keys chained from ``root``, through
     ``cache`` (only what no recent prompt began with is tokenized and hashed)."""
+    text = body.get("prompt") if kind == "completion" else None
+    if isinstance(text, str):  # the usual completion, without building its PromptText
+        return cache.encode_keyed(text, add_special_tokens=True, root=root, block_size=block_size)
     prompt = prompt_input(body, cache.tokenizer, kind)
     if isinstance(prompt, list):
         tokens = array("I", prompt)
