@@ -34,7 +34,7 @@ from dataplane.metrics import ProxyMetrics
 from dataplane.openai_request import InferenceRequest
 from dataplane.relay import Usage
 from dataplane.routing import Prepared, Router
-from dataplane.upstream import Opened, Pending, Retriable, Upstream
+from dataplane.upstream import Opened, Retriable, Upstream
 from kvcore.policies import Decision
 
 log = logging.getLogger("dataplane")
@@ -141,13 +141,19 @@ class Dispatcher:
                     pending.close()
                     raise
                 try:
-                    opened = await self._opened(pending, endpoint, ticket)
+                    opened = await pending.opened()
                 except Retriable as failure:
+                    self.fleet.on_done(ticket)
+                    self.breakers.on_failure(endpoint.replica_id, endpoint.ordinal, self._clock())
                     last_failure = f"{endpoint.replica_id}: {failure}"
                     exclude |= {endpoint.ordinal}
                     if not self._may_retry(failure, tries):
                         break
                     continue
+                except BaseException:
+                    self.fleet.on_done(ticket)
+                    self.breakers.on_abandoned(endpoint.replica_id, self._clock())
+                    raise
                 return Attempt(opened, decision, endpoint, predicted, ticket, tries)
         finally:
             if not exchange.tried:  # no request was written: account for it all the same
@@ -175,20 +181,6 @@ class Dispatcher:
         """A request's own accounting, once, after its first upstream write."""
         self.budget.on_request()
         self.metrics.decided(exchange.prepared.workload.strategy, exchange.decision_s)
-
-    async def _opened(
-        self, pending: Pending, endpoint: Endpoint, ticket: InflightTicket | None
-    ) -> Opened:
-        try:
-            return await pending.opened()
-        except Retriable:
-            self.fleet.on_done(ticket)
-            self.breakers.on_failure(endpoint.replica_id, endpoint.ordinal, self._clock())
-            raise
-        except BaseException:
-            self.fleet.on_done(ticket)
-            self.breakers.on_abandoned(endpoint.replica_id, self._clock())
-            raise
 
     def answered(self, attempt: Attempt) -> None:
         """The replica's first bytes went on to the client: settle what waited for them

@@ -21,7 +21,6 @@ on a new connection (the replica may have closed it just as it was reused). Erro
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import deque
 from collections.abc import Sequence
 from urllib.parse import urlsplit
@@ -303,9 +302,17 @@ class Sending:
         """The status and headers; see the module's errors. A kept-alive connection that
         breaks before any response byte is replaced once, unseen."""
         pool = self._pool
-        if self._connection is not None:
-            with contextlib.suppress(ConnectionFailed):
-                return await pool._response_head(self._connection)
+        connection = self._connection
+        if connection is not None:
+            try:
+                while not connection.headers_done:
+                    await connection.wait(pool.read_timeout_s)
+                return Response(pool, connection)
+            except ConnectionFailed:
+                connection.close()  # broke before any response byte: once more, anew
+            except BaseException:
+                connection.close()
+                raise
         connection = self._connection = await pool._connect(*self._peer)
         _write(connection, self._head, self._body)
         return await pool._response_head(connection)
