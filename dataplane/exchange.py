@@ -222,9 +222,15 @@ class Dispatcher:
 
     def _fidelity(self, exchange: Exchange, attempt: Attempt, workload: str) -> None:
         usage = exchange.usage
+        request = exchange.request
         measured = None if usage is None else usage.cached_tokens
-        prompt = exchange.prepared.prompt_tokens
-        if usage is not None and usage.prompt_tokens is not None:
+        if request.fans_out and not request.stream:
+            # A whole answer to a batch or to n > 1 reports the cached tokens of its last
+            # engine request (vLLM's rule): another prompt's, or a later sample's that hit
+            # the first sample's blocks; a stream's is the first prompt's first sample's.
+            measured = None
+        prompt = exchange.prepared.prompt_tokens  # the first prompt's, routing's subject
+        if usage is not None and usage.prompt_tokens is not None and not request.is_batch:
             prompt = usage.prompt_tokens
         replica = attempt.endpoint.replica_id
         self.metrics.fidelity(workload, replica, prompt, attempt.predicted, measured)

@@ -46,6 +46,19 @@ class InferenceRequest:
             return prompt[0]  # type: ignore[no-any-return]
         return prompt  # type: ignore[no-any-return]
 
+    @property
+    def is_batch(self) -> bool:
+        """A completion with more than one prompt (the engine runs one request each)."""
+        prompt = self.body.get("prompt")
+        return isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
+
+    @property
+    def fans_out(self) -> bool:
+        """Whether the engine serves this as several requests: a batch of prompts, or
+        ``n`` > 1 samples (vLLM runs each sample as a request of its own)."""
+        n = self.body.get("n")
+        return self.is_batch or (isinstance(n, int) and n > 1)
+
     def text_field(self, name: str) -> str | None:
         """A string field of the body, or None when absent."""
         value = self.body.get(name)

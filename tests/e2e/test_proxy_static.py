@@ -97,6 +97,52 @@ def test_a_batch_with_two_samples_each_arrives_intact_and_answers_as_the_replica
     assert events[-1]["usage"]["completion_tokens"] == 12
 
 
+def test_a_batch_or_n_samples_counts_the_first_prompts_cached_tokens_or_none(
+    fleet: Any,
+) -> None:
+    """A whole answer to a batch or to n > 1 carries its last engine request's cached
+    tokens (another prompt's, or a sample that hit the first sample's blocks): not a
+    measurement of the routed prompt, so not counted as one; a stream's usage is the
+    first prompt's first sample's, counted against the first prompt's size."""
+    sims, proxy = fleet
+    first, second = list(range(52_000, 52_040)), list(range(53_000, 53_024))
+    body = {"model": MODEL, "prompt": [first, second], "n": 2, "max_tokens": 2}
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    for sim in sims:
+        assert sim.call("POST", "/reset_prefix_cache")[0] == 200
+
+    before = _fidelity_totals(proxy)
+    status, _, whole = proxy.request("/v1/completions", body)
+    assert status == 200
+    assert json.loads(whole)["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    after_whole = _fidelity_totals(proxy)
+    assert after_whole["measured_requests"] == before["measured_requests"]
+    assert after_whole["measured_cached_tokens"] == before["measured_cached_tokens"]
+    assert after_whole["prompt_tokens"] - before["prompt_tokens"] == len(first)
+
+    events = _events(proxy.url, stream)
+    after_stream = _fidelity_totals(proxy)
+    reported = events[-2]["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert after_stream["measured_requests"] == after_whole["measured_requests"] + 1
+    assert (
+        after_stream["measured_cached_tokens"] - after_whole["measured_cached_tokens"] == reported
+    )
+    assert after_stream["prompt_tokens"] - after_whole["prompt_tokens"] == len(first)
+
+
+def _fidelity_totals(proxy: ProxyProcess) -> dict[str, float]:
+    """The proxy's fidelity counters, summed over workloads and replicas."""
+    status, _, text = proxy.request("/metrics", method="GET")
+    assert status == 200
+    names = ("prompt_tokens", "measured_cached_tokens", "measured_requests")
+    totals = dict.fromkeys(names, 0.0)
+    for line in text.decode().splitlines():
+        for name in names:
+            if line.startswith(f"kvroute_proxy_{name}_total{{"):
+                totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
 def _post(url: str, body: dict[str, Any]) -> urllib.request.Request:
     return urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode())
 
