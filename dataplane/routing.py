@@ -195,15 +195,14 @@ class Router:
         """The policy's decision and the predicted cached tokens on its replica."""
         keys = prepared.block_keys
         ctx = RouteContext(
-            prepared.workload,
-            prepared.key_model,
-            keys,
-            (),
-            prepared.block_size,
-            prepared.session_id,
-            now,
-            exclude,
-            prepared.request_id,
+            workload=prepared.workload,
+            model=prepared.key_model,
+            block_keys=keys,
+            block_size=prepared.block_size,
+            session_id=prepared.session_id,
+            now=now,
+            exclude=exclude,
+            request_id=prepared.request_id,
         )
         view = self.fleet.view(prepared.model)
         if not keys:  # nothing to look up, nothing predicted
