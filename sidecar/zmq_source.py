@@ -260,13 +260,14 @@ class ZmqEventSource:
                     yield item
 
     async def _receive(self) -> Frame | None:
-        parts = self._receive_now()
-        if parts is None:
-            if not await self._readable(_POLL_S):
-                return None
-            parts = self._receive_now()
-            if parts is None:
-                return None
+        sub = self._sub_now
+        assert sub is not None
+        if not _queued(sub) and not await self._readable(_POLL_S):
+            return None
+        try:  # through a plain (shadow) socket: a future per message cost more than the
+            parts = sub.recv_multipart(_NOBLOCK)  # rest of the sidecar's work on it
+        except zmq.Again:  # pragma: no cover - EVENTS said a message was queued
+            return None
         self.stats.frames_received += 1
         self.last_frame_at = time.monotonic()
         parsed = parse_live(parts, time.monotonic_ns())
@@ -275,23 +276,12 @@ class ZmqEventSource:
             return None
         return parsed
 
-    def _receive_now(self) -> list[bytes] | None:
-        """A live message already queued, or ``None``. Read through a plain (shadow) socket:
-        a future per message costs more than the rest of the sidecar's work on it."""
-        sub = self._sub_now
-        assert sub is not None
-        if not _queued(sub):
-            return None
-        try:
-            return sub.recv_multipart(_NOBLOCK)
-        except zmq.Again:  # pragma: no cover - EVENTS said a message was queued
-            return None
-
     async def _readable(self, timeout_s: float) -> bool:
-        """Wait until a live message is queued (``False`` after ``timeout_s``). ZMQ's file
-        descriptor only signals that the socket's state may have changed, so ``EVENTS``
-        is checked before every wait and after every wake-up. The descriptor stays
-        registered with the loop between waits (two ``epoll_ctl`` calls saved per batch)."""
+        """Wait until a live message is queued (``False`` after ``timeout_s``); called when
+        ``EVENTS`` has just said none is. ZMQ's file descriptor only signals that the
+        socket's state may have changed, so ``EVENTS`` is read after every wake-up. The
+        descriptor stays registered with the loop between waits (two ``epoll_ctl`` calls
+        saved per batch)."""
         sub = self._sub_now
         assert sub is not None
         loop = asyncio.get_running_loop()
@@ -299,7 +289,7 @@ class ZmqEventSource:
             self._watched = cast(int, sub.getsockopt(_FD))
             loop.add_reader(self._watched, self._on_readable)
         deadline = loop.time() + timeout_s
-        while not _queued(sub):
+        while True:
             remaining = deadline - loop.time()
             if remaining <= 0 or self._closed:
                 return False
@@ -310,7 +300,8 @@ class ZmqEventSource:
             finally:
                 self._waiter = None
                 timer.cancel()
-        return True
+            if _queued(sub):
+                return True
 
     def _on_readable(self) -> None:
         """The loop saw the descriptor readable: wake the waiting reader, or, when none
