@@ -20,7 +20,9 @@ could not be checked (a router that did not run is reported with the reason):
    router in turn, ``--repeats`` times over (the median kept), and spread over the
    replicas directly (their ceiling), with each router's CPU share and requests per CPU-
    second: kvroute's >= 0.9x sglang-router's, ``round_robin`` vs ``round_robin`` and
-   ``kv_aware`` vs ``cache_aware``;
+   ``kv_aware`` vs ``cache_aware``; every prompt of these runs is first sent once to
+   every replica, so no router's runs pay for filling the caches (nor, for kv_aware,
+   for the fleet's events while they fill);
 3. the routing decision in-process (classify + render + tokenize + key + score) for an
    8,192-token chat prompt whose first 90% was seen before, 64 replicas, ``kv_aware``,
    300 decisions per tokenizer: p50 <= 1 ms and p99 <= 3 ms with the built-in tokenizer;
@@ -186,10 +188,37 @@ async def _status(connection: Connection, body: dict[str, Any]) -> int:
         return 0
 
 
+QUESTIONS = 100  # per client: the throughput phases' prompts repeat with this period
+
+
 def short_prompt(client: int, i: int) -> str:
     """About 45 tokens: one of 8 system lines (two whole KV blocks that the replicas cache
     and cache-aware routers can match) and a question of its own."""
-    return f"{SYSTEM_LINES[client % len(SYSTEM_LINES)]} Client {client} asks question {i % 100}."
+    line = SYSTEM_LINES[client % len(SYSTEM_LINES)]
+    return f"{line} Client {client} asks question {i % QUESTIONS}."
+
+
+async def warm(replicas: list[str], concurrency: int) -> int:
+    """Every throughput prompt sent once to every replica, so that no router's phase pays
+    for filling the caches (and, for kv_aware, the fleet's events while they fill);
+    the number of requests that failed."""
+
+    async def client(url: str, wid: int) -> int:
+        connection = await Connection(url).open()
+        try:
+            statuses = [
+                await _status(connection, {"model": MODEL, "prompt": short_prompt(wid, i),
+                                           "max_tokens": 1})
+                for i in range(QUESTIONS)
+            ]  # fmt: skip
+        finally:
+            connection.close()
+        return sum(status != 200 for status in statuses)
+
+    failed = await asyncio.gather(
+        *(client(url, wid) for url in replicas for wid in range(concurrency))
+    )
+    return sum(failed)
 
 
 SYSTEM_LINES = [
@@ -251,6 +280,8 @@ async def measure(args: argparse.Namespace, replicas: list[str], targets: list[T
             results.routers[target.name] = Measured(target.name, added_ms=added)
     targets = [target for target in targets if not target.failed]
     pids = [t.pid for t in targets if t.pid is not None]
+    if failed := await warm(replicas, args.concurrency):
+        raise SystemExit(f"the replicas failed {failed} requests while their caches were warmed")
     runs: dict[str, list[Run]] = {}
     for _ in range(args.repeats):
         runs.setdefault("direct", []).append(await _loaded(args, replicas, None, pids))

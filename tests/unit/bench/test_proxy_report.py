@@ -3,6 +3,7 @@ run) and its CPU pinning of a router's whole process tree."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.proxy import parse_args
+from bench.proxy import QUESTIONS, parse_args, short_prompt, warm
 from bench.proxy_report import (
     Measured,
     Results,
@@ -141,3 +142,35 @@ def test_pin_tree_pins_every_thread_of_a_process_and_its_children() -> None:
         finally:
             os.kill(child, signal.SIGKILL)
             parent.kill()
+
+
+def test_warming_sends_every_throughput_prompt_once_to_every_replica() -> None:
+    seen: dict[int, list[str]] = {}
+
+    async def main() -> int:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            port = writer.get_extra_info("sockname")[1]
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError:
+                    break
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                seen.setdefault(port, []).append(
+                    json.loads(await reader.readexactly(length))["prompt"]
+                )
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+            writer.close()
+
+        servers = [await asyncio.start_server(serve, "127.0.0.1", 0) for _ in range(2)]
+        urls = [f"http://127.0.0.1:{s.sockets[0].getsockname()[1]}" for s in servers]
+        try:
+            return await warm(urls, 4)
+        finally:
+            for server in servers:
+                server.close()
+
+    assert asyncio.run(main()) == 0
+    prompts = {short_prompt(client, i) for client in range(4) for i in range(QUESTIONS)}
+    assert len(seen) == 2
+    assert all(sorted(sent) == sorted(prompts) for sent in seen.values())
