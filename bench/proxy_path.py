@@ -2,8 +2,9 @@
 
 ``python -m bench.proxy_path [--requests N] [--strategy S]`` builds one worker's
 ``ProxyService`` (static mode, two replicas; with ``--strategy kv_aware``, a proxy of a
-fleet as ``kvroute up`` runs it, debug headers on, its routing state one control-plane
-snapshot of two healthy replicas and its control-plane reporter counting), serves it
+fleet as ``kvroute up`` runs it, debug headers on unless ``--no-debug-headers`` (as
+bench.proxy runs it), its routing state one control-plane snapshot of two healthy
+replicas and its control-plane reporter counting), serves it
 with its ``HttpServer`` on an in-memory transport and lets its ``ConnectionPool`` reach
 in-memory replicas, then sends short non-streaming completions through the whole real
 path: request parsing, routing, the upstream request and response parsing, the relay,
@@ -119,16 +120,21 @@ class _MemoryReplicas(ConnectionPool):
 REPLICAS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
 
 
-def _service(strategy: str) -> ProxyService:
+def _service(strategy: str, debug_headers: bool = True) -> ProxyService:
     """A static proxy, or (``kv_aware``) one of a fleet: its state one snapshot, never
-    started (no control plane to reach)."""
+    started (no control plane to reach); its debug headers on unless ``debug_headers`` is
+    False (bench.proxy runs kv_aware's proxy without them)."""
     if strategy != "kv_aware":
         static = {"static_replicas": REPLICAS, "static_strategy": strategy}
         service = ProxyService(ProxySettings.model_validate({**static, "log_level": "WARNING"}))
         for endpoint in service.fleet.endpoints():
             service.fleet.set_served_names(endpoint.ordinal, [MODEL])
         return service
-    settings = {"controlplane": ["127.0.0.1:1"], "debug_headers": True, "log_level": "WARNING"}
+    settings = {
+        "controlplane": ["127.0.0.1:1"],
+        "debug_headers": debug_headers,
+        "log_level": "WARNING",
+    }
     service = ProxyService(ProxySettings.model_validate(settings))
     service.fleet.apply(_snapshot())
     return service
@@ -158,8 +164,10 @@ def _snapshot() -> routing_pb2.StateUpdate:
 class _Path:
     """One worker's proxy served in memory, and a client sending it short completions."""
 
-    def __init__(self, strategy: str, stamps: dict[str, float] | None = None) -> None:
-        self.service = _service(strategy)
+    def __init__(
+        self, strategy: str, stamps: dict[str, float] | None = None, debug_headers: bool = True
+    ) -> None:
+        self.service = _service(strategy, debug_headers)
         self.service.upstream.pool = _MemoryReplicas(stamps)
         self.stamps = stamps
         handler: Any = self.service.app if stamps is None else self._stamped
@@ -203,9 +211,11 @@ class _Path:
         await self.service.aclose()
 
 
-async def measure(requests: int, strategy: str, profile: bool, warmup: int = 500) -> list[float]:
+async def measure(
+    requests: int, strategy: str, profile: bool, warmup: int = 500, debug_headers: bool = True
+) -> list[float]:
     """CPU microseconds per request of each of ``BATCHES`` batches."""
-    path = _Path(strategy)
+    path = _Path(strategy, debug_headers=debug_headers)
     await path.start()
     for i in range(warmup):  # tokenizer caches, connections, metric children
         await path.one(i)
@@ -228,11 +238,13 @@ async def measure(requests: int, strategy: str, profile: bool, warmup: int = 500
     return samples
 
 
-async def measure_split(requests: int, strategy: str, warmup: int = 500) -> dict[str, list[float]]:
+async def measure_split(
+    requests: int, strategy: str, warmup: int = 500, debug_headers: bool = True
+) -> dict[str, list[float]]:
     """Wall microseconds per request of each part of the path (``SPLIT``), request by
     request."""
     stamps: dict[str, float] = {}
-    path = _Path(strategy, stamps)
+    path = _Path(strategy, stamps, debug_headers)
     await path.start()
     for i in range(warmup):
         await path.one(i)
@@ -265,10 +277,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=10_000)
     parser.add_argument("--strategy", default="round_robin", choices=STRATEGIES)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--no-debug-headers",
+        dest="debug_headers",
+        action="store_false",
+        help="kv_aware's proxy without the x-kvroute-* headers, as bench.proxy runs it",
+    )
     args = parser.parse_args(argv)
-    samples = uvloop.run(measure(args.requests, args.strategy, args.profile))
-    parts = uvloop.run(measure_split(args.requests, args.strategy))
+    samples = uvloop.run(
+        measure(args.requests, args.strategy, args.profile, debug_headers=args.debug_headers)
+    )
+    parts = uvloop.run(
+        measure_split(args.requests, args.strategy, debug_headers=args.debug_headers)
+    )
     mode = "a fleet's" if args.strategy == "kv_aware" else "static"
+    if args.strategy == "kv_aware" and not args.debug_headers:
+        mode += " (no debug headers)"
     print(f"kvroute-proxy request path in process, {mode} {args.strategy}, short completion")
     print(f"  CPU per request, fastest of {BATCHES} batches  {min(samples):8.1f} us")
     print(f"  CPU per request, median batch            {statistics.median(samples):8.1f} us")

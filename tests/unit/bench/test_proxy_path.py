@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uvloop
 
-from bench.proxy_path import BATCHES, SPLIT, measure, measure_split
+from bench.proxy_path import BATCHES, SPLIT, _service, measure, measure_split
 
 
 def test_every_request_goes_through_the_proxy_and_each_batch_is_timed() -> None:
@@ -20,3 +20,12 @@ def test_the_split_times_every_request_in_order_of_its_path() -> None:
         assert len(values) == 50
         assert all(0 <= value < 1_000_000 for value in values)  # microseconds
     assert all(value > 0 for value in parts["in"] + parts["out"])
+
+
+def test_kv_aware_runs_without_debug_headers_as_bench_proxy_runs_it() -> None:
+    assert _service("kv_aware").settings.debug_headers
+    assert not _service("kv_aware", debug_headers=False).settings.debug_headers
+    samples = uvloop.run(
+        measure(requests=50, strategy="kv_aware", profile=False, warmup=10, debug_headers=False)
+    )
+    assert len(samples) == BATCHES
