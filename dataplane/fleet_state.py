@@ -15,7 +15,10 @@ chunks, then deltas with consecutive versions (``proto/kvroute/v1/routing.proto`
 
 Views are cached per model and rebuilt only for what changed: a load report or one of
 this proxy's requests starting, answering or ending rebuilds one replica's
-:class:`~kvcore.policies.ReplicaState`; a membership or config change drops the views.
+:class:`~kvcore.policies.ReplicaState` when it is next read, and not at all when the
+replica's counts are back to what its state shows (checked when a request ends, off the
+next request's critical path, unless prefill books drain with time); a membership or
+config change drops the views.
 A replica's load is the engine's last report plus this proxy's requests sent after
 that report (:class:`~kvcore.policies.InflightLedger`), so nothing is counted twice.
 While a ``kv_cost`` workload is configured, its queued prefill is this proxy's own
@@ -571,17 +574,36 @@ class FleetState:
         self._ledger.done(ticket.ledger_key, ticket.ticket)
         if ticket.prefill:
             self._books.ended(ticket.ledger_key, ticket.prefill)
-        self._refresh_ticket(ticket)
+        self._refresh_ticket(ticket, ended=True)
 
-    def _refresh_ticket(self, ticket: InflightTicket) -> None:
-        record = self._records.get(ticket.ordinal)
-        if record is not None and record.ledger_key == ticket.ledger_key:
-            self._refresh(ticket.ordinal)
-            return
-        for ordinal, record in self._records.items():  # renumbered by a snapshot since
-            if record.ledger_key == ticket.ledger_key:
-                self._refresh(ordinal)
+    def _refresh_ticket(self, ticket: InflightTicket, *, ended: bool = False) -> None:
+        ordinal, record = ticket.ordinal, self._records.get(ticket.ordinal)
+        if record is None or record.ledger_key != ticket.ledger_key:
+            found = [(o, r) for o, r in self._records.items() if r.ledger_key == ticket.ledger_key]
+            if not found:  # renumbered by a snapshot since, or gone
                 return
+            ordinal, record = found[0]
+        if ended:
+            self._settle(ordinal, record)
+        else:
+            self._refresh(ordinal)
+
+    def _settle(self, ordinal: int, record: _Replica) -> None:
+        """One of this proxy's requests to ``ordinal`` ended: as :meth:`_refresh`, but a
+        replica whose counts are back to what its state shows (the request came and went
+        since the state was last read, the usual case for a proxy that is not busy) is
+        settled now, after the answer, not by :meth:`_flush` on the next request's
+        critical path. Only without prefill books: their figure drains with time, so it is
+        read when routing reads it, as before; a new load report is rebuilt all the same."""
+        current = self._states.get(ordinal)
+        if current is None:
+            return
+        if self._books.on or ordinal in self._reloaded:
+            self._dirty.add(ordinal)
+        elif self._ledger.unreported(record.ledger_key, record.report_ts) == current.unreported:
+            self._dirty.discard(ordinal)  # what _flush would find: nothing to rebuild
+        else:
+            self._dirty.add(ordinal)
 
     def apply_speculative(self, decision: Decision) -> None:
         """Record the decision's speculative residency (keys on the chosen replica)."""

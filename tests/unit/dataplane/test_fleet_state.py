@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dataplane import fleet_state
 from dataplane.errors import SnapshotNeeded
@@ -363,3 +366,80 @@ def test_a_request_routed_while_a_leaving_replica_is_cleared_sees_the_fleet_as_i
         pass
     state.on_done(ticket)
     assert ids(state) == ["r0"]
+
+
+def test_a_request_that_came_and_went_leaves_nothing_for_the_next_one_to_rebuild() -> None:
+    """Its end settles its replica's state at once (the next request's routing reads the
+    view without a rebuild on its critical path); one still in flight does not."""
+    state = fleet()
+    apply_all(state, snapshot(1, 1, [replica(0, running=2, report_ts=100.0), replica(1)]))
+    assert [r.requests for r in state.view(MODEL).replicas()] == [2, 0]
+    ticket = state.on_sent(0, 101.0)
+    state.on_done(ticket)
+    assert not state._dirty
+    assert [r.requests for r in state.view(MODEL).replicas()] == [2, 0]
+    first, second = state.on_sent(0, 101.0), state.on_sent(0, 101.0)
+    assert [r.requests for r in state.view(MODEL).replicas()] == [4, 0]
+    state.on_done(first)
+    assert state._dirty == {0}  # the state shows 2 unreported, one is left
+    assert [r.requests for r in state.view(MODEL).replicas()] == [3, 0]
+    state.on_done(second)
+    assert [r.requests for r in state.view(MODEL).replicas()] == [2, 0]
+
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["sent", "first_byte", "done", "read", "report", "tick"]),
+        st.integers(0, 2),
+        st.integers(0, 3),
+    ),
+    max_size=40,
+)
+
+
+class _RebuiltOnRead(FleetState):
+    """The reference: an ended request marks its replica for a rebuild when next read."""
+
+    def _settle(self, ordinal: int, record: Any) -> None:
+        self._refresh(ordinal)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=OPS, books=st.booleans())
+def test_what_routing_reads_is_what_a_rebuild_on_read_gives(
+    ops: list[tuple[str, int, int]], books: bool
+) -> None:
+    """Whatever mix of sends, answers, ends, load reports, reads and time passing, with or
+    without prefill books (whose figure drains with time), every replica state routing
+    reads is the one a proxy rebuilding each ended request's replica on the next read
+    shows; without books, also one built afresh from the records at that moment."""
+    clock = Clock()
+    workloads = [{"name": "default", "strategy": "kv_cost", "prefill_tokens_per_s": 1_000}]
+    routing = config(workloads) if books else None
+    replicas = [replica(o, running=1, report_ts=100.0) for o in range(3)]
+    states = [FleetState(clock=clock), _RebuiltOnRead(clock=clock)]
+    for state in states:
+        apply_all(state, snapshot(1, 1, replicas, routing=routing))
+    tickets: list[list[Any]] = [[], []]
+    version = 1
+    for op, ordinal, n in ops:
+        if op == "report":
+            version += 1
+        for state, sent in zip(states, tickets, strict=True):
+            if op == "sent":
+                sent.append(state.on_sent(ordinal, 100.0 + n, uncached_tokens=n * 10))
+            elif op == "first_byte" and sent:
+                state.on_first_byte(sent[n % len(sent)], 200, streaming=bool(n % 2))
+            elif op == "done" and sent:
+                state.on_done(sent.pop(n % len(sent)))
+            elif op == "report":
+                update = {"ordinal": ordinal, "load": load(n, 0, ts=100.0 + n)}
+                state.apply(delta(1, version, loads=[update]))
+        if op == "tick":
+            clock.now += n * 0.004
+        if op != "read" and n % 2:
+            continue  # reads between some steps only: the marks pile up in between
+        read, reference = (list(state.view(MODEL).replicas()) for state in states)
+        assert read == reference, op
+        if not books:
+            assert read == [states[0]._replica_state(states[0]._records[r.ordinal]) for r in read]
