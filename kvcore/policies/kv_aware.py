@@ -91,14 +91,20 @@ class KvAwarePolicy(KvScoringPolicy):
         if found.holders and any(runs.get(r.ordinal, 0) >= floor for r in found.holders):
             return None
         # blocks this router sent each usable replica lately (every usable replica: a
-        # prompt nobody holds costs a look at each)
-        usable = list(filter(found.admits, found.fleet))
+        # prompt nobody holds costs a look at each), in one pass over the fleet
+        now, placed_blocks, admits = ctx.now, state.placed_blocks, found.admits
+        usable: list[ReplicaState] = []
+        placed: list[int] = []
+        for replica in found.fleet:
+            if admits(replica):
+                usable.append(replica)
+                placed.append(placed_blocks(replica.ordinal, now=now))
         if not usable:
             return None
-        now, placed_blocks = ctx.now, state.placed_blocks
-        placed = [placed_blocks(r.ordinal, now=now) for r in usable]
         limit = min(placed) + blocks  # within one prompt of the least-sent one
-        turn = [r for r, sent in zip(usable, placed, strict=True) if sent <= limit]
+        turn = usable  # usually every one is within it
+        if max(placed) > limit:
+            turn = [r for r, sent in zip(usable, placed, strict=True) if sent <= limit]
         chosen = next_in_turn(found.fleet, turn, self._last, self._turn + 1)
         if chosen is not None:
             self._last = chosen.ordinal

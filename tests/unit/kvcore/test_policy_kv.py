@@ -382,3 +382,25 @@ def test_kv_awares_score_of_a_replica_holding_nothing_is_its_scores_figure(
     replica = ReplicaState(3, "r3", running=running, kv_usage=kv_usage, unreported=unreported)
     ctx = context(workload, PROMPT[: blocks * 16])
     assert policy.nonholder_score(ctx, replica) == policy.scores(ctx, [replica], {})[3]
+
+
+@pytest.mark.parametrize("whole_fleet", [False, True], ids=["board", "whole_fleet"])
+def test_kv_awares_turn_skips_a_replica_sent_more_than_a_prompt_beyond_the_least_sent(
+    whole_fleet: bool,
+) -> None:
+    """New prompts nobody holds go round in turn, past a replica this router sent more
+    than one prompt's worth of blocks beyond the least-sent one lately; within a prompt
+    of it, a replica keeps its turn."""
+    workload = KvAwareWorkload(speculative_ttl_s=0)  # the decisions add nothing placed
+    view = StaticStateView(fleet(3), residency_known=True)
+    view.index.add_speculative(1, list(range(1, 10)), expires_at=100.0)  # 9 blocks: past
+    view.index.add_speculative(2, list(range(20, 28)), expires_at=100.0)  # 8: within
+    policy = create_policy(workload, rng=random.Random(0))
+    state = WholeFleetView(view) if whole_fleet else view
+    chosen = {
+        policy.select(
+            context(workload, [50_000 + i * 1000 + t for t in range(128)]), state
+        ).replica_id
+        for i in range(6)
+    }
+    assert chosen == {"r0", "r2"}
