@@ -214,7 +214,17 @@ def _runs(
     """Each replica's leading run. A prompt's blocks come in long runs held by the same
     replicas (a shared system prompt, then one conversation's blocks), so the holder
     masks are read as runs of equal masks, each counted at C speed; from the
-    ``_GROUPS``-th change on, the rest is read by :func:`_runs_by_and`."""
+    ``_GROUPS``-th change on, the rest is read by :func:`_runs_by_and`. A prompt of at
+    most ``_GROUPS`` blocks (most requests) is read key by key (:func:`_short_runs`)."""
+    if len(keys) <= _GROUPS:
+        return _short_runs(keys, masks, with_spec, hidden)
+    return _grouped_runs(keys, masks, with_spec, hidden)
+
+
+def _grouped_runs(
+    keys: Sequence[int], masks: dict[int, int], with_spec: dict[int, int], hidden: int
+) -> dict[int, int]:
+    """:func:`_runs` by runs of equal masks."""
     held = _held(keys, masks, with_spec, hidden)
     runs: dict[int, int] = {}
     live, end = 0, 0
@@ -230,6 +240,33 @@ def _runs(
         end += len(list(same))
     for replica in _bits(live):
         runs[replica] = end
+    return runs
+
+
+def _short_runs(
+    keys: Sequence[int], masks: dict[int, int], with_spec: dict[int, int], hidden: int
+) -> dict[int, int]:
+    """:func:`_runs` of a few keys, one at a time: the same runs in the same order (a
+    key whose mask equals the one before it drops no replica, as in a run of equal
+    masks), without the iterator chain that pays off on long prompts."""
+    runs: dict[int, int] = {}
+    get, visible = masks.get, ~hidden
+    live = 0
+    for end, key in enumerate(keys):
+        mask = get(key, 0)
+        if with_spec:
+            mask = with_spec.get(key, mask)
+        if hidden:
+            mask &= visible
+        kept = live & mask if end else mask
+        if live & ~kept:
+            for replica in _bits(live & ~kept):
+                runs[replica] = end
+        if not kept:
+            return runs
+        live = kept
+    for replica in _bits(live):
+        runs[replica] = len(keys)
     return runs
 
 

@@ -13,6 +13,7 @@ from kvcore.index import (
     BitmaskResidencyIndex,
     ReferenceResidencyIndex,
     ResidencyIndex,
+    bitmask,
 )
 
 IMPLEMENTATIONS: list[Callable[[], ResidencyIndex]] = [
@@ -252,3 +253,23 @@ def _apply(index: ResidencyIndex, op: str, replica: int, keys: list[int], when: 
         next(index.clear_replica_steps(replica, chunk=2), None)  # left unfinished
     else:
         index.expire(float(when))
+
+
+MASKS = st.dictionaries(st.integers(0, 9), st.integers(0, 63), max_size=10)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    keys=st.lists(st.integers(0, 9), max_size=8),
+    masks=MASKS,
+    with_spec=MASKS,
+    hidden=st.integers(0, 63),
+)
+def test_a_short_prompts_runs_are_read_key_by_key_as_by_runs_of_equal_masks(
+    keys: list[int], masks: dict[int, int], with_spec: dict[int, int], hidden: int
+) -> None:
+    """The bitmask index reads a prompt of at most eight blocks one key at a time: the
+    same runs, in the same order, as its reading by runs of equal masks."""
+    short = bitmask._short_runs(keys, masks, with_spec, hidden)
+    grouped = bitmask._grouped_runs(keys, masks, with_spec, hidden)
+    assert list(short.items()) == list(grouped.items())
