@@ -198,8 +198,14 @@ def short_prompt(client: int, i: int) -> str:
     return f"{line} Client {client} asks question {i % QUESTIONS}."
 
 
+def throughput_body(client: int, i: int) -> dict[str, Any]:
+    """A throughput request: a short prompt and 8 tokens (whose last ones fill a KV block
+    the prompt began, stored and announced as the prompt's own blocks are)."""
+    return {"model": MODEL, "prompt": short_prompt(client, i), "max_tokens": 8}
+
+
 async def warm(replicas: list[str], concurrency: int) -> int:
-    """Every throughput prompt sent once to every replica, so that no router's phase pays
+    """Every throughput request sent once to every replica, so that no router's phase pays
     for filling the caches (and, for kv_aware, the fleet's events while they fill);
     the number of requests that failed."""
 
@@ -207,10 +213,8 @@ async def warm(replicas: list[str], concurrency: int) -> int:
         connection = await Connection(url).open()
         try:
             statuses = [
-                await _status(connection, {"model": MODEL, "prompt": short_prompt(wid, i),
-                                           "max_tokens": 1})
-                for i in range(QUESTIONS)
-            ]  # fmt: skip
+                await _status(connection, throughput_body(wid, i)) for i in range(QUESTIONS)
+            ]
         finally:
             connection.close()
         return sum(status != 200 for status in statuses)
@@ -240,7 +244,7 @@ async def throughput(urls: list[str], concurrency: int, duration: float) -> tupl
         i = 0
         try:
             while time.perf_counter() < deadline:
-                body = {"model": MODEL, "prompt": short_prompt(wid, i), "max_tokens": 8}
+                body = throughput_body(wid, i)
                 status = await _status(connection, body)
                 done, errors = done + (status == 200), errors + (status != 200)
                 if not status:
