@@ -264,7 +264,7 @@ class Run:
     errors: int
     share: float | None  # of a core, the router under load
     idle_share: float  # of a core, every other router (idle, pinned to the same CPU)
-    helpers_share: float  # of a core, the router's helper processes (kv_aware's fleet)
+    helpers_share: float  # of a core, kv_aware's fleet beside the replicas (any router's run)
 
 
 async def measure(args: argparse.Namespace, replicas: list[str], targets: list[Target]) -> Results:
@@ -286,13 +286,16 @@ async def measure(args: argparse.Namespace, replicas: list[str], targets: list[T
     pids = [t.pid for t in targets if t.pid is not None]
     if failed := await warm(replicas, args.concurrency):
         raise SystemExit(f"the replicas failed {failed} requests while their caches were warmed")
+    # kv_aware's sidecars, control plane, NATS and etcd handle the replicas' KV events
+    # whichever router sent the requests: their CPU beside the replicas, in every run
+    fleet = tuple(pid for target in targets for pid in target.helpers)
     runs: dict[str, list[Run]] = {}
     for _ in range(args.repeats):
         runs.setdefault("direct", []).append(await _loaded(args, replicas, None, pids))
         for target in targets:
             others = [pid for pid in pids if pid != target.pid]
             runs.setdefault(target.name, []).append(
-                await _loaded(args, [target.url], target.pid, others, target.helpers)
+                await _loaded(args, [target.url], target.pid, others, fleet)
             )
     results.direct_rps = statistics.median(run.rps for run in runs.pop("direct"))
     for name, samples in runs.items():
@@ -302,7 +305,7 @@ async def measure(args: argparse.Namespace, replicas: list[str], targets: list[T
         shares = [run.share for run in samples if run.share is not None]
         measured.cpu_share = statistics.median(shares) if shares else None
         measured.idle_routers_share = max(run.idle_share for run in samples)
-        if any(target.helpers for target in targets if target.name == name):
+        if fleet:
             measured.helpers_share = statistics.median(run.helpers_share for run in samples)
     return results
 

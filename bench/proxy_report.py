@@ -39,7 +39,7 @@ class Measured:
     errors: int = 0
     unavailable: str = ""
     idle_routers_share: float | None = None  # the other routers' CPU while this one ran
-    helpers_share: float | None = None  # its helper processes' CPU (kv_aware's fleet)
+    helpers_share: float | None = None  # kv_aware's fleet's CPU beside the replicas meanwhile
 
     @property
     def per_cpu_second(self) -> float | None:
@@ -153,8 +153,8 @@ def _throughput_row(measured: Measured, ceiling: float | None) -> Row:
         notes.append(f"the idle routers took {measured.idle_routers_share:.0%} of a core too")
     if measured.helpers_share is not None:
         notes.append(
-            f"its control plane, NATS, etcd and sidecars took {measured.helpers_share:.0%} "
-            "of a core beside the replicas"
+            f"kvroute's fleet (control plane, NATS, etcd, sidecars: the replicas' KV events, "
+            f"whoever routes) took {measured.helpers_share:.0%} of a core beside the replicas"
         )
     if measured.errors:
         notes.append(f"{measured.errors} errors")

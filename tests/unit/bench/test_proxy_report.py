@@ -63,11 +63,15 @@ def test_throughput_is_judged_like_for_like_against_sglang_router() -> None:
 def test_kv_awares_fleet_cpu_beside_the_replicas_is_shown_with_its_throughput() -> None:
     results = _everyone(kv_rps=850.0, kv_ms=0.2)
     results.routers["kvroute kv_aware"].helpers_share = 0.37
+    results.routers["sglang-router cache_aware"].helpers_share = 0.35
     rows = throughput_rows(results, 32)
-    assert "control plane, NATS, etcd and sidecars took 37% of a core" in (
+    assert "took 37% of a core beside the replicas" in (
         _row(rows, "throughput, kvroute kv_aware").note
     )
-    assert "sidecars" not in _row(rows, "throughput, sglang-router cache_aware").note
+    assert "took 35% of a core beside the replicas" in (
+        _row(rows, "throughput, sglang-router cache_aware").note
+    )
+    assert "fleet" not in _row(rows, "throughput, vllm-router cache_aware").note
 
 
 def test_added_latency_needs_both_the_bound_and_sglang_routers_figure() -> None:
