@@ -65,11 +65,11 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start_sim(max_num_seqs: int) -> tuple[subprocess.Popen[bytes], str]:
+def start_sim(max_num_seqs: int, num_blocks: int = 65536) -> tuple[subprocess.Popen[bytes], str]:
     args = [
         str(SIM), "--instant", "--port=0", "--kv-events-endpoint=tcp://127.0.0.1:0",
         "--replay-endpoint=tcp://127.0.0.1:0", f"--max-num-seqs={max_num_seqs}",
-        "--num-blocks=65536",
+        f"--num-blocks={num_blocks}",
     ]  # fmt: skip
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert proc.stdout is not None

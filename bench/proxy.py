@@ -1,7 +1,7 @@
 """What kvroute-proxy costs beside the peer routers: added latency, throughput, the decision.
 
 ``python -m bench.proxy`` (or ``kvroute bench proxy``) starts two ``kvroute-sim --instant``
-replicas on loopback and, in front of them, every router of :mod:`bench.proxy_routers`:
+replicas on loopback (KV pools of ``REPLICA_BLOCKS``, which do not cycle in a run) and, in front of them, every router of :mod:`bench.proxy_routers`:
 ``kvroute round_robin`` (static mode), ``kvroute kv_aware`` (one proxy of a local fleet
 with its control plane and sidecars, debug headers off as deploy/ runs it),
 ``sglang-router`` and ``vllm-router`` with ``round_robin`` and ``cache_aware``
@@ -99,6 +99,11 @@ FLOORS = {  # bench.passthrough's servers, each with a raw asyncio client
 DECISION_P50_MS, DECISION_P99_MS, HF_OVER_TAIL_MS = 1.0, 3.0, 0.3
 PROMPT_TOKENS, SEEN = 8192, 0.9
 REPLICAS = 64
+# A replica's KV pool, big enough not to cycle in a run (~2 fresh blocks per request, a
+# few hundred thousand requests): once a pool cycles, every request evicts a cached block,
+# and the sidecars and control plane that announce it share the replicas' CPU here (7-29%
+# of it, varying by phase: whichever router ran then lost replica capacity to it)
+REPLICA_BLOCKS = 1_048_576
 DECISIONS = 300  # timed per tokenizer: the p99 is the 4th slowest, not the slowest of a few
 DECISION_WARM_UP = 10  # decisions not counted
 TIGHT_TAILS = 100  # new-10% texts encoded back to back after the decisions, for comparison
@@ -582,7 +587,7 @@ async def _measure_routers(
 ) -> Results:
     urls = [u for u in args.replicas.split(",") if u]
     for _ in range(0 if urls else 2):
-        proc, url = start_sim(max_num_seqs=1024)
+        proc, url = start_sim(max_num_seqs=1024, num_blocks=REPLICA_BLOCKS)
         procs.append(proc)
         urls.append(url)
     print(f"replicas: {','.join(urls)}", flush=True)
