@@ -1,11 +1,12 @@
 """What kvroute-proxy costs beside the peer routers: added latency, throughput, the decision.
 
 ``python -m bench.proxy`` (or ``kvroute bench proxy``) starts two ``kvroute-sim --instant``
-replicas on loopback (KV pools of ``REPLICA_BLOCKS``, which do not cycle in a run) and, in front of them, every router of :mod:`bench.proxy_routers`:
-``kvroute round_robin`` (static mode), ``kvroute kv_aware`` (one proxy of a local fleet
-with its control plane and sidecars, debug headers off as deploy/ runs it),
-``sglang-router`` and ``vllm-router`` with ``round_robin`` and ``cache_aware``
-(installed from PyPI into their own virtual environments on first use). Every router is
+replicas on loopback (KV pools of ``REPLICA_BLOCKS``, which do not cycle in a run) and,
+in front of them, every router of :mod:`bench.proxy_routers`: ``kvroute round_robin``
+(static mode), ``kvroute kv_aware`` (one proxy of a local fleet with its control plane
+and sidecars, debug headers off as deploy/ runs it), ``sglang-router`` and
+``vllm-router`` with ``round_robin`` and ``cache_aware`` (installed from PyPI into their
+own virtual environments on first use). Every router is
 pinned to the first CPU, the replicas, the fleet's other processes and this load
 generator to the others (``--no-pin`` leaves affinity alone), so each router has the
 same CPU budget. It prints each figure beside
