@@ -90,8 +90,11 @@ def parse_inference(raw: bytes, kind: Kind) -> InferenceRequest:
         _check_prompt(body.get("prompt"))
     _check_types(body)
     stream = body.get("stream") is True
-    options = body.get("stream_options") or {}
-    return InferenceRequest(kind, raw, body, model, stream, options.get("include_usage") is True)
+    options = body.get("stream_options")
+    # as vLLM and SGLang read it: stream_options given, usage unless include_usage is
+    # false or null ({} asks for it)
+    wants_usage = options is not None and options.get("include_usage", True) is True
+    return InferenceRequest(kind, raw, body, model, stream, wants_usage)
 
 
 def decode_object(raw: bytes) -> dict[str, Any]:
@@ -161,8 +164,10 @@ def _check_types(body: dict[str, Any]) -> None:
             expected = " or ".join(_NAMES[t] for t in types)
             raise BadRequest(f"'{name}' must be {expected}, got {_kind(value)}.", name)
     options = body.get("stream_options")
-    if options and not isinstance(options.get("include_usage", False), bool):
-        raise BadRequest("'stream_options.include_usage' must be a boolean.", "stream_options")
+    if options and not isinstance(options.get("include_usage", False), bool | None):
+        raise BadRequest(
+            "'stream_options.include_usage' must be a boolean or null.", "stream_options"
+        )
     salt = body.get("cache_salt")
     if salt is not None and not salt:
         raise BadRequest("'cache_salt' must not be empty.", "cache_salt")

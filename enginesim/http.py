@@ -189,9 +189,10 @@ class SimApp:
 
     async def completions(self, request: Request) -> Result:
         body = p.decode_completion(request.body)
+        usage = p.stream_usage(body)  # checked first, as vLLM's request validators run
         choices = await self._submit(await self._completion_prompts(body), body, "cmpl")
         if body.stream:
-            return EventStream(self._completion_chunks(choices, body), choices)
+            return EventStream(self._completion_chunks(choices, usage), choices)
         await choices.until_done()
         texts = choices.texts(self.tokenizer.text_of)
         rid, model = choices.request_id, self.settings.model
@@ -199,12 +200,13 @@ class SimApp:
 
     async def chat_completions(self, request: Request) -> Result:
         body = p.decode_body(request.body, p.ChatRequest)
+        usage = p.stream_usage(body)  # checked first, as vLLM's request validators run
         prompt = await self._chat_prompt(body.messages, body.tools, body.add_generation_prompt)
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
         choices = await self._submit([prompt], body, "chatcmpl")
         if body.stream:
-            return EventStream(self._chat_chunks(choices, body), choices)
+            return EventStream(self._chat_chunks(choices, usage), choices)
         await choices.until_done()
         texts = choices.texts(self.tokenizer.text_of)
         rid, model = choices.request_id, self.settings.model
@@ -238,9 +240,7 @@ class SimApp:
             raise p.BadRequest(str(exc)) from exc
         return Choices(rid, handles, n)
 
-    async def _completion_chunks(
-        self, choices: Choices, body: p.CompletionRequest | p.CompletionBatchRequest
-    ) -> AsyncIterator[bytes]:
+    async def _completion_chunks(self, choices: Choices, usage: bool) -> AsyncIterator[bytes]:
         rid, model = choices.request_id, self.settings.model
         async for delta in choices.deltas(self.tokenizer.text_of):
             if delta is None:
@@ -251,11 +251,11 @@ class SimApp:
                 finish = "length" if last and i == len(pieces) - 1 else None
                 yield sse(p.completion_body(rid, model, piece, None, finish, choice))
         else:
-            if body.stream_options is not None and body.stream_options.include_usage:
+            if usage:
                 yield sse(p.usage_chunk(rid, model, "text_completion", choices.stream_usage()))
         yield b"data: [DONE]\n\n"
 
-    async def _chat_chunks(self, choices: Choices, body: p.ChatRequest) -> AsyncIterator[bytes]:
+    async def _chat_chunks(self, choices: Choices, usage: bool) -> AsyncIterator[bytes]:
         rid, model = choices.request_id, self.settings.model
         roles = []  # no comprehension: no cells in this frame
         for j in range(choices.n):
@@ -275,9 +275,9 @@ class SimApp:
                 finish = "length" if last and i == len(pieces) - 1 else None
                 yield sse(p.chat_chunk(rid, model, {"content": piece}, finish, None, choice))
         else:
-            if body.stream_options is not None and body.stream_options.include_usage:
-                usage = choices.stream_usage()
-                yield sse(p.usage_chunk(rid, model, "chat.completion.chunk", usage))
+            if usage:
+                totals = choices.stream_usage()
+                yield sse(p.usage_chunk(rid, model, "chat.completion.chunk", totals))
         yield b"data: [DONE]\n\n"
 
     # -- prompts ---------------------------------------------------------------------------

@@ -87,15 +87,21 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 
 
 class StreamOptions(msgspec.Struct):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    """vLLM's: given at all, a stream ends with usage unless ``include_usage`` is false
+    or null."""
+
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
+
+
+_NULL = msgspec.Raw(b"null")
 
 
 class _Sampling(msgspec.Struct, kw_only=True):
     model: str | None = None
     max_tokens: PositiveInt | None = None
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: msgspec.Raw = _NULL  # checked by :func:`stream_usage`
     ignore_eos: bool = False
     cache_salt: str | None = None
     n: int | None = 1  # vLLM's chat request takes null for 1
@@ -139,6 +145,25 @@ def decode_body(body: bytes, kind: type[T]) -> T:
         raise BadRequest(f"Invalid request: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise BadRequest(f"Malformed JSON body: {exc}") from exc
+
+
+def stream_usage(body: _Sampling) -> bool:
+    """Whether the stream ends with a usage chunk, by vLLM's rules for ``stream_options``:
+    an object of ``StreamOptions``' fields (others ignored), non-empty only with ``stream``
+    true (its ``validate_stream_options``: ``{}`` passes either way)."""
+    raw = body.stream_options
+    if raw == _NULL:
+        return False
+    try:
+        fields = msgspec.json.decode(raw, type=dict[str, Any])
+        options = msgspec.convert(fields, StreamOptions)
+    except msgspec.ValidationError as exc:  # worded as if the whole body had been decoded
+        where, at = str(exc), "`$.stream_options"
+        message = where.replace("`$", at, 1) if "`$" in where else f"{where} - at {at}`"
+        raise BadRequest(f"Invalid request: {message}", "stream_options") from None
+    if fields and not body.stream:
+        raise BadRequest("Stream options can only be defined when `stream=True`.", "stream_options")
+    return options.include_usage is True
 
 
 def check_salt(salt: str | None) -> None:

@@ -67,6 +67,23 @@ def test_chat_stream_with_usage_and_text_tokenization(sim: SimProcess) -> None:
     assert use["prompt_tokens_details"]["cached_tokens"] == (counted["count"] - 1) // 16 * 16
 
 
+@pytest.mark.parametrize(
+    ("options", "usage"),
+    [({}, True), ({"include_usage": None}, False), ({"continuous_usage_stats": False}, True)],
+)
+def test_stream_options_ask_for_usage_unless_it_is_turned_off(
+    sim: SimProcess, options: dict[str, object], usage: bool
+) -> None:
+    """As vLLM's StreamOptions: given at all, include_usage is true unless false or null."""
+    body = {"model": "sim-model", "prompt": [5, 6, 7], "max_tokens": 2, "stream": True,
+            "stream_options": options}  # fmt: skip
+    events = sim.stream("/v1/completions", body)
+    assert events[-1] == "[DONE]"
+    assert ("usage" in events[-2]) is usage
+    whole = {"model": "sim-model", "prompt": [5, 6, 7], "max_tokens": 2, "stream_options": {}}
+    assert sim.call("POST", "/v1/completions", whole)[0] == 200  # {}: allowed unstreamed
+
+
 def test_text_completion_matches_tokenize(sim: SimProcess) -> None:
     prompt = "The quick brown fox jumps over the lazy dog. " * 20
     counted = sim.post("/tokenize", {"prompt": prompt})
@@ -118,6 +135,18 @@ def test_a_batch_with_one_prompt_too_long_is_refused_whole(sim: SimProcess) -> N
         ("/v1/completions", b'{"prompt": [1], "n": 2, "temperature": 0}', 400, "greedy"),
         ("/v1/completions", b'{"prompt": [[1], []]}', 400, "empty"),
         ("/v1/completions", b'{"prompt": [[1], "two"]}', 400, "prompt must be"),
+        (
+            "/v1/completions",
+            b'{"prompt": [1], "stream_options": {"include_usage": true}}',
+            400,
+            "Stream options can only be defined when `stream=True`.",
+        ),
+        (
+            "/v1/completions",
+            b'{"prompt": [1], "stream": true, "stream_options": 5}',
+            400,
+            "at `$.stream_options`",
+        ),
         ("/v1/chat/completions", b'{"messages": []}', 400, "messages"),
         ("/v1/chat/completions", b'{"messages": [{"content": "x"}]}', 400, "role"),
         ("/v1/chat/completions", b'{"messages": "hi"}', 400, "Invalid request"),

@@ -68,6 +68,21 @@ def test_raw_stream_without_usage_is_event_for_event_the_replicas(fleet: Any) ->
     assert all("usage" not in e for e in via_proxy[:-1])
 
 
+@pytest.mark.parametrize("options", [{}, {"include_usage": None}, {"include_usage": True}])
+def test_stream_options_get_the_usage_chunk_the_replica_would_send(
+    fleet: Any, options: dict[str, Any]
+) -> None:
+    """``stream_options`` given asks for usage unless include_usage is false or null
+    (vLLM's rule): the proxy, which always asks the engine for it, removes only the chunk
+    the client would not have had."""
+    sims, proxy = fleet
+    body = {"model": MODEL, "prompt": "Jumps over the lazy dog", "max_tokens": 3,
+            "stream": True, "stream_options": options}  # fmt: skip
+    via_proxy, direct = (_events(url, body) for url in (proxy.url, sims[1].url))
+    assert [("usage" in e) for e in via_proxy[:-1]] == [("usage" in e) for e in direct[:-1]]
+    assert ("usage" in via_proxy[-2]) is (options.get("include_usage", True) is True)
+
+
 def test_a_batch_with_two_samples_each_arrives_intact_and_answers_as_the_replica(
     fleet: Any,
 ) -> None:
