@@ -42,7 +42,7 @@ class InferenceRequest:
     def first_prompt(self) -> str | list[int]:
         """The prompt routing keys on (the first of a batch)."""
         prompt = self.body["prompt"]
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if _is_batch_form(prompt):
             return prompt[0]  # type: ignore[no-any-return]
         return prompt  # type: ignore[no-any-return]
 
@@ -50,7 +50,7 @@ class InferenceRequest:
     def is_batch(self) -> bool:
         """A completion with more than one prompt (the engine runs one request each)."""
         prompt = self.body.get("prompt")
-        return isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
+        return isinstance(prompt, list) and len(prompt) > 1 and _is_batch_form(prompt)
 
     @property
     def fans_out(self) -> bool:
@@ -95,6 +95,11 @@ def parse_inference(raw: bytes, kind: Kind) -> InferenceRequest:
     # false or null ({} asks for it)
     wants_usage = options is not None and options.get("include_usage", True) is True
     return InferenceRequest(kind, raw, body, model, stream, wants_usage)
+
+
+def _is_batch_form(prompt: object) -> bool:
+    """A list of prompts (strings or token-id lists), not one prompt of token ids."""
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
 
 
 def decode_object(raw: bytes) -> dict[str, Any]:

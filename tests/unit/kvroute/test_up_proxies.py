@@ -8,8 +8,9 @@ from pathlib import Path
 from kvroute.up import LocalFleet, UpOptions
 
 
-def _argv(tmp_path: Path, **options: object) -> list[str]:
-    fleet = LocalFleet(UpOptions(data_dir=tmp_path, port=9100, **options), say=lambda _: None)  # type: ignore[arg-type]
+def _argv(tmp_path: Path, *, debug_headers: bool = True) -> list[str]:
+    options = UpOptions(data_dir=tmp_path, port=9100, debug_headers=debug_headers)
+    fleet = LocalFleet(options, say=lambda _: None)
     fleet.fleet.grpc_addresses = ["127.0.0.1:7001", "127.0.0.1:7002"]
     return fleet.proxy_argv(1)
 
