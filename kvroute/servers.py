@@ -22,6 +22,7 @@ import contextlib
 import glob
 import os
 import queue
+import random
 import shutil
 import signal
 import socket
@@ -43,11 +44,40 @@ class ServerStartError(RuntimeError):
     """A local server could not be started or did not become ready in time."""
 
 
+_PORT_FLOOR = 10_000  # the lowest port free_port() picks: clear of well-known services
+_PORT_TRIES = 64
+_random = random.SystemRandom()  # unseeded: forked processes do not draw the same ports
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    """A TCP port on 127.0.0.1 that nothing uses right now, below the kernel's ephemeral
+    range when it leaves room for that.
+
+    A port the kernel hands out for ``bind(0)`` is in the ephemeral range, which every
+    outgoing connection also draws its local port from: between this call and the
+    server's own bind, another process's connection could take it ("Address already in
+    use"). Below the range only another ``free_port()`` could pick the same port, one
+    chance in thousands."""
+    low = _ephemeral_low()
+    for _ in range(_PORT_TRIES if low - _PORT_FLOOR >= 1024 else 0):
+        port = _random.randrange(_PORT_FLOOR, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default when unreadable)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def venv_tool(name: str) -> str | None:
