@@ -20,7 +20,10 @@ of requests a second on a small machine (see ``bench/enginesim_capacity.py``). R
 | GET | ``/sim/state`` | cached block ids and load, loopback clients only |
 
 Every error is answered in OpenAI's shape (``protocol.py``); an unexpected exception in a
-handler is logged and answered 500 without touching the engine's state.
+handler is logged and answered 500 without touching the engine's state. With
+``--event-format sglang`` the two inference routes answer by SGLang's rules instead
+(``sglang_serving.py``, ``sglang_api.py``: its ids, ``n`` and batches, usage, stream
+order and error shape).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from typing import Any
 import msgspec
 
 from enginesim import protocol as p
+from enginesim import sglang_api as sg
 from enginesim.choices import DISCONNECTED, Choices
 from enginesim.engine import Engine
 from enginesim.errors import RequestRejected
@@ -43,6 +47,7 @@ from enginesim.faults import CRASH_EXIT_CODE, FaultUpdate
 from enginesim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from enginesim.scheduler import SimRequest
 from enginesim.settings import SimSettings
+from enginesim.sglang_serving import Answer, SglangServing
 from enginesim.tokens import PromptTokenizer
 from kvcore.tokenize import TokenizerError
 
@@ -98,6 +103,7 @@ class SimApp:
         self.settings = settings
         self.engine = engine
         self.tokenizer = tokenizer
+        self.sglang = SglangServing(self) if settings.event_format == "sglang" else None
         self.routes: dict[str, dict[str, Handler]] = {}
         self._register()
 
@@ -139,7 +145,7 @@ class SimApp:
             body = await _read_body(receive)
             result = await handler(Request(scope["method"], scope["path"], body, client[0]))
         except p.ApiError as exc:
-            result = json_response(exc.body(), exc.status)
+            result = json_response(self._error_body(scope["path"], exc), exc.status)
         except Exception:
             log.exception("unexpected error answering %s %s", scope["method"], scope["path"])
             result = json_response(p.ApiError("internal error").body(), 500)
@@ -147,6 +153,11 @@ class SimApp:
             await self._stream(result, receive, send)
         else:
             await _send_response(result, send)
+
+    def _error_body(self, path: str, exc: p.ApiError) -> dict[str, Any]:
+        if self.sglang is not None and path in _INFERENCE_PATHS:
+            return sg.error_body(exc)
+        return exc.body()
 
     def _route(self, scope: Scope) -> Handler:
         methods = self.routes.get(scope["path"])
@@ -189,8 +200,12 @@ class SimApp:
 
     async def completions(self, request: Request) -> Result:
         body = p.decode_completion(request.body)
+        if self.sglang is not None:
+            return _result(await self.sglang.completions(body))
         usage = p.stream_usage(body)  # checked first, as vLLM's request validators run
-        choices = await self._submit(await self._completion_prompts(body), body, "cmpl")
+        given = p.completion_prompts(body, p.MAX_COMPLETION_PROMPTS)
+        prompts = await self.prompt_ids(given)
+        choices = await self._submit(prompts, body, "cmpl", ids_given=isinstance(given[0], list))
         if body.stream:
             return EventStream(self._completion_chunks(choices, usage), choices)
         await choices.until_done()
@@ -200,8 +215,10 @@ class SimApp:
 
     async def chat_completions(self, request: Request) -> Result:
         body = p.decode_body(request.body, p.ChatRequest)
+        if self.sglang is not None:
+            return _result(await self.sglang.chat(body))
         usage = p.stream_usage(body)  # checked first, as vLLM's request validators run
-        prompt = await self._chat_prompt(body.messages, body.tools, body.add_generation_prompt)
+        prompt = await self.chat_prompt_ids(body.messages, body.tools, body.add_generation_prompt)
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
         choices = await self._submit([prompt], body, "chatcmpl")
@@ -212,15 +229,20 @@ class SimApp:
         rid, model = choices.request_id, self.settings.model
         return json_response(p.chat_body(rid, model, texts, choices.final_usage()))
 
-    async def _submit(self, prompts: list[list[int]], body: p._Sampling, prefix: str) -> Choices:
+    async def _submit(
+        self, prompts: list[list[int]], body: p._Sampling, prefix: str, *, ids_given: bool = False
+    ) -> Choices:
         """One engine request per prompt and sample, checked in vLLM's order: the model,
-        each prompt's length, then the sampling parameters."""
-        self._check_model(body.model)
+        each prompt's length and (given as ids) its token ids, then the sampling
+        parameters."""
+        self.check_model(body.model)
         p.check_salt(body.cache_salt)
         max_tokens = body.max_tokens or p.DEFAULT_MAX_TOKENS
         try:
             for prompt in prompts:
                 self.engine.check(len(prompt), max_tokens)
+                if ids_given:
+                    p.check_token_ids(prompt, self.tokenizer.max_token_id)
         except RequestRejected as exc:
             raise p.BadRequest(str(exc)) from exc
         n = p.check_sampling(body.n, body.temperature)
@@ -282,12 +304,10 @@ class SimApp:
 
     # -- prompts ---------------------------------------------------------------------------
 
-    async def _completion_prompts(
-        self, body: p.CompletionRequest | p.CompletionBatchRequest
-    ) -> list[list[int]]:
+    async def prompt_ids(self, given: list[str | list[int]]) -> list[list[int]]:
         """The prompts of a completion request (a batch or one), as token ids."""
         prompts = []
-        for prompt in p.completion_prompts(body):  # no comprehension: no cell in the frame
+        for prompt in given:  # no comprehension: no cell in the frame
             prompts.append(await self._completion_prompt(prompt))
         return prompts
 
@@ -298,7 +318,7 @@ class SimApp:
             return prompt
         return await self._tokenize(lambda: self.tokenizer.encode_prompt(prompt), len(prompt))
 
-    async def _chat_prompt(
+    async def chat_prompt_ids(
         self, messages: list[dict[str, Any]], tools: Any, add_generation_prompt: bool
     ) -> list[int]:
         p.check_messages(messages)
@@ -318,7 +338,7 @@ class SimApp:
         except TokenizerError as exc:
             raise p.BadRequest(str(exc)) from exc
 
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.model:
             raise p.NotFound(f"The model `{model}` does not exist.", "model")
 
@@ -344,9 +364,11 @@ class SimApp:
 
     async def tokenize(self, request: Request) -> Result:
         body = p.decode_body(request.body, p.TokenizeRequest)
-        self._check_model(body.model)
+        self.check_model(body.model)
         if body.messages is not None:
-            tokens = await self._chat_prompt(body.messages, body.tools, body.add_generation_prompt)
+            tokens = await self.chat_prompt_ids(
+                body.messages, body.tools, body.add_generation_prompt
+            )
         elif isinstance(body.prompt, str):
             text = body.prompt
             special = True if body.add_special_tokens is None else body.add_special_tokens
@@ -364,14 +386,17 @@ class SimApp:
 
     async def render_completion(self, request: Request) -> Result:
         body = p.decode_completion(request.body)
-        self._check_model(body.model)
-        prompts = await self._completion_prompts(body)
+        self.check_model(body.model)
+        cap = (
+            None if self.sglang is not None else p.MAX_COMPLETION_PROMPTS
+        )  # a validator of vLLM's body
+        prompts = await self.prompt_ids(p.completion_prompts(body, cap))
         return json_response([self._generate_request(t, body, "cmpl") for t in prompts])
 
     async def render_chat(self, request: Request) -> Result:
         body = p.decode_body(request.body, p.ChatRequest)
-        self._check_model(body.model)
-        tokens = await self._chat_prompt(body.messages, body.tools, body.add_generation_prompt)
+        self.check_model(body.model)
+        tokens = await self.chat_prompt_ids(body.messages, body.tools, body.add_generation_prompt)
         return json_response(self._generate_request(tokens, body, "chatcmpl"))
 
     def _generate_request(self, tokens: list[int], body: p._Sampling, prefix: str) -> Any:
@@ -471,6 +496,15 @@ class SimApp:
                 "replay_endpoint": self.engine.publisher.replay_endpoint,
             }
         )
+
+
+_INFERENCE_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def _result(answer: Answer) -> Result:
+    if isinstance(answer, dict):
+        return json_response(answer)
+    return EventStream(*answer)
 
 
 def _crash() -> None:

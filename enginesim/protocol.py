@@ -1,4 +1,5 @@
-"""The OpenAI-compatible request and response shapes, and the errors, as vLLM serves them.
+"""The OpenAI-compatible request and response shapes, and the errors, as vLLM serves them
+(SGLang mode's answers are in ``sglang_api.py``, on the same request structs).
 
 Requests are decoded with msgspec structs (unknown fields ignored, as vLLM does for
 sampling options the simulator has no use for); responses are plain dicts encoded with
@@ -27,6 +28,7 @@ import msgspec
 DEFAULT_MAX_TOKENS = 16
 MAX_SALT_CHARS = 128
 MAX_N = 16384  # vLLM's ``VLLM_MAX_N_SEQUENCES`` default
+MAX_COMPLETION_PROMPTS = 1024  # vLLM's ``VLLM_MAX_COMPLETION_PROMPTS`` default
 GREEDY_TEMPERATURE = 1e-5  # vLLM's ``_SAMPLING_EPS``: below it, sampling is greedy
 T = TypeVar("T")
 _json_decoder_cache: dict[type, msgspec.json.Decoder[Any]] = {}
@@ -36,10 +38,13 @@ class ApiError(Exception):
     status = 500
     error_type = "InternalServerError"
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, message: str, param: str | None = None, *, sglang_type: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.sglang_type = sglang_type  # the ``type`` SGLang gives it (``sglang_api``)
 
     def body(self) -> dict[str, Any]:
         return {
@@ -83,7 +88,7 @@ class InjectedFailure(ApiError):
 # -- requests ------------------------------------------------------------------------
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
-TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
+TokenId = int  # any integer: the engine's own vocabulary check refuses the others
 
 
 class StreamOptions(msgspec.Struct):
@@ -94,14 +99,14 @@ class StreamOptions(msgspec.Struct):
     continuous_usage_stats: bool | None = False
 
 
-_NULL = msgspec.Raw(b"null")
+NULL = msgspec.Raw(b"null")
 
 
 class _Sampling(msgspec.Struct, kw_only=True):
     model: str | None = None
     max_tokens: PositiveInt | None = None
     stream: bool = False
-    stream_options: msgspec.Raw = _NULL  # checked by :func:`stream_usage`
+    stream_options: msgspec.Raw = NULL  # checked by :func:`stream_usage`
     ignore_eos: bool = False
     cache_salt: str | None = None
     n: int | None = 1  # vLLM's chat request takes null for 1
@@ -142,9 +147,12 @@ def decode_body(body: bytes, kind: type[T]) -> T:
     try:
         return decoder.decode(body)  # type: ignore[no-any-return]
     except msgspec.ValidationError as exc:
-        raise BadRequest(f"Invalid request: {exc}") from exc
+        raise BadRequest(f"Invalid request: {exc}", sglang_type=_UNVALIDATED) from exc
     except msgspec.DecodeError as exc:
-        raise BadRequest(f"Malformed JSON body: {exc}") from exc
+        raise BadRequest(f"Malformed JSON body: {exc}", sglang_type=_UNVALIDATED) from exc
+
+
+_UNVALIDATED = "Bad Request"  # SGLang's type for a body that does not validate
 
 
 def stream_usage(body: _Sampling) -> bool:
@@ -152,7 +160,7 @@ def stream_usage(body: _Sampling) -> bool:
     an object of ``StreamOptions``' fields (others ignored), non-empty only with ``stream``
     true (its ``validate_stream_options``: ``{}`` passes either way)."""
     raw = body.stream_options
-    if raw == _NULL:
+    if raw == NULL:
         return False
     try:
         fields = msgspec.json.decode(raw, type=dict[str, Any])
@@ -194,15 +202,40 @@ _NOT_A_TOKEN_ID = ("got `str` - at `$.prompt[0]`", "got `array` - at `$.prompt[0
 
 
 def completion_prompts(
-    body: CompletionRequest | CompletionBatchRequest,
+    body: CompletionRequest | CompletionBatchRequest, max_prompts: int | None = None
 ) -> list[str | list[int]]:
-    """The prompts of a completion request, one per engine request."""
+    """The prompts of a completion request, one per engine request; a batch of more than
+    ``max_prompts`` is refused as vLLM refuses it (``completion/protocol.py``,
+    ``CompletionRequest.validate_prompt_list_length``: a list not of ints longer than
+    ``VLLM_MAX_COMPLETION_PROMPTS``; vLLM checks it before the fields' types, the
+    simulator after). SGLang has no such bound (``max_prompts`` None)."""
     if isinstance(body, CompletionRequest):
         return [body.prompt]
+    if max_prompts is not None and len(body.prompt) > max_prompts:
+        raise BadRequest(
+            f"prompt list length {len(body.prompt)} exceeds the maximum allowed count of "
+            f"{max_prompts}. To increase this limit, set the VLLM_MAX_COMPLETION_PROMPTS "
+            "environment variable.",
+            "prompt",
+        )
     kind = type(body.prompt[0])
     if not all(type(item) is kind for item in body.prompt):
-        raise BadRequest("prompt must be a string, token ids, or a list of either.", "prompt")
+        message = "prompt must be a string, token ids, or a list of either."
+        raise BadRequest(message, "prompt", sglang_type=_UNVALIDATED)
     return body.prompt
+
+
+def check_token_ids(prompt: Sequence[int], max_token_id: int) -> None:
+    """vLLM's ``validate_token_ids`` (``renderers/base.py``, run by the v1 input
+    processor's ``_validate_model_input`` after the prompt's length): the lowest id if it
+    is negative, else the highest if it is above ``max_token_id``, "is out of
+    vocabulary"; no ``param``."""
+    low = min(prompt)
+    if low < 0:
+        raise BadRequest(f"Token id {low} is out of vocabulary")
+    high = max(prompt)
+    if high > max_token_id:
+        raise BadRequest(f"Token id {high} is out of vocabulary")
 
 
 def check_sampling(n: int | None, temperature: float | None) -> int:

@@ -12,7 +12,8 @@ event loop and turns steps into wall-clock time. One ``step()``:
    prompt's full blocks at once, before the step's forward pass, as vLLM v1 does
    (``KVCacheManager.allocate_slots``): a request admitted later in the same step hits
    them, which is how the ``n`` samples of one prompt share its prefill; then it
-   prefills and samples the first token;
+   prefills and samples the first token (none if ``max_tokens`` is 0: a prefill only,
+   SGLang's warm-up of ``n > 1``, finished in the same step);
 3. requests that reached ``max_tokens`` finish and release their blocks.
 
 Differences from vLLM, on purpose: a request reserves the blocks for its whole
@@ -172,7 +173,8 @@ class EngineCore:
         return admitted
 
     def _prefill(self, req: SimRequest, out: StepOutput) -> tuple[int, int]:
-        self._sample(req, out)
+        if req.max_tokens:  # else a prefill only (SGLang's n > 1 warm-up): no token
+            self._sample(req, out)
         out.admitted.append(req)
         return len(req.prompt), req.num_cached_tokens
 

@@ -6,6 +6,8 @@ template and encoded without special tokens, as vLLM does. The tokenizer is
 ``kvcore.tokenize``'s (``--tokenizer builtin`` or a model directory), so the proxy and
 the engine agree on token ids exactly as they would with a real model.
 
+``max_token_id`` is the highest prompt token id vLLM would serve with this tokenizer.
+
 Generated text is deterministic filler: a cycle of short words, each of which the
 tokenizer encodes as one token, so that the output's token ids and its text agree and a
 later chat turn that quotes the answer tokenizes back to the same ids.
@@ -13,10 +15,12 @@ later chat turn that quotes the answer tokenizes back to the same ids.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-from kvcore.tokenize import Tokenizer, load_tokenizer
+from kvcore.tokenize import HFTokenizer, Tokenizer, load_tokenizer
 
 FILLER_WORDS = (
     " lorem", " ipsum", " dolor", " sit", " amet", " sed", " do", " tempor",
@@ -30,6 +34,7 @@ class PromptTokenizer:
         self.tokenizer: Tokenizer = load_tokenizer(spec)
         self.filler = _filler(self.tokenizer)
         self._text = dict(self.filler)
+        self.max_token_id = _max_token_id(self.tokenizer)
 
     @property
     def filler_ids(self) -> list[int]:
@@ -62,3 +67,26 @@ def _filler(tokenizer: Tokenizer) -> tuple[tuple[int, str], ...]:
         if len(ids) == 1 and ids[0] not in seen and ids[0] != tokenizer.eos_token_id:
             seen[ids[0]] = word
     return tuple(seen.items()) or _FALLBACK
+
+
+def _max_token_id(tokenizer: Tokenizer) -> int:
+    """The highest prompt token id vLLM serves (``renderers/base.py``,
+    ``validate_token_ids``): the larger of the tokenizer's highest id (added tokens
+    included) and the model's ``vocab_size`` - 1 (``config.json``, or its
+    ``text_config``). The built-in tokenizer is its own model: ``vocab_size`` - 1."""
+    if not isinstance(tokenizer, HFTokenizer):
+        return int(getattr(tokenizer, "vocab_size", 2**32)) - 1
+    highest = max(tokenizer.fast.get_vocab(with_added_tokens=True).values(), default=-1)
+    return max(highest, _model_vocab_size(tokenizer.directory) - 1)
+
+
+def _model_vocab_size(directory: Path) -> int:
+    try:
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return 0
+    text = config.get("text_config") if isinstance(config, dict) else None
+    for holder in (config, text):
+        if isinstance(holder, dict) and isinstance(holder.get("vocab_size"), int):
+            return int(holder["vocab_size"])
+    return 0

@@ -88,7 +88,7 @@ def fresh(start: int, length: int) -> list[int]:
 def test_a_batch_of_prompts_with_two_samples_each_is_four_choices_in_order(
     client: openai.OpenAI,
 ) -> None:
-    first, second = fresh(31_000, 40), fresh(32_000, 24)
+    first, second = fresh(26_000, 40), fresh(27_000, 24)
     answer = client.completions.create(model=MODEL, prompt=[first, second], n=2, max_tokens=3)
     assert [c.index for c in answer.choices] == [0, 1, 2, 3]  # prompt i, sample j: i * 2 + j
     assert all(c.finish_reason == "length" and len(c.text.split()) == 3 for c in answer.choices)
@@ -113,7 +113,7 @@ def test_a_batch_of_texts_counts_what_each_text_alone_counts(client: openai.Open
 def test_a_streamed_batch_ends_each_choice_once_and_reports_the_first_outputs_cache(
     client: openai.OpenAI,
 ) -> None:
-    first, second = fresh(33_000, 40), fresh(34_000, 24)
+    first, second = fresh(28_000, 40), fresh(29_000, 24)
     stream = client.completions.create(
         model=MODEL, prompt=[first, second], n=2, max_tokens=3, stream=True,
         stream_options={"include_usage": True},
@@ -180,3 +180,20 @@ def test_two_greedy_samples_are_refused_as_vllm_refuses_them(client: openai.Open
         client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "x"}], n=0, max_tokens=1
         )
+
+
+def test_more_than_1024_prompts_and_ids_out_of_the_vocabulary_are_vllms_400s(
+    client: openai.OpenAI,
+) -> None:
+    with pytest.raises(openai.BadRequestError, match="prompt list length 1025 exceeds") as caught:
+        client.completions.create(model=MODEL, prompt=["x"] * 1025, max_tokens=1)
+    assert "VLLM_MAX_COMPLETION_PROMPTS" in str(caught.value)
+    assert (
+        len(client.completions.create(model=MODEL, prompt=["x"] * 1024, max_tokens=1).choices)
+        == 1024
+    )
+    for prompt, bad in (([5, 32_000], 32_000), ([[5], [-3, 9]], -3), ([2**32], 2**32)):
+        with pytest.raises(openai.BadRequestError, match=f"Token id {bad} is out of vocabulary"):
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)  # type: ignore[arg-type]
+    edge = client.completions.create(model=MODEL, prompt=[0, 31_999], max_tokens=1)
+    assert edge.usage is not None and edge.usage.prompt_tokens == 2

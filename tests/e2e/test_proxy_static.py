@@ -87,7 +87,7 @@ def test_a_batch_with_two_samples_each_arrives_intact_and_answers_as_the_replica
     fleet: Any,
 ) -> None:
     sims, proxy = fleet
-    prompts = [list(range(50_000, 50_040)), list(range(51_000, 51_024))]
+    prompts = [list(range(24_000, 24_040)), list(range(25_000, 25_024))]
     body = {"model": MODEL, "prompt": prompts, "n": 2, "max_tokens": 3}
     stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
 
@@ -120,7 +120,7 @@ def test_a_batch_or_n_samples_counts_the_first_prompts_cached_tokens_or_none(
     measurement of the routed prompt, so not counted as one; a stream's usage is the
     first prompt's first sample's, counted against the first prompt's size."""
     sims, proxy = fleet
-    first, second = list(range(52_000, 52_040)), list(range(53_000, 53_024))
+    first, second = list(range(26_000, 26_040)), list(range(27_000, 27_024))
     body = {"model": MODEL, "prompt": [first, second], "n": 2, "max_tokens": 2}
     stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
     for sim in sims:

@@ -1,4 +1,5 @@
-"""What a completion's ``prompt`` may hold, and vLLM's refusals of ``n`` and temperature."""
+"""What a completion's ``prompt`` may hold, and vLLM's refusals of ``n``, temperature,
+too many prompts and token ids out of the vocabulary."""
 
 from __future__ import annotations
 
@@ -36,11 +37,8 @@ def test_a_batch_mixing_texts_and_token_ids_is_a_400_on_prompt() -> None:
 @pytest.mark.parametrize(
     ("raw", "where"),
     [
-        (b'{"prompt": [1, -2]}', "`int` >= 0 - at `$.prompt[1]`"),  # as before batches
-        (b'{"prompt": [1, "two"]}', "got `str` - at `$.prompt[1]`"),
-        (b'{"prompt": [-1, 2]}', "`int` >= 0 - at `$.prompt[0]`"),
+        (b'{"prompt": [1, "two"]}', "got `str` - at `$.prompt[1]`"),  # as before batches
         (b'{"prompt": [[1], 2]}', "got `int` - at `$.prompt[1]`"),
-        (b'{"prompt": [[-1]]}', "`int` >= 0 - at `$.prompt[0][0]`"),
         (b'{"prompt": [[1.5]]}', "got `float` - at `$.prompt[0][0]`"),
         (b'{"prompt": 7}', "got `int` - at `$.prompt`"),
     ],
@@ -81,3 +79,49 @@ def test_vllms_sampling_refusals(n, temperature, message, param) -> None:
 @pytest.mark.parametrize(("n", "temperature"), [(1, 0.0), (2, None), (3, 0.7), (16384, 2.0)])
 def test_what_vllm_accepts(n: int, temperature: float | None) -> None:
     assert p.check_sampling(n, temperature) == n
+
+
+@pytest.mark.parametrize(
+    ("raw", "prompts"),
+    [
+        (b'{"prompt": [1, -2]}', [[1, -2]]),
+        (b'{"prompt": [[-1], [4294967296]]}', [[-1], [2**32]]),
+        (b'{"prompt": [18446744073709551616]}', [[2**64]]),
+    ],
+)
+def test_any_integer_decodes_as_a_token_id_for_the_engine_to_judge(raw, prompts) -> None:
+    assert p.completion_prompts(decode(raw)) == prompts
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ([5, -2, 40_000], "Token id -2 is out of vocabulary"),  # the lowest first, if < 0
+        ([5, 32_000, 40_000], "Token id 40000 is out of vocabulary"),  # then the highest
+        ([2**64], f"Token id {2**64} is out of vocabulary"),
+    ],
+)
+def test_vllms_refusal_of_a_token_id_out_of_the_vocabulary(prompt, message) -> None:
+    with pytest.raises(p.BadRequest) as caught:
+        p.check_token_ids(prompt, 31_999)
+    assert (caught.value.message, caught.value.param, caught.value.status) == (message, None, 400)
+
+
+def test_the_vocabularys_edges_are_served() -> None:
+    p.check_token_ids([0, 31_999], 31_999)
+
+
+def test_vllm_refuses_more_than_1024_prompts_in_a_batch_and_not_1024_ids() -> None:
+    at_most = decode(b'{"prompt": [' + b",".join([b'"x"'] * 1024) + b"]}")
+    assert len(p.completion_prompts(at_most, p.MAX_COMPLETION_PROMPTS)) == 1024
+    ids = decode(b'{"prompt": [' + b",".join([b"7"] * 2000) + b"]}")
+    assert p.completion_prompts(ids, p.MAX_COMPLETION_PROMPTS) == [[7] * 2000]
+    over = decode(b'{"prompt": [' + b",".join([b"[7]"] * 1025) + b"]}")
+    with pytest.raises(p.BadRequest) as caught:
+        p.completion_prompts(over, p.MAX_COMPLETION_PROMPTS)
+    assert caught.value.param == "prompt"
+    assert caught.value.message == (
+        "prompt list length 1025 exceeds the maximum allowed count of 1024. To increase "
+        "this limit, set the VLLM_MAX_COMPLETION_PROMPTS environment variable."
+    )
+    assert len(p.completion_prompts(over)) == 1025  # no bound given: SGLang's

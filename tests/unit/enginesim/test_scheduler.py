@@ -216,3 +216,15 @@ def test_a_request_admitted_with_its_twin_hits_the_blocks_the_twin_allocated() -
     assert step.duration == pytest.approx(TimingModel().step_seconds([(70, 0), (70, 64)], 0))
     run(core, mirror=mirror)
     assert mirror.stored == 4 == len(core.pool.cached_digests())
+
+
+def test_a_request_of_no_tokens_is_a_prefill_that_caches_its_prompt_and_ends() -> None:
+    core = make_core()
+    warm = req("warm", list(range(40)), max_tokens=0)  # SGLang's warm-up of n > 1
+    core.add(warm)
+    out = core.step()
+    assert out.admitted == [warm] and out.finished == [warm] and out.sampled == []
+    assert warm.output == [] and warm.finished
+    sample = req("sample", list(range(40)), max_tokens=2)
+    run(core, sample)
+    assert sample.num_cached_tokens == 32  # both full blocks the warm-up cached

@@ -1,0 +1,110 @@
+"""The inference routes in SGLang mode (``--event-format sglang``): SGLang's checks in its
+order, its engine requests for ``n`` and batches, and its answers (``sglang_api.py``).
+
+The HTTP app (``http.py``) decodes the body and hands it here; prompts are tokenized by
+the app's own helpers, so both modes read prompts and chat templates alike. What SGLang
+does, and where that was read, is in ``sglang_api``'s docstring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from enginesim import protocol as p
+from enginesim import sglang_api as sg
+from enginesim.choices import Choices
+from enginesim.errors import RequestRejected
+from enginesim.scheduler import SimRequest
+
+if TYPE_CHECKING:
+    from enginesim.http import SimApp
+
+Answer = dict[str, Any] | tuple[AsyncIterator[bytes], Choices]
+"""A whole answer's body, or a stream's chunks and the requests they come from."""
+
+
+class SglangServing:
+    def __init__(self, app: SimApp) -> None:
+        self.app = app
+
+    async def completions(self, body: p.CompletionRequest | p.CompletionBatchRequest) -> Answer:
+        usage = sg.stream_usage(body)  # a field of the body: validated first
+        sg.check_prompt(body.prompt)
+        given = p.completion_prompts(body)
+        prompts = await self.app.prompt_ids(given)
+        if body.max_tokens is None:  # SGLang's completion request: ``max_tokens: int = 16``
+            body.max_tokens = p.DEFAULT_MAX_TOKENS
+        batch, ids = isinstance(body, p.CompletionBatchRequest), isinstance(given[0], list)
+        n = body.n
+        choices = await self._submit(prompts, body, n, batch=batch, ids_given=ids)
+        model, text_of = self.app.settings.model, self.app.tokenizer.text_of
+        if body.stream:
+            return sg.completion_chunks(choices, n, model, text_of, usage), choices
+        await choices.until_done()
+        return sg.completion_body(choices, n, model, text_of)
+
+    async def chat(self, body: p.ChatRequest) -> Answer:
+        usage = sg.stream_usage(body)  # a field of the body: validated first
+        n = sg.check_n(body.n)
+        sg.check_messages(body.messages)
+        prompt = await self.app.chat_prompt_ids(
+            body.messages, body.tools, body.add_generation_prompt
+        )
+        body.max_tokens = body.max_completion_tokens or body.max_tokens  # SGLang's preference
+        choices = await self._submit([prompt], body, n)
+        model, text_of = self.app.settings.model, self.app.tokenizer.text_of
+        if body.stream:
+            return sg.chat_chunks(choices, n, model, text_of, usage), choices
+        await choices.until_done()
+        return sg.chat_body(choices, n, model, text_of)
+
+    async def _submit(
+        self,
+        prompts: list[list[int]],
+        body: p._Sampling,
+        n: int,
+        *,
+        batch: bool = False,
+        ids_given: bool = False,
+    ) -> Choices:
+        """SGLang's engine requests: one per prompt, or for ``n > 1`` a warm-up per prompt
+        (``max_tokens`` 0, awaited in turn) and then ``n`` samples each; checked in
+        SGLang's order: the batch's form, then per prompt its length and the sampling."""
+        app, engine = self.app, self.app.engine
+        app.check_model(body.model)  # (SGLang checks no model name: kept from vLLM mode)
+        if batch and n < 1:  # the batch expanded n times over is empty: obj[i] fails
+            raise p.ApiError("Internal server error: list index out of range")
+        context = app.settings.model_len
+        try:
+            for prompt in prompts:
+                sg.check_length(len(prompt), body.max_tokens, context)
+                if ids_given:
+                    sg.check_token_ids(prompt)
+                sg.check_temperature(body.temperature)
+                engine.check(len(prompt), _max_tokens(body, len(prompt), context))
+        except RequestRejected as exc:
+            raise p.BadRequest(str(exc), sglang_type="BadRequestError") from exc
+        if engine.faults.should_fail():
+            raise p.InjectedFailure("Injected failure (kvroute-sim fault).")
+        salt = body.cache_salt or None  # SGLang takes "" for none
+        if n > 1:
+            for prompt in prompts:  # ``_handle_batch_request``: cache the common prefix
+                warm = SimRequest(sg.request_id(), prompt, 0, salt)
+                handle = await engine.submit(warm, stream=False)
+                await Choices(warm.request_id, [handle]).until_done()
+        reqs = [
+            SimRequest(sg.request_id(), prompt, _max_tokens(body, len(prompt), context), salt)
+            for prompt in prompts
+            for _ in range(max(n, 1))
+        ]
+        handles = await engine.submit_all(reqs, stream=body.stream)
+        return Choices(reqs[0].request_id, handles, max(n, 1))
+
+
+def _max_tokens(body: p._Sampling, prompt_len: int, context: int) -> int:
+    """The output of one SGLang request: ``max_tokens``, or without it (a chat) the
+    simulator's default bounded by the context, as SGLang bounds it."""
+    if body.max_tokens is not None:
+        return body.max_tokens
+    return max(1, min(p.DEFAULT_MAX_TOKENS, context - prompt_len))

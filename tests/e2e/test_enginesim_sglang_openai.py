@@ -1,0 +1,181 @@
+"""kvroute-sim in SGLang mode answers the official OpenAI client as SGLang 0.5.23 does:
+``n`` and batches (a warm-up per prompt, then the samples), SGLang's usage sums, its
+stream order and ids, its error shape, and none of vLLM's refusals."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from tests.unit.enginesim.simproc import SimProcess
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "sim-model"
+HEX32 = re.compile(r"^[0-9a-f]{32}$")
+
+
+@pytest.fixture(scope="module")
+def sim() -> Iterator[SimProcess]:
+    args = ("--instant", f"--model={MODEL}", "--max-model-len=4096", "--block-size=16")
+    with SimProcess(*args, "--event-format=sglang") as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def client(sim: SimProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{sim.url}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def fresh(start: int, length: int) -> list[int]:
+    """Token ids no other test of this module sends."""
+    return list(range(start, start + length))
+
+
+def test_a_batch_with_two_samples_sums_each_prompts_first_sample_after_its_warm_up(
+    sim: SimProcess, client: openai.OpenAI
+) -> None:
+    first, second = fresh(1_000, 40), fresh(2_000, 24)
+    before = sim.metric("sglang:prompt_tokens_total"), sim.metric("sglang:cached_tokens_total")
+    answer = client.completions.create(model=MODEL, prompt=[first, second], n=2, max_tokens=3)
+    assert [c.index for c in answer.choices] == [0, 1, 2, 3]  # prompt i, sample j: i * 2 + j
+    assert all(c.finish_reason == "length" and len(c.text.split()) == 3 for c in answer.choices)
+    assert HEX32.match(answer.id)
+    usage = answer.usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (64, 12, 76)
+    # the warm-up cached each prompt's full blocks, so each first sample hit them: 32 + 16,
+    # summed (vLLM would say one request's count)
+    assert usage.prompt_tokens_details.cached_tokens == 48
+    # SGLang counts the warm-ups: 40 + 24 prompt tokens more than the four samples' own
+    prompt, cached = (sim.metric("sglang:prompt_tokens_total") - before[0],
+                      sim.metric("sglang:cached_tokens_total") - before[1])  # fmt: skip
+    assert (prompt, cached) == (3 * 64, 2 * 48)
+
+
+def test_a_whole_answer_has_sglangs_fields(sim: SimProcess) -> None:
+    body = {"model": MODEL, "prompt": fresh(3_000, 20), "max_tokens": 2}
+    answer = sim.post("/v1/completions", body)
+    assert list(answer) == ["id", "object", "created", "model", "choices", "usage", "metadata"]
+    assert (
+        answer["choices"][0]["matched_stop"] is None and "stop_reason" not in answer["choices"][0]
+    )
+    assert answer["usage"]["reasoning_tokens"] == 0
+    assert answer["usage"]["completion_tokens_details"] is None
+    assert answer["metadata"]["weight_version"] == "default"
+
+
+def test_a_streamed_prompt_with_two_samples_sends_each_under_its_own_id(
+    client: openai.OpenAI,
+) -> None:
+    stream = client.completions.create(
+        model=MODEL, prompt=fresh(4_000, 40), n=2, max_tokens=3, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    ids: dict[int, set[str]] = {0: set(), 1: set()}
+    ends: dict[int, list[str]] = {}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        ids[choice.index].add(chunk.id)
+        if choice.finish_reason is not None:
+            ends.setdefault(choice.index, []).append(choice.finish_reason)
+    assert all(len(v) == 1 for v in ids.values()) and ids[0] != ids[1]
+    assert ends == {0: ["length"], 1: ["length"]}
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (40, 6)
+    assert usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == 32  # the first sample, warmed
+
+
+def test_stream_options_without_include_usage_send_no_usage_chunk(
+    client: openai.OpenAI,
+) -> None:
+    for options in ({}, {"include_usage": False}):
+        stream = client.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=2, stream=True,
+            stream_options=options,  # type: ignore[arg-type]
+        )  # fmt: skip
+        assert all(chunk.usage is None for chunk in stream)
+
+
+def test_a_chat_stream_sends_each_role_with_its_first_output_and_the_ends_after(
+    client: openai.OpenAI,
+) -> None:
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Stream two answers."}],
+            max_tokens=3, n=2, stream=True, stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    seen: list[tuple[int, str]] = []
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        if choice.delta.role:
+            seen.append((choice.index, "role"))
+        elif choice.delta.content:
+            assert choice.finish_reason is None  # SGLang ends a choice in a chunk of its own
+            seen.append((choice.index, "content"))
+        else:
+            assert choice.finish_reason == "length"
+            seen.append((choice.index, "end"))
+    for index in (0, 1):
+        mine = [what for i, what in seen if i == index]
+        assert mine == ["role", "content", "content", "content", "end"]
+    assert [what for _, what in seen][-2:] == ["end", "end"]  # after every output
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 6 and usage.prompt_tokens < 20
+
+
+def test_what_vllm_refuses_sglang_serves(client: openai.OpenAI) -> None:
+    greedy = client.completions.create(model=MODEL, prompt="x", n=2, temperature=0, max_tokens=1)
+    assert len(greedy.choices) == 2
+    hot = client.completions.create(model=MODEL, prompt="x", temperature=2.5, max_tokens=1)
+    assert hot.choices[0].finish_reason == "length"
+    beyond = client.completions.create(model=MODEL, prompt=[5, 40_000], max_tokens=1)
+    assert beyond.usage is not None and beyond.usage.prompt_tokens == 2  # no vocabulary check
+    many = client.completions.create(model=MODEL, prompt=["x"] * 1100, max_tokens=1)
+    assert len(many.choices) == 1100  # no bound on a batch
+
+
+def test_n_below_one_fails_as_sglangs_sums_fail(sim: SimProcess, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match=r"range\(\) arg 3 must not be zero"):
+        client.completions.create(model=MODEL, prompt="x", n=0, max_tokens=1)
+    negative = client.completions.create(model=MODEL, prompt="x", n=-1, max_tokens=1)
+    assert negative.usage is not None and negative.usage.prompt_tokens == 0
+    with pytest.raises(openai.InternalServerError, match="list index out of range"):
+        client.completions.create(model=MODEL, prompt=["x", "y"], n=0, max_tokens=1)
+
+
+def test_errors_have_sglangs_shape_and_types(sim: SimProcess) -> None:
+    cases = [
+        ({"prompt": [0]}, "Prompt cannot be empty", "BadRequestError"),
+        (
+            {"prompt": "x", "temperature": -1},
+            "temperature must be a non-negative",
+            "BadRequestError",
+        ),
+        ({"prompt": [1] * 4096}, "The input (4096 tokens) is longer than", "BadRequestError"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens", "Bad Request"),
+        ({"prompt": [-1]}, "Token id -1 cannot be served", "BadRequestError"),
+    ]
+    for extra, needle, error_type in cases:
+        code, answer = sim.call("POST", "/v1/completions", {"model": MODEL, **extra})
+        assert code == 400, answer
+        assert set(answer) == {"object", "message", "type", "param", "code"}
+        assert answer["object"] == "error" and needle in answer["message"]
+        assert (answer["type"], answer["code"]) == (error_type, 400)
+    code, answer = sim.call("POST", "/v1/chat/completions", {"messages": []})
+    assert (code, answer["message"], answer["type"]) == (
+        400, "Messages cannot be empty.", "BadRequestError",
+    )  # fmt: skip
+
+
+def test_the_openai_client_raises_its_own_errors_on_sglangs_shape(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="Requested token count exceeds"):
+        client.completions.create(model=MODEL, prompt=[1] * 4000, max_tokens=200)
