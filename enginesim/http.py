@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -205,7 +206,16 @@ class SimApp:
         usage = p.stream_usage(body)  # checked first, as vLLM's request validators run
         given = p.completion_prompts(body, p.MAX_COMPLETION_PROMPTS)
         prompts = await self.prompt_ids(given)
-        choices = await self._submit(prompts, body, "cmpl", ids_given=isinstance(given[0], list))
+        try:
+            choices = await self._submit(
+                prompts, body, "cmpl", ids_given=isinstance(given[0], list)
+            )
+        except p.EngineInputError as exc:  # raised by the engine once vLLM's stream began
+            if not body.stream:
+                raise
+            error = b"data: " + json.dumps(exc.body()).encode() + b"\n\n"  # json.dumps's
+            nothing = Choices(self.engine.new_request_id("cmpl"), [])  # nothing was queued
+            return EventStream(_events(error, b"data: [DONE]\n\n"), nothing)
         if body.stream:
             return EventStream(self._completion_chunks(choices, usage), choices)
         await choices.until_done()
@@ -233,19 +243,21 @@ class SimApp:
         self, prompts: list[list[int]], body: p._Sampling, prefix: str, *, ids_given: bool = False
     ) -> Choices:
         """One engine request per prompt and sample, checked in vLLM's order: the model,
-        each prompt's length and (given as ids) its token ids, then the sampling
-        parameters."""
+        each prompt's length (rendering), the sampling parameters (serving), then the
+        token ids of prompts given as ids (the engine's input processor, which runs when
+        the request's generator is first read: ``EngineInputError``)."""
         self.check_model(body.model)
         p.check_salt(body.cache_salt)
         max_tokens = body.max_tokens or p.DEFAULT_MAX_TOKENS
         try:
             for prompt in prompts:
                 self.engine.check(len(prompt), max_tokens)
-                if ids_given:
-                    p.check_token_ids(prompt, self.tokenizer.max_token_id)
         except RequestRejected as exc:
             raise p.BadRequest(str(exc)) from exc
         n = p.check_sampling(body.n, body.temperature)
+        if ids_given:
+            for prompt in prompts:
+                p.check_token_ids(prompt, self.tokenizer.max_token_id)
         if self.engine.faults.should_fail():
             raise p.InjectedFailure("Injected failure (kvroute-sim fault).")
         rid = self.engine.new_request_id(prefix)
@@ -499,6 +511,11 @@ class SimApp:
 
 
 _INFERENCE_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+async def _events(*events: bytes) -> AsyncIterator[bytes]:
+    for event in events:
+        yield event
 
 
 def _result(answer: Answer) -> Result:

@@ -8,6 +8,7 @@ with vLLM's status codes::
 
     ApiError                 base: status + OpenAI error type
      ├── BadRequest          400  malformed JSON, missing or invalid field, prompt too long
+     │    └── EngineInputError     token id out of the vocabulary (an event in a stream)
      ├── Forbidden           403  admin route from a non-loopback client
      ├── NotFound            404  unknown model or route
      ├── MethodNotAllowed    405
@@ -59,6 +60,12 @@ class ApiError(Exception):
 
 class BadRequest(ApiError):
     status, error_type = 400, "BadRequestError"
+
+
+class EngineInputError(BadRequest):
+    """Refused by vLLM's engine input processing, which a stream only reaches after its
+    200: there it is an error event, ``json.dumps`` of the body, then ``[DONE]``
+    (``completion/serving.py``, ``completion_stream_generator``)."""
 
 
 class Forbidden(ApiError):
@@ -227,15 +234,15 @@ def completion_prompts(
 
 def check_token_ids(prompt: Sequence[int], max_token_id: int) -> None:
     """vLLM's ``validate_token_ids`` (``renderers/base.py``, run by the v1 input
-    processor's ``_validate_model_input`` after the prompt's length): the lowest id if it
-    is negative, else the highest if it is above ``max_token_id``, "is out of
+    processor's ``_validate_model_input`` when the engine takes the request): the lowest
+    id if it is negative, else the highest if it is above ``max_token_id``, "is out of
     vocabulary"; no ``param``."""
     low = min(prompt)
     if low < 0:
-        raise BadRequest(f"Token id {low} is out of vocabulary")
+        raise EngineInputError(f"Token id {low} is out of vocabulary")
     high = max(prompt)
     if high > max_token_id:
-        raise BadRequest(f"Token id {high} is out of vocabulary")
+        raise EngineInputError(f"Token id {high} is out of vocabulary")
 
 
 def check_sampling(n: int | None, temperature: float | None) -> int:

@@ -248,3 +248,33 @@ def test_invalid_settings_exit_with_status_2() -> None:
     sim = SimProcess("--num-blocks=10", "--max-model-len=9999")
     with pytest.raises(RuntimeError, match=r"exit 2\).*max_model_len 9999 exceeds the KV pool"):
         sim.__enter__()
+
+
+def test_a_token_id_out_of_the_vocabulary_is_refused_after_the_length_and_sampling(
+    sim: SimProcess,
+) -> None:
+    """vLLM renders (length), builds the sampling parameters, and only then its engine
+    reads the token ids: a stream has begun by then and carries the refusal as an event."""
+    queries = sim.metric("vllm:prefix_cache_queries_total")
+    for extra, needle in (
+        ({"prompt": [[*range(8190)], [40_000]]}, "maximum context length"),
+        ({"prompt": [40_000], "n": 2, "temperature": 0}, "greedy sampling"),
+        ({"prompt": [40_000], "n": 0}, "n must be at least 1"),
+        ({"prompt": [7, 40_000]}, "Token id 40000 is out of vocabulary"),
+    ):
+        code, answer = sim.call("POST", "/v1/completions", {"max_tokens": 5, **extra})
+        assert code == 400 and needle in answer["error"]["message"], answer
+    events = sim.stream("/v1/completions", {"prompt": [[7], [-4]], "stream": True,
+                                           "stream_options": {"include_usage": True}})  # fmt: skip
+    assert events == [
+        {
+            "error": {
+                "message": "Token id -4 is out of vocabulary",
+                "type": "BadRequestError",
+                "param": None,
+                "code": 400,
+            }
+        },
+        "[DONE]",
+    ]
+    assert sim.metric("vllm:prefix_cache_queries_total") == queries  # nothing was queued

@@ -197,3 +197,11 @@ def test_more_than_1024_prompts_and_ids_out_of_the_vocabulary_are_vllms_400s(
             client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)  # type: ignore[arg-type]
     edge = client.completions.create(model=MODEL, prompt=[0, 31_999], max_tokens=1)
     assert edge.usage is not None and edge.usage.prompt_tokens == 2
+
+
+def test_a_stream_carries_vllms_refusal_of_a_token_id_to_the_client(
+    client: openai.OpenAI,
+) -> None:
+    stream = client.completions.create(model=MODEL, prompt=[5, 32_000], max_tokens=1, stream=True)
+    with pytest.raises(openai.APIError, match="Token id 32000 is out of vocabulary"):
+        list(stream)

@@ -105,6 +105,7 @@ def test_vllms_refusal_of_a_token_id_out_of_the_vocabulary(prompt, message) -> N
     with pytest.raises(p.BadRequest) as caught:
         p.check_token_ids(prompt, 31_999)
     assert (caught.value.message, caught.value.param, caught.value.status) == (message, None, 400)
+    assert isinstance(caught.value, p.EngineInputError)  # the engine's: an event in a stream
 
 
 def test_the_vocabularys_edges_are_served() -> None:
