@@ -1,14 +1,23 @@
 """What kvroute-proxy's own code costs per request, with no sockets and no other process.
 
-``python -m bench.proxy_path [--requests N] [--strategy S]`` builds one worker's
-``ProxyService`` (static mode, two replicas; with ``--strategy kv_aware``, a proxy of a
-fleet as ``kvroute up`` runs it, debug headers on unless ``--no-debug-headers`` (as
-bench.proxy runs it), its routing state one control-plane snapshot of two healthy
-replicas and its control-plane reporter counting), serves it
+``python -m bench.proxy_path [--requests N] [--strategy S] [--prompt P]`` builds one
+worker's ``ProxyService`` (static mode, two replicas; with ``--strategy kv_aware``, a
+proxy of a fleet as ``kvroute up`` runs it, debug headers on unless
+``--no-debug-headers`` (as bench.proxy runs it), its routing state one control-plane
+snapshot of two healthy replicas and its control-plane reporter counting), serves it
 with its ``HttpServer`` on an in-memory transport and lets its ``ConnectionPool`` reach
 in-memory replicas, then sends short non-streaming completions through the whole real
 path: request parsing, routing, the upstream request and response parsing, the relay,
 metrics and the response. A replica answers with a fixed vLLM-shaped body at once.
+
+``--prompt hello`` (the default) sends ``Hello number N``: shorter than a KV block, so
+kv_aware has no block key to look up. ``--prompt shared`` sends bench.proxy's
+throughput prompts (``short_prompt``: one of 8 shared system lines and a question of
+its own, about 45 tokens) for 32 clients, and the control plane's routing state (a
+delta after the snapshot) shows every whole block of them resident on both replicas,
+as after bench.proxy's warm-up: kv_aware takes its keyed path (block keys, leading
+runs, scoring, the prediction of cached tokens, the speculative record), and the
+replicas report 32 cached tokens, as an engine would.
 Printed: CPU time per request, the fastest of 10 batches and their median (on a machine
 shared with other work the fastest batch is the least disturbed one). No system call is
 made, so this is the proxy's Python work alone; what the kernel adds per hop is the same
@@ -37,23 +46,49 @@ from typing import Any
 
 import uvloop
 
+from bench.proxy import short_prompt
 from dataplane.http_client import ConnectionPool, _Connection
 from dataplane.http_server import HttpServer, Request, Response
 from dataplane.service import ProxyService
 from dataplane.settings import ProxySettings
+from kvcore.keys import root_key
 from kvcore.pb import events_pb2, routing_pb2
+from kvcore.request import prompt_keys
+from kvcore.tokenize import PrefixTokenCache, load_tokenizer
 
 MODEL = "kvroute/sim-model"
-ANSWER = json.dumps({
-    "id": "cmpl-1", "object": "text_completion", "created": 1, "model": MODEL,
-    "choices": [{"index": 0, "text": " hi", "logprobs": None, "finish_reason": "length"}],
-    "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6,
-              "prompt_tokens_details": {"cached_tokens": 0}},
-}).encode()  # fmt: skip
-REPLY = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
-    len(ANSWER),
-    ANSWER,
-)
+CLIENTS = 32  # --prompt shared: bench.proxy's concurrency (one system line per client)
+QUESTIONS = 100  # --prompt shared: questions per client (bench.proxy's period)
+SPECULATIVE_TTL_S = 2.0  # the snapshot's kv_aware workload's (the default)
+
+
+def _reply(prompt_tokens: int, cached_tokens: int) -> bytes:
+    answer = json.dumps({
+        "id": "cmpl-1", "object": "text_completion", "created": 1, "model": MODEL,
+        "choices": [{"index": 0, "text": " hi", "logprobs": None, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 1,
+                  "total_tokens": prompt_tokens + 1,
+                  "prompt_tokens_details": {"cached_tokens": cached_tokens}},
+    }).encode()  # fmt: skip
+    return b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+        len(answer),
+        answer,
+    )
+
+
+def hello_prompt(i: int) -> str:
+    return f"Hello number {i % 50}"
+
+
+def shared_prompt(i: int) -> str:
+    """bench.proxy's throughput prompt of client ``i % CLIENTS``, its ``i // CLIENTS``-th."""
+    return short_prompt(i % CLIENTS, (i // CLIENTS) % QUESTIONS)
+
+
+PROMPTS = {  # --prompt: (the i-th request's prompt, what a replica answers to every one)
+    "hello": (hello_prompt, _reply(5, 0)),
+    "shared": (shared_prompt, _reply(45, 32)),
+}
 BATCHES = 10
 SPLIT = {  # part of the path: (from stamp, to stamp); see the module docstring
     "in": ("sent", "upstream"),
@@ -90,22 +125,23 @@ class MemoryTransport:
 
 class _MemoryReplicas(ConnectionPool):
     """The proxy's client, its connections answered in memory by a replica that replies
-    to every request with ``REPLY`` (on the next turn of the loop, as a socket would);
+    to every request with ``reply`` (on the next turn of the loop, as a socket would);
     with ``stamps``, the times of the upstream write and of the reply's arrival in it."""
 
-    def __init__(self, stamps: dict[str, float] | None = None) -> None:
+    def __init__(self, reply: bytes, stamps: dict[str, float] | None = None) -> None:
         super().__init__(2.0, 60.0)
+        self.reply = reply
         self.stamps = stamps
 
     async def _connect(self, host: str, port: int) -> _Connection:
         connection = _Connection()
         loop = asyncio.get_running_loop()
-        stamps = self.stamps
+        stamps, answer = self.stamps, self.reply
 
         def reply() -> None:
             if stamps is not None:
                 stamps["reply"] = time.perf_counter()
-            connection.data_received(REPLY)
+            connection.data_received(answer)
 
         def on_write(_: bytes) -> None:
             if stamps is not None:
@@ -142,9 +178,10 @@ def _service(strategy: str, debug_headers: bool = True) -> ProxyService:
 
 def _snapshot() -> routing_pb2.StateUpdate:
     """Two healthy idle replicas serving ``MODEL``; the ``default`` workload kv_aware."""
+    policy = {"strategy": "kv_aware", "speculative_ttl_s": SPECULATIVE_TTL_S}
     config = routing_pb2.RoutingConfig(
         revision=1,
-        workloads=[routing_pb2.Workload(name="default", policy_json='{"strategy": "kv_aware"}')],
+        workloads=[routing_pb2.Workload(name="default", policy_json=json.dumps(policy))],
         models=[routing_pb2.Model(name=MODEL, tokenizer="builtin", block_size=16)],
     )
     replicas = [
@@ -161,14 +198,36 @@ def _snapshot() -> routing_pb2.StateUpdate:
     return routing_pb2.StateUpdate(epoch=1, version=1, snapshot=chunk)
 
 
+def _shared_residency() -> routing_pb2.StateUpdate:
+    """The delta after ``_snapshot`` that shows every whole block of every
+    ``shared_prompt`` resident on both replicas (keyed as the proxy keys them: the
+    registry's builtin tokenizer, block size 16, no tenant); file I/O: off the loop."""
+    cache = PrefixTokenCache(load_tokenizer("builtin"))
+    root = root_key(model=MODEL, namespace="")
+    keys: set[int] = set()
+    for i in range(CLIENTS * QUESTIONS):
+        body = {"prompt": shared_prompt(i)}
+        keys.update(prompt_keys(body, cache, root=root, block_size=16, kind="completion").keys)
+    residency = [
+        routing_pb2.ResidencyChange(ordinal=i, added=sorted(keys)) for i in range(len(REPLICAS))
+    ]
+    return routing_pb2.StateUpdate(epoch=1, version=2, delta=routing_pb2.Delta(residency=residency))
+
+
 class _Path:
     """One worker's proxy served in memory, and a client sending it short completions."""
 
     def __init__(
-        self, strategy: str, stamps: dict[str, float] | None = None, debug_headers: bool = True
+        self,
+        strategy: str,
+        stamps: dict[str, float] | None = None,
+        debug_headers: bool = True,
+        prompt: str = "hello",
     ) -> None:
         self.service = _service(strategy, debug_headers)
-        self.service.upstream.pool = _MemoryReplicas(stamps)
+        self._prompt, reply = PROMPTS[prompt]
+        self._shared = prompt == "shared" and strategy == "kv_aware"
+        self.service.upstream.pool = _MemoryReplicas(reply, stamps)
         self.stamps = stamps
         handler: Any = self.service.app if stamps is None else self._stamped
         server = HttpServer(handler, max_body_bytes=self.service.settings.max_body_bytes)
@@ -176,9 +235,22 @@ class _Path:
         self._client = server.protocol()
         self._client.connection_made(MemoryTransport(self._on_response))  # type: ignore[arg-type]
 
+    async def warm(self, requests: int) -> None:
+        """``requests`` requests (tokenizer caches, connections, metric children) and, on
+        the keyed path, more until the first speculative records have expired: each
+        request then also expires one, as on a proxy that has run for a while."""
+        until = time.monotonic() + (SPECULATIVE_TTL_S + 0.5 if self._shared else 0.0)
+        i = 0
+        while i < requests or time.monotonic() < until:
+            await self.one(i)
+            i += 1
+        gc.collect()
+
     async def start(self) -> None:
         tokenizer = self.service.settings.tokenizer
         await asyncio.to_thread(self.service.router.tokenizers.load, tokenizer)
+        if self._shared:  # what the fleet's sidecars announced after bench.proxy's warm-up
+            self.service.fleet.apply(await asyncio.to_thread(_shared_residency))
 
     async def _stamped(self, request: Request, response: Response) -> None:
         assert self.stamps is not None
@@ -191,8 +263,9 @@ class _Path:
         if self._answered and not self._answered[0].done():
             self._answered[0].set_result(data)
 
-    async def one(self, i: int) -> None:
-        body = json.dumps({"model": MODEL, "prompt": f"Hello number {i % 50}", "max_tokens": 1})
+    async def one(self, i: int) -> bytes:
+        """Send the ``i``-th request and wait for the proxy's answer (its bytes)."""
+        body = json.dumps({"model": MODEL, "prompt": self._prompt(i), "max_tokens": 1})
         request = (
             b"POST /v1/completions HTTP/1.1\r\nhost: proxy\r\ncontent-type: application/json"
             b"\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body.encode())
@@ -205,6 +278,7 @@ class _Path:
         self._answered.clear()
         if not reply.startswith(b"HTTP/1.1 200"):
             raise SystemExit(f"the proxy answered {reply[:200]!r}")
+        return reply
 
     async def aclose(self) -> None:
         self.service.reporter = None  # no control plane to deliver its last report to
@@ -212,14 +286,17 @@ class _Path:
 
 
 async def measure(
-    requests: int, strategy: str, profile: bool, warmup: int = 500, debug_headers: bool = True
+    requests: int,
+    strategy: str,
+    profile: bool,
+    warmup: int = 500,
+    debug_headers: bool = True,
+    prompt: str = "hello",
 ) -> list[float]:
     """CPU microseconds per request of each of ``BATCHES`` batches."""
-    path = _Path(strategy, debug_headers=debug_headers)
+    path = _Path(strategy, debug_headers=debug_headers, prompt=prompt)
     await path.start()
-    for i in range(warmup):  # tokenizer caches, connections, metric children
-        await path.one(i)
-    gc.collect()
+    await path.warm(warmup)
     per_batch = max(1, requests // BATCHES)
     samples = []
     for _ in range(BATCHES):
@@ -239,16 +316,18 @@ async def measure(
 
 
 async def measure_split(
-    requests: int, strategy: str, warmup: int = 500, debug_headers: bool = True
+    requests: int,
+    strategy: str,
+    warmup: int = 500,
+    debug_headers: bool = True,
+    prompt: str = "hello",
 ) -> dict[str, list[float]]:
     """Wall microseconds per request of each part of the path (``SPLIT``), request by
     request."""
     stamps: dict[str, float] = {}
-    path = _Path(strategy, stamps, debug_headers)
+    path = _Path(strategy, stamps, debug_headers, prompt)
     await path.start()
-    for i in range(warmup):
-        await path.one(i)
-    gc.collect()
+    await path.warm(warmup)
     parts: dict[str, list[float]] = {name: [] for name in SPLIT}
     for i in range(requests):
         stamps.clear()
@@ -278,22 +357,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategy", default="round_robin", choices=STRATEGIES)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument(
+        "--prompt",
+        default="hello",
+        choices=list(PROMPTS),
+        help="hello: 'Hello number N' (no whole KV block); shared: bench.proxy's throughput "
+        "prompts, their blocks resident on both replicas (kv_aware's keyed path)",
+    )
+    parser.add_argument(
         "--no-debug-headers",
         dest="debug_headers",
         action="store_false",
         help="kv_aware's proxy without the x-kvroute-* headers, as bench.proxy runs it",
     )
     args = parser.parse_args(argv)
-    samples = uvloop.run(
-        measure(args.requests, args.strategy, args.profile, debug_headers=args.debug_headers)
-    )
-    parts = uvloop.run(
-        measure_split(args.requests, args.strategy, debug_headers=args.debug_headers)
-    )
+    options = {"debug_headers": args.debug_headers, "prompt": args.prompt}
+    samples = uvloop.run(measure(args.requests, args.strategy, args.profile, **options))
+    parts = uvloop.run(measure_split(args.requests, args.strategy, **options))
     mode = "a fleet's" if args.strategy == "kv_aware" else "static"
     if args.strategy == "kv_aware" and not args.debug_headers:
         mode += " (no debug headers)"
-    print(f"kvroute-proxy request path in process, {mode} {args.strategy}, short completion")
+    prompt = "shared-prefix" if args.prompt == "shared" else "short"
+    print(f"kvroute-proxy request path in process, {mode} {args.strategy}, {prompt} completion")
     print(f"  CPU per request, fastest of {BATCHES} batches  {min(samples):8.1f} us")
     print(f"  CPU per request, median batch            {statistics.median(samples):8.1f} us")
     print(f"  wall time per request over {args.requests} requests     p50        p90")

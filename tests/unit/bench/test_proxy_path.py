@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import uvloop
 
-from bench.proxy_path import BATCHES, SPLIT, _service, measure, measure_split
+from bench.proxy import short_prompt
+from bench.proxy_path import (
+    BATCHES,
+    CLIENTS,
+    SPLIT,
+    _Path,
+    _service,
+    measure,
+    measure_split,
+    shared_prompt,
+)
 
 
 def test_every_request_goes_through_the_proxy_and_each_batch_is_timed() -> None:
@@ -29,3 +39,44 @@ def test_kv_aware_runs_without_debug_headers_as_bench_proxy_runs_it() -> None:
         measure(requests=50, strategy="kv_aware", profile=False, warmup=10, debug_headers=False)
     )
     assert len(samples) == BATCHES
+
+
+def test_the_shared_prompts_take_kv_awares_keyed_path_on_blocks_both_replicas_hold() -> None:
+    """--prompt shared: bench.proxy's throughput prompts, whose two whole blocks the
+    routing state shows on both replicas; kv_aware matches them and predicts the hit."""
+
+    async def answers() -> list[bytes]:
+        path = _Path("kv_aware", prompt="shared")  # debug headers on: they show the match
+        await path.start()
+        try:
+            return [await path.one(i) for i in range(2 * CLIENTS)]
+        finally:
+            await path.aclose()
+
+    replies = uvloop.run(answers())
+    assert all(b"\r\nx-kvroute-prefix-blocks: 2/2\r\n" in reply for reply in replies)
+    assert {_replica_of(reply) for reply in replies} == {"r0", "r1"}  # both hold them
+    assert all(b'"cached_tokens": 32' in reply for reply in replies)
+    assert shared_prompt(0) == short_prompt(0, 0)
+    assert shared_prompt(CLIENTS + 3) == short_prompt(3, 1)
+
+
+def test_the_default_prompt_has_no_whole_block_to_match() -> None:
+    async def answer() -> bytes:
+        path = _Path("kv_aware")
+        await path.start()
+        try:
+            return await path.one(7)
+        finally:
+            await path.aclose()
+
+    assert b"\r\nx-kvroute-prefix-blocks: 0/0\r\n" in uvloop.run(answer())
+
+
+def _replica_of(reply: bytes) -> str:
+    head = reply.split(b"\r\n\r\n", 1)[0].decode()
+    return next(
+        line.split(": ", 1)[1]
+        for line in head.split("\r\n")
+        if line.startswith("x-kvroute-replica")
+    )
