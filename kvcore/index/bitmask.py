@@ -11,14 +11,21 @@ after :meth:`expire`) and, per replica, each key's expiry, with one expiry recor
 :meth:`add_speculative` call so that recording a 512-key prompt is cheap. For the keys
 that have speculative entries, ``_with_spec`` holds confirmed | speculative, so that a
 lookup that counts speculation (every proxy lookup) is still one probe per dict.
+
+Expiry records are plain tuples (compared in C) in a FIFO queue while they arrive in
+order of expiry, as a proxy's do (its clock plus one workload's TTL): recording and
+expiring one is O(1). Records that would break the order (a shorter TTL after a longer
+one) go to a heap. Which records expire first does not change what an expiry drops
+(see :meth:`_expire_record`), so the two are simply drained in turn.
 """
 
 from __future__ import annotations
 
 import heapq
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import accumulate, compress, count, groupby, repeat, takewhile
 from operator import and_, eq
 
@@ -27,12 +34,9 @@ from kvcore.index.base import check_replica
 _NOTHING: dict[int, int] = {}
 
 
-@dataclass(order=True, slots=True)
-class _Expiry:
-    expires_at: float
-    seq: int
-    replica: int = field(compare=False)
-    keys: tuple[int, ...] = field(compare=False)
+# (expires_at, seq, replica, keys): ordered by expiry, then by recording (seq is unique,
+# so keys are never compared); a tuple, since a dataclass's ordering runs in Python
+_Expiry = tuple[float, int, int, tuple[int, ...]]
 
 
 class BitmaskResidencyIndex:
@@ -44,7 +48,8 @@ class BitmaskResidencyIndex:
         self._spec_mask: dict[int, int] = {}
         self._with_spec: dict[int, int] = {}  # confirmed | speculative, speculated keys only
         self._spec_until: dict[int, dict[int, float]] = {}
-        self._expiries: list[_Expiry] = []
+        self._in_order: deque[_Expiry] = deque()  # expiry records, by expiry
+        self._out_of_order: list[_Expiry] = []  # a heap: those that came out of order
         self._seq = count()
         self._hidden = 0  # replicas being cleared step by step: invisible to lookups
         self._clearing: dict[int, _Clearing] = {}
@@ -123,13 +128,20 @@ class BitmaskResidencyIndex:
             if not speculative & bit:
                 speculative = spec[key] = speculative | bit
                 with_spec[key] = masks.get(key, 0) | speculative
-        heapq.heappush(self._expiries, _Expiry(expires_at, next(self._seq), replica, keys))
+        record = (expires_at, next(self._seq), replica, keys)
+        in_order = self._in_order
+        if not in_order or in_order[-1][0] <= expires_at:
+            in_order.append(record)
+        else:
+            heapq.heappush(self._out_of_order, record)
 
     def expire(self, now: float) -> int:
         expired = 0
-        while self._expiries and self._expiries[0].expires_at <= now:
-            record = heapq.heappop(self._expiries)
-            expired += self._expire_record(record)
+        in_order, out_of_order = self._in_order, self._out_of_order
+        while in_order and in_order[0][0] <= now:
+            expired += self._expire_record(in_order.popleft())
+        while out_of_order and out_of_order[0][0] <= now:
+            expired += self._expire_record(heapq.heappop(out_of_order))
         return expired
 
     def replicas_of(self, key: int) -> frozenset[int]:
@@ -170,11 +182,13 @@ class BitmaskResidencyIndex:
         self._hidden &= ~job.bit
 
     def _expire_record(self, record: _Expiry) -> int:
-        """Drops the record's keys not refreshed since (found in one C-level pass: most
-        of a busy proxy's records are superseded by later ones)."""
-        until = self._spec_until.get(record.replica, {})
-        at, keys = record.expires_at, record.keys
-        bit, expired = 1 << record.replica, 0
+        """Drops the record's keys not recorded again since (found in one C-level pass:
+        most of a busy proxy's records are superseded by later ones). What it drops
+        depends on the keys' last recorded expiries alone, not on which expired records
+        ran before it."""
+        at, _, replica, keys = record
+        until = self._spec_until.get(replica, {})
+        bit, expired = 1 << replica, 0
         for key in compress(keys, map(eq, map(until.get, keys), repeat(at))):
             if until.pop(key, None) is not None:  # a key listed twice is dropped once
                 self._drop_spec_bit(key, bit)

@@ -240,6 +240,57 @@ def test_leading_runs_when_the_holders_change_at_every_block(index: ResidencyInd
     assert index.leading_runs(list(range(40))) == {0: 30, 1: 1, 2: 20, 3: 1}
 
 
+def test_records_out_of_order_of_expiry_expire_at_their_own_time(index: ResidencyIndex) -> None:
+    """A shorter TTL recorded after a longer one (two workloads on one proxy)."""
+    index.add_speculative(0, [1, 2], expires_at=10.0)
+    index.add_speculative(1, [3], expires_at=4.0)  # earlier than the one before it
+    index.add_speculative(0, [4], expires_at=12.0)
+    index.add_speculative(1, [2], expires_at=6.0)
+    assert index.expire(4.0) == 1
+    assert index.leading_runs([3], now=4.0) == {}
+    assert index.expire(6.0) == 1
+    assert index.leading_runs([1, 2], now=6.0) == {0: 2}
+    assert index.expire(10.0) == 2
+    assert index.leading_runs([4], now=10.0) == {0: 1}
+    assert index.expire(12.0) == 1
+    assert index.speculative_count(0, now=12.0) == 0
+
+
+PROXY_STREAM = st.lists(  # (seconds since the last step, TTL, replica, keys, expire after?)
+    st.tuples(
+        st.sampled_from([0.0, 0.25, 1.0]),
+        st.sampled_from([0.5, 2.0, 3.0]),
+        st.integers(0, 3),
+        st.lists(st.integers(0, 6), max_size=4),
+        st.booleans(),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(stream=PROXY_STREAM)
+def test_speculation_recorded_as_a_proxy_records_it_expires_as_the_reference_says(
+    stream: list[tuple[float, float, int, list[int], bool]],
+) -> None:
+    """A proxy's clock only moves on, and each workload's TTL is fixed, so most records
+    arrive in order of expiry and some (a shorter TTL after a longer one) do not: every
+    expiry drops what the reference drops, and lookups agree at every step."""
+    fast, oracle = BitmaskResidencyIndex(), ReferenceResidencyIndex()
+    now = 0.0
+    for step, ttl, replica, keys, expire in stream:
+        now += step
+        for impl in (fast, oracle):
+            impl.add_speculative(replica, keys, expires_at=now + ttl)
+        if expire:
+            assert fast.expire(now) == oracle.expire(now)
+        for probe in ([0, 1, 2], [3, 4], [5, 6, 0]):
+            assert fast.leading_runs(probe, now=now) == oracle.leading_runs(probe, now=now)
+        for r in range(4):
+            assert fast.speculative_count(r, now=now) == oracle.speculative_count(r, now=now)
+    assert fast.expire(now + 10) == oracle.expire(now + 10)
+
+
 def _apply(index: ResidencyIndex, op: str, replica: int, keys: list[int], when: int) -> None:
     if op == "add":
         index.add(replica, keys)
