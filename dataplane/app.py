@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, unquote
 
 import msgspec
 from opentelemetry.trace import Span
@@ -58,6 +58,7 @@ from kvcore.pb import routing_pb2
 log = logging.getLogger("dataplane")
 
 JSON = b"application/json"
+MODEL_PATH = "/v1/models/"  # + a model's id (which may hold slashes)
 INFERENCE: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 THREAD_PROMPT_CHARS = 256 * 1024  # longer prompts are tokenized off the event loop
 _DROP_UPSTREAM = frozenset(
@@ -137,9 +138,13 @@ class ProxyApp:
             _allow(method, "GET", path)
             self._authenticate(request.headers)
             response.json(self._models())
+        elif path.startswith(MODEL_PATH):  # the OpenAI client's models.retrieve()
+            _allow(method, "GET", path)
+            self._authenticate(request.headers)
+            response.json(self._model(unquote(path[len(MODEL_PATH) :])))
         elif path.startswith("/v1/"):
             await self._forward(request, response)
-        elif path == "/healthz":
+        elif path in ("/healthz", "/health"):  # /health: the engines' own, for their probes
             response.json({"status": "ok"})
         elif path == "/readyz":
             detail = self._ready()
@@ -304,11 +309,17 @@ class ProxyApp:
     # -- other routes ----------------------------------------------------------------
 
     def _models(self) -> dict[str, Any]:
-        cards = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "kvroute"}
-            for name in self.fleet.served_models()
-        ]
-        return {"object": "list", "data": cards}
+        return {"object": "list", "data": [_card(name) for name in self.fleet.served_models()]}
+
+    def _model(self, name: str) -> dict[str, Any]:
+        """One model of :meth:`_models`, or OpenAI's 404 for a model no replica serves."""
+        if name not in self.fleet.served_models():
+            raise NotFound(
+                f"The model `{name}` does not exist or you do not have access to it.",
+                "model",
+                "model_not_found",
+            )
+        return _card(name)
 
     async def _forward(self, request: Request, response: _Responder) -> None:
         """Any other /v1/* route: to the least-loaded replica serving the model."""
@@ -370,6 +381,10 @@ def _span_attributes(exchange: Exchange) -> dict[str, Any]:
 def _allow(method: str, allowed: str, path: str) -> None:
     if method != allowed:
         raise MethodNotAllowed(f"{method} is not allowed on {path}; use {allowed}.")
+
+
+def _card(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "kvroute"}
 
 
 def _model_of(request: Request) -> str:

@@ -19,6 +19,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -316,6 +317,29 @@ def test_other_v1_routes_reach_a_replica_and_request_ids_are_kept(fleet: Any) ->
         assert resp.headers["x-request-id"] == "my-request-7"
     status, headers, _ = proxy.request("/v1/completions", {"model": MODEL, "prompt": "Hi"})
     assert status == 200 and len(headers["x-request-id"]) == 32  # one was made up
+
+
+def test_the_openai_client_lists_and_retrieves_the_served_models(fleet: Any) -> None:
+    _, proxy = fleet
+    client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="none", max_retries=0)
+    try:
+        assert [model.id for model in client.models.list()] == [MODEL]
+        assert client.models.retrieve(MODEL).id == MODEL
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.models.retrieve("org/no-such-model")
+    finally:
+        client.close()
+    error = missing.value.body
+    assert isinstance(error, dict) and error["code"] == "model_not_found"
+    assert "`org/no-such-model` does not exist" in error["message"]
+    status, _, answer = proxy.request(f"/v1/models/{MODEL}", method="DELETE")
+    assert status == 405 and "use GET" in json.loads(answer)["error"]["message"]
+
+
+def test_health_answers_where_the_engines_probes_look(fleet: Any) -> None:
+    _, proxy = fleet  # /health is vLLM's and SGLang's: probes pointed at them keep working
+    assert proxy.request("/health", method="GET")[0] == 200
+    assert proxy.request("/healthz", method="GET")[0] == 200
 
 
 def test_no_replica_left_is_a_503_with_retry_after() -> None:
