@@ -104,7 +104,7 @@ def mutate(body: bytes, config: InjectionConfig) -> Json:
     """The AdmissionReview v1 response for a request body; never raises."""
     try:
         review = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return _review(_allowed("", ["kvroute: the AdmissionReview is not JSON; not injected"]))
     return mutate_review(review, config)
 
@@ -251,7 +251,7 @@ def _event_ports(argv: list[str], annotations: Mapping[str, str]) -> tuple[int, 
         return events, replay, False
     try:
         existing = json.loads(given)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise InvalidPod(f"{KV_EVENTS_FLAG} is not JSON") from None
     if not isinstance(existing, dict):
         raise InvalidPod(f"{KV_EVENTS_FLAG} is not a JSON object")

@@ -108,6 +108,8 @@ def decode_object(raw: bytes) -> dict[str, Any]:
         body = _decode(raw)
     except msgspec.DecodeError as exc:
         raise BadRequest(f"The request body is not valid JSON: {exc}") from None
+    except RecursionError:  # msgspec's depth limit, not a DecodeError
+        raise BadRequest("The request body's JSON is nested too deeply.") from None
     if not isinstance(body, dict):
         raise BadRequest(f"The request body must be a JSON object, got {_kind(body)}.")
     return body

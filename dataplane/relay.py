@@ -54,8 +54,8 @@ def usage_of(body: bytes) -> Usage | None:
 def _decode(data: bytes) -> _Envelope | None:
     try:
         return _envelope.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None  # passed on as the engine sent it
 
 
 def _usage(envelope: _Envelope) -> Usage | None:

@@ -62,6 +62,14 @@ class BadRequest(ApiError):
     status, error_type = 400, "BadRequestError"
 
 
+class BodyUnparsable(BadRequest):
+    """A body FastAPI could not parse at all (its JSON nested past the parser's depth):
+    FastAPI's ``HTTPException(400, "There was an error parsing the body")``, which vLLM's
+    ``http_exception_handler`` answers with the status phrase as the type."""
+
+    error_type = "Bad Request"
+
+
 class EngineInputError(BadRequest):
     """Refused by vLLM's engine input processing, which a stream only reaches after its
     200: there it is an error event, ``json.dumps`` of the body, then ``[DONE]``
@@ -157,6 +165,8 @@ def decode_body(body: bytes, kind: type[T]) -> T:
         raise BadRequest(f"Invalid request: {exc}", sglang_type=_UNVALIDATED) from exc
     except msgspec.DecodeError as exc:
         raise BadRequest(f"Malformed JSON body: {exc}", sglang_type=_UNVALIDATED) from exc
+    except RecursionError:
+        raise BodyUnparsable("There was an error parsing the body") from None
 
 
 _UNVALIDATED = "Bad Request"  # SGLang's type for a body that does not validate

@@ -124,6 +124,7 @@ def test_a_batch_with_one_prompt_too_long_is_refused_whole(sim: SimProcess) -> N
     ("path", "raw", "status", "needle"),
     [
         ("/v1/completions", b'{"prompt": [1, 2', 400, "Malformed JSON"),
+        ("/v1/completions", b'{"prompt": "a", "x": ' + b"[" * 20_000, 400, "parsing the body"),
         ("/v1/completions", b'{"max_tokens": 3}', 400, "prompt"),
         ("/v1/completions", b'{"prompt": [1, -2]}', 400, "Token id -2 is out of vocabulary"),
         ("/v1/completions", b'{"prompt": [[1], [32000]]}', 400, "Token id 32000 is out of"),

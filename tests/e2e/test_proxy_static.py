@@ -203,6 +203,7 @@ BAD = [
     (_json(model=MODEL, messages=USER, stream="yes"), 400, "stream"),
     (_json(model="nope", messages=USER), 404, "model"),
     (b"{" + b" " * 70_000 + b"}", 413, None),
+    (b'{"model": "x", "messages": ' + b"[" * 20_000, 400, None),  # past msgspec's depth
 ]
 
 

@@ -233,6 +233,7 @@ def broken(path: str, value: object) -> dict[str, Any]:
         (vllm_pod(**{"kvroute.io/engine-container": "nope"}), "does not have"),
         (broken("spec.containers.0.args", ["--model", 7]), "must be strings"),
         (broken("spec.containers.0.args", ["--kv-events-config", "{"]), "is not JSON"),
+        (broken("spec.containers.0.args", ["--kv-events-config", "[" * 100_000]), "is not JSON"),
     ],
 )
 def test_labelled_pods_that_cannot_be_injected_get_a_warning(

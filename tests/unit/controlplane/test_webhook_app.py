@@ -42,6 +42,15 @@ async def test_a_review_in_several_chunks_is_answered_with_a_patch() -> None:
     assert body["response"]["allowed"] is True and "patch" in body["response"]
 
 
+async def test_a_review_nested_past_the_parsers_depth_is_allowed_unpatched() -> None:
+    status, body = await call("/mutate", chunks=[b"[" * 100_000])
+    assert status == 200
+    assert body["response"]["allowed"] is True and "patch" not in body["response"]
+    assert body["response"]["warnings"] == [
+        "kvroute: the AdmissionReview is not JSON; not injected"
+    ]
+
+
 async def test_an_oversized_review_is_allowed_unpatched_with_a_warning() -> None:
     status, body = await call("/mutate", chunks=[b"x" * MAX_REVIEW_BYTES, b"xx"])
     assert status == 200

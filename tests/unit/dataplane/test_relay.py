@@ -51,3 +51,4 @@ def test_usage_of_a_body_and_of_what_is_not_json() -> None:
     usage = usage_of(json.dumps(body).encode())
     assert usage is not None and (usage.prompt_tokens, usage.cached_tokens) == (5, None)
     assert usage_of(b"<html>") is None and usage_of(b'{"error": {}}') is None
+    assert usage_of(b'{"usage": ' + b'{"a": ' * 20_000) is None  # past the parser's depth
