@@ -37,6 +37,10 @@ them in SGLang mode. Facts, with where they were read (``python/sglang/srt/``):
 - **stream_options** (``protocol.StreamOptions``, ``utils.should_include_usage``):
   ``include_usage`` defaults to false, so ``{}`` or ``null`` asks for no usage chunk; no
   check ties stream_options to ``stream``.
+- **Model names** (``serving_base._parse_model_parameter``, ``protocol``'s
+  ``DEFAULT_MODEL_NAME``): not checked; every answer names the request's ``model``, or
+  ``"default"`` without one (a ``name:adapter`` form selects a LoRA adapter: not
+  simulated).
 - **Errors** (``serving_base.create_error_response``, ``http_server``'s
   ``RequestValidationError`` handler): ``{"object": "error", "message", "type", "param",
   "code"}`` at the top level, status 400. The type is ``"Bad Request"`` for a body that
@@ -72,6 +76,7 @@ from enginesim import protocol as p
 from enginesim.choices import Choices
 
 WEIGHT_VERSION = "default"  # ``--weight-version``'s default
+DEFAULT_MODEL_NAME = "default"  # a request's ``model`` when it names none
 MAX_HASHED_TOKEN_ID = 2**32  # pages are hashed as uint32: the simulator's own bound
 _encode = msgspec.json.encode
 _DONE = b"data: [DONE]\n\n"

@@ -38,7 +38,7 @@ class SglangServing:
         batch, ids = isinstance(body, p.CompletionBatchRequest), isinstance(given[0], list)
         n = body.n
         choices = await self._submit(prompts, body, n, batch=batch, ids_given=ids)
-        model, text_of = self.app.settings.model, self.app.tokenizer.text_of
+        model, text_of = _model(body), self.app.tokenizer.text_of
         if body.stream:
             return sg.completion_chunks(choices, n, model, text_of, usage), choices
         await choices.until_done()
@@ -53,7 +53,7 @@ class SglangServing:
         )
         body.max_tokens = body.max_completion_tokens or body.max_tokens  # SGLang's preference
         choices = await self._submit([prompt], body, n)
-        model, text_of = self.app.settings.model, self.app.tokenizer.text_of
+        model, text_of = _model(body), self.app.tokenizer.text_of
         if body.stream:
             return sg.chat_chunks(choices, n, model, text_of, usage), choices
         await choices.until_done()
@@ -72,7 +72,6 @@ class SglangServing:
         (``max_tokens`` 0, awaited in turn) and then ``n`` samples each; checked in
         SGLang's order: the batch's form, then per prompt its length and the sampling."""
         app, engine = self.app, self.app.engine
-        app.check_model(body.model)  # (SGLang checks no model name: kept from vLLM mode)
         if batch and n < 1:  # the batch expanded n times over is empty: obj[i] fails
             raise p.ApiError("Internal server error: list index out of range")
         context = app.settings.model_len
@@ -100,6 +99,12 @@ class SglangServing:
         ]
         handles = await engine.submit_all(reqs, stream=body.stream)
         return Choices(reqs[0].request_id, handles, max(n, 1))
+
+
+def _model(body: p._Sampling) -> str:
+    """SGLang checks no model name: an answer names the request's ``model``, or
+    ``"default"`` (``protocol.DEFAULT_MODEL_NAME``) when it has none."""
+    return body.model if body.model is not None else sg.DEFAULT_MODEL_NAME
 
 
 def _max_tokens(body: p._Sampling, prompt_len: int, context: int) -> int:

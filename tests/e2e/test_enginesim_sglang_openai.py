@@ -179,3 +179,17 @@ def test_errors_have_sglangs_shape_and_types(sim: SimProcess) -> None:
 def test_the_openai_client_raises_its_own_errors_on_sglangs_shape(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="Requested token count exceeds"):
         client.completions.create(model=MODEL, prompt=[1] * 4000, max_tokens=200)
+
+
+def test_sglang_checks_no_model_name_and_answers_with_the_requests(
+    sim: SimProcess, client: openai.OpenAI
+) -> None:
+    other = client.completions.create(model="any-name", prompt="x", max_tokens=1)
+    assert other.model == "any-name"
+    chunks = list(
+        client.chat.completions.create(
+            model="another", messages=[{"role": "user", "content": "x"}], max_tokens=1, stream=True
+        )
+    )
+    assert {chunk.model for chunk in chunks} == {"another"}
+    assert sim.post("/v1/completions", {"prompt": "x", "max_tokens": 1})["model"] == "default"
