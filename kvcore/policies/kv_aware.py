@@ -32,11 +32,25 @@ their capacity, not what is free, and send every new prefix to the smallest cach
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
-from kvcore.policies.base import ReplicaState, RouteContext, StateView
+from kvcore.policies.base import (
+    Decision,
+    Reasons,
+    ReplicaReason,
+    ReplicaState,
+    RouteContext,
+    StateView,
+)
 from kvcore.policies.board import ReplicaBoard
-from kvcore.policies.kv_scoring import KvScoringPolicy
+from kvcore.policies.kv_scoring import (
+    KvScoringPolicy,
+    cold_note,
+    queue_saturation,
+    queue_screened,
+)
 from kvcore.policies.preselect import Candidates, Pool, least_loaded, next_in_turn
+from kvcore.policies.screening import ALL_SATURATED, NO_REPLICA, screen_rows
 from kvcore.workload import KvAwareWorkload
 
 
@@ -51,6 +65,52 @@ class KvAwarePolicy(KvScoringPolicy):
         self._turn = rng.randrange(1 << 16)  # proxies start at different replicas
         self._last: int | None = None  # the replica of the last such turn
         self.places_cold_prompts = workload.fallback == "least_load"
+        self._cold_notes = {note: cold_note(self.name, note) for note in ("", ALL_SATURATED)}
+
+    def select(self, ctx: RouteContext, state: StateView) -> Decision:
+        """:meth:`select_scored`'s decision. A prompt shorter than a block has no keys:
+        nobody holds it and nothing is speculated, so it goes straight to the turn
+        (:meth:`without_hit`), each replica screened once, with no holder lookup, no
+        candidates and no scores (tests/unit/kvcore/test_kv_keyless.py: the same decisions)."""
+        if ctx.block_keys:
+            return self.select_scored(ctx, state)
+        cold = not state.has_residency()
+        if cold and not self.places_cold_prompts:
+            return self._fall_back(ctx, state)
+        fleet = state.replicas()
+        snapshot = fleet.snapshot() if isinstance(fleet, ReplicaBoard) else tuple(fleet)
+        usable, note = queue_screened(ctx, snapshot)
+        chosen = None
+        if usable:
+            now, placed_blocks = ctx.now, state.placed_blocks
+            placed = [placed_blocks(r.ordinal, now=now) for r in usable]
+            chosen = self._take_turn(snapshot, usable, placed, 0)
+        if cold:
+            note = self._cold_notes[note]
+        elif chosen is None:
+            note = note or NO_REPLICA
+        return Decision(chosen, self.name, self._keyless_reasons(ctx, snapshot, chosen), note)
+
+    def _keyless_reasons(
+        self, ctx: RouteContext, fleet: Sequence[ReplicaState], chosen: ReplicaState | None
+    ) -> Reasons:
+        """A keyless decision's reasons, built when read, as :meth:`select_scored` gives
+        them: the whole fleet screened as it was, each usable replica scored for a hit
+        of 0."""
+
+        def explain() -> list[ReplicaReason]:
+            whole = screen_rows(ctx, fleet, queue_saturation)
+            return [*whole.excluded, *self._unheld_rows(ctx, whole.usable)]
+
+        def chosen_row() -> ReplicaReason | None:
+            return None if chosen is None else self._unheld_rows(ctx, [chosen])[0]
+
+        return Reasons(explain, chosen_row)
+
+    def _unheld_rows(self, ctx: RouteContext, replicas: list[ReplicaState]) -> list[ReplicaReason]:
+        """Reason rows of ``replicas`` holding none of the prompt."""
+        table = self.scores(ctx, replicas, {})
+        return [self._row(ctx, r, 0, table) for r in replicas]
 
     def scores(
         self, ctx: RouteContext, replicas: list[ReplicaState], runs: dict[int, int]
@@ -101,11 +161,23 @@ class KvAwarePolicy(KvScoringPolicy):
                 placed.append(placed_blocks(replica.ordinal, now=now))
         if not usable:
             return None
-        limit = min(placed) + blocks  # within one prompt of the least-sent one
-        turn = usable  # usually every one is within it
-        if max(placed) > limit:
-            turn = [r for r, sent in zip(usable, placed, strict=True) if sent <= limit]
-        chosen = next_in_turn(found.fleet, turn, self._last, self._turn + 1)
+        return self._take_turn(found.fleet, usable, placed, blocks)
+
+    def _take_turn(
+        self,
+        fleet: Sequence[ReplicaState],
+        usable: list[ReplicaState],
+        placed: list[int],
+        blocks: int,
+    ) -> ReplicaState | None:
+        """The next of ``usable`` (of ``fleet``; ``placed``: the blocks sent each lately)
+        in turn, skipping any sent more than ``blocks`` beyond the least-sent one."""
+        turn = usable  # usually every one is within it: all sent as much (no min, no max)
+        if placed.count(placed[0]) != len(placed):
+            limit = min(placed) + blocks  # within one prompt of the least-sent one
+            if max(placed) > limit:
+                turn = [r for r, sent in zip(usable, placed, strict=True) if sent <= limit]
+        chosen = next_in_turn(fleet, turn, self._last, self._turn + 1)
         if chosen is not None:
             self._last = chosen.ordinal
         return chosen

@@ -19,6 +19,7 @@ by them sent 4 of the first 6 groups of ``bench.e2e`` to one replica.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 from dataclasses import replace
 from math import inf
 
@@ -33,7 +34,7 @@ from kvcore.policies.base import (
 from kvcore.policies.board import ReplicaBoard
 from kvcore.policies.fallback import fallback_policy
 from kvcore.policies.preselect import Candidates, Pool, candidates, decision
-from kvcore.policies.screening import TIE, best
+from kvcore.policies.screening import ALL_SATURATED, TIE, best
 from kvcore.workload import KvAwareWorkload, KvCostWorkload
 
 
@@ -71,6 +72,43 @@ def queue_saturation(replica: ReplicaState, ctx: RouteContext) -> str | None:
             f"with {replica.waiting} requests waiting"
         )
     return None
+
+
+def queue_screened(
+    ctx: RouteContext, fleet: Iterable[ReplicaState]
+) -> tuple[list[ReplicaState], str]:
+    """``screen_rows(ctx, fleet, queue_saturation)``'s usable replicas and note, without
+    its reasons: each replica read once, with the usual answers of ``hard_exclusion`` and
+    :func:`queue_saturation` in one test each (a prompt without keys is screened so on
+    every request; ``test_kv_keyless.py`` checks the two agree)."""
+    workload, model, exclude = ctx.workload, ctx.model, ctx.exclude
+    threshold, most = workload.load_threshold, workload.max_inflight_per_replica
+    usable: list[ReplicaState] = []
+    saturated: list[ReplicaState] = []  # eligible, kept until one is not saturated
+    for replica in fleet:
+        models = replica.models
+        if (
+            not replica.healthy
+            or replica.draining
+            or (models and model not in models)
+            or replica.ordinal in exclude
+        ):
+            continue  # hard_exclusion's
+        # queue_saturation's test, its min() and max() spelt out (the two calls cost
+        # as much as the rest of it)
+        requests, capacity = replica.requests, replica.capacity
+        queued = requests / (capacity if capacity > 1 else 1)
+        if (
+            requests < most
+            and (queued if queued < 1.0 else 1.0) < threshold
+            and not (replica.waiting and replica.kv_usage >= threshold)
+        ):
+            usable.append(replica)
+        elif not usable:
+            saturated.append(replica)
+    if usable or not saturated:
+        return usable, ""
+    return saturated, ALL_SATURATED
 
 
 class KvScoringPolicy:
@@ -112,6 +150,8 @@ class KvScoringPolicy:
         return self.scores(ctx, [replica], {})[replica.ordinal]
 
     def select(self, ctx: RouteContext, state: StateView) -> Decision:
+        """The general path: look up the holders, then the strategy's new-prompt rule or
+        the scores (a subclass may take a shortcut to the same decision)."""
         runs = state.leading_runs(ctx.block_keys, now=ctx.now) if ctx.block_keys else {}
         cold = not runs and not state.has_residency()
         if cold and not self.places_cold_prompts:
@@ -130,9 +170,11 @@ class KvScoringPolicy:
             table = scores if replicas is usable else self.scores(ctx, replicas, runs)
             return [self._row(ctx, r, runs.get(r.ordinal, 0), table) for r in replicas]
 
-        note = _cold_note(self.name, found.note) if cold else ""
+        note = cold_note(self.name, found.note) if cold else ""
         speculative = self._speculate(ctx, chosen)
         return decision(self.name, found, chosen, rows, note=note, speculative=speculative)
+
+    select_scored = select  # the general path by name, whatever a subclass's select does
 
     def _row(
         self, ctx: RouteContext, replica: ReplicaState, held: int, scores: dict[int, float]
@@ -165,7 +207,7 @@ class KvScoringPolicy:
         return SpeculativeRecord(chosen.ordinal, tuple(ctx.block_keys), ctx.now + ttl)
 
 
-def _cold_note(strategy: str, note: str) -> str:
+def cold_note(strategy: str, note: str) -> str:
     """A decision's note when a strategy placed a prompt without residency data."""
     cold = f"no residency data: fallback {strategy}'s new-prompt rule, not stale loads"
     return f"{cold}; {note}" if note else cold
