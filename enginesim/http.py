@@ -203,8 +203,11 @@ class SimApp:
         body = p.decode_completion(request.body)
         if self.sglang is not None:
             return _result(await self.sglang.completions(body))
-        usage = p.stream_usage(body)  # checked first, as vLLM's request validators run
-        given = p.completion_prompts(body, p.MAX_COMPLETION_PROMPTS)
+        try:  # vLLM's request validators, before the rest, the last defined first
+            given = p.completion_prompts(body, p.MAX_COMPLETION_PROMPTS)
+            usage = p.stream_usage(body)
+        except p.RequestValidatorError as exc:
+            raise exc.with_body(request.body) from None
         prompts = await self.prompt_ids(given)
         try:
             choices = await self._submit(
@@ -227,7 +230,10 @@ class SimApp:
         body = p.decode_body(request.body, p.ChatRequest)
         if self.sglang is not None:
             return _result(await self.sglang.chat(body))
-        usage = p.stream_usage(body)  # checked first, as vLLM's request validators run
+        try:  # checked first, as vLLM's request validators run
+            usage = p.stream_usage(body)
+        except p.RequestValidatorError as exc:
+            raise exc.with_body(request.body) from None
         prompt = await self.chat_prompt_ids(body.messages, body.tools, body.add_generation_prompt)
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
@@ -399,10 +405,12 @@ class SimApp:
     async def render_completion(self, request: Request) -> Result:
         body = p.decode_completion(request.body)
         self.check_model(body.model)
-        cap = (
-            None if self.sglang is not None else p.MAX_COMPLETION_PROMPTS
-        )  # a validator of vLLM's body
-        prompts = await self.prompt_ids(p.completion_prompts(body, cap))
+        cap = None if self.sglang is not None else p.MAX_COMPLETION_PROMPTS
+        try:  # a validator of vLLM's request body
+            given = p.completion_prompts(body, cap)
+        except p.RequestValidatorError as exc:
+            raise exc.with_body(request.body) from None
+        prompts = await self.prompt_ids(given)
         return json_response([self._generate_request(t, body, "cmpl") for t in prompts])
 
     async def render_chat(self, request: Request) -> Result:

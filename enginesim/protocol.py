@@ -8,7 +8,8 @@ with vLLM's status codes::
 
     ApiError                 base: status + OpenAI error type
      ├── BadRequest          400  malformed JSON, missing or invalid field, prompt too long
-     │    └── EngineInputError     token id out of the vocabulary (an event in a stream)
+     │    ├── RequestValidatorError  a vLLM request validator's (worded as pydantic's)
+     │    └── EngineInputError       token id out of the vocabulary (an event in a stream)
      ├── Forbidden           403  admin route from a non-loopback client
      ├── NotFound            404  unknown model or route
      ├── MethodNotAllowed    405
@@ -68,6 +69,42 @@ class BodyUnparsable(BadRequest):
     ``http_exception_handler`` answers with the status phrase as the type."""
 
     error_type = "Bad Request"
+
+
+class RequestValidatorError(BadRequest):
+    """Refused by one of vLLM's request validators (pydantic ``model_validator``s of mode
+    "before" on ``CompletionRequest`` / ``ChatCompletionRequest``, which run before the
+    fields are read, the last defined first). vLLM answers such an error as FastAPI's
+    ``RequestValidationError`` (``serve/exception_handling/handlers/validation.py``,
+    ``validation_exception_handler``): type "Bad Request", ``param`` the one the
+    ``VLLMValidationError`` names, and the message "1 validation error:" then the
+    pydantic error as ``str()`` of its dict, ``loc`` cleaned to "body", the body's dict
+    summarized by its number of fields (``_summarize_error_input``), the reason in
+    ``msg`` with ``VLLMValidationError.__str__``'s "(parameter=...)". The format was
+    checked against FastAPI 0.165 / pydantic 2.14 with a model shaped like vLLM's."""
+
+    error_type = "Bad Request"
+
+    def __init__(self, reason: str, param: str) -> None:
+        super().__init__(reason, param)
+        self.reason = reason
+
+    def with_body(self, raw: bytes) -> RequestValidatorError:
+        """The message as vLLM words it, which counts the fields of the body ``raw``."""
+        fields = len(msgspec.json.decode(raw, type=dict[str, msgspec.Raw]))
+        msg = f"Value error, {self.reason} (parameter={self.param})"
+        summary = f"<dict of {fields} items>"
+        error = (
+            f"{{'type': 'value_error', 'loc': 'body', 'msg': {msg!r}, 'input': {summary!r}, "
+            f"'ctx': {{'error': VLLMValidationError({self.reason!r})}}}}"
+        )
+        if len(error) > _MAX_ERROR_CHARS:
+            error = error[:_MAX_ERROR_CHARS] + "...[truncated]"
+        self.message = f"1 validation error:\n  {error}"
+        return self
+
+
+_MAX_ERROR_CHARS = 1000  # vLLM's bound on one reported validation error
 
 
 class EngineInputError(BadRequest):
@@ -187,7 +224,8 @@ def stream_usage(body: _Sampling) -> bool:
         message = where.replace("`$", at, 1) if "`$" in where else f"{where} - at {at}`"
         raise BadRequest(f"Invalid request: {message}", "stream_options") from None
     if fields and not body.stream:
-        raise BadRequest("Stream options can only be defined when `stream=True`.", "stream_options")
+        reason = "Stream options can only be defined when `stream=True`."
+        raise RequestValidatorError(reason, "stream_options")
     return options.include_usage is True
 
 
@@ -229,7 +267,7 @@ def completion_prompts(
     if isinstance(body, CompletionRequest):
         return [body.prompt]
     if max_prompts is not None and len(body.prompt) > max_prompts:
-        raise BadRequest(
+        raise RequestValidatorError(
             f"prompt list length {len(body.prompt)} exceeds the maximum allowed count of "
             f"{max_prompts}. To increase this limit, set the VLLM_MAX_COMPLETION_PROMPTS "
             "environment variable.",

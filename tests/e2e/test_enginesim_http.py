@@ -279,3 +279,24 @@ def test_a_token_id_out_of_the_vocabulary_is_refused_after_the_length_and_sampli
         "[DONE]",
     ]
     assert sim.metric("vllm:prefix_cache_queries_total") == queries  # nothing was queued
+
+
+def test_vllms_request_validators_answer_in_its_validation_errors_words(sim: SimProcess) -> None:
+    """vLLM's prompt-count validator runs before its stream_options one (defined after it),
+    and both are answered as pydantic validation errors."""
+    body = {"prompt": [[1]] * 1025, "stream_options": {"include_usage": True}}
+    code, answer = sim.call("POST", "/v1/completions", body)
+    assert code == 400 and answer["error"]["type"] == "Bad Request"
+    assert answer["error"]["param"] == "prompt"
+    assert answer["error"]["message"].startswith(
+        "1 validation error:\n  {'type': 'value_error', 'loc': 'body', 'msg': 'Value error, "
+        "prompt list length 1025 exceeds the maximum allowed count of 1024."
+    )
+    assert (
+        "'input': '<dict of 2 items>', 'ctx': {'error': VLLMValidationError("
+        in (answer["error"]["message"])
+    )
+    chat = {"messages": [{"role": "user", "content": "x"}], "stream_options": {"a": 1}}
+    code, answer = sim.call("POST", "/v1/chat/completions", chat)
+    assert (code, answer["error"]["param"]) == (400, "stream_options")
+    assert "(parameter=stream_options)', 'input': '<dict of 2 items>'" in answer["error"]["message"]

@@ -118,11 +118,45 @@ def test_vllm_refuses_more_than_1024_prompts_in_a_batch_and_not_1024_ids() -> No
     ids = decode(b'{"prompt": [' + b",".join([b"7"] * 2000) + b"]}")
     assert p.completion_prompts(ids, p.MAX_COMPLETION_PROMPTS) == [[7] * 2000]
     over = decode(b'{"prompt": [' + b",".join([b"[7]"] * 1025) + b"]}")
-    with pytest.raises(p.BadRequest) as caught:
+    with pytest.raises(p.RequestValidatorError) as caught:
         p.completion_prompts(over, p.MAX_COMPLETION_PROMPTS)
     assert caught.value.param == "prompt"
-    assert caught.value.message == (
+    assert caught.value.reason == (
         "prompt list length 1025 exceeds the maximum allowed count of 1024. To increase "
         "this limit, set the VLLM_MAX_COMPLETION_PROMPTS environment variable."
     )
     assert len(p.completion_prompts(over)) == 1025  # no bound given: SGLang's
+
+
+def test_a_request_validators_refusal_is_worded_as_vllms_validation_handler_words_it() -> None:
+    raw = b'{"model": "m", "prompt": [' + b",".join([b'"x"'] * 1025) + b'], "max_tokens": 1}'
+    with pytest.raises(p.RequestValidatorError) as caught:
+        p.completion_prompts(decode(raw), p.MAX_COMPLETION_PROMPTS)
+    reason = (
+        "prompt list length 1025 exceeds the maximum allowed count of 1024. To increase this "
+        "limit, set the VLLM_MAX_COMPLETION_PROMPTS environment variable."
+    )
+    assert caught.value.with_body(raw).body() == {
+        "error": {
+            "message": "1 validation error:\n  {'type': 'value_error', 'loc': 'body', 'msg': "
+            f"'Value error, {reason} (parameter=prompt)', 'input': '<dict of 3 items>', "
+            f"'ctx': {{'error': VLLMValidationError('{reason}')}}}}",
+            "type": "Bad Request",
+            "param": "prompt",
+            "code": 400,
+        }
+    }
+
+
+def test_stream_options_without_stream_are_a_request_validators_refusal() -> None:
+    raw = b'{"prompt": "x", "stream_options": {"include_usage": true}}'
+    with pytest.raises(p.RequestValidatorError) as caught:
+        p.stream_usage(decode(raw))
+    message = caught.value.with_body(raw).message
+    assert message.startswith("1 validation error:\n  {'type': 'value_error', 'loc': 'body', ")
+    assert "'msg': 'Value error, Stream options can only be defined when `stream=True`. " in message
+    assert message.endswith(
+        "(parameter=stream_options)', 'input': '<dict of 2 items>', 'ctx': {'error': "
+        "VLLMValidationError('Stream options can only be defined when `stream=True`.')}}"
+    )
+    assert caught.value.param == "stream_options" and caught.value.error_type == "Bad Request"
