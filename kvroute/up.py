@@ -10,7 +10,8 @@ What runs, all on 127.0.0.1, each a child process in its own process group (see
     kvroute-proxy x M                        on --port, --port+1, ...
 
 Every child is waited for until ready (its readiness line or health URL), never for a
-fixed time. Ctrl-C or SIGTERM stops everything and exits 0; a child that dies is
+fixed time. Ctrl-C, SIGTERM or SIGHUP stops everything and exits 0, even once the reader
+of its output has gone; a child that dies is
 reported with its last log lines and ``up`` exits 1; a problem found before anything
 starts (a port in use, a missing binary, an engine that does not answer) is one line on
 stderr and exit status 2.
@@ -19,6 +20,8 @@ stderr and exit status 2.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import re
 import secrets
 import shutil
@@ -29,7 +32,7 @@ import tempfile
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import aiohttp
 
@@ -122,9 +125,9 @@ async def engine_model(session: aiohttp.ClientSession, url: str) -> str:
 class LocalFleet:
     """Starts and stops one local fleet; ``async with`` runs it."""
 
-    def __init__(self, options: UpOptions, *, say: Callable[[str], None] = print) -> None:
+    def __init__(self, options: UpOptions, *, say: Callable[[str], None] | None = None) -> None:
         self.options = options
-        self.say = say
+        self.say = say or tell
         self._own_dir = options.data_dir is None
         run_dir = options.data_dir or Path(tempfile.mkdtemp(prefix="kvroute-up-"))
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -324,28 +327,45 @@ Ctrl-C stops everything.
 
 
 Demo = Callable[[Fleet], Awaitable[None]]
+# SIGHUP: the terminal closed. Its default would end this process alone, and the
+# children, each in a process group of its own, would run on with nobody to stop them.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def tell(text: str, stream: TextIO | None = None) -> None:
+    """Print ``text`` for whoever ran ``kvroute up``. A reader that has gone (a closed
+    pipe, a hung-up terminal) must not stop the fleet from stopping: the write's error
+    would leave every child running, so the stream goes to /dev/null from then on."""
+    stream = stream or sys.stdout
+    try:
+        print(text, file=stream, flush=True)
+    except OSError:  # BrokenPipeError, or EIO from a terminal that hung up
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stream.fileno())  # the unflushed rest goes there at exit
+            os.close(devnull)
 
 
 async def run(options: UpOptions, demo: Demo | None = None) -> int:
     """Start the fleet, print how to use it, run ``demo`` if given, then serve until
-    SIGINT/SIGTERM (exit 0), or until a child dies (exit 1). ``demo_only`` exits after
+    SIGINT/SIGTERM/SIGHUP (exit 0), or until a child dies (exit 1). ``demo_only`` exits after
     the demo."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     local = LocalFleet(options)
     stopper = asyncio.ensure_future(stop.wait())
     tasks: list[asyncio.Future[Any]] = [stopper]
     try:
-        print("kvroute up: starting a local fleet", flush=True)
+        tell("kvroute up: starting a local fleet")
         starting = asyncio.ensure_future(local.start())
         tasks.append(starting)
         await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if not starting.done():
             return 0
         fleet = starting.result()
-        print(usage_text(fleet), flush=True)
+        tell(usage_text(fleet))
         death = asyncio.ensure_future(local.supervisor.wait_unexpected_exit())
         tasks.append(death)
         showing = asyncio.ensure_future(demo(fleet)) if demo is not None else None
@@ -353,18 +373,18 @@ async def run(options: UpOptions, demo: Demo | None = None) -> int:
             tasks.append(showing)
         return await _serve(death, stopper, showing, options.demo_only)
     except UpError as exc:
-        print(f"kvroute up: {exc}", file=sys.stderr, flush=True)
+        tell(f"kvroute up: {exc}", sys.stderr)
         return 2
     except ChildFailed as exc:
-        print(f"kvroute up: {exc}", file=sys.stderr, flush=True)
+        tell(f"kvroute up: {exc}", sys.stderr)
         return 1
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        print("kvroute up: stopping", flush=True)
+        tell("kvroute up: stopping")
         await local.aclose()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
 
 
@@ -378,16 +398,16 @@ async def _serve(
         waits = {death, stopper} | ({showing} if showing is not None else set())
         done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         if death in done:
-            print(f"kvroute up: {death.result()}", file=sys.stderr, flush=True)
+            tell(f"kvroute up: {death.result()}", sys.stderr)
             return 1
         if stopper in done:
             return 0
         if showing is not None and showing in done:
             failure = showing.exception()
             if failure is not None:
-                print(f"kvroute up: the demo failed: {failure}", file=sys.stderr, flush=True)
+                tell(f"kvroute up: the demo failed: {failure}", sys.stderr)
                 return 1
             if demo_only:
                 return 0
             showing = None
-            print("kvroute up: the fleet keeps serving; Ctrl-C stops it", flush=True)
+            tell("kvroute up: the fleet keeps serving; Ctrl-C stops it")

@@ -147,6 +147,23 @@ def test_up_serves_completions_and_stops_cleanly(ha: bool) -> None:
         _stop_and_check(up, run_dir)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["term", "hup"])
+def test_a_fleet_whose_output_reader_has_gone_still_stops_whole(sig: signal.Signals) -> None:
+    """``kvroute up | tee log`` with tee gone, or a closed terminal (SIGHUP): the fleet
+    stops whole. A failed write of "stopping" used to skip the shutdown and leave every
+    child running; SIGHUP ended the launcher alone."""
+    with kvroute_up("--replicas", "1", "--port", str(free_port()), "--time-scale", "0") as up:
+        up.read_until("kvroute is up")
+        run_dir = Path(up.value(r"run folder (\S+?)\)"))
+        assert len(_marked_processes(up.marker)) > 1  # the launcher and its children
+        assert up.proc.stdout is not None
+        up.proc.stdout.close()  # the reader goes away
+        up.proc.send_signal(sig)
+        assert up.proc.wait(timeout=60) == 0
+        assert _marked_processes(up.marker) == [], "processes outlived kvroute up"
+        assert not run_dir.exists(), "the temporary run folder was left behind"
+
+
 def test_up_against_running_engines() -> None:
     sim_argv = [KVROUTE_SIM, "--port", "0", "--kv-events-endpoint", "tcp://127.0.0.1:0"]
     sim_argv += ["--replay-endpoint", "tcp://127.0.0.1:0", "--instant"]
