@@ -106,7 +106,9 @@ class FleetView:
 
     def leading_runs(self, keys: Sequence[int], *, now: float | None) -> dict[int, int]:
         fleet = self._fleet
-        if fleet.is_stale():  # residency too old to trust: the workload's fallback routes
+        # residency too old to trust: the workload's fallback routes (is_stale, inline:
+        # read on every keyed request)
+        if fleet._clock() - fleet._updated_at > fleet.max_age_s:
             return {}
         return fleet._index.leading_runs(keys, now=now)
 

@@ -26,8 +26,8 @@ from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, compress, count, groupby, repeat, takewhile
-from operator import and_, eq
+from itertools import accumulate, count, groupby, repeat, takewhile
+from operator import and_
 
 from kvcore.index.base import check_replica
 
@@ -118,9 +118,12 @@ class BitmaskResidencyIndex:
         proxy records a whole prompt on every decision, mostly a prefix it recorded
         before): ``_with_spec`` already holds its bit."""
         bit = 1 << check_replica(replica)
-        self._finish_clearing(replica)
+        if self._clearing:
+            self._finish_clearing(replica)
         keys = tuple(keys)
-        until = self._spec_until.setdefault(replica, {})
+        until = self._spec_until.get(replica)
+        if until is None:
+            until = self._spec_until[replica] = {}
         masks, spec, with_spec = self._masks, self._spec_mask, self._with_spec
         for key in keys:
             until[key] = expires_at
@@ -148,10 +151,21 @@ class BitmaskResidencyIndex:
         return frozenset(_bits(self._masks.get(key, 0) & ~self._hidden))
 
     def leading_runs(self, keys: Sequence[int], *, now: float | None = None) -> dict[int, int]:
+        """Each replica's leading run. A prompt's blocks come in long runs held by the
+        same replicas (a shared system prompt, then one conversation's blocks), so the
+        holder masks are read as runs of equal masks, each counted at C speed; from the
+        ``_GROUPS``-th change on, the rest is read by :func:`_runs_by_and`. A prompt of
+        at most ``_GROUPS`` blocks (most requests) is read key by key
+        (:func:`_short_runs`)."""
+        with_spec = _NOTHING
         if now is not None:
-            self.expire(now)
-        with_spec = _NOTHING if now is None else self._with_spec
-        return _runs(keys, self._masks, with_spec, self._hidden)
+            in_order = self._in_order
+            if (in_order and in_order[0][0] <= now) or self._out_of_order:
+                self.expire(now)  # (read here first: a proxy's lookup usually finds 0-1 due)
+            with_spec = self._with_spec
+        if len(keys) <= _GROUPS:
+            return _short_runs(keys, self._masks, with_spec, self._hidden)
+        return _grouped_runs(keys, self._masks, with_spec, self._hidden)
 
     def key_count(self, replica: int | None = None) -> int:
         """Overall, keys only a replica being cleared step by step held still count."""
@@ -182,15 +196,19 @@ class BitmaskResidencyIndex:
         self._hidden &= ~job.bit
 
     def _expire_record(self, record: _Expiry) -> int:
-        """Drops the record's keys not recorded again since (found in one C-level pass:
-        most of a busy proxy's records are superseded by later ones). What it drops
-        depends on the keys' last recorded expiries alone, not on which expired records
-        ran before it."""
+        """Drops the record's keys not recorded again since. Most of a busy proxy's
+        records are superseded by later ones: one C-level pass (``in`` over the keys'
+        expiries) finds that none is left, and only a record with some left is walked.
+        What it drops depends on the keys' last recorded expiries alone, not on which
+        expired records ran before it."""
         at, _, replica, keys = record
-        until = self._spec_until.get(replica, {})
+        until = self._spec_until.get(replica)
+        if until is None or at not in map(until.get, keys):
+            return 0
         bit, expired = 1 << replica, 0
-        for key in compress(keys, map(eq, map(until.get, keys), repeat(at))):
-            if until.pop(key, None) is not None:  # a key listed twice is dropped once
+        for key in keys:
+            if until.get(key) == at:  # a key listed twice is dropped once
+                del until[key]
                 self._drop_spec_bit(key, bit)
                 expired += 1
         return expired
@@ -222,23 +240,10 @@ class BitmaskResidencyIndex:
 _GROUPS = 8  # runs of equal masks walked one by one before the general pass takes over
 
 
-def _runs(
-    keys: Sequence[int], masks: dict[int, int], with_spec: dict[int, int], hidden: int
-) -> dict[int, int]:
-    """Each replica's leading run. A prompt's blocks come in long runs held by the same
-    replicas (a shared system prompt, then one conversation's blocks), so the holder
-    masks are read as runs of equal masks, each counted at C speed; from the
-    ``_GROUPS``-th change on, the rest is read by :func:`_runs_by_and`. A prompt of at
-    most ``_GROUPS`` blocks (most requests) is read key by key (:func:`_short_runs`)."""
-    if len(keys) <= _GROUPS:
-        return _short_runs(keys, masks, with_spec, hidden)
-    return _grouped_runs(keys, masks, with_spec, hidden)
-
-
 def _grouped_runs(
     keys: Sequence[int], masks: dict[int, int], with_spec: dict[int, int], hidden: int
 ) -> dict[int, int]:
-    """:func:`_runs` by runs of equal masks."""
+    """:meth:`BitmaskResidencyIndex.leading_runs` by runs of equal masks."""
     held = _held(keys, masks, with_spec, hidden)
     runs: dict[int, int] = {}
     live, end = 0, 0
@@ -260,9 +265,10 @@ def _grouped_runs(
 def _short_runs(
     keys: Sequence[int], masks: dict[int, int], with_spec: dict[int, int], hidden: int
 ) -> dict[int, int]:
-    """:func:`_runs` of a few keys, one at a time: the same runs in the same order (a
-    key whose mask equals the one before it drops no replica, as in a run of equal
-    masks), without the iterator chain that pays off on long prompts."""
+    """:meth:`BitmaskResidencyIndex.leading_runs` of a few keys, one at a time: the
+    same runs in the same order (a key whose mask equals the one before it drops no
+    replica, as in a run of equal masks), without the iterator chain that pays off on
+    long prompts."""
     runs: dict[int, int] = {}
     get, visible = masks.get, ~hidden
     live = 0

@@ -319,8 +319,12 @@ def test_stale_state_sends_kv_strategies_to_their_fallback() -> None:
     apply_all(state, snapshot(1, 1, [replica(0), replica(1)], {1: KEYS}))
     workload = KvAwareWorkload(speculative_ttl_s=0)
     assert route(state, workload, KEYS).replica_id == "r1"
-    clock.now += 31.0
+    clock.now += 30.0  # as old as allowed: still fresh
+    assert not state.is_stale()
+    assert state.view(MODEL).leading_runs(KEYS, now=None) == {1: len(KEYS)}
+    clock.now += 1.0
     assert state.age_s() == 31.0 and state.is_stale()
+    assert state.view(MODEL).leading_runs(KEYS, now=None) == {}
     decision = route(state, workload, KEYS)
     assert decision.note.startswith("no residency data: fallback")
     state.apply(delta(1, 2))  # an empty delta is a heartbeat

@@ -256,6 +256,18 @@ def test_records_out_of_order_of_expiry_expire_at_their_own_time(index: Residenc
     assert index.speculative_count(0, now=12.0) == 0
 
 
+def test_a_long_record_superseded_in_part_drops_only_the_keys_not_recorded_again(
+    index: ResidencyIndex,
+) -> None:
+    prompt = list(range(512))
+    index.add_speculative(2, prompt, expires_at=5.0)
+    index.add_speculative(2, [*prompt[:500], 7, 7], expires_at=9.0)  # a key listed twice
+    assert index.expire(5.0) == 12
+    assert index.leading_runs(prompt, now=5.0) == {2: 500}
+    assert index.expire(9.0) == 500
+    assert index.speculative_count(2, now=9.0) == 0
+
+
 PROXY_STREAM = st.lists(  # (seconds since the last step, TTL, replica, keys, expire after?)
     st.tuples(
         st.sampled_from([0.0, 0.25, 1.0]),
