@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from itertools import accumulate, chain, islice
+from itertools import accumulate
 from typing import Any
 
 import xxhash
@@ -91,7 +91,10 @@ class BuiltinTokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         ids = [self.bos_token_id] if add_special_tokens else []
-        return ids + self._encode_text(text)
+        if "<" not in text and self._add_words(ids, text):
+            return ids
+        ids += self._split_text(text, 0)
+        return ids
 
     def apply_chat_template(
         self,
@@ -110,10 +113,15 @@ class BuiltinTokenizer:
         return "".join(parts)
 
     def _encode_text(self, text: str, start: int = 0) -> list[int]:
-        if "<" not in text:  # every special token starts with "<": no search for one
-            words = self._words(text[start:] if start else text)
-            if words is not None:
+        if "<" not in text:
+            words: list[int] = []
+            if self._add_words(words, text[start:] if start else text):
                 return words
+        return self._split_text(text, start)
+
+    def _split_text(self, text: str, start: int) -> list[int]:
+        """The ids of ``text[start:]`` by the rule: special tokens, then pieces."""
+        if "<" not in text:  # every special token starts with "<": no search for one
             return self._piece_ids(_PIECE_RE.findall(text, start))
         ids: list[int] = []
         for match in _SPECIAL_RE.finditer(text, start):
@@ -123,32 +131,40 @@ class BuiltinTokenizer:
         ids += self._piece_ids(_PIECE_RE.findall(text, start))
         return ids
 
-    def _words(self, text: str) -> list[int] | None:
-        """The ids of a ``text`` of words between single spaces (no other whitespace,
-        none at either end), word by word; ``None`` for any other text.
+    def _add_words(self, ids: list[int], text: str) -> bool:
+        """Add to ``ids`` the ids of a ``text`` of words between single spaces (no other
+        whitespace, none at either end), word by word, and say so; ``False`` (``ids`` as
+        they were) for any other text.
 
         Pieces never cross a switch from non-whitespace to whitespace, so such a text's
         pieces are its first word's, then each `` word``'s, which never change: their ids
         are remembered by word (the regular expression costs ~0.1 us a piece, a lookup a
         few ns)."""
         if not text.isprintable():  # every whitespace character but " " is unprintable
-            return None
+            return False
         words = text.split(" ")
         if "" in words:  # two spaces in a row, or one at either end (or no text)
-            return None
+            return False
+        first = self._firsts.get(words[0])
+        if first is None:
+            first = self._first_word(words[0])
+        given = len(ids)
+        ids += first
         spaced = self._spaced
-        ids = list(self._first_word(words[0]))
         try:
-            ids.extend(chain.from_iterable(map(spaced.__getitem__, islice(words, 1, None))))
+            for word in words[1:]:  # a loop: faster than chain(map(...)), most on few words
+                ids += spaced[word]
         except KeyError:  # a word not seen yet: its pieces found once
             if len(spaced) > self._words_memo_limit:
                 spaced.clear()
-            for word in islice(words, 1, None):
+            for word in words[1:]:
                 if word not in spaced:
                     spaced[word] = tuple(self._piece_ids(_PIECE_RE.findall(" " + word)))
-            ids = list(self._first_word(words[0]))
-            ids.extend(chain.from_iterable(map(spaced.__getitem__, islice(words, 1, None))))
-        return ids
+            del ids[given:]
+            ids += first
+            for word in words[1:]:
+                ids += spaced[word]
+        return True
 
     def _first_word(self, word: str) -> tuple[int, ...]:
         """The ids of ``word`` at the start of a text (no space before it)."""

@@ -286,6 +286,8 @@ _WORDS_ALPHABET = [
     " ", "  ", "\t", "\n", "\xa0", "\u2003", "\x1c", "<", "s>", "<s>", "<|end|>",
 ]  # fmt: skip
 _SHARED = BuiltinTokenizer()  # its word memo carries over from text to text
+_FORGETFUL = BuiltinTokenizer()  # its memos restart every few words
+_FORGETFUL._words_memo_limit = 3
 
 
 @settings(max_examples=300, deadline=None)
@@ -297,9 +299,10 @@ def test_builtin_words_between_single_spaces_are_remembered_without_changing_a_t
     text, of that shape or not, still follows the documented rule, also from an offset
     (what the prefix cache asks for a new tail)."""
     text = "".join(parts)
-    for tokenizer in (BuiltinTokenizer(), _SHARED):
+    for tokenizer in (BuiltinTokenizer(), _SHARED, _FORGETFUL):
         assert tokenizer.encode(text, add_special_tokens=False) == _reference_builtin_ids(text)
         spaced = " ".join(parts)
         assert tokenizer.encode(spaced, add_special_tokens=False) == _reference_builtin_ids(spaced)
+        assert tokenizer.encode(spaced) == [1, *_reference_builtin_ids(spaced)]  # BOS first
         start = min(start, len(spaced))
         assert tokenizer.encode_from(spaced, start) == _reference_builtin_ids(spaced[start:])
