@@ -176,6 +176,10 @@ class SimApp:
         try:
             async for chunk in stream.chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except sg.BrokenStream:  # as SGLang's server: uvicorn closes the connection
+            for handle in stream.choices.handles:
+                self.engine.abort(handle)
+            raise
         except Exception:  # the status is sent: end the stream with an error event
             log.exception("unexpected error while streaming %s", stream.choices.request_id)
             for handle in stream.choices.handles:

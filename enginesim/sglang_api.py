@@ -23,7 +23,9 @@ them in SGLang mode. Facts, with where they were read (``python/sglang/srt/``):
   the first sample of each prompt, reported with ``--enable-cache-report`` (the simulator
   always reports it, as that flag would); ``reasoning_tokens`` 0 is always there, and
   ``completion_tokens_details`` is null. So ``n = 0`` fails a whole answer with
-  ``range()``'s ValueError, and ``n < 0`` counts no prompt tokens.
+  ``range()``'s ValueError, and ``n < 0`` counts no prompt tokens; streamed, ``n = 0``
+  fails the usage chunk with ZeroDivisionError ("integer modulo by zero": Python 3.12's
+  words), an error event in a completion stream, a broken connection in a chat stream.
 - **Shapes** (``entrypoints/openai/protocol.py``, ``sse_utils.py``): choices carry
   ``matched_stop`` (no ``stop_reason``); a chat message carries ``reasoning_content``; a
   whole answer ends with ``metadata`` (``utils/weight_versions.py``,
@@ -84,6 +86,12 @@ _DONE = b"data: [DONE]\n\n"
 
 def request_id() -> str:
     return uuid.uuid4().hex
+
+
+class BrokenStream(Exception):
+    """An exception SGLang's stream does not catch (chat's ``_generate_chat_stream``
+    catches only ValueError): the server closes the connection mid-stream, with no
+    error event and no ``[DONE]``."""
 
 
 # -- checks ---------------------------------------------------------------------------
@@ -354,8 +362,8 @@ async def chat_chunks(
         if with_usage:
             try:
                 use = usage(choices, n, streamed=True)
-            except ZeroDivisionError as exc:  # SGLang's chat stream breaks off here
-                yield stream_error(str(exc), "BadRequestError", 400)  # (a divergence)
+            except ZeroDivisionError as exc:  # uncaught by SGLang's chat stream
+                raise BrokenStream(str(exc)) from exc
             else:
                 yield _sse({**_chunk(rid, obj, model, []), "usage": use})
     yield _DONE

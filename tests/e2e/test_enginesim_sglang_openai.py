@@ -4,6 +4,7 @@ stream order and ids, its error shape, and none of vLLM's refusals."""
 
 from __future__ import annotations
 
+import http.client
 import re
 from collections.abc import Iterator
 
@@ -193,3 +194,31 @@ def test_sglang_checks_no_model_name_and_answers_with_the_requests(
     )
     assert {chunk.model for chunk in chunks} == {"another"}
     assert sim.post("/v1/completions", {"prompt": "x", "max_tokens": 1})["model"] == "default"
+
+
+def test_n_zero_breaks_a_streams_usage_as_sglang_does(sim: SimProcess) -> None:
+    """Streamed, n = 0 fails SGLang's usage sum (index % 0): a completion stream says so
+    in an error event; a chat stream, which catches only ValueError, breaks off."""
+    body = {"prompt": "x", "n": 0, "max_tokens": 1, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    events = sim.stream("/v1/completions", body)
+    assert events[-2:] == [
+        {
+            "error": {
+                "object": "error",
+                "message": "integer modulo by zero",
+                "type": "BadRequestError",
+                "param": None,
+                "code": 400,
+            }
+        },
+        "[DONE]",
+    ]
+    assert events[0]["choices"][0]["finish_reason"] == "length"
+    chat = {"messages": [{"role": "user", "content": "x"}], "n": 0, "max_tokens": 1,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    with pytest.raises(http.client.IncompleteRead) as caught:
+        sim.stream("/v1/chat/completions", chat)
+    assert b'"finish_reason":"length"' in caught.value.partial
+    assert b"[DONE]" not in caught.value.partial
+    assert sim.call("GET", "/health")[0] == 200

@@ -283,3 +283,22 @@ def test_token_ids_are_refused_only_where_the_simulator_cannot_hash_them() -> No
 def test_request_ids_are_uuid4_hex() -> None:
     rid = sg.request_id()
     assert len(rid) == 32 and int(rid, 16) >= 0 and rid != sg.request_id()
+
+
+async def test_n_zero_fails_a_completion_streams_usage_and_breaks_a_chat_stream() -> None:
+    for chunks, broken in ((sg.completion_chunks, False), (sg.chat_chunks, True)):
+        choices = group([[1] * 20], n=0, cached=[0], outputs=1)
+
+        async def feed(choices: Choices = choices) -> None:
+            emit(choices, 0, 5)
+
+        stream = chunks(choices, 0, "m", text_of, True)
+        if broken:
+            with pytest.raises(sg.BrokenStream, match="integer modulo by zero"):
+                await collect(stream, feed)
+        else:
+            got = await collect(stream, feed)
+            assert got[-2] == json.loads(
+                sg.stream_error("integer modulo by zero", "BadRequestError", 400)[6:]
+            )
+            assert got[-1] == "[DONE]"
