@@ -222,3 +222,19 @@ def test_n_zero_breaks_a_streams_usage_as_sglang_does(sim: SimProcess) -> None:
     assert b'"finish_reason":"length"' in caught.value.partial
     assert b"[DONE]" not in caught.value.partial
     assert sim.call("GET", "/health")[0] == 200
+
+
+def test_chat_with_two_samples_counts_the_prompt_once_and_the_warmed_cache(
+    client: openai.OpenAI,
+) -> None:
+    messages = [{"role": "system", "content": "You answer twice. " * 40},
+                {"role": "user", "content": "Two ways?"}]  # fmt: skip
+    two = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, n=2)  # type: ignore[arg-type]
+    assert [c.index for c in two.choices] == [0, 1]
+    assert all(c.message.content and c.finish_reason == "length" for c in two.choices)
+    usage = two.usage
+    assert usage is not None and usage.completion_tokens == 8
+    assert usage.prompt_tokens_details is not None
+    # one prompt: its first sample's count, every full block the warm-up cached
+    assert usage.prompt_tokens_details.cached_tokens == (usage.prompt_tokens - 1) // 16 * 16
+    assert HEX32.match(two.id)
