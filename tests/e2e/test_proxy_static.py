@@ -333,6 +333,8 @@ def test_the_openai_client_lists_and_retrieves_the_served_models(fleet: Any) -> 
     error = missing.value.body
     assert isinstance(error, dict) and error["code"] == "model_not_found"
     assert "`org/no-such-model` does not exist" in error["message"]
+    status, headers, answer = proxy.request("/v1/models", method="HEAD")  # as the engines
+    assert status == 200 and answer == b"" and int(headers["content-length"]) > 0
     status, _, answer = proxy.request(f"/v1/models/{MODEL}", method="DELETE")
     assert status == 405 and "use GET" in json.loads(answer)["error"]["message"]
 
