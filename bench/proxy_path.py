@@ -18,6 +18,12 @@ delta after the snapshot) shows every whole block of them resident on both repli
 as after bench.proxy's warm-up: kv_aware takes its keyed path (block keys, leading
 runs, scoring, the prediction of cached tokens, the speculative record), and the
 replicas report 32 cached tokens, as an engine would.
+
+``--concurrency N`` (default 1) times the CPU per request with N clients sending at
+once, each on its own keep-alive connection, so that about N requests are in flight at
+the proxy, as in bench.proxy's throughput runs (32): the proxy's per-replica state then
+changes between two routing decisions (its in-flight counts), which one client at a
+time never shows.
 Printed: CPU time per request, the fastest of 10 batches and their median (on a machine
 shared with other work the fastest batch is the least disturbed one). No system call is
 made, so this is the proxy's Python work alone; what the kernel adds per hop is the same
@@ -214,8 +220,38 @@ def _shared_residency() -> routing_pb2.StateUpdate:
     return routing_pb2.StateUpdate(epoch=1, version=2, delta=routing_pb2.Delta(residency=residency))
 
 
+class _Client:
+    """One keep-alive connection to the proxy, sending one request at a time."""
+
+    def __init__(self, server: HttpServer, stamps: dict[str, float] | None) -> None:
+        self.stamps = stamps
+        self._answer: asyncio.Future[bytes] | None = None  # the request in flight
+        self._protocol = server.protocol()
+        self._protocol.connection_made(MemoryTransport(self._on_response))  # type: ignore[arg-type]
+
+    def _on_response(self, data: bytes) -> None:
+        if self.stamps is not None:
+            self.stamps["answered"] = time.perf_counter()
+        if self._answer is not None and not self._answer.done():
+            self._answer.set_result(data)
+
+    async def send(self, request: bytes) -> bytes:
+        """``request``'s bytes to the proxy; its answer's."""
+        answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._answer = answer
+        if self.stamps is not None:
+            self.stamps["sent"] = time.perf_counter()
+        self._protocol.data_received(request)
+        reply = await answer
+        self._answer = None
+        if not reply.startswith(b"HTTP/1.1 200"):
+            raise SystemExit(f"the proxy answered {reply[:200]!r}")
+        return reply
+
+
 class _Path:
-    """One worker's proxy served in memory, and a client sending it short completions."""
+    """One worker's proxy served in memory, and ``concurrency`` clients sending it short
+    completions, each on its own connection."""
 
     def __init__(
         self,
@@ -223,6 +259,7 @@ class _Path:
         stamps: dict[str, float] | None = None,
         debug_headers: bool = True,
         prompt: str = "hello",
+        concurrency: int = 1,
     ) -> None:
         self.service = _service(strategy, debug_headers)
         self._prompt, reply = PROMPTS[prompt]
@@ -231,19 +268,17 @@ class _Path:
         self.stamps = stamps
         handler: Any = self.service.app if stamps is None else self._stamped
         server = HttpServer(handler, max_body_bytes=self.service.settings.max_body_bytes)
-        self._answered: list[asyncio.Future[bytes]] = []  # the one request in flight
-        self._client = server.protocol()
-        self._client.connection_made(MemoryTransport(self._on_response))  # type: ignore[arg-type]
+        self._clients = [_Client(server, stamps) for _ in range(concurrency)]
 
     async def warm(self, requests: int) -> None:
         """``requests`` requests (tokenizer caches, connections, metric children) and, on
         the keyed path, more until the first speculative records have expired: each
         request then also expires one, as on a proxy that has run for a while."""
         until = time.monotonic() + (SPECULATIVE_TTL_S + 0.5 if self._shared else 0.0)
-        i = 0
-        while i < requests or time.monotonic() < until:
-            await self.one(i)
-            i += 1
+        sent, step = 0, max(1, min(100, requests), len(self._clients))
+        while sent < requests or time.monotonic() < until:
+            await self.many(sent, step)
+            sent += step
         gc.collect()
 
     async def start(self) -> None:
@@ -257,28 +292,32 @@ class _Path:
         await self.service.app(request, response)
         self.stamps["ended"] = time.perf_counter()
 
-    def _on_response(self, data: bytes) -> None:
-        if self.stamps is not None:
-            self.stamps["answered"] = time.perf_counter()
-        if self._answered and not self._answered[0].done():
-            self._answered[0].set_result(data)
-
-    async def one(self, i: int) -> bytes:
-        """Send the ``i``-th request and wait for the proxy's answer (its bytes)."""
+    def _request(self, i: int) -> bytes:
         body = json.dumps({"model": MODEL, "prompt": self._prompt(i), "max_tokens": 1})
-        request = (
+        return (
             b"POST /v1/completions HTTP/1.1\r\nhost: proxy\r\ncontent-type: application/json"
             b"\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body.encode())
         )
-        self._answered.append(asyncio.get_running_loop().create_future())
-        if self.stamps is not None:
-            self.stamps["sent"] = time.perf_counter()
-        self._client.data_received(request)
-        reply = await self._answered[0]
-        self._answered.clear()
-        if not reply.startswith(b"HTTP/1.1 200"):
-            raise SystemExit(f"the proxy answered {reply[:200]!r}")
-        return reply
+
+    async def one(self, i: int) -> bytes:
+        """Send the ``i``-th request on the first connection and wait for the proxy's
+        answer (its bytes)."""
+        return await self._clients[0].send(self._request(i))
+
+    async def many(self, first: int, count: int) -> None:
+        """Requests ``first`` to ``first + count - 1``, every client sending its share
+        one after another (so about ``concurrency`` are in flight at the proxy)."""
+        if len(self._clients) == 1:
+            for i in range(first, first + count):
+                await self.one(i)
+            return
+        step = len(self._clients)
+
+        async def client(number: int) -> None:
+            for i in range(first + number, first + count, step):
+                await self._clients[number].send(self._request(i))
+
+        await asyncio.gather(*(client(number) for number in range(step)))
 
     async def aclose(self) -> None:
         self.service.reporter = None  # no control plane to deliver its last report to
@@ -292,23 +331,22 @@ async def measure(
     warmup: int = 500,
     debug_headers: bool = True,
     prompt: str = "hello",
+    concurrency: int = 1,
 ) -> list[float]:
     """CPU microseconds per request of each of ``BATCHES`` batches."""
-    path = _Path(strategy, debug_headers=debug_headers, prompt=prompt)
+    path = _Path(strategy, debug_headers=debug_headers, prompt=prompt, concurrency=concurrency)
     await path.start()
     await path.warm(warmup)
     per_batch = max(1, requests // BATCHES)
     samples = []
     for _ in range(BATCHES):
         started = time.thread_time()
-        for i in range(per_batch):
-            await path.one(i)
+        await path.many(0, per_batch)
         samples.append((time.thread_time() - started) / per_batch * 1e6)
     if profile:
         profiler = cProfile.Profile(time.thread_time)
         profiler.enable()
-        for i in range(per_batch):
-            await path.one(i)
+        await path.many(0, per_batch)
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     await path.aclose()
@@ -364,6 +402,13 @@ def main(argv: list[str] | None = None) -> int:
         "prompts, their blocks resident on both replicas (kv_aware's keyed path)",
     )
     parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="clients sending at once, each on its own connection (bench.proxy's "
+        "throughput runs use 32); the wall-time split is always measured with one",
+    )
+    parser.add_argument(
         "--no-debug-headers",
         dest="debug_headers",
         action="store_false",
@@ -371,15 +416,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     options = {"debug_headers": args.debug_headers, "prompt": args.prompt}
-    samples = uvloop.run(measure(args.requests, args.strategy, args.profile, **options))
+    samples = uvloop.run(
+        measure(args.requests, args.strategy, args.profile, concurrency=args.concurrency, **options)
+    )
     parts = uvloop.run(measure_split(args.requests, args.strategy, **options))
     mode = "a fleet's" if args.strategy == "kv_aware" else "static"
     if args.strategy == "kv_aware" and not args.debug_headers:
         mode += " (no debug headers)"
     prompt = "shared-prefix" if args.prompt == "shared" else "short"
     print(f"kvroute-proxy request path in process, {mode} {args.strategy}, {prompt} completion")
+    if args.concurrency > 1:
+        print(f"  CPU per request with {args.concurrency} clients sending at once:")
     print(f"  CPU per request, fastest of {BATCHES} batches  {min(samples):8.1f} us")
     print(f"  CPU per request, median batch            {statistics.median(samples):8.1f} us")
+    if args.concurrency > 1:
+        print("  (the wall-time split below: one client)")
     print(f"  wall time per request over {args.requests} requests     p50        p90")
     parts["in + out"] = [a + b for a, b in zip(parts["in"], parts["out"], strict=True)]
     for name, values in parts.items():

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import uvloop
 
 from bench.proxy import short_prompt
@@ -80,3 +83,35 @@ def _replica_of(reply: bytes) -> str:
         for line in head.split("\r\n")
         if line.startswith("x-kvroute-replica")
     )
+
+
+def test_concurrent_clients_keep_several_requests_in_flight_at_the_proxy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--concurrency N: N connections sending at once, as bench.proxy's throughput runs."""
+    in_flight: list[int] = []
+
+    async def send() -> None:
+        path = _Path("kv_aware", prompt="shared", concurrency=8)
+        await path.start()
+        fleet = path.service.fleet
+        on_sent = fleet.on_sent
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            ticket = on_sent(*args, **kwargs)
+            in_flight.append(fleet.inflight_total())
+            return ticket
+
+        monkeypatch.setattr(fleet, "on_sent", counted)
+        try:
+            await path.many(0, 64)
+        finally:
+            await path.aclose()
+
+    uvloop.run(send())
+    assert len(in_flight) == 64  # every request sent once
+    assert max(in_flight) == 8
+    samples = uvloop.run(
+        measure(requests=100, strategy="round_robin", profile=False, warmup=16, concurrency=8)
+    )
+    assert len(samples) == BATCHES
