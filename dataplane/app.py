@@ -195,7 +195,8 @@ class ProxyApp:
             )
         decision_s = time.perf_counter() - started
         body = inference.upstream_body(
-            include_usage=inference.stream and not inference.wants_usage,
+            # explicit, so that every engine sends usage whichever way it reads the rest
+            include_usage=inference.stream and inference.usage_asked is not True,
             cache_salt=prepared.upstream_salt,
         )
         upstream_headers = self._upstream_headers(request.headers, response.id, span)
@@ -244,7 +245,9 @@ class ProxyApp:
             exchange.usage = usage_of(opened.first)
             opened.release()
             return
-        relay = SseRelay(strip_usage=exchange.request.stream and not exchange.request.wants_usage)
+        request = exchange.request
+        strip = request.stream and not request.wants_usage(attempt.endpoint.engine_kind)
+        relay = SseRelay(strip_usage=strip)
         try:
             response.start(opened.status, opened.headers + extra)
             full = response.put(relay.feed(opened.first))

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from kvcore.pb import events_pb2, routing_pb2
 
 ENGINE_KINDS = {events_pb2.ENGINE_KIND_VLLM: "vllm", events_pb2.ENGINE_KIND_SGLANG: "sglang"}
+ENGINE_KIND_OF = {name: kind for kind, name in ENGINE_KINDS.items()}
 
 
 @dataclass(frozen=True, slots=True)

@@ -224,10 +224,11 @@ class Dispatcher:
         usage = exchange.usage
         request = exchange.request
         measured = None if usage is None else usage.cached_tokens
-        if request.fans_out and not request.stream:
-            # A whole answer to a batch or to n > 1 reports the cached tokens of its last
-            # engine request (vLLM's rule): another prompt's, or a later sample's that hit
-            # the first sample's blocks; a stream's is the first prompt's first sample's.
+        if request.fans_out and (not request.stream or attempt.endpoint.engine_kind == "sglang"):
+            # vLLM: a whole answer to a batch or to n > 1 reports the cached tokens of its
+            # last engine request (another prompt's, or a later sample's that hit the first
+            # sample's blocks); a stream's is the first prompt's first sample's. SGLang sums
+            # each prompt's first sample, which it runs after a warm-up of that prompt.
             measured = None
         prompt = exchange.prepared.prompt_tokens  # the first prompt's, routing's subject
         if usage is not None and usage.prompt_tokens is not None and not request.is_batch:

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from itertools import count
 from urllib.parse import urlsplit
 
+from dataplane.endpoints import ENGINE_KIND_OF, endpoint_of
 from dataplane.endpoints import Endpoint as Endpoint  # re-exported: callers import it here
-from dataplane.endpoints import endpoint_of
 from dataplane.errors import SnapshotNeeded
 from dataplane.fleet_config import DEFAULT_ROUTING, FleetConfig, InvalidConfig, fleet_config
 from dataplane.prefill_books import DEFAULT_STEP_S, PrefillBooks
@@ -193,13 +193,16 @@ class FleetState:
         state._membership_changed()
         return state
 
-    def set_served_names(self, ordinal: int, names: Iterable[str]) -> None:
-        """What a replica serves (static mode learns it from the replica's /v1/models);
-        the first name becomes its model."""
+    def set_served_names(self, ordinal: int, names: Iterable[str], engine_kind: str = "") -> None:
+        """What a replica serves and its engine ("vllm", "sglang" or "" unknown; static
+        mode learns both from the replica's /v1/models); the first name becomes its model."""
         record = self._records.get(ordinal)
         names = list(dict.fromkeys(names))
         if record is None or not names:
             return
+        record.info.engine_kind = ENGINE_KIND_OF.get(
+            engine_kind, events_pb2.ENGINE_KIND_UNSPECIFIED
+        )
         record.info.model = names[0]
         del record.info.served_names[:]
         record.info.served_names.extend(names[1:])

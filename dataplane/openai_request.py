@@ -32,7 +32,18 @@ class InferenceRequest:
     body: dict[str, Any]
     model: str
     stream: bool
-    wants_usage: bool  # the client asked for stream_options.include_usage
+    # stream_options.include_usage as the client gave it: True; False (false, null, or no
+    # stream_options); None: stream_options without it, which the engines read apart
+    usage_asked: bool | None
+
+    def wants_usage(self, engine_kind: str) -> bool:
+        """Whether a stream from an ``engine_kind`` engine ends with usage for this
+        request: ``stream_options`` without ``include_usage`` asks vLLM for it (its
+        ``include_usage`` defaults to true) but not SGLang (false); an unknown engine is
+        taken for vLLM."""
+        if self.usage_asked is None:
+            return engine_kind != "sglang"
+        return self.usage_asked
 
     @property
     def messages(self) -> list[dict[str, Any]]:
@@ -91,10 +102,13 @@ def parse_inference(raw: bytes, kind: Kind) -> InferenceRequest:
     _check_types(body)
     stream = body.get("stream") is True
     options = body.get("stream_options")
-    # as vLLM and SGLang read it: stream_options given, usage unless include_usage is
-    # false or null ({} asks for it)
-    wants_usage = options is not None and options.get("include_usage", True) is True
-    return InferenceRequest(kind, raw, body, model, stream, wants_usage)
+    if options is None:
+        usage_asked: bool | None = False
+    elif "include_usage" in options:
+        usage_asked = options["include_usage"] is True
+    else:
+        usage_asked = None  # stream_options without include_usage: up to the engine
+    return InferenceRequest(kind, raw, body, model, stream, usage_asked)
 
 
 def _is_batch_form(prompt: object) -> bool:

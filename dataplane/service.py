@@ -142,9 +142,9 @@ class ProxyService:
         timeout = aiohttp.ClientTimeout(total=self.settings.connect_timeout_s + 2)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             for endpoint in self.fleet.endpoints():
-                names = await _served_names(session, endpoint.base_url)
+                names, kind = await _served_names(session, endpoint.base_url)
                 if names:
-                    self.fleet.set_served_names(endpoint.ordinal, names)
+                    self.fleet.set_served_names(endpoint.ordinal, names, kind)
 
     # -- what /metrics and /readyz read ---------------------------------------------
 
@@ -167,16 +167,22 @@ class ProxyService:
         return detail
 
 
-async def _served_names(session: aiohttp.ClientSession, base_url: str) -> list[str]:
+async def _served_names(session: aiohttp.ClientSession, base_url: str) -> tuple[list[str], str]:
+    """The model names a static replica's ``/v1/models`` lists and its engine kind, which
+    its cards' ``owned_by`` tells: "vllm" or "sglang" (their ``ModelCard`` defaults), ""
+    for anything else."""
     try:
         async with session.get(base_url + "/v1/models") as response:
             if response.status != 200:
-                return []
+                return [], ""
             body = msgspec.json.decode(await response.read())
-    except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError) as exc:
+    except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError, RecursionError) as exc:
         log.warning("static replica unreachable", extra={"url": base_url, "error": str(exc)})
-        return []
+        return [], ""
     cards = body.get("data") if isinstance(body, dict) else None
     if not isinstance(cards, list):
-        return []
-    return [c["id"] for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str)]
+        return [], ""
+    cards = [c for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str)]
+    owners = {c.get("owned_by") for c in cards}
+    kind = owners.pop() if len(owners) == 1 else ""
+    return [c["id"] for c in cards], kind if kind in ("vllm", "sglang") else ""

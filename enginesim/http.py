@@ -371,7 +371,9 @@ class SimApp:
             "id": self.settings.model,
             "object": "model",
             "created": 0,
-            "owned_by": "kvroute-sim",
+            # what tells the engines apart: ModelCard.owned_by in vLLM's
+            # entrypoints/openai/engine/protocol.py and SGLang's entrypoints/openai/protocol.py
+            "owned_by": "vllm" if self.sglang is None else "sglang",
             "root": self.settings.model,
             "parent": None,
             "max_model_len": self.settings.model_len,

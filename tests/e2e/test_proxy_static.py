@@ -84,6 +84,38 @@ def test_stream_options_get_the_usage_chunk_the_replica_would_send(
     assert ("usage" in via_proxy[-2]) is (options.get("include_usage", True) is True)
 
 
+STREAM_OPTIONS = [
+    None,
+    {},
+    {"include_usage": None},
+    {"include_usage": False},
+    {"include_usage": True},
+]
+
+
+@pytest.mark.parametrize("options", STREAM_OPTIONS)
+def test_behind_sglang_the_stream_has_usage_exactly_when_sglangs_own_would(
+    options: dict[str, Any] | None,
+) -> None:
+    """SGLang's ``include_usage`` defaults to false: ``stream_options: {}`` ends its
+    stream without usage, where vLLM's has it. The proxy, which asks every engine for
+    usage, learns a static replica's engine from its /v1/models (``owned_by``)."""
+    with (
+        SimProcess(*SIM_ARGS, "--event-format=sglang") as sim,
+        ProxyProcess(f"--static-replicas={sim.url}") as proxy,
+    ):
+        body: dict[str, Any] = {"model": MODEL, "prompt": "Jumps over the lazy dog",
+                                "max_tokens": 3, "stream": True}  # fmt: skip
+        if options is not None:
+            body["stream_options"] = options
+        assert json.loads(proxy.request("/v1/models", method="GET")[2])["data"]  # read at start
+        via_proxy, direct = (_events(url, body) for url in (proxy.url, sim.url))
+    has_usage = [e.get("usage") is not None for e in direct[:-1]]  # SGLang: "usage": null
+    assert [e.get("usage") is not None for e in via_proxy[:-1]] == has_usage
+    assert any(has_usage) is (options is not None and options.get("include_usage") is True)
+    assert [e["choices"] for e in via_proxy[:-1]] == [e["choices"] for e in direct[:-1]]
+
+
 def test_a_batch_with_two_samples_each_arrives_intact_and_answers_as_the_replica(
     fleet: Any,
 ) -> None:
@@ -144,6 +176,31 @@ def test_a_batch_or_n_samples_counts_the_first_prompts_cached_tokens_or_none(
         after_stream["measured_cached_tokens"] - after_whole["measured_cached_tokens"] == reported
     )
     assert after_stream["prompt_tokens"] - after_whole["prompt_tokens"] == len(first)
+
+
+def test_behind_sglang_no_answer_to_a_batch_or_n_samples_counts_as_measured() -> None:
+    """SGLang runs each prompt of a batch or of n > 1 once as a warm-up, then the samples,
+    and sums the samples' cached tokens: whole or streamed, no measure of the prompt as
+    routed. A single prompt's stream still is one."""
+    with (
+        SimProcess(*SIM_ARGS, "--event-format=sglang") as sim,
+        ProxyProcess(f"--static-replicas={sim.url}") as proxy,
+    ):
+        prompt = list(range(26_000, 26_040))
+        options = {"stream": True, "stream_options": {"include_usage": True}}
+        before = _fidelity_totals(proxy)
+        for extra in ({"n": 2}, {"n": 2, **options}, {"prompt": [prompt, prompt[:24]], **options}):
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, **extra}
+            events = _events(proxy.url, body) if extra.get("stream") else None
+            if events is None:
+                assert proxy.request("/v1/completions", body)[0] == 200
+            else:
+                assert events[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        after_fanned = _fidelity_totals(proxy)
+        assert after_fanned["measured_requests"] == before["measured_requests"]
+        single = {"model": MODEL, "prompt": prompt[:30], "max_tokens": 2, **options}
+        _events(proxy.url, single)
+        assert _fidelity_totals(proxy)["measured_requests"] == after_fanned["measured_requests"] + 1
 
 
 def _fidelity_totals(proxy: ProxyProcess) -> dict[str, float]:
