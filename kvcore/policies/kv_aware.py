@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from math import inf
+from operator import attrgetter
 
 from kvcore.policies.base import (
     Decision,
@@ -48,10 +50,13 @@ from kvcore.policies.kv_scoring import (
     cold_note,
     queue_saturation,
     queue_screened,
+    queue_usable,
 )
 from kvcore.policies.preselect import Candidates, Pool, least_loaded, next_in_turn
-from kvcore.policies.screening import ALL_SATURATED, NO_REPLICA, screen_rows
+from kvcore.policies.screening import ALL_SATURATED, NO_REPLICA, TIE, best, screen_rows
 from kvcore.workload import KvAwareWorkload
+
+_ordinal = attrgetter("ordinal")
 
 
 class KvAwarePolicy(KvScoringPolicy):
@@ -68,12 +73,73 @@ class KvAwarePolicy(KvScoringPolicy):
         self._cold_notes = {note: cold_note(self.name, note) for note in ("", ALL_SATURATED)}
 
     def select(self, ctx: RouteContext, state: StateView) -> Decision:
-        """:meth:`select_scored`'s decision. A prompt shorter than a block has no keys:
-        nobody holds it and nothing is speculated, so it goes straight to the turn
-        (:meth:`without_hit`), each replica screened once, with no holder lookup, no
-        candidates and no scores (tests/unit/kvcore/test_kv_keyless.py: the same decisions)."""
-        if ctx.block_keys:
-            return self.select_scored(ctx, state)
+        """:meth:`select_scored`'s decision, by a shortcut in the two usual cases (no
+        Candidates or Pool per request; tests/unit/kvcore/test_kv_shortcuts.py
+        compares them): a prompt without keys, and a prompt some usable replica holds a
+        counted hit of while some replica is unsaturated (:meth:`_by_hit`)."""
+        keys = ctx.block_keys
+        if not keys:
+            return self._keyless(ctx, state)
+        runs = state.leading_runs(keys, now=ctx.now)
+        if runs:
+            fleet = state.replicas()
+            if isinstance(fleet, ReplicaBoard):
+                decided = self._by_hit(ctx, fleet, runs)
+                if decided is not None:
+                    return decided
+        return self.decide(ctx, state, runs)
+
+    def _by_hit(
+        self, ctx: RouteContext, board: ReplicaBoard, runs: dict[int, int]
+    ) -> Decision | None:
+        """The scored decision among the usable holders and the best non-holders (as
+        :mod:`~kvcore.policies.preselect` finds them), each replica screened once by
+        :func:`queue_usable`; ``None`` (the general path decides) when every eligible
+        replica is saturated, none is, or no usable holder has a counted hit."""
+        for replica in board.by_load():
+            if queue_usable(replica, ctx):
+                break
+        else:
+            return None
+        get = board.get
+        holders = [r for o in runs if (r := get(o)) is not None and queue_usable(r, ctx)]
+        floor = max(self.aware.min_hit * len(ctx.block_keys), 1)
+        if not any(runs[r.ordinal] >= floor for r in holders):
+            return None  # a new prompt: the turn
+        holders.sort(key=_ordinal)
+        scores = self.scores(ctx, holders, runs)
+        usable = holders
+        rivals = self._best_nonholders(ctx, board, runs, max(scores.values()) - 2 * TIE)
+        if rivals:
+            usable = sorted([*holders, *rivals], key=_ordinal)
+            scores = self.scores(ctx, usable, runs)
+        chosen = best(usable, scores, self._rng)
+        reasons = self._reasons(ctx, board.snapshot(), chosen, runs)
+        return Decision(chosen, self.name, reasons, "", self._speculate(ctx, chosen))
+
+    def _best_nonholders(
+        self, ctx: RouteContext, board: ReplicaBoard, runs: dict[int, int], floor: float
+    ) -> list[ReplicaState]:
+        """:meth:`nonholders` when every unsaturated replica is usable."""
+        found: list[ReplicaState] = []
+        limit = inf
+        for replica in board.by_load():
+            load = replica.load
+            if load > limit:
+                break
+            if replica.ordinal in runs or not queue_usable(replica, ctx):
+                continue
+            if not found:
+                if not self.nonholder_score(ctx, replica) >= floor:
+                    break
+                limit = load + 2 * TIE
+            found.append(replica)
+        return found
+
+    def _keyless(self, ctx: RouteContext, state: StateView) -> Decision:
+        """A prompt shorter than a block has no keys: nobody holds it and nothing is
+        speculated, so it goes straight to the turn (:meth:`without_hit`), each replica
+        screened once, with no holder lookup, no candidates and no scores."""
         cold = not state.has_residency()
         if cold and not self.places_cold_prompts:
             return self._fall_back(ctx, state)
@@ -89,28 +155,32 @@ class KvAwarePolicy(KvScoringPolicy):
             note = self._cold_notes[note]
         elif chosen is None:
             note = note or NO_REPLICA
-        return Decision(chosen, self.name, self._keyless_reasons(ctx, snapshot, chosen), note)
+        return Decision(chosen, self.name, self._reasons(ctx, snapshot, chosen, {}), note)
 
-    def _keyless_reasons(
-        self, ctx: RouteContext, fleet: Sequence[ReplicaState], chosen: ReplicaState | None
+    def _reasons(
+        self,
+        ctx: RouteContext,
+        fleet: Sequence[ReplicaState],
+        chosen: ReplicaState | None,
+        runs: dict[int, int],
     ) -> Reasons:
-        """A keyless decision's reasons, built when read, as :meth:`select_scored` gives
-        them: the whole fleet screened as it was, each usable replica scored for a hit
-        of 0."""
+        """A shortcut's reasons, built when read, as :meth:`select_scored` gives them:
+        the whole fleet screened as it was, each usable replica scored."""
 
         def explain() -> list[ReplicaReason]:
             whole = screen_rows(ctx, fleet, queue_saturation)
-            return [*whole.excluded, *self._unheld_rows(ctx, whole.usable)]
+            return [*whole.excluded, *self._rows(ctx, whole.usable, runs)]
 
         def chosen_row() -> ReplicaReason | None:
-            return None if chosen is None else self._unheld_rows(ctx, [chosen])[0]
+            return None if chosen is None else self._rows(ctx, [chosen], runs)[0]
 
         return Reasons(explain, chosen_row)
 
-    def _unheld_rows(self, ctx: RouteContext, replicas: list[ReplicaState]) -> list[ReplicaReason]:
-        """Reason rows of ``replicas`` holding none of the prompt."""
-        table = self.scores(ctx, replicas, {})
-        return [self._row(ctx, r, 0, table) for r in replicas]
+    def _rows(
+        self, ctx: RouteContext, replicas: list[ReplicaState], runs: dict[int, int]
+    ) -> list[ReplicaReason]:
+        table = self.scores(ctx, replicas, runs)
+        return [self._row(ctx, r, runs.get(r.ordinal, 0), table) for r in replicas]
 
     def scores(
         self, ctx: RouteContext, replicas: list[ReplicaState], runs: dict[int, int]

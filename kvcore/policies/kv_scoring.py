@@ -34,7 +34,7 @@ from kvcore.policies.base import (
 from kvcore.policies.board import ReplicaBoard
 from kvcore.policies.fallback import fallback_policy
 from kvcore.policies.preselect import Candidates, Pool, candidates, decision
-from kvcore.policies.screening import ALL_SATURATED, TIE, best
+from kvcore.policies.screening import ALL_SATURATED, TIE, best, hard_exclusion
 from kvcore.workload import KvAwareWorkload, KvCostWorkload
 
 
@@ -74,37 +74,42 @@ def queue_saturation(replica: ReplicaState, ctx: RouteContext) -> str | None:
     return None
 
 
+def queue_usable(replica: ReplicaState, ctx: RouteContext) -> bool:
+    """Whether ``replica`` is neither hard-excluded nor saturated by
+    :func:`queue_saturation`: the usual answers of both in one test, their min() and
+    max() spelt out (the two calls cost as much as the rest of it); asked of a replica
+    or two per request."""
+    models = replica.models
+    if (
+        not replica.healthy
+        or replica.draining
+        or (models and ctx.model not in models)
+        or replica.ordinal in ctx.exclude
+    ):
+        return False  # hard_exclusion's
+    workload = ctx.workload
+    threshold = workload.load_threshold
+    requests, capacity = replica.requests, replica.capacity
+    queued = requests / (capacity if capacity > 1 else 1)
+    return (
+        requests < workload.max_inflight_per_replica
+        and (queued if queued < 1.0 else 1.0) < threshold
+        and not (replica.waiting and replica.kv_usage >= threshold)
+    )
+
+
 def queue_screened(
     ctx: RouteContext, fleet: Iterable[ReplicaState]
 ) -> tuple[list[ReplicaState], str]:
     """``screen_rows(ctx, fleet, queue_saturation)``'s usable replicas and note, without
-    its reasons: each replica read once, with the usual answers of ``hard_exclusion`` and
-    :func:`queue_saturation` in one test each (a prompt without keys is screened so on
-    every request; ``test_kv_keyless.py`` checks the two agree)."""
-    workload, model, exclude = ctx.workload, ctx.model, ctx.exclude
-    threshold, most = workload.load_threshold, workload.max_inflight_per_replica
+    its reasons, each replica read once (a prompt without keys is screened so on every
+    request; ``test_kv_shortcuts.py`` checks the two agree)."""
     usable: list[ReplicaState] = []
     saturated: list[ReplicaState] = []  # eligible, kept until one is not saturated
     for replica in fleet:
-        models = replica.models
-        if (
-            not replica.healthy
-            or replica.draining
-            or (models and model not in models)
-            or replica.ordinal in exclude
-        ):
-            continue  # hard_exclusion's
-        # queue_saturation's test, its min() and max() spelt out (the two calls cost
-        # as much as the rest of it)
-        requests, capacity = replica.requests, replica.capacity
-        queued = requests / (capacity if capacity > 1 else 1)
-        if (
-            requests < most
-            and (queued if queued < 1.0 else 1.0) < threshold
-            and not (replica.waiting and replica.kv_usage >= threshold)
-        ):
+        if queue_usable(replica, ctx):
             usable.append(replica)
-        elif not usable:
+        elif not usable and hard_exclusion(replica, ctx) is None:
             saturated.append(replica)
     if usable or not saturated:
         return usable, ""
@@ -153,6 +158,12 @@ class KvScoringPolicy:
         """The general path: look up the holders, then the strategy's new-prompt rule or
         the scores (a subclass may take a shortcut to the same decision)."""
         runs = state.leading_runs(ctx.block_keys, now=ctx.now) if ctx.block_keys else {}
+        return self.decide(ctx, state, runs)
+
+    select_scored = select  # the general path by name, whatever a subclass's select does
+
+    def decide(self, ctx: RouteContext, state: StateView, runs: dict[int, int]) -> Decision:
+        """:meth:`select_scored` once the leading runs are known."""
         cold = not runs and not state.has_residency()
         if cold and not self.places_cold_prompts:
             return self._fall_back(ctx, state)
@@ -173,8 +184,6 @@ class KvScoringPolicy:
         note = cold_note(self.name, found.note) if cold else ""
         speculative = self._speculate(ctx, chosen)
         return decision(self.name, found, chosen, rows, note=note, speculative=speculative)
-
-    select_scored = select  # the general path by name, whatever a subclass's select does
 
     def _row(
         self, ctx: RouteContext, replica: ReplicaState, held: int, scores: dict[int, float]

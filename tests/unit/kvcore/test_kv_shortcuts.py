@@ -1,8 +1,9 @@
-"""kv_aware's shortcut for a prompt without block keys (shorter than a block) decides as
-its general path does: the same replica, the same turn kept for the next decision, the
-same random draws, note, speculative record and per-replica reasons, over random fleets
-(loads, saturation, hard exclusions, none usable), placed blocks, cold starts and each
-fallback, on a board and on a plain fleet list."""
+"""kv_aware's shortcuts decide as its general path does: for a prompt without block keys
+(shorter than a block) and for one some usable replica holds a counted hit of, the same
+replica, the same turn kept for the next decision, the same random draws, note,
+speculative record and per-replica reasons, over random fleets (loads, saturation, hard
+exclusions, none usable), held prefixes, placed blocks, cold starts and each fallback, on
+a board and on a plain fleet list."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from hypothesis import strategies as st
 from kvcore.index import BitmaskResidencyIndex
 from kvcore.policies import Decision, ReplicaState, RouteContext, StaticStateView, create_policy
 from kvcore.policies.kv_aware import KvAwarePolicy
-from kvcore.policies.kv_scoring import queue_saturation, queue_screened
-from kvcore.policies.screening import screen_rows
+from kvcore.policies.kv_scoring import queue_saturation, queue_screened, queue_usable
+from kvcore.policies.screening import hard_exclusion, screen_rows
 from kvcore.workload import KvAwareWorkload
 from tests.unit.kvcore.test_preselect import REPLICA, WholeFleetView
 
@@ -28,7 +29,7 @@ NOW = 10.0
 WORKLOAD = st.fixed_dictionaries(
     {
         "load_threshold": st.sampled_from([0.25, 0.5, 0.9, 1.0]),
-        "max_inflight_per_replica": st.sampled_from([1, 3, 1000]),
+        "max_inflight_per_replica": st.sampled_from([1, 3, 1000, 1000]),
         "locality_weight": st.sampled_from([0.0, 0.5, 0.7, 1.0]),
         "min_hit": st.sampled_from([0.0, 0.3, 1.0]),
         "fallback": st.sampled_from(["least_load", "least_load", "round_robin", "prefix_hash"]),
@@ -38,11 +39,21 @@ WORKLOAD = st.fixed_dictionaries(
 PLACED = st.lists(  # (fleet position, blocks, expires after NOW?)
     st.tuples(st.integers(0, 11), st.integers(1, 4), st.booleans()), max_size=8
 )
-ANY_REPLICA = st.tuples(REPLICA, st.sampled_from([0, 1, 4, 8])).map(
+ANY_REPLICA = st.tuples(REPLICA, st.sampled_from([0, 1, 4, 8, 64])).map(
     lambda drawn: {**drawn[0], "capacity": drawn[1]}  # a capacity below 2 too
 )
+EASY_REPLICA = REPLICA.map(  # eligible and seldom saturated: holders win by score
+    lambda drawn: (
+        {**drawn, "healthy": True, "draining": False, "models": frozenset()} | {"capacity": 64}
+    )
+)
+PROMPT = range(5000, 5008)  # a prompt's 8 block keys, some held by some replicas
+HELD = st.dictionaries(
+    st.integers(0, 11), st.integers(1, 8), min_size=1, max_size=5
+)  # position: blocks
 STEP = st.tuples(
-    st.sampled_from(["short", "short", "short", "keyed"]),  # the request's prompt
+    st.sampled_from(["short", "held", "held", "new"]),  # the request's prompt
+    st.integers(1, 8),  # blocks of PROMPT a "held" prompt begins with
     st.integers(0, 11),  # a fleet position whose state changes after it
     st.integers(-1, 3),  # by this many more requests not yet reported
     st.frozensets(st.integers(0, 40), max_size=3),  # ordinals already tried
@@ -73,31 +84,36 @@ def _state_of(policy: KvAwarePolicy) -> tuple[Any, ...]:
     return policy._last, policy._turn, policy._rng.getstate(), getattr(fallback, "_turn", None)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=600, deadline=None)
 @given(
     fields=WORKLOAD,
-    replicas=st.lists(ANY_REPLICA, min_size=0, max_size=12),
+    replicas=st.lists(ANY_REPLICA, max_size=12) | st.lists(EASY_REPLICA, max_size=12),
     ordinals=st.lists(st.integers(0, 40), min_size=12, max_size=12, unique=True),
     placed=PLACED,
+    held=HELD,
     residency=st.booleans(),
     whole_fleet=st.booleans(),
     steps=st.lists(STEP, min_size=1, max_size=8),
     seed=st.integers(0, 3),
 )
-def test_a_prompt_without_keys_is_decided_as_the_general_path_decides_it(
+def test_kv_awares_shortcuts_decide_as_its_general_path_does(
     fields: dict[str, Any],
     replicas: list[dict[str, Any]],
     ordinals: list[int],
     placed: list[tuple[int, int, bool]],
+    held: dict[int, int],
     residency: bool,
     whole_fleet: bool,
-    steps: list[tuple[str, int, int, frozenset[int]]],
+    steps: list[tuple[str, int, int, int, frozenset[int]]],
     seed: int,
 ) -> None:
     states = [ReplicaState(ordinals[i], f"r{ordinals[i]}", **row) for i, row in enumerate(replicas)]
     index = BitmaskResidencyIndex()
     if residency:
         index.add(ordinals[-1], [1])
+    for position, blocks in held.items():
+        if states:
+            index.add(ordinals[position % len(states)], PROMPT[:blocks])
     for position, blocks, live in placed:
         sent = range(position * 1000, position * 1000 + blocks)
         index.add_speculative(ordinals[position], sent, expires_at=NOW + 1 if live else NOW)
@@ -105,8 +121,12 @@ def test_a_prompt_without_keys_is_decided_as_the_general_path_decides_it(
     state = WholeFleetView(view) if whole_fleet else view
     fast, general = _twins(fields, seed)
     workload = fast.aware
-    for number, (prompt, position, more, exclude) in enumerate(steps):
-        keys: Sequence[int] = range(number * 100, number * 100 + 3) if prompt == "keyed" else ()
+    for number, (prompt, blocks, position, more, exclude) in enumerate(steps):
+        keys: Sequence[int] = ()
+        if prompt == "held":
+            keys = PROMPT[:blocks]
+        elif prompt == "new":
+            keys = range(number * 100, number * 100 + blocks)
         tokens = range(number, number + (48 if keys else 5))
         ctx = RouteContext(workload, MODEL, keys, tokens, now=NOW, exclude=exclude)
         decided, generally = fast.select(ctx, state), general.select_scored(ctx, state)
@@ -120,10 +140,48 @@ def test_a_prompt_without_keys_is_decided_as_the_general_path_decides_it(
 @settings(max_examples=300, deadline=None)
 @given(
     fields=WORKLOAD,
+    loads=st.lists(
+        st.tuples(st.integers(0, 3), st.sampled_from([0.0, 0.5])), min_size=1, max_size=6
+    ),
+    held=st.lists(st.integers(0, 8), min_size=6, max_size=6),  # blocks of PROMPT, by ordinal
+    blocks=st.lists(st.integers(1, 8), min_size=1, max_size=6),  # each request's prompt
+    seed=st.integers(0, 3),
+)
+def test_a_held_prompt_is_scored_as_the_general_path_scores_it(
+    fields: dict[str, Any],
+    loads: list[tuple[int, float]],
+    held: list[int],
+    blocks: list[int],
+    seed: int,
+) -> None:
+    """Eligible replicas with few distinct loads and prefixes: holders tie with each
+    other and with the least-loaded non-holders, and runs fall either side of min_hit."""
+    states = [
+        ReplicaState(o, f"r{o}", running=running, kv_usage=kv, capacity=64)
+        for o, (running, kv) in enumerate(loads)
+    ]
+    view = StaticStateView(states)
+    for ordinal, count in enumerate(held[: len(states)]):
+        view.index.add(ordinal, PROMPT[:count])
+    fast, general = _twins(fields, seed)
+    for number, count in enumerate(blocks):
+        ctx = RouteContext(fast.aware, MODEL, PROMPT[:count], now=NOW)
+        decided, generally = fast.select(ctx, view), general.select_scored(ctx, view)
+        assert _state_of(fast) == _state_of(general)
+        view.apply(decided)
+        if decided.replica is not None:
+            busier = replace(decided.replica, unreported=decided.replica.unreported + number % 2)
+            view.put(busier)
+        _same(decided, generally)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    fields=WORKLOAD,
     replicas=st.lists(ANY_REPLICA, min_size=0, max_size=12),
     exclude=st.frozensets(st.integers(0, 12), max_size=3),
 )
-def test_the_one_pass_screening_keeps_what_screening_keeps(
+def test_the_one_test_screening_keeps_what_screening_keeps(
     fields: dict[str, Any], replicas: list[dict[str, Any]], exclude: frozenset[int]
 ) -> None:
     workload = KvAwareWorkload(**fields)
@@ -133,3 +191,6 @@ def test_the_one_pass_screening_keeps_what_screening_keeps(
     usable, note = queue_screened(ctx, fleet)
     assert usable == screened.usable
     assert note == screened.note
+    for replica in fleet:
+        plainly = hard_exclusion(replica, ctx) is None and queue_saturation(replica, ctx) is None
+        assert queue_usable(replica, ctx) == plainly
