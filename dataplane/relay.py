@@ -35,6 +35,7 @@ _envelope = msgspec.json.Decoder(_Envelope)
 _EVENT_END = b"\n\n"
 _DATA = b"data:"
 _USAGE = b'"usage"'
+_NO_USAGE = (b'"usage":null', b'"usage": null')  # SGLang's every chunk but the last
 
 
 @dataclass(slots=True)
@@ -87,7 +88,7 @@ class SseRelay:
         end += len(_EVENT_END)
         self._pending = data[end:]
         complete = data[:end] if self._pending else data
-        if _USAGE not in complete:
+        if _USAGE not in complete or _only_null_usage(complete):
             return complete
         return b"".join(self._keep(event) for event in complete.split(_EVENT_END)[:-1])
 
@@ -104,6 +105,12 @@ class SseRelay:
                 if self.strip_usage and _empty(envelope.choices):
                     return b""
         return event + _EVENT_END
+
+
+def _only_null_usage(events: bytes) -> bool:
+    """Whether every ``"usage"`` key in ``events`` is null (a key inside a JSON string
+    has its quotes escaped, so these count keys alone): nothing to read or strip."""
+    return events.count(_USAGE) == sum(events.count(null) for null in _NO_USAGE)
 
 
 def _empty(choices: msgspec.Raw) -> bool:

@@ -52,3 +52,17 @@ def test_usage_of_a_body_and_of_what_is_not_json() -> None:
     assert usage is not None and (usage.prompt_tokens, usage.cached_tokens) == (5, None)
     assert usage_of(b"<html>") is None and usage_of(b'{"error": {}}') is None
     assert usage_of(b'{"usage": ' + b'{"a": ' * 20_000) is None  # past the parser's depth
+
+
+def test_sglang_chunks_with_null_usage_pass_untouched_and_its_usage_chunk_is_read() -> None:
+    # SGLang's completion chunks all carry "usage": null; only its last has the usage
+    token = b'data: {"id":"c","choices":[{"index":0,"text":" \\"usage\\":{}"}],"usage":null}\n\n'
+    spaced = b'data: {"id": "c", "choices": [{"index": 0, "text": " y"}], "usage": null}\n\n'
+    stream = token + spaced + USAGE + DONE
+    r = SseRelay(strip_usage=True)
+    assert r.feed(token + spaced) == token + spaced
+    assert r.usage is None
+    assert r.feed(USAGE + DONE) == DONE
+    assert r.usage is not None and (r.usage.prompt_tokens, r.usage.cached_tokens) == (40, 32)
+    kept, k = relay([stream], strip=False)
+    assert kept == stream and k.usage is not None and k.usage.cached_tokens == 32
