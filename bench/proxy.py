@@ -14,7 +14,9 @@ its target, writes them all to ``--out`` (JSON) and exits 1 when a target is mis
 could not be checked (a router that did not run is reported with the reason):
 
 1. added latency: one client sends short non-streaming completions one at a time, each
-   round to a replica directly and then through each router in turn; the figure is the
+   round to a replica directly and through each router, in an order shuffled each round
+   (the routers share a CPU: what one does after its answer must not always fall on the
+   same other's request); the figure is the
    router's p50 minus the direct p50: kvroute's <= 0.3 ms and no worse than
    sglang-router's with the like policy (vllm-router's printed beside them);
 2. throughput: ``--concurrency`` keep-alive clients for ``--duration`` seconds through each
@@ -92,6 +94,7 @@ from kvcore.tokenize import BuiltinTokenizer, HFTokenizer, Tokenizer
 
 MODEL = "kvroute/sim-model"
 WARM_UP = 100  # latency rounds not counted
+LATENCY_SEED = 7  # the latency rounds' orders
 FLOORS = {  # bench.passthrough's servers, each with a raw asyncio client
     "relay": "byte relay, no HTTP (the hop itself)",
     "uvicorn": "uvicorn + raw client",
@@ -156,13 +159,18 @@ class Connection:
 
 
 async def latencies(targets: list[Target], rounds: int) -> None:
-    """Each round sends one request to each target in turn, so drift hits all alike. A
-    router that fails is dropped from the rounds with the reason (``failed``)."""
+    """Each round sends one request to each target in turn, so drift hits all alike, in
+    an order shuffled anew each round: the routers share a CPU, and a router's work after
+    its answer (its bookkeeping) would otherwise always fall on the same next router's
+    request. A router that fails is dropped from the rounds with the reason (``failed``)."""
     connections = [await _connect(t) for t in targets]
+    order = list(zip(targets, connections, strict=True))
+    shuffle = random.Random(LATENCY_SEED).shuffle
     try:
         for i in range(rounds + WARM_UP):
             body = {"model": MODEL, "prompt": f"Hello number {i % 50}", "max_tokens": 1}
-            for target, connection in zip(targets, connections, strict=True):
+            shuffle(order)
+            for target, connection in order:
                 if connection is None or target.failed:
                     continue
                 start = time.perf_counter()
