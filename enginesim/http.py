@@ -8,7 +8,7 @@ of requests a second on a small machine (see ``bench/enginesim_capacity.py``). R
 | POST | ``/v1/completions``, ``/v1/chat/completions`` | OpenAI API, SSE when ``stream`` |
 | GET | ``/v1/models`` | the one served model |
 | GET | ``/health``, ``/ping`` | 200 while serving |
-| POST | ``/tokenize`` | ``{prompt}`` or ``{messages}`` → ``{tokens, count, max_model_len}`` |
+| POST | ``/tokenize`` (SGLang mode: also ``/v1/tokenize``) | ``{prompt}`` or ``{messages}`` → ids |
 | POST | ``/reset_prefix_cache``, ``/flush_cache`` | drop the cache; 409 while in use |
 | GET | ``/metrics`` | Prometheus, engine names (``metrics.py``) |
 | GET | ``/server_info``, ``/model_info`` (and ``/get_`` aliases) | SGLang router probes |
@@ -133,6 +133,8 @@ class SimApp:
             "/sim/faults": {"GET": self.faults, "POST": self.faults, "DELETE": self.faults},
             "/sim/state": {"GET": self.state},
         }
+        if self.sglang is not None:  # SGLang serves both paths with one handler
+            table["/v1/tokenize"] = table["/tokenize"]
         self.routes.update(table)
 
     # -- ASGI ----------------------------------------------------------------------------
@@ -388,7 +390,8 @@ class SimApp:
 
     async def tokenize(self, request: Request) -> Result:
         body = p.decode_body(request.body, p.TokenizeRequest)
-        self.check_model(body.model)
+        if self.sglang is None:  # SGLang checks no model name
+            self.check_model(body.model)
         if body.messages is not None:
             tokens = await self.chat_prompt_ids(
                 body.messages, body.tools, body.add_generation_prompt
@@ -404,6 +407,10 @@ class SimApp:
         else:
             raise p.BadRequest("Either prompt or messages is required.", "prompt")
         model_len = self.settings.model_len
+        if self.sglang is not None:  # SGLang's TokenizeResponse
+            return json_response(
+                {"tokens": tokens, "count": len(tokens), "max_model_len": model_len}
+            )
         return json_response(
             {"count": len(tokens), "max_model_len": model_len, "tokens": tokens, "token_strs": None}
         )

@@ -154,6 +154,7 @@ def test_a_batch_with_one_prompt_too_long_is_refused_whole(sim: SimProcess) -> N
         ("/v1/chat/completions", b'{"messages": "hi"}', 400, "Invalid request"),
         ("/tokenize", b"{}", 400, "prompt or messages"),
         ("/nowhere", b"{}", 404, "No route"),
+        ("/v1/tokenize", b'{"prompt": "x"}', 404, "No route"),  # vLLM's is /tokenize alone
     ],
 )
 def test_bad_input_gets_openai_errors(sim: SimProcess, path, raw, status, needle) -> None:

@@ -238,3 +238,16 @@ def test_chat_with_two_samples_counts_the_prompt_once_and_the_warmed_cache(
     # one prompt: its first sample's count, every full block the warm-up cached
     assert usage.prompt_tokens_details.cached_tokens == (usage.prompt_tokens - 1) // 16 * 16
     assert HEX32.match(two.id)
+
+
+def test_tokenize_answers_on_both_of_sglangs_paths_in_its_shape(sim: SimProcess) -> None:
+    """SGLang serves /v1/tokenize and /tokenize with one handler (TokenizeResponse:
+    tokens, count, max_model_len; no model check), which the proxy's tokenizer probe asks
+    first of an SGLang engine."""
+    answers = [sim.post(path, {"prompt": "hello there"}) for path in ("/v1/tokenize", "/tokenize")]
+    assert answers[0] == answers[1]
+    assert list(answers[0]) == ["tokens", "count", "max_model_len"]
+    assert answers[0]["count"] == len(answers[0]["tokens"]) > 0
+    assert answers[0]["max_model_len"] == 4096
+    named = sim.post("/v1/tokenize", {"model": "any-name", "prompt": "hello there"})
+    assert named == answers[0]
