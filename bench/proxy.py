@@ -25,7 +25,12 @@ could not be checked (a router that did not run is reported with the reason):
    second: kvroute's >= 0.9x sglang-router's, ``round_robin`` vs ``round_robin`` and
    ``kv_aware`` vs ``cache_aware``; every prompt of these runs is first sent once to
    every replica, so no router's runs pay for filling the caches (nor, for kv_aware,
-   for the fleet's events while they fill);
+   for the fleet's events while they fill). The replicas and this load generator share
+   the other CPU, and that CPU, not the router, is what usually runs out first here; so
+   the same runs are repeated with each router in turn under a CPU limit as Kubernetes
+   sets a pod's ``limits.cpu`` (``--cpu-limit`` cores, 0.4 by default: a CFS quota of
+   40 ms per 100 ms, :mod:`bench.cpu_limit`), where the router bounds the throughput,
+   against the same target (a machine where no cgroup can be made reports why);
 3. the routing decision in-process (classify + render + tokenize + key + score) for an
    8,192-token chat prompt whose first 90% was seen before, 64 replicas, ``kv_aware``,
    300 decisions per tokenizer: p50 <= 1 ms and p99 <= 3 ms with the built-in tokenizer;
@@ -68,6 +73,7 @@ from typing import Any
 
 import aiohttp
 
+from bench.cpu_limit import CpuLimit, CpuLimitUnavailable
 from bench.enginesim_capacity import _read_response, _request, _run, start_sim
 from bench.micro.model_files import write_tiny_model
 from bench.micro.report import Figure
@@ -80,6 +86,7 @@ from bench.proxy_report import (
     all_met,
     extra_rows,
     latency_rows,
+    limited_rows,
     paired_names,
     render,
     throughput_rows,
@@ -312,6 +319,8 @@ async def measure(args: argparse.Namespace, replicas: list[str], targets: list[T
                 await _loaded(args, [target.url], target.pid, others, fleet)
             )
     results.direct_rps = statistics.median(run.rps for run in runs.pop("direct"))
+    if args.cpu_limit:
+        await _limited(args, replicas, targets, results)
     for name, samples in runs.items():
         measured = results.routers[name]
         measured.rps = statistics.median(run.rps for run in samples)
@@ -322,6 +331,45 @@ async def measure(args: argparse.Namespace, replicas: list[str], targets: list[T
         if fleet:
             measured.helpers_share = statistics.median(run.helpers_share for run in samples)
     return results
+
+
+async def _limited(
+    args: argparse.Namespace, replicas: list[str], targets: list[Target], results: Results
+) -> None:
+    """Throughput again with each router in turn under a CPU limit as Kubernetes sets one
+    (``--cpu-limit`` cores: a CFS quota per 100 ms), so that the router, not the replicas
+    and this load generator on the other CPU, is what bounds it. ``--repeats`` times over,
+    the median kept; a machine where no cgroup can be made gets the reason instead."""
+    try:
+        limit = CpuLimit.create(args.cpu_limit)
+    except CpuLimitUnavailable as exc:
+        results.limit_unavailable = str(exc)
+        return
+    results.cpu_limit = limit.label
+    limited = [target for target in targets if target.pid is not None]
+    runs: dict[str, list[Run]] = {}
+    throttled = dict.fromkeys((target.name for target in limited), 0)
+    try:
+        for _ in range(args.repeats):
+            for target in limited:
+                assert target.pid is not None
+                before = limit.throttled()
+                limit.confine(target.pid)
+                try:
+                    run = await _loaded(args, [target.url], target.pid, [])
+                finally:
+                    limit.release(target.pid)
+                throttled[target.name] += limit.throttled() - before
+                runs.setdefault(target.name, []).append(run)
+    finally:
+        limit.close()
+    for name, samples in runs.items():
+        measured = results.routers[name]
+        measured.limited_rps = statistics.median(run.rps for run in samples)
+        measured.limited_errors = sum(run.errors for run in samples)
+        shares = [run.share for run in samples if run.share is not None]
+        measured.limited_share = statistics.median(shares) if shares else None
+        measured.limited_throttled = throttled[name]
 
 
 async def _loaded(
@@ -521,6 +569,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--router", action="append", default=[], help="NAME=URL, repeatable")
     parser.add_argument("--only", choices=["e2e", "decision"], default=None)
     parser.add_argument("--no-pin", action="store_true", help="leave CPU affinity alone")
+    parser.add_argument(
+        "--cpu-limit", type=float, default=0.4,
+        help="cores each router gets in the limited throughput runs, as a pod's "
+        "limits.cpu (0: no limited runs)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench-results/proxy/proxy.json"))
     parser.add_argument(
         "--floors", action="store_true",
@@ -566,6 +619,7 @@ def _load(load: tuple[float, float, float]) -> str:
 
 def _fleet_rows(results: Results, concurrency: int) -> list[Row]:
     rows = latency_rows(results) + throughput_rows(results, concurrency)
+    rows += limited_rows(results, concurrency)
     return rows + extra_rows(results, paired_names())
 
 

@@ -40,6 +40,11 @@ class Measured:
     unavailable: str = ""
     idle_routers_share: float | None = None  # the other routers' CPU while this one ran
     helpers_share: float | None = None  # kv_aware's fleet's CPU beside the replicas meanwhile
+    # the same load with the router under a CPU limit (``Results.cpu_limit``)
+    limited_rps: float | None = None
+    limited_share: float | None = None
+    limited_errors: int = 0
+    limited_throttled: int = 0  # periods in which the limit stalled the router
 
     @property
     def per_cpu_second(self) -> float | None:
@@ -78,6 +83,8 @@ class Results:
     direct_ms: float | None = None
     direct_rps: float | None = None
     routers: dict[str, Measured] = field(default_factory=dict)
+    cpu_limit: str = ""  # the limited runs' limit, as a pod spec writes it ("400m")
+    limit_unavailable: str = ""  # why there were no limited runs
 
     def get(self, name: str) -> Measured:
         return self.routers.get(name) or Measured(name, unavailable="not started")
@@ -140,6 +147,46 @@ def throughput_rows(results: Results, concurrency: int) -> list[Row]:
                     note=_why(kvroute, other))
             )  # fmt: skip
     return rows
+
+
+def limited_rows(results: Results, concurrency: int) -> list[Row]:
+    """Requests per second with each router under the same CPU limit, so that the router
+    bounds them (unlimited, the replicas and the load generator sharing the other CPU
+    do): the same targets as :func:`throughput_rows`. None when no limit was asked for."""
+    label, why = results.cpu_limit, results.limit_unavailable
+    if not label and not why:
+        return []
+    under = f"under a CPU limit of {label}" if label else "under a CPU limit"
+    rows = []
+    for ours, theirs in PAIRS:
+        kvroute = results.get(f"kvroute {ours}")
+        rows.append(_limited_row(kvroute, under, why))
+        for peer in PEERS:
+            rows.append(_limited_row(results.get(f"{peer} {theirs}"), under, why))
+        for peer in PEERS:
+            other = results.get(f"{peer} {theirs}")
+            target = THROUGHPUT_VS_SGLANG if peer == JUDGE else None
+            rows.append(
+                Row(f"  {kvroute.name} / {other.name}, {under}",
+                    _ratio(kvroute.limited_rps, other.limited_rps), "x", target,
+                    at_least=True, note=why or _why(kvroute, other))
+            )  # fmt: skip
+    return rows
+
+
+def _limited_row(measured: Measured, under: str, why: str) -> Row:
+    notes = []
+    if measured.limited_share is not None:
+        notes.append(
+            f"router used {measured.limited_share:.0%} of a core, stalled by the limit in "
+            f"{measured.limited_throttled} periods"
+        )
+    if measured.limited_errors:
+        notes.append(f"{measured.limited_errors} errors")
+    if why or measured.unavailable:
+        notes.append(why or measured.unavailable)
+    return Row(f"throughput {under}, {measured.name}", measured.limited_rps, "req/s",
+               note="; ".join(notes))  # fmt: skip
 
 
 def _throughput_row(measured: Measured, ceiling: float | None) -> Row:

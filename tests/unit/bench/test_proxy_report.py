@@ -20,6 +20,7 @@ from bench.proxy_report import (
     Row,
     all_met,
     latency_rows,
+    limited_rows,
     throughput_rows,
     write_json,
 )
@@ -92,6 +93,41 @@ def test_a_peer_that_did_not_run_is_reported_and_not_counted_as_met() -> None:
     assert ratio.value is None and ratio.verdict == "NOT RUN"
     assert "install failed: no network" in ratio.note
     assert _row(rows, "throughput, vllm-router round_robin").verdict == "not run"
+    assert not all_met(rows)
+
+
+def test_throughput_under_a_cpu_limit_is_judged_like_for_like_too() -> None:
+    results = _everyone(kv_rps=950.0, kv_ms=0.2)
+    results.cpu_limit = "400m"
+    for name, rps in (
+        ("kvroute round_robin", 900.0),
+        ("sglang-router round_robin", 1000.0),
+        ("kvroute kv_aware", 700.0),
+        ("sglang-router cache_aware", 1000.0),
+    ):
+        results.routers[name].limited_rps = rps
+        results.routers[name].limited_share = 0.4
+        results.routers[name].limited_throttled = 30
+    rows = limited_rows(results, 32)  # fmt: skip
+    rr = _row(rows, "kvroute round_robin / sglang-router round_robin, under a CPU limit of 400m")
+    assert (round(rr.value or 0, 3), rr.verdict) == (0.9, "met")
+    kv = _row(rows, "kvroute kv_aware / sglang-router cache_aware, under a CPU limit of 400m")
+    assert (round(kv.value or 0, 3), kv.verdict) == (0.7, "MISSED")
+    assert "stalled by the limit in 30 periods" in (
+        _row(rows, "throughput under a CPU limit of 400m, kvroute kv_aware").note
+    )
+    vllm = _row(rows, "throughput under a CPU limit of 400m, vllm-router cache_aware")
+    assert vllm.value is None and vllm.verdict == "not run"
+    assert not all_met(rows)
+
+
+def test_a_machine_where_no_cpu_limit_can_be_set_says_why_and_is_not_met() -> None:
+    results = _everyone(kv_rps=950.0, kv_ms=0.2)
+    assert limited_rows(results, 32) == []  # no limit asked for (--cpu-limit 0)
+    results.limit_unavailable = "cannot make the cgroup: Permission denied"
+    rows = limited_rows(results, 32)
+    ratio = _row(rows, "kvroute kv_aware / sglang-router cache_aware, under a CPU limit")
+    assert ratio.verdict == "NOT RUN" and "Permission denied" in ratio.note
     assert not all_met(rows)
 
 
