@@ -53,7 +53,7 @@ from kvcore.policies.kv_scoring import (
     queue_usable,
 )
 from kvcore.policies.preselect import Candidates, Pool, least_loaded, next_in_turn
-from kvcore.policies.screening import ALL_SATURATED, NO_REPLICA, TIE, best, screen_rows
+from kvcore.policies.screening import ALL_SATURATED, NO_REPLICA, TIE, best_of, screen_rows
 from kvcore.workload import KvAwareWorkload
 
 _ordinal = attrgetter("ordinal")
@@ -94,26 +94,41 @@ class KvAwarePolicy(KvScoringPolicy):
     ) -> Decision | None:
         """The scored decision among the usable holders and the best non-holders (as
         :mod:`~kvcore.policies.preselect` finds them), each replica screened once by
-        :func:`queue_usable`; ``None`` (the general path decides) when every eligible
-        replica is saturated, none is, or no usable holder has a counted hit."""
-        for replica in board.by_load():
+        :func:`queue_usable`; ``None`` (the general path decides) when no usable holder
+        has a counted hit (a new prompt, or no replica usable). Holders are scored as
+        :meth:`scores` scores them in the same pass, and non-holders are looked for only
+        when the board has one (usually every replica holds a shared prefix)."""
+        aware, get = self.aware, board.get
+        blocks = len(ctx.block_keys)
+        alpha, min_hit = aware.locality_weight, aware.min_hit
+        floor = max(min_hit * blocks, 1)
+        holders: list[ReplicaState] = []
+        values: list[float] = []
+        counted = False
+        on_board = 0
+        for ordinal in sorted(runs):
+            replica = get(ordinal)
+            if replica is None:
+                continue
+            on_board += 1
             if queue_usable(replica, ctx):
-                break
-        else:
-            return None
-        get = board.get
-        holders = [r for o in runs if (r := get(o)) is not None and queue_usable(r, ctx)]
-        floor = max(self.aware.min_hit * len(ctx.block_keys), 1)
-        if not any(runs[r.ordinal] >= floor for r in holders):
-            return None  # a new prompt: the turn
-        holders.sort(key=_ordinal)
-        scores = self.scores(ctx, holders, runs)
+                held = runs[ordinal]
+                counted = counted or held >= floor
+                hit = held / blocks
+                if hit < min_hit:
+                    hit = 0.0
+                holders.append(replica)
+                values.append(alpha * hit + (1 - alpha) * (1 - replica.load))
+        if not counted:
+            return None  # a new prompt: the turn (or nobody usable: the general path)
         usable = holders
-        rivals = self._best_nonholders(ctx, board, runs, max(scores.values()) - 2 * TIE)
-        if rivals:
-            usable = sorted([*holders, *rivals], key=_ordinal)
-            scores = self.scores(ctx, usable, runs)
-        chosen = best(usable, scores, self._rng)
+        if on_board < len(board):  # some replica holds none of the prompt
+            rivals = self._best_nonholders(ctx, board, runs, max(values) - 2 * TIE)
+            if rivals:
+                usable = sorted([*holders, *rivals], key=_ordinal)
+                scores = self.scores(ctx, usable, runs)
+                values = [scores[r.ordinal] for r in usable]
+        chosen = best_of(usable, values, self._rng)
         reasons = self._reasons(ctx, board.snapshot(), chosen, runs)
         return Decision(chosen, self.name, reasons, "", self._speculate(ctx, chosen))
 

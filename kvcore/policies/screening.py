@@ -121,7 +121,13 @@ def best(
     candidates: Sequence[ReplicaState], scores: dict[int, float], rng: random.Random
 ) -> ReplicaState:
     """Highest score; ties (within 1e-9) to the lower load, then at random."""
-    values = [scores[r.ordinal] for r in candidates]
+    return best_of(candidates, [scores[r.ordinal] for r in candidates], rng)
+
+
+def best_of(
+    candidates: Sequence[ReplicaState], values: Sequence[float], rng: random.Random
+) -> ReplicaState:
+    """:func:`best` with the candidates' scores in their order."""
     top = max(values) - TIE
     tied = [r for r, value in zip(candidates, values, strict=True) if value >= top]
     if len(tied) == 1:  # the usual case: no tie to break
