@@ -196,7 +196,7 @@ class ProxyApp:
         decision_s = time.perf_counter() - started
         body = inference.upstream_body(
             # explicit, so that every engine sends usage whichever way it reads the rest
-            include_usage=inference.stream and inference.usage_asked is not True,
+            include_usage=inference.adds_usage,
             cache_salt=prepared.upstream_salt,
         )
         upstream_headers = self._upstream_headers(request.headers, response.id, span)

@@ -35,6 +35,19 @@ class InferenceRequest:
     # stream_options.include_usage as the client gave it: True; False (false, null, or no
     # stream_options); None: stream_options without it, which the engines read apart
     usage_asked: bool | None
+    # stream_options.continuous_usage_stats given, other than false or null
+    continuous_usage: bool = False
+
+    @property
+    def adds_usage(self) -> bool:
+        """Whether the proxy asks the engine for the stream's usage on the client's
+        behalf (stripped again on the way back, :mod:`dataplane.relay`). Not when the
+        client asked for no usage but for ``continuous_usage_stats``: vLLM honours that
+        only with ``include_usage`` on, and would then put usage in every chunk, which
+        the client would see (SGLang puts it there either way, as the client asked)."""
+        if not self.stream or self.usage_asked is True:
+            return False
+        return not (self.usage_asked is False and self.continuous_usage)
 
     def wants_usage(self, engine_kind: str) -> bool:
         """Whether a stream from an ``engine_kind`` engine ends with usage for this
@@ -108,7 +121,8 @@ def parse_inference(raw: bytes, kind: Kind) -> InferenceRequest:
         usage_asked = options["include_usage"] is True
     else:
         usage_asked = None  # stream_options without include_usage: up to the engine
-    return InferenceRequest(kind, raw, body, model, stream, usage_asked)
+    continuous = options is not None and options.get("continuous_usage_stats") not in (None, False)
+    return InferenceRequest(kind, raw, body, model, stream, usage_asked, continuous)
 
 
 def _is_batch_form(prompt: object) -> bool:

@@ -3,11 +3,14 @@
 The proxy compares every response's ``usage.prompt_tokens_details.cached_tokens`` with
 the cached tokens it predicted. A non-streaming body carries usage; a stream carries it
 only in a final chunk (``"choices": []``) that engines send when the request had
-``stream_options.include_usage``. So the proxy always asks for it, and when the client
-had not, :class:`SseRelay` removes that chunk: the client sees exactly the events it
-would have seen. Events are forwarded as soon as they are complete (the engines write one
-whole event per write, so in practice as each chunk arrives); only a partial trailing
-event is held back until its end arrives.
+``stream_options.include_usage``. So the proxy asks for it, and when the client had
+not, :class:`SseRelay` removes that chunk: the client sees exactly the events it would
+have seen. (Not for a client that asked for ``continuous_usage_stats`` without
+``include_usage``: vLLM would then put usage in every chunk, so that stream is sent as
+asked and its cached tokens go unmeasured: ``InferenceRequest.adds_usage``.) Events are
+forwarded as soon as they are complete (the engines write one whole event per write, so
+in practice as each chunk arrives); only a partial trailing event is held back until its
+end arrives.
 """
 
 from __future__ import annotations

@@ -286,27 +286,36 @@ class SimApp:
             raise p.BadRequest(str(exc)) from exc
         return Choices(rid, handles, n)
 
-    async def _completion_chunks(self, choices: Choices, usage: bool) -> AsyncIterator[bytes]:
+    async def _completion_chunks(
+        self, choices: Choices, usage: p.UsageAsked
+    ) -> AsyncIterator[bytes]:
         rid, model = choices.request_id, self.settings.model
+        generated = [0] * len(choices.handles)  # each choice's tokens so far
         async for delta in choices.deltas(self.tokenizer.text_of):
             if delta is None:
                 yield sse(p.ApiError("engine restarted").body())
                 break
             choice, pieces, last = delta
+            prompt = len(choices.handles[choice].req.prompt)
             for i, piece in enumerate(pieces):
                 finish = "length" if last and i == len(pieces) - 1 else None
-                yield sse(p.completion_body(rid, model, piece, None, finish, choice))
+                generated[choice] += 1
+                use = p.running_usage(prompt, generated[choice]) if usage.continuous else None
+                yield sse(p.completion_body(rid, model, piece, use, finish, choice))
         else:
-            if usage:
+            if usage.final:
                 yield sse(p.usage_chunk(rid, model, "text_completion", choices.stream_usage()))
         yield b"data: [DONE]\n\n"
 
-    async def _chat_chunks(self, choices: Choices, usage: bool) -> AsyncIterator[bytes]:
+    async def _chat_chunks(self, choices: Choices, usage: p.UsageAsked) -> AsyncIterator[bytes]:
         rid, model = choices.request_id, self.settings.model
+        prompt = len(choices.handles[0].req.prompt) if choices.handles else 0
+        generated = [0] * len(choices.handles)  # each choice's tokens so far
         roles = []  # no comprehension: no cells in this frame
         for j in range(choices.n):
             start = {"role": "assistant", "content": ""}
-            roles.append(sse(p.chat_chunk(rid, model, start, None, None, j)))
+            use = p.running_usage(prompt, 0) if usage.continuous else None
+            roles.append(sse(p.chat_chunk(rid, model, start, None, use, j)))
         async for delta in choices.deltas(self.tokenizer.text_of):
             if delta is None:
                 yield sse(p.ApiError("engine restarted").body())
@@ -319,9 +328,11 @@ class SimApp:
             choice, pieces, last = delta
             for i, piece in enumerate(pieces):
                 finish = "length" if last and i == len(pieces) - 1 else None
-                yield sse(p.chat_chunk(rid, model, {"content": piece}, finish, None, choice))
+                generated[choice] += 1
+                use = p.running_usage(prompt, generated[choice]) if usage.continuous else None
+                yield sse(p.chat_chunk(rid, model, {"content": piece}, finish, use, choice))
         else:
-            if usage:
+            if usage.final:
                 totals = choices.stream_usage()
                 yield sse(p.usage_chunk(rid, model, "chat.completion.chunk", totals))
         yield b"data: [DONE]\n\n"

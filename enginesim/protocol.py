@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, NamedTuple, TypeVar
 
 import msgspec
 
@@ -209,13 +209,24 @@ def decode_body(body: bytes, kind: type[T]) -> T:
 _UNVALIDATED = "Bad Request"  # SGLang's type for a body that does not validate
 
 
-def stream_usage(body: _Sampling) -> bool:
-    """Whether the stream ends with a usage chunk, by vLLM's rules for ``stream_options``:
-    an object of ``StreamOptions``' fields (others ignored), non-empty only with ``stream``
-    true (its ``validate_stream_options``: ``{}`` passes either way)."""
+class UsageAsked(NamedTuple):
+    """What a stream says of its usage (vLLM's ``should_include_usage``)."""
+
+    final: bool  # a usage chunk ends the stream
+    continuous: bool  # every other chunk carries its choice's usage so far
+
+
+NO_USAGE = UsageAsked(final=False, continuous=False)
+
+
+def stream_usage(body: _Sampling) -> UsageAsked:
+    """The stream's usage by vLLM's rules for ``stream_options``: an object of
+    ``StreamOptions``' fields (others ignored), non-empty only with ``stream`` true (its
+    ``validate_stream_options``: ``{}`` passes either way); ``continuous_usage_stats``
+    counts only with ``include_usage`` on."""
     raw = body.stream_options
     if raw == NULL:
-        return False
+        return NO_USAGE
     try:
         fields = msgspec.json.decode(raw, type=dict[str, Any])
         options = msgspec.convert(fields, StreamOptions)
@@ -226,7 +237,8 @@ def stream_usage(body: _Sampling) -> bool:
     if fields and not body.stream:
         reason = "Stream options can only be defined when `stream=True`."
         raise RequestValidatorError(reason, "stream_options")
-    return options.include_usage is True
+    final = options.include_usage is True
+    return UsageAsked(final, final and options.continuous_usage_stats is True)
 
 
 def check_salt(salt: str | None) -> None:
@@ -335,6 +347,16 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def running_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """A chunk's ``usage`` with ``continuous_usage_stats``: its choice's tokens so far,
+    without ``prompt_tokens_details`` (vLLM sets the other three fields alone)."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
     }
 
 

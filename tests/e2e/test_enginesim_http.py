@@ -84,6 +84,39 @@ def test_stream_options_ask_for_usage_unless_it_is_turned_off(
     assert sim.call("POST", "/v1/completions", whole)[0] == 200  # {}: allowed unstreamed
 
 
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_continuous_usage_stats_put_the_choices_usage_so_far_in_every_chunk(
+    sim: SimProcess, include_usage: bool
+) -> None:
+    """As vLLM's ``should_include_usage``: only with ``include_usage`` on, each chunk (the
+    chat's role chunk included, at 0 completion tokens) carries its choice's usage so far,
+    without ``prompt_tokens_details``; the final usage chunk still ends the stream."""
+    options = {"include_usage": include_usage, "continuous_usage_stats": True}
+    body = {"model": "sim-model", "prompt": [5, 6, 7], "max_tokens": 3, "n": 2, "stream": True,
+            "stream_options": options}  # fmt: skip
+    events = sim.stream("/v1/completions", body)[:-1]
+    chat = {"model": "sim-model", "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 2, "stream": True, "stream_options": options}  # fmt: skip
+    chat_events = sim.stream("/v1/chat/completions", chat)[:-1]
+    if not include_usage:
+        assert not any("usage" in e for e in [*events, *chat_events])
+        return
+    *chunks, final = events
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 6
+    so_far = {0: [], 1: []}
+    for chunk in chunks:
+        so_far[chunk["choices"][0]["index"]].append(chunk["usage"])
+    for index in (0, 1):
+        assert so_far[index] == [
+            {"prompt_tokens": 3, "total_tokens": 3 + k, "completion_tokens": k} for k in (1, 2, 3)
+        ]
+    *chat_chunks, chat_final = chat_events
+    prompt = chat_final["usage"]["prompt_tokens"]
+    assert [c["usage"]["completion_tokens"] for c in chat_chunks] == [0, 1, 2]
+    assert chat_chunks[0]["usage"] == {"prompt_tokens": prompt, "total_tokens": prompt,
+                                       "completion_tokens": 0}  # fmt: skip
+
+
 def test_text_completion_matches_tokenize(sim: SimProcess) -> None:
     prompt = "The quick brown fox jumps over the lazy dog. " * 20
     counted = sim.post("/tokenize", {"prompt": prompt})

@@ -69,19 +69,39 @@ def test_raw_stream_without_usage_is_event_for_event_the_replicas(fleet: Any) ->
     assert all("usage" not in e for e in via_proxy[:-1])
 
 
-@pytest.mark.parametrize("options", [{}, {"include_usage": None}, {"include_usage": True}])
+CONTINUOUS = {"continuous_usage_stats": True}
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"include_usage": None},
+        {"include_usage": True},
+        CONTINUOUS,
+        {"include_usage": True, **CONTINUOUS},
+        {"include_usage": False, **CONTINUOUS},
+        {"include_usage": None, **CONTINUOUS},
+    ],
+)
 def test_stream_options_get_the_usage_chunk_the_replica_would_send(
     fleet: Any, options: dict[str, Any]
 ) -> None:
     """``stream_options`` given asks for usage unless include_usage is false or null
-    (vLLM's rule): the proxy, which always asks the engine for it, removes only the chunk
-    the client would not have had."""
+    (vLLM's rule): the proxy, which asks the engine for it when it may, removes only the
+    chunk the client would not have had. With ``continuous_usage_stats`` every chunk
+    carries usage exactly when include_usage is on: asked for on the client's behalf, it
+    would have put usage in every chunk of a stream that had none."""
     sims, proxy = fleet
     body = {"model": MODEL, "prompt": "Jumps over the lazy dog", "max_tokens": 3,
             "stream": True, "stream_options": options}  # fmt: skip
     via_proxy, direct = (_events(url, body) for url in (proxy.url, sims[1].url))
     assert [("usage" in e) for e in via_proxy[:-1]] == [("usage" in e) for e in direct[:-1]]
     assert ("usage" in via_proxy[-2]) is (options.get("include_usage", True) is True)
+    running = [
+        [e.get("usage") for e in events[:-1] if e["choices"]] for events in (via_proxy, direct)
+    ]
+    assert running[0] == running[1]  # the chunks' own usage so far, when there is any
 
 
 STREAM_OPTIONS = [
