@@ -183,6 +183,8 @@ class ProxyApp:
                 headers=request.headers,
                 api_key=api_key,
                 request_id=response.id,
+                # keyed when read here; a long prompt always is (never keyed on the loop)
+                keys_read=self.options.debug_headers or span is not None,
             )
         else:
             prepared = await asyncio.to_thread(

@@ -21,6 +21,7 @@ Prometheus and to the control-plane reporter, and the outcome is counted.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -29,7 +30,7 @@ from typing import Protocol
 
 from dataplane.breaker import CircuitBreakers, RetryBudget
 from dataplane.fleet_state import Endpoint, FleetState, InflightTicket
-from dataplane.http_errors import NoReplica
+from dataplane.http_errors import ApiError, NoReplica
 from dataplane.metrics import ProxyMetrics
 from dataplane.openai_request import InferenceRequest
 from dataplane.relay import Usage
@@ -230,9 +231,14 @@ class Dispatcher:
             # sample's blocks); a stream's is the first prompt's first sample's. SGLang sums
             # each prompt's first sample, which it runs after a warm-up of that prompt.
             measured = None
-        prompt = exchange.prepared.prompt_tokens  # the first prompt's, routing's subject
+        prepared = exchange.prepared
         if usage is not None and usage.prompt_tokens is not None and not request.is_batch:
             prompt = usage.prompt_tokens
+        else:  # the first prompt's, routing's subject (a short one, if not keyed yet)
+            # (a prompt the engine took but the proxy cannot key counts no tokens)
+            with contextlib.suppress(ApiError):
+                self.router.key(prepared, request)
+            prompt = prepared.prompt_tokens
         replica = attempt.endpoint.replica_id
         self.metrics.fidelity(workload, replica, prompt, attempt.predicted, measured)
         if self.reporter is not None:

@@ -169,6 +169,7 @@ class FleetState:
         # resolves to (canonical id, registry entry, block size) may be kept until then
         self.generation = 0
         self.ignored = 0  # malformed entries skipped (ordinal out of range or unknown)
+        self.static = False  # --static-replicas: no control plane, never any residency
 
     # -- building ---------------------------------------------------------------
 
@@ -190,6 +191,7 @@ class FleetState:
             )
             state._put(info)
         state._need_snapshot = False
+        state.static = True
         state._membership_changed()
         return state
 

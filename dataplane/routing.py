@@ -60,7 +60,9 @@ class Defaults:
 
 @dataclass(slots=True)
 class Prepared:
-    """A request ready for its policy: everything computed once per request."""
+    """A request ready for its policy: everything computed once per request. Unkeyed
+    (``keyed`` false: no tokens, no keys, ``prompt_tokens`` 0) when nothing would read the
+    keys: see :meth:`Router.prepare`."""
 
     workload: Workload
     policy: Policy
@@ -73,6 +75,7 @@ class Prepared:
     block_keys: list[int]
     session_id: str | None
     request_id: str
+    keyed: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,8 +166,18 @@ class Router:
         headers: Mapping[str, str],
         api_key: routing_pb2.ApiKey | None,
         request_id: str,
+        keys_read: bool = True,
     ) -> Prepared:
-        """Workload, tenant, tokens and keys of ``request``; 400/404 when it cannot route."""
+        """Workload, tenant, tokens and keys of ``request``; 400/404 when it cannot route.
+
+        ``keys_read`` false: the caller reads no keys of its own (no debug header, no
+        trace). The prompt is then not tokenized at all when nothing else would read its
+        keys either: a static fleet (no residency, so nothing to predict) whose workload's
+        policy does not read the prompt (``round_robin``, ``least_load``), for a request
+        the engine runs as one (the fidelity counters take its prompt tokens from the
+        engine's usage; :meth:`key` when the engine reports none). Keying a short prompt
+        is about a fifth of such a proxy's CPU per request, and the engine still checks
+        the prompt it gets."""
         route = self._model(request.model)
         key_model, block_size = route.key_model, route.block_size
         if key_model is None:
@@ -173,21 +186,36 @@ class Router:
             )
         workload = self.classify(request, path, headers, api_key)
         namespace, salt = self._tenant(request, workload, headers, api_key)
-        root = self._root(key_model, namespace)
-        prompt = self._prompt(request, route.spec, root, block_size)
-        return Prepared(
+        policy = self._policy(workload)
+        prepared = Prepared(
             workload=workload,
-            policy=self._policy(workload),
+            policy=policy,
             model=request.model,
             key_model=key_model,
             block_size=block_size,
             namespace=namespace,
             upstream_salt=salt,
-            prompt_tokens=len(prompt.tokens),
-            block_keys=prompt.keys,
+            prompt_tokens=0,
+            block_keys=[],
             session_id=session_id(workload, headers, request.body),
             request_id=request_id,
+            keyed=False,
         )
+        if keys_read or policy.reads_keys or not self.fleet.static or request.fans_out:
+            self._key(prepared, request, route.spec)
+        return prepared
+
+    def key(self, prepared: Prepared, request: InferenceRequest) -> None:
+        """Tokens and keys of a request :meth:`prepare` left unkeyed (400 if the prompt
+        cannot be routed)."""
+        if not prepared.keyed:
+            self._key(prepared, request, self._model(request.model).spec)
+
+    def _key(self, prepared: Prepared, request: InferenceRequest, spec: str) -> None:
+        root = self._root(prepared.key_model, prepared.namespace)
+        prompt = self._prompt(request, spec, root, prepared.block_size)
+        prepared.prompt_tokens, prepared.block_keys = len(prompt.tokens), prompt.keys
+        prepared.keyed = True
 
     def choose(
         self, prepared: Prepared, *, now: float, exclude: frozenset[int] = frozenset()

@@ -242,6 +242,9 @@ class Policy(Protocol):
     """One routing strategy."""
 
     name: str
+    # whether ``select`` reads the prompt (``block_keys``, ``token_ids``): a router with no
+    # residency to predict from may route without keying the prompt when it does not
+    reads_keys: bool
 
     def select(self, ctx: RouteContext, state: StateView) -> Decision:
         """Choose a replica for ``ctx`` given ``state``; never raises for a fleet shape."""

@@ -120,6 +120,7 @@ class KvScoringPolicy:
     """Base of the level-3 strategies; subclasses define :meth:`score`."""
 
     name = "kv"
+    reads_keys = True
     places_cold_prompts = False  # True: without_hit, not the fallback, before residency data
 
     def __init__(self, workload: KvAwareWorkload | KvCostWorkload, rng: random.Random) -> None:

@@ -16,6 +16,7 @@ class LeastLoadPolicy:
     """Lowest ``load`` among usable replicas."""
 
     name = "least_load"
+    reads_keys = False
 
     def __init__(self, workload: Workload, rng: random.Random) -> None:
         del workload

@@ -31,6 +31,7 @@ class PrefixHashPolicy:
     """The prefix's owner on the ring, passed on past saturated replicas."""
 
     name = "prefix_hash"
+    reads_keys = True
 
     def __init__(self, workload: PrefixHashWorkload, rng: random.Random) -> None:
         del rng

@@ -13,6 +13,7 @@ class RoundRobinPolicy:
     """Cycles through the usable replicas in ordinal order."""
 
     name = "round_robin"
+    reads_keys = False
 
     def __init__(self, workload: Workload, rng: random.Random) -> None:
         del workload, rng

@@ -15,6 +15,7 @@ class SessionAffinityPolicy:
     """The session id's owner on the ring; requests without one use the fallback."""
 
     name = "session_affinity"
+    reads_keys = True  # its fallback may
 
     def __init__(self, workload: SessionAffinityWorkload, rng: random.Random) -> None:
         self._router = RingRouter(workload.virtual_nodes)

@@ -449,3 +449,33 @@ def test_a_replica_dying_mid_stream_ends_the_stream_with_an_error_event() -> Non
         last = [e for e in rest.split("\n\n") if e.startswith("data: ")][-1]
         assert json.loads(last[6:])["error"]["type"] == "upstream_error"
         assert proxy.request("/healthz", method="GET")[0] == 200
+
+
+def test_a_round_robin_proxy_counts_the_prompt_tokens_it_did_not_key_itself() -> None:
+    """A static ``round_robin`` proxy does not key prompts it routes (nothing reads the
+    keys), yet its fidelity counters hold every request's prompt tokens: the engine's
+    usage, or its own count when the engine reports none (a stream that asked for
+    ``continuous_usage_stats`` without ``include_usage``)."""
+    with (
+        SimProcess(*SIM_ARGS) as sim,
+        ProxyProcess(f"--static-replicas={sim.url}", "--static-strategy=round_robin") as proxy,
+    ):
+        prompt = "The proxy routes this prompt without keying it. " * 4
+        whole = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+        counted = sim.post("/v1/completions", whole)["usage"]["prompt_tokens"]
+        status, _, answer = proxy.request("/v1/completions", whole)
+        assert status == 200 and json.loads(answer)["usage"]["prompt_tokens"] == counted
+        options = {"include_usage": False, "continuous_usage_stats": True}
+        stream = {**whole, "stream": True, "stream_options": options}
+        events = _events(proxy.url, stream)
+        assert all("usage" not in e for e in events[:-1])  # as the replica sends it
+        assert _proxy_metric(proxy, "kvroute_proxy_prompt_tokens_total") == 2 * counted
+
+
+def _proxy_metric(proxy: ProxyProcess, name: str) -> float:
+    _, _, text = proxy.request("/metrics", method="GET")
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.decode().splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )

@@ -16,6 +16,7 @@ from kvcore.keys import chain_keys, root_key
 from kvcore.pb import routing_pb2
 from kvcore.request import prompt_token_ids
 from kvcore.tokenize import BuiltinTokenizer
+from kvcore.workload import RoutingConfig, parse_config
 from tests.unit.dataplane.state_messages import (
     config,
     delta,
@@ -160,3 +161,46 @@ def test_a_request_routed_between_the_steps_of_a_delta_reads_its_new_registry(
     for _ in steps:
         pass
     assert _prepare(router, body, "completion").block_size == 64
+
+
+@pytest.mark.parametrize(
+    ("strategy", "static", "body", "keys_read", "keyed"),
+    [
+        ("round_robin", True, {"prompt": LONG}, False, False),  # nothing reads its keys
+        ("least_load", True, {"prompt": LONG}, False, False),
+        ("round_robin", True, {"prompt": LONG}, True, True),  # debug headers, traces
+        ("prefix_hash", True, {"prompt": LONG}, False, True),  # the policy reads them
+        ("round_robin", True, {"prompt": [LONG, "another"]}, False, True),  # a batch
+        ("round_robin", True, {"prompt": LONG, "n": 2}, False, True),  # samples
+        ("round_robin", False, {"prompt": LONG}, False, True),  # residency to predict from
+    ],
+)
+def test_a_prompt_is_keyed_unless_nothing_would_read_its_keys(
+    strategy: str, static: bool, body: dict[str, object], keys_read: bool, keyed: bool
+) -> None:
+    """Keying a short prompt is about a fifth of a static round_robin proxy's CPU per
+    request, for keys nothing reads there; what is left unkeyed is keyed on demand (the
+    fidelity counters, when an engine reports no prompt tokens) to the same figures."""
+    if static:
+        fleet = FleetState.from_static(["http://10.0.0.1:8000", "http://10.0.0.2:8000"],
+                                       default_routing=_routing(strategy))  # fmt: skip
+        router = Router(fleet, Defaults())
+    else:
+        router = _router(16, [])
+    request = parse_inference(json.dumps({"model": "m", **body}).encode(), "completion")
+    prepared = router.prepare(request, path="/v1/completions", headers={}, api_key=None,
+                              request_id="t", keys_read=keys_read)  # fmt: skip
+    assert prepared.keyed is keyed
+    tokens = prompt_token_ids({"prompt": LONG}, BuiltinTokenizer(), "completion")
+    if not keyed:
+        assert (prepared.prompt_tokens, prepared.block_keys) == (0, [])
+        decision, predicted = router.choose(prepared, now=1.0)
+        assert decision.replica is not None and predicted == 0  # routed all the same
+        router.key(prepared, request)
+    root = root_key(model="m" if static else "org/m", namespace="")
+    assert prepared.prompt_tokens == len(tokens)
+    assert prepared.block_keys == chain_keys(root, tokens, 16)
+
+
+def _routing(strategy: str) -> RoutingConfig:
+    return parse_config({"workloads": [{"name": "default", "strategy": strategy}]})
