@@ -36,8 +36,8 @@ class _Hierarchy:
 class CpuLimit:
     """A cgroup whose processes together get ``cores`` of CPU time (``0.4``: 400m)."""
 
-    def __init__(self, path: Path, home: Path, version: int, cores: float) -> None:
-        self.path, self.home, self.version, self.cores = path, home, version, cores
+    def __init__(self, path: Path, home: Path, cores: float) -> None:
+        self.path, self.home, self.cores = path, home, cores
 
     @classmethod
     def create(cls, cores: float, name: str = "") -> CpuLimit:
@@ -59,7 +59,7 @@ class CpuLimit:
             with contextlib.suppress(OSError):
                 path.rmdir()
             raise CpuLimitUnavailable(f"cannot make the cgroup {path}: {exc}") from None
-        return cls(path, hierarchy.home, hierarchy.version, cores)
+        return cls(path, hierarchy.home, quota / PERIOD_US)  # the cores as enforced
 
     @property
     def label(self) -> str:

@@ -58,3 +58,14 @@ def test_a_confined_process_tree_is_stalled_by_the_quota_and_released(limit: Cpu
 def test_a_limit_of_no_cores_is_refused() -> None:
     with pytest.raises(ValueError, match="above 0 cores"):
         CpuLimit.create(0)
+
+
+def test_a_limit_below_the_smallest_quota_is_labelled_as_enforced() -> None:
+    try:
+        tiny = CpuLimit.create(0.0001, name=f"kvroute-test-{time.monotonic_ns()}")
+    except CpuLimitUnavailable as exc:
+        pytest.skip(f"no cgroup can be made on this machine: {exc}")
+    try:
+        assert tiny.label == "10m"  # 1 ms per 100 ms: the least the bench sets
+    finally:
+        tiny.close()
