@@ -320,22 +320,17 @@ async def measure(args: argparse.Namespace, replicas: list[str], targets: list[T
             )
     results.direct_rps = statistics.median(run.rps for run in runs.pop("direct"))
     if args.cpu_limit:
-        await _limited(args, replicas, targets, results)
+        await _limited(args, targets, results)
     for name, samples in runs.items():
         measured = results.routers[name]
-        measured.rps = statistics.median(run.rps for run in samples)
-        measured.errors = sum(run.errors for run in samples)
-        shares = [run.share for run in samples if run.share is not None]
-        measured.cpu_share = statistics.median(shares) if shares else None
+        measured.rps, measured.errors, measured.cpu_share = _summary(samples)
         measured.idle_routers_share = max(run.idle_share for run in samples)
         if fleet:
             measured.helpers_share = statistics.median(run.helpers_share for run in samples)
     return results
 
 
-async def _limited(
-    args: argparse.Namespace, replicas: list[str], targets: list[Target], results: Results
-) -> None:
+async def _limited(args: argparse.Namespace, targets: list[Target], results: Results) -> None:
     """Throughput again with each router in turn under a CPU limit as Kubernetes sets one
     (``--cpu-limit`` cores: a CFS quota per 100 ms), so that the router, not the replicas
     and this load generator on the other CPU, is what bounds it. ``--repeats`` times over,
@@ -365,11 +360,18 @@ async def _limited(
         limit.close()
     for name, samples in runs.items():
         measured = results.routers[name]
-        measured.limited_rps = statistics.median(run.rps for run in samples)
-        measured.limited_errors = sum(run.errors for run in samples)
-        shares = [run.share for run in samples if run.share is not None]
-        measured.limited_share = statistics.median(shares) if shares else None
+        measured.limited_rps, measured.limited_errors, measured.limited_share = _summary(samples)
         measured.limited_throttled = throttled[name]
+
+
+def _summary(samples: list[Run]) -> tuple[float, int, float | None]:
+    """A router's runs as one: the median req/s, every error, the median CPU share."""
+    shares = [run.share for run in samples if run.share is not None]
+    return (
+        statistics.median(run.rps for run in samples),
+        sum(run.errors for run in samples),
+        statistics.median(shares) if shares else None,
+    )
 
 
 async def _loaded(
@@ -583,6 +585,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = [p for p in _peer_names(args) if p not in PEERS]
     if unknown:
         parser.error(f"unknown peer(s) {unknown}; choose from {list(PEERS)}")
+    if not args.cpu_limit >= 0:  # NaN too
+        parser.error(f"--cpu-limit must be 0 (no limited runs) or more cores, not {args.cpu_limit}")
     if args.quick:
         args.rounds, args.duration, args.repeats = 500, 1.5, 1
     return args

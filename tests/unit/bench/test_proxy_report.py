@@ -153,6 +153,10 @@ def test_arguments_quick_and_unknown_peer(capsys: pytest.CaptureFixture[str]) ->
     with pytest.raises(SystemExit):
         parse_args(["--peers", "nginx"])
     assert "unknown peer(s) ['nginx']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--cpu-limit", "-0.5"])
+    assert "--cpu-limit must be 0 (no limited runs) or more cores" in capsys.readouterr().err
+    assert parse_args(["--cpu-limit", "0"]).cpu_limit == 0
 
 
 def test_pin_tree_pins_every_thread_of_a_process_and_its_children() -> None:
