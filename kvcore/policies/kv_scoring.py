@@ -3,7 +3,7 @@
 A level-3 strategy looks up each candidate's leading run of the prompt's block keys
 (confirmed plus unexpired speculative residency), scores the candidates its own way,
 and asks the caller to record the prompt's keys as speculatively resident on the chosen
-replica for ``speculative_ttl_s``.
+replica for ``speculative_ttl_s`` (rounded up to :data:`SPECULATION_TICK_S`).
 
 Before the first engine event (no confirmed residency anywhere), a prompt no replica
 holds even speculatively goes to the workload's ``fallback``, which still speculates;
@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable
 from dataclasses import replace
-from math import inf
+from math import ceil, inf
 
 from kvcore.policies.base import (
     Decision,
@@ -36,6 +36,12 @@ from kvcore.policies.fallback import fallback_policy
 from kvcore.policies.preselect import Candidates, Pool, candidates, decision
 from kvcore.policies.screening import ALL_SATURATED, TIE, best, hard_exclusion
 from kvcore.workload import KvAwareWorkload, KvCostWorkload
+
+SPECULATION_TICK_S = 1 / 64
+"""Speculative residency expires at the first tick at or after ``speculative_ttl_s``
+(at most 16 ms late), so that a proxy's records of one tick share one expiry and the
+index keeps one record per replica per tick (``kvcore.index.bitmask``)."""
+_TICKS_PER_S = round(1 / SPECULATION_TICK_S)  # a power of 2: the rounded times are exact
 
 
 def queue_load(replica: ReplicaState) -> float:
@@ -214,7 +220,8 @@ class KvScoringPolicy:
         ttl = self.workload.speculative_ttl_s
         if chosen is None or ttl <= 0 or not ctx.block_keys:
             return None
-        return SpeculativeRecord(chosen.ordinal, tuple(ctx.block_keys), ctx.now + ttl)
+        expires_at = ceil((ctx.now + ttl) * _TICKS_PER_S) / _TICKS_PER_S
+        return SpeculativeRecord(chosen.ordinal, tuple(ctx.block_keys), expires_at)
 
 
 def cold_note(strategy: str, note: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tracemalloc
 from collections.abc import Callable
 
 import pytest
@@ -266,6 +267,46 @@ def test_a_long_record_superseded_in_part_drops_only_the_keys_not_recorded_again
     assert index.leading_runs(prompt, now=5.0) == {2: 500}
     assert index.expire(9.0) == 500
     assert index.speculative_count(2, now=9.0) == 0
+
+
+def test_records_with_one_expiry_expire_together_and_keep_keys_recorded_since(
+    index: ResidencyIndex,
+) -> None:
+    index.add_speculative(0, [1, 2], expires_at=5.0)
+    index.add_speculative(0, [3], expires_at=5.0)  # same replica and expiry: one record
+    index.add_speculative(1, [1], expires_at=5.0)
+    index.add_speculative(0, [2], expires_at=7.0)  # moved on before the record expires
+    assert index.expire(5.0) == 3
+    assert index.leading_runs([2], now=5.0) == {0: 1}
+    assert index.leading_runs([1], now=5.0) == {}
+    index.add_speculative(0, [4], expires_at=5.0)  # already past, after its record went
+    assert index.expire(5.0) == 1
+    assert index.expire(7.0) == 1
+    assert index.speculative_count(0, now=7.0) == 0
+
+
+def test_a_busy_proxys_speculation_within_a_tick_keeps_one_record_per_replica() -> None:
+    """A proxy at thousands of requests a second records the same prefixes over and over
+    (its keys freshly hashed each time): within one expiry tick its memory stays flat
+    instead of keeping every request's keys for the whole TTL."""
+    index = BitmaskResidencyIndex()
+    prompts = [[1000 * p + k for k in range(3)] for p in range(8)]
+    for request in range(200):  # the records and keys of the tick exist
+        index.add_speculative(
+            request % 2, [int(str(k)) for k in prompts[request % 8]], expires_at=9.0
+        )
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        for request in range(20_000):
+            keys = [int(str(k)) for k in prompts[request % 8]]  # new int objects
+            index.add_speculative(request % 2, keys, expires_at=9.0)
+        grown = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(before, "filename"))
+    finally:
+        tracemalloc.stop()
+    assert grown < 16_000  # a record per request would be ~200 bytes each: ~4 MB
+    assert index.expire(9.0) == 24  # 4 prompts of 3 keys on each replica
+    assert index.speculative_count(0, now=9.0) == index.speculative_count(1, now=9.0) == 0
 
 
 PROXY_STREAM = st.lists(  # (seconds since the last step, TTL, replica, keys, expire after?)

@@ -19,6 +19,7 @@ from kvcore.policies import (
 )
 from kvcore.policies.kv_aware import KvAwarePolicy
 from kvcore.policies.kv_cost import KvCostPolicy
+from kvcore.policies.kv_scoring import SPECULATION_TICK_S
 from kvcore.workload import KvAwareWorkload, KvCostWorkload, Workload
 from tests.unit.kvcore.policy_helpers import context, fleet
 from tests.unit.kvcore.test_preselect import WholeFleetView
@@ -125,6 +126,19 @@ def test_kv_aware_ties_go_to_the_lower_load_then_at_random() -> None:
     picks = Counter(_select(workload, even, seed=s).replica_id for s in range(40))
     assert set(picks) == {"r0", "r1"}
     assert _select(workload, even, seed=3).replica_id == _select(workload, even, seed=3).replica_id
+
+
+def test_speculative_residency_expires_at_the_first_tick_after_its_ttl() -> None:
+    """Rounded up to 1/64 s, so that a busy proxy's records of one tick coalesce: never
+    sooner than the TTL, at most a tick later."""
+    workload = KvAwareWorkload(speculative_ttl_s=2.0)
+    view = _view(fleet(2), {})
+    view.index.add(1, [12345])
+    for now in (100.0, 100.001, 100.0156, 100.015625, 7.3):
+        record = _select(workload, view, seed=1, now=now).speculative
+        assert record is not None
+        assert now + 2.0 <= record.expires_at < now + 2.0 + SPECULATION_TICK_S
+        assert (record.expires_at * 64).is_integer()
 
 
 def test_kv_aware_records_speculative_residency_that_steers_the_next_burst() -> None:
