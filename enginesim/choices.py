@@ -93,6 +93,7 @@ class Choices:
         handles = self.handles
         progress = handles[0].progress
         sent = [0] * len(handles)
+        ended = [False] * len(handles)  # those that asked for no tokens, once ended
         unfinished = len(handles)
         while unfinished:
             await progress.wait()
@@ -105,10 +106,12 @@ class Choices:
                 req = handle.req
                 new = req.output[sent[k] :]
                 if not new:
-                    continue
-                sent[k] += len(new)
+                    if req.max_tokens or ended[k] or not handle.done:
+                        continue
+                    ended[k] = True  # asked for no tokens (SGLang serves that): ended, empty
                 if self.first_cached is None:  # the first output seen, lowest choice first
                     self.first_cached = req.num_cached_tokens
+                sent[k] += len(new)
                 last = sent[k] >= req.max_tokens
                 unfinished -= last
                 yield k, [text_of([t]) for t in new], last

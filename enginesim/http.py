@@ -233,9 +233,10 @@ class SimApp:
         return json_response(p.completion_batch_body(rid, model, texts, choices.final_usage()))
 
     async def chat_completions(self, request: Request) -> Result:
-        body = p.decode_body(request.body, p.ChatRequest)
         if self.sglang is not None:
-            return _result(await self.sglang.chat(body))
+            sglang_body = p.decode_body(request.body, sg.ChatRequest)
+            return _result(await self.sglang.chat(sglang_body))
+        body = p.decode_body(request.body, p.ChatRequest)
         try:  # checked first, as vLLM's request validators run
             usage = p.stream_usage(body)
         except p.RequestValidatorError as exc:

@@ -38,17 +38,32 @@ them in SGLang mode. Facts, with where they were read (``python/sglang/srt/``):
   last output one finish chunk per choice, in the order they finished.
 - **stream_options** (``protocol.StreamOptions``, ``utils.should_include_usage``):
   ``include_usage`` defaults to false, so ``{}`` or ``null`` asks for no usage chunk; no
-  check ties stream_options to ``stream``.
+  check ties stream_options to ``stream``. ``continuous_usage_stats`` is read on its own,
+  whatever ``include_usage`` says: each content chunk then carries its choice's usage so
+  far (``UsageProcessor.calculate_token_usage`` on that choice's prompt and completion
+  tokens; ``total_tokens`` before ``completion_tokens``). A completion stream puts it on
+  every chunk, the one with the finish reason too, without ``prompt_tokens_details``
+  (``serving_completions._generate_completion_stream``); a chat stream puts it on its
+  content chunks alone, not on a role or finish chunk, with the choice's cached tokens
+  under ``--enable-cache-report`` (``serving_chat._generate_stream_content``,
+  ``_continuous_usage_cached_details``), so a choice that outputs no text has none.
 - **Model names** (``serving_base._parse_model_parameter``, ``protocol``'s
   ``DEFAULT_MODEL_NAME``): not checked; every answer names the request's ``model``, or
-  ``"default"`` without one (a ``name:adapter`` form selects a LoRA adapter: not
-  simulated).
+  ``"default"`` without one. A name with a colon selects a LoRA adapter (what follows
+  the served name and a colon, else what follows the first colon; stripped, and none
+  when empty), which a server launched without ``--enable-lora`` refuses with a 400
+  ``BadRequestError`` (``tokenizer_manager._validate_and_resolve_lora``, after the
+  prompt is rendered, before its length and sampling checks); the simulator has no
+  adapters, so it refuses every one so.
 - **Errors** (``serving_base.create_error_response``, ``http_server``'s
   ``RequestValidationError`` handler): ``{"object": "error", "message", "type", "param",
   "code"}`` at the top level, status 400. The type is ``"Bad Request"`` for a body that
   does not validate, ``"BadRequest"`` for a ValueError raised while serving,
   ``"BadRequestError"`` for ``_validate_request`` and the tokenizer manager's refusals.
   Mid-stream, ``create_streaming_error_response``: ``{"error": {...}}`` by ``json.dumps``.
+  Not simulated: FastAPI's wording of a body that does not validate (the simulator's is
+  msgspec's), and the 500 (Starlette's, text/plain) of a chat body that is JSON but not
+  an object, on which the chat request's validators crash (the simulator answers 400).
 - **Prompts** (``serving_completions._validate_request``): "Prompt cannot be empty" for
   a falsy prompt or one whose items are all falsy (``[0]`` too); no bound on the number
   of prompts; token ids are not checked against the vocabulary anywhere (neither there
@@ -58,9 +73,15 @@ them in SGLang mode. Facts, with where they were read (``python/sglang/srt/``):
   context length is refused, then input + ``max_new_tokens`` above it, each with its
   own message; a chat request without ``max_tokens`` has no ``max_new_tokens`` and is
   only bounded by the context.
-- **Sampling** (``sampling/sampling_params.py``, ``verify``): only a negative or
-  non-finite temperature is refused here ("temperature must be a non-negative finite
-  number").
+- **Sampling** (``sampling/sampling_params.py``, ``verify``): of what the simulator
+  reads, a negative or non-finite temperature is refused, then a negative
+  ``max_new_tokens``.
+- **max_tokens 0**: a completion refuses it (its request's ``max_tokens must be
+  positive`` validator: a body that does not validate), a chat serves it: its
+  ``max_tokens`` and ``max_completion_tokens`` are any integers, the engine request gets
+  ``max_completion_tokens or max_tokens`` and runs prefill only (as SGLang's own n > 1
+  warm-ups do), and the answer has empty content, finish reason ``length`` and no
+  completion tokens; streamed, a role chunk, the finish chunk and no content chunk.
 """
 
 from __future__ import annotations
@@ -156,6 +177,37 @@ def check_n(n: int | None) -> int:
     return n
 
 
+def check_max_new_tokens(max_tokens: int | None) -> None:
+    """``SamplingParams.verify``'s ``max_new_tokens`` check (after the temperature's)."""
+    if max_tokens is not None and max_tokens < 0:
+        raise p.BadRequest(
+            f"max_new_tokens must be at least 0, got {max_tokens}.", sglang_type="BadRequestError"
+        )
+
+
+def check_lora(model: str | None, served: str) -> None:
+    """``_parse_model_parameter``'s adapter, refused as a server without LoRA refuses it."""
+    if model is None or ":" not in model or model == served:
+        return
+    named = model[len(served) + 1 :] if model.startswith(f"{served}:") else model.split(":", 1)[1]
+    adapter = named.strip()
+    if adapter:
+        raise p.BadRequest(
+            f"LoRA adapter '{adapter}' was requested, but LoRA is not enabled. Please launch "
+            "the server with --enable-lora flag and preload adapters using --lora-paths or "
+            "/load_lora_adapter endpoint.",
+            sglang_type="BadRequestError",
+        )
+
+
+class ChatRequest(p.ChatRequest, kw_only=True):
+    """SGLang's chat request: ``max_tokens`` and ``max_completion_tokens`` are any
+    integers (0 runs prefill only; a negative one fails ``SamplingParams.verify``)."""
+
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+
+
 class StreamOptions(msgspec.Struct):
     """SGLang's: ``include_usage`` is false unless given true."""
 
@@ -163,16 +215,19 @@ class StreamOptions(msgspec.Struct):
     continuous_usage_stats: bool | None = False
 
 
-def stream_usage(body: p._Sampling) -> bool:
-    """``should_include_usage``: a usage chunk only when ``include_usage`` is true."""
+def stream_usage(body: p._Sampling) -> p.UsageAsked:
+    """``should_include_usage``: a usage chunk only when ``include_usage`` is true, and
+    usage on content chunks whenever ``continuous_usage_stats`` is."""
     if body.stream_options == p.NULL:
-        return False
+        return p.NO_USAGE
     try:
         options = msgspec.json.decode(body.stream_options, type=StreamOptions | None)
     except msgspec.ValidationError as exc:
         where = str(exc).replace("`$", "`$.stream_options", 1)
         raise p.BadRequest(f"Invalid request: {where}", sglang_type="Bad Request") from None
-    return options is not None and options.include_usage is True
+    if options is None:
+        return p.NO_USAGE
+    return p.UsageAsked(options.include_usage is True, bool(options.continuous_usage_stats))
 
 
 # -- errors ---------------------------------------------------------------------------
@@ -218,6 +273,19 @@ def usage(choices: Choices, n: int, *, streamed: bool) -> dict[str, Any]:
         "total_tokens": prompt + completion,
         "completion_tokens": completion,
         "prompt_tokens_details": {"cached_tokens": sum(h.req.num_cached_tokens for h in firsts)},
+        "reasoning_tokens": 0,
+        "completion_tokens_details": None,
+    }
+
+
+def running_usage(prompt: int, completion: int, cached: int | None) -> dict[str, Any]:
+    """A content chunk's usage with ``continuous_usage_stats``: its choice's tokens so far
+    (``cached``: its cached tokens, as a chat reports them; ``None``: a completion's, none)."""
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+        "prompt_tokens_details": None if cached is None else {"cached_tokens": cached},
         "reasoning_tokens": 0,
         "completion_tokens_details": None,
     }
@@ -294,22 +362,26 @@ async def completion_chunks(
     n: int,
     model: str,
     text_of: Callable[[list[int]], str],
-    with_usage: bool,
+    asked: p.UsageAsked,
 ) -> AsyncIterator[bytes]:
     """``serving_completions._generate_completion_stream``."""
     rid = choices.request_id
+    sent = [0] * len(choices.handles)
     async for delta in choices.deltas(text_of):
         if delta is None:
             yield stream_error("engine restarted", "InternalServerError", 500)
             break
         k, pieces, last = delta
-        rid = choices.handles[k].req.request_id
+        req = choices.handles[k].req
+        rid = req.request_id
         for i, piece in enumerate(pieces):
             finish = "length" if last and i == len(pieces) - 1 else None
             item = _text_choice(k, piece, finish)
-            yield _sse({**_chunk(rid, "text_completion", model, [item]), "usage": None})
+            sent[k] += 1
+            use = running_usage(len(req.prompt), sent[k], None) if asked.continuous else None
+            yield _sse({**_chunk(rid, "text_completion", model, [item]), "usage": use})
     else:
-        if with_usage:
+        if asked.final:
             try:
                 use = usage(choices, n, streamed=True)
             except ZeroDivisionError as exc:  # the stream has started: an error event
@@ -335,31 +407,38 @@ async def chat_chunks(
     n: int,
     model: str,
     text_of: Callable[[list[int]], str],
-    with_usage: bool,
+    asked: p.UsageAsked,
 ) -> AsyncIterator[bytes]:
     """``serving_chat._generate_chat_stream``."""
     obj = "chat.completion.chunk"
     rid = choices.request_id
     started: set[int] = set()
     finished: list[int] = []
+    sent = [0] * len(choices.handles)
     async for delta in choices.deltas(text_of):
         if delta is None:
             yield stream_error("engine restarted", "InternalServerError", 500)
             break
         k, pieces, last = delta
-        rid = choices.handles[k].req.request_id
+        req = choices.handles[k].req
+        rid = req.request_id
         if k not in started:
             started.add(k)
             role = _chat_choice(k, {"role": "assistant", "content": ""})
             yield _sse(_chunk(rid, obj, model, [role]))
         for piece in pieces:
-            yield _sse(_chunk(rid, obj, model, [_chat_choice(k, {"content": piece})]))
+            chunk = _chunk(rid, obj, model, [_chat_choice(k, {"content": piece})])
+            sent[k] += 1
+            if asked.continuous:  # a msgspec struct's usage: left out when null
+                cached = req.num_cached_tokens
+                chunk["usage"] = running_usage(len(req.prompt), sent[k], cached)
+            yield _sse(chunk)
         if last:
             finished.append(k)
     else:
         for k in finished:
             yield _sse(_chunk(rid, obj, model, [_chat_choice(k, {}, "length")]))
-        if with_usage:
+        if asked.final:
             try:
                 use = usage(choices, n, streamed=True)
             except ZeroDivisionError as exc:  # uncaught by SGLang's chat stream

@@ -33,6 +33,7 @@ class SglangServing:
         sg.check_prompt(body.prompt)
         given = p.completion_prompts(body)
         prompts = await self.app.prompt_ids(given)
+        sg.check_lora(body.model, self.app.settings.model)
         if body.max_tokens is None:  # SGLang's completion request: ``max_tokens: int = 16``
             body.max_tokens = p.DEFAULT_MAX_TOKENS
         batch, ids = isinstance(body, p.CompletionBatchRequest), isinstance(given[0], list)
@@ -44,13 +45,14 @@ class SglangServing:
         await choices.until_done()
         return sg.completion_body(choices, n, model, text_of)
 
-    async def chat(self, body: p.ChatRequest) -> Answer:
+    async def chat(self, body: sg.ChatRequest) -> Answer:
         usage = sg.stream_usage(body)  # a field of the body: validated first
         n = sg.check_n(body.n)
         sg.check_messages(body.messages)
         prompt = await self.app.chat_prompt_ids(
             body.messages, body.tools, body.add_generation_prompt
         )
+        sg.check_lora(body.model, self.app.settings.model)
         body.max_tokens = body.max_completion_tokens or body.max_tokens  # SGLang's preference
         choices = await self._submit([prompt], body, n)
         model, text_of = _model(body), self.app.tokenizer.text_of
@@ -81,6 +83,7 @@ class SglangServing:
                 if ids_given:
                     sg.check_token_ids(prompt)
                 sg.check_temperature(body.temperature)
+                sg.check_max_new_tokens(body.max_tokens)
                 engine.check(len(prompt), _max_tokens(body, len(prompt), context))
         except RequestRejected as exc:
             raise p.BadRequest(str(exc), sglang_type="BadRequestError") from exc

@@ -251,3 +251,101 @@ def test_tokenize_answers_on_both_of_sglangs_paths_in_its_shape(sim: SimProcess)
     assert answers[0]["max_model_len"] == 4096
     named = sim.post("/v1/tokenize", {"model": "any-name", "prompt": "hello there"})
     assert named == answers[0]
+
+
+def test_continuous_usage_rides_on_content_chunks_whatever_include_usage_says(
+    sim: SimProcess,
+) -> None:
+    """SGLang reads continuous_usage_stats on its own: a completion stream puts each
+    choice's usage so far on every chunk (without prompt_tokens_details), a chat stream on
+    its content chunks alone (with the cached tokens); only include_usage adds the
+    usage-only chunk at the end."""
+    options = {"continuous_usage_stats": True}
+    body = {
+        "prompt": "Once upon a time",
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": options,
+    }
+    events = sim.stream("/v1/completions", body)
+    assert events[-1] == "[DONE]" and len(events) == 4  # three tokens, no usage chunk
+    usages = [event["usage"] for event in events[:-1]]
+    assert [u["completion_tokens"] for u in usages] == [1, 2, 3]
+    prompt = usages[0]["prompt_tokens"]
+    assert prompt > 0 and [u["total_tokens"] for u in usages] == [
+        prompt + 1,
+        prompt + 2,
+        prompt + 3,
+    ]
+    assert list(usages[0]) == [
+        "prompt_tokens", "total_tokens", "completion_tokens", "prompt_tokens_details",
+        "reasoning_tokens", "completion_tokens_details",
+    ]  # fmt: skip
+    assert usages[0]["prompt_tokens_details"] is None
+    assert events[2]["choices"][0]["finish_reason"] == "length"  # the finish chunk has it too
+
+    chat = {"messages": [{"role": "user", "content": "Count with me."}], "max_tokens": 2,
+            "stream": True, "stream_options": {**options, "include_usage": True}}  # fmt: skip
+    events = sim.stream("/v1/chat/completions", chat)
+    role, first, second, end, final, done = events
+    assert done == "[DONE]"
+    assert "usage" not in role and "usage" not in end  # omitted, not null: a msgspec struct
+    assert end["choices"][0]["finish_reason"] == "length"
+    assert [first["usage"]["completion_tokens"], second["usage"]["completion_tokens"]] == [1, 2]
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 2
+
+
+def test_a_chat_asking_for_no_tokens_is_served_as_a_prefill_a_completion_is_refused(
+    sim: SimProcess, client: openai.OpenAI
+) -> None:
+    messages = [{"role": "user", "content": "Warm the cache with this."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=0)  # type: ignore[arg-type]
+    (choice,) = whole.choices
+    assert (choice.message.content, choice.finish_reason) == ("", "length")
+    assert whole.usage is not None and whole.usage.completion_tokens == 0
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens > 0
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=0, stream=True,  # type: ignore[arg-type]
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    role, end, final = chunks
+    assert role.choices[0].delta.role == "assistant"
+    assert end.choices[0].finish_reason == "length"
+    assert final.usage is not None and final.usage.completion_tokens == 0
+    # the prefill cached the prompt's whole blocks, as SGLang's own warm-ups do
+    assert final.usage.prompt_tokens_details is not None
+    assert (
+        final.usage.prompt_tokens_details.cached_tokens
+        == (final.usage.prompt_tokens - 1) // 16 * 16
+    )
+    code, answer = sim.call(
+        "POST", "/v1/chat/completions", {"messages": messages, "max_completion_tokens": -1}
+    )
+    assert (code, answer["message"], answer["type"]) == (
+        400, "max_new_tokens must be at least 0, got -1.", "BadRequestError",
+    )  # fmt: skip
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=0)
+
+
+def test_a_lora_adapter_in_the_model_name_is_refused_as_without_enable_lora(
+    sim: SimProcess, client: openai.OpenAI
+) -> None:
+    """SGLang reads ``name:adapter`` as a LoRA adapter (after the served name and a colon,
+    else after the first colon), which a server without --enable-lora refuses; a name
+    with an empty adapter is the base model."""
+    for model, adapter in ((f"{MODEL}:tuned", "tuned"), ("other:a:b", "a:b"), ("x: pad ", "pad")):
+        code, answer = sim.call(
+            "POST", "/v1/chat/completions",
+            {"model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1},
+        )  # fmt: skip
+        assert (code, answer["type"]) == (400, "BadRequestError")
+        assert answer["message"].startswith(
+            f"LoRA adapter '{adapter}' was requested, but LoRA is not enabled."
+        )
+    with pytest.raises(openai.BadRequestError, match="LoRA is not enabled"):
+        client.completions.create(model=f"{MODEL}:tuned", prompt="x", max_tokens=1)
+    assert client.completions.create(model="base:", prompt="x", max_tokens=1).model == "base:"

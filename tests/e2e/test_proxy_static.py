@@ -136,6 +136,28 @@ def test_behind_sglang_the_stream_has_usage_exactly_when_sglangs_own_would(
     assert [e["choices"] for e in via_proxy[:-1]] == [e["choices"] for e in direct[:-1]]
 
 
+@pytest.mark.parametrize(
+    "options",
+    [CONTINUOUS, {"include_usage": False, **CONTINUOUS}, {"include_usage": True, **CONTINUOUS}],
+)
+def test_behind_sglang_continuous_usage_arrives_as_sglang_sends_it(options: dict[str, Any]) -> None:
+    """SGLang puts each chunk's usage so far on it whatever ``include_usage`` says, and a
+    usage chunk at the end only with ``include_usage`` true: through the proxy (which asks
+    for that chunk when the client did not, and takes it off again) the client gets
+    SGLang's own stream."""
+    with (
+        SimProcess(*SIM_ARGS, "--event-format=sglang") as sim,
+        ProxyProcess(f"--static-replicas={sim.url}") as proxy,
+    ):
+        body = {"model": MODEL, "prompt": "Jumps over the lazy dog", "max_tokens": 3,
+                "stream": True, "stream_options": options}  # fmt: skip
+        assert json.loads(proxy.request("/v1/models", method="GET")[2])["data"]  # read at start
+        via_proxy, direct = (strip_ids(_events(url, body)[:-1]) for url in (proxy.url, sim.url))
+    assert via_proxy == direct
+    assert [e["usage"]["completion_tokens"] for e in direct[:3]] == [1, 2, 3]
+    assert len(direct) == (4 if options.get("include_usage") else 3)
+
+
 def test_a_batch_with_two_samples_each_arrives_intact_and_answers_as_the_replica(
     fleet: Any,
 ) -> None:

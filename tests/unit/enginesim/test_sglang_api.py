@@ -130,7 +130,7 @@ async def test_a_completion_stream_sends_each_choice_under_its_own_id() -> None:
         emit(choices, 0, 5, 6)
         emit(choices, 1, 6)
 
-    stream = sg.completion_chunks(choices, 2, "m", text_of, with_usage=True)
+    stream = sg.completion_chunks(choices, 2, "m", text_of, p.UsageAsked(True, False))
     got = await collect(stream, feed)
     assert got[-1] == "[DONE]"
     texts = [(e["id"], e["choices"][0]["index"], e["choices"][0]["text"],
@@ -163,7 +163,7 @@ async def test_a_chat_stream_sends_a_role_with_each_choices_first_output_and_end
         await asyncio.sleep(0)
         emit(choices, 0, 5, 6)
 
-    stream = sg.chat_chunks(choices, 2, "m", text_of, with_usage=False)
+    stream = sg.chat_chunks(choices, 2, "m", text_of, p.NO_USAGE)
     got = await collect(stream, feed)
     shown = [(e["id"], e["choices"][0]["index"], e["choices"][0]["delta"],
               e["choices"][0]["finish_reason"]) for e in got[:-1]]  # fmt: skip
@@ -189,7 +189,9 @@ async def test_an_engine_failure_mid_stream_is_an_error_event_in_sglangs_shape()
     async def feed() -> None:
         choices.handles[0].notify()
 
-    got = await collect(sg.completion_chunks(choices, 1, "m", text_of, True), feed)
+    got = await collect(
+        sg.completion_chunks(choices, 1, "m", text_of, p.UsageAsked(True, False)), feed
+    )
     assert got == [
         {
             "error": {
@@ -205,19 +207,23 @@ async def test_an_engine_failure_mid_stream_is_an_error_event_in_sglangs_shape()
 
 
 @pytest.mark.parametrize(
-    ("options", "stream", "usage"),
+    ("options", "stream", "final", "continuous"),
     [
-        (None, True, False),
-        ({}, True, False),  # include_usage defaults to false in SGLang
-        ({"include_usage": None}, True, False),
-        ({"include_usage": True}, True, True),
-        ({"include_usage": True}, False, True),  # nothing ties it to stream
-        ({"continuous_usage_stats": True}, True, False),
+        (None, True, False, False),
+        ({}, True, False, False),  # include_usage defaults to false in SGLang
+        ({"include_usage": None}, True, False, False),
+        ({"include_usage": True}, True, True, False),
+        ({"include_usage": True}, False, True, False),  # nothing ties it to stream
+        ({"continuous_usage_stats": True}, True, False, True),  # read on its own
+        ({"include_usage": False, "continuous_usage_stats": True}, True, False, True),
+        ({"include_usage": True, "continuous_usage_stats": None}, True, True, False),
     ],
 )
-def test_sglang_asks_for_usage_only_with_include_usage_true(options, stream, usage) -> None:
+def test_sglang_asks_for_a_usage_chunk_only_with_include_usage_true(
+    options, stream, final, continuous
+) -> None:
     raw = msgspec.json.encode({"prompt": "x", "stream": stream, "stream_options": options})
-    assert sg.stream_usage(p.decode_completion(raw)) is usage
+    assert sg.stream_usage(p.decode_completion(raw)) == (final, continuous)
 
 
 def test_stream_options_of_the_wrong_type_do_not_validate() -> None:
@@ -292,7 +298,7 @@ async def test_n_zero_fails_a_completion_streams_usage_and_breaks_a_chat_stream(
         async def feed(choices: Choices = choices) -> None:
             emit(choices, 0, 5)
 
-        stream = chunks(choices, 0, "m", text_of, True)
+        stream = chunks(choices, 0, "m", text_of, p.UsageAsked(True, False))
         if broken:
             with pytest.raises(sg.BrokenStream, match="integer modulo by zero"):
                 await collect(stream, feed)
