@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
 import random
@@ -96,6 +95,7 @@ from bench.proxy_routers import CpuSplit, Routers, pin_tree, split_cpus, tree_cp
 from dataplane.fleet_state import FleetState
 from dataplane.openai_request import parse_inference
 from dataplane.routing import Defaults, Router
+from kvcore.gc_tuning import tune_gc
 from kvcore.pb import events_pb2, routing_pb2
 from kvcore.tokenize import BuiltinTokenizer, HFTokenizer, Tokenizer
 
@@ -543,7 +543,7 @@ def _p99(samples: list[float]) -> float:
 
 
 def decisions(count: int = DECISIONS) -> list[Figure]:
-    gc.set_threshold(50_000, 20, 100)  # as kvroute-proxy's workers run
+    tune_gc()  # as kvroute-proxy's workers run
     figures = decision(BuiltinTokenizer(), "builtin", "builtin", count)
     with tempfile.TemporaryDirectory() as scratch:
         corpus = [" ".join(_words()[i : i + 12]) for i in range(0, 3000, 12)]

@@ -57,6 +57,7 @@ from dataplane.http_client import ConnectionPool, _Connection
 from dataplane.http_server import HttpServer, Request, Response
 from dataplane.service import ProxyService
 from dataplane.settings import ProxySettings
+from kvcore.gc_tuning import tune_gc
 from kvcore.keys import root_key
 from kvcore.pb import events_pb2, routing_pb2
 from kvcore.request import prompt_keys
@@ -415,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         help="kv_aware's proxy without the x-kvroute-* headers, as bench.proxy runs it",
     )
     args = parser.parse_args(argv)
+    tune_gc()  # as kvroute-proxy's workers run
     options = {"debug_headers": args.debug_headers, "prompt": args.prompt}
     samples = uvloop.run(
         measure(args.requests, args.strategy, args.profile, concurrency=args.concurrency, **options)

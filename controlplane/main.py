@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import logging
 import signal
@@ -25,6 +24,7 @@ from sqlalchemy.exc import ArgumentError
 from controlplane.records import Records
 from controlplane.service import ControlPlane, ServiceError
 from controlplane.settings import ENV_ONLY, ControlPlaneSettings
+from kvcore.gc_tuning import tune_gc
 
 PROG = "kvroute-controlplane"
 log = logging.getLogger("controlplane")
@@ -138,13 +138,6 @@ def configure_logging(level: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_JsonFormatter())
     logging.basicConfig(level=level, handlers=[handler], force=True)
-
-
-def tune_gc() -> None:
-    """Collect the young generation less often: ingest makes many short-lived objects
-    (decoded batches, key lists) and the default threshold (700) makes collections a
-    visible share of the time at tens of thousands of events per second."""
-    gc.set_threshold(50_000, 20, 100)
 
 
 def run_loop(settings: ControlPlaneSettings) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import signal
@@ -27,6 +26,7 @@ from pydantic import ValidationError
 from dataplane.http_server import HttpServer
 from dataplane.service import ProxyService
 from dataplane.settings import LIST_FIELDS, ProxySettings
+from kvcore.gc_tuning import tune_gc
 from kvcore.jsonlog import configure_logging
 
 log = logging.getLogger("dataplane")
@@ -135,7 +135,7 @@ async def serve(settings: ProxySettings, sock: socket.socket, on_ready: Any) -> 
 
 
 def run_worker(settings: ProxySettings, sock: socket.socket, on_ready: Any) -> None:
-    gc.set_threshold(50_000, 20, 100)  # fewer young collections on the hot path
+    tune_gc()  # fewer young collections on the hot path
     uvloop.run(serve(settings, sock, on_ready))
 
 

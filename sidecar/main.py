@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import signal
 import sys
@@ -14,6 +13,7 @@ from typing import Any, Literal, get_args, get_origin
 from aiohttp import web
 from pydantic import ValidationError
 
+from kvcore.gc_tuning import tune_gc
 from kvcore.jsonlog import configure_logging
 from sidecar.errors import SidecarError
 from sidecar.observability import create_app
@@ -94,13 +94,6 @@ def run_loop(main_coroutine: Coroutine[Any, Any, None]) -> None:
         asyncio.run(main_coroutine)
         return
     uvloop.run(main_coroutine)
-
-
-def tune_gc() -> None:
-    """Collect the young generation less often: the key mapper keeps one small object
-    per cached block, and the default threshold (700) makes collections a large share
-    of the translation time at tens of thousands of events per second."""
-    gc.set_threshold(50_000, 20, 100)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import sys
 
 from bench.controlplane import inprocess, latency
+from kvcore.gc_tuning import tune_gc
 
 Row = tuple[str, str, str, bool | None]  # figure, value, target, met (None: reported)
 
 
 def ingest_rows(events: int) -> list[Row]:
-    gc.set_threshold(50_000, 20, 100)  # as kvroute-controlplane runs
+    tune_gc()  # as kvroute-controlplane runs
     alone = inprocess.ingest_rate(events, with_deltas=False)
     with_deltas = inprocess.ingest_rate(events, with_deltas=True)
     return [

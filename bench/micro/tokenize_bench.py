@@ -27,6 +27,7 @@ from bench.micro.model_files import write_tiny_model
 from bench.micro.report import Figure, median_us_each
 from dataplane.openai_request import InferenceRequest, parse_inference
 from dataplane.routing import Defaults, Router
+from kvcore.gc_tuning import tune_gc
 from kvcore.keys import block_keys, root_key
 from kvcore.tokenize import BuiltinTokenizer, HFTokenizer, PrefixTokenCache, Tokenizer
 
@@ -141,7 +142,7 @@ def _decisions_cpu(count: int = DECISIONS) -> list[Figure]:
     _, first = decide(requests[0])
     _hold(fleet, 7, first.block_keys[: int(len(first.block_keys) * SEEN_FRACTION)])
     thresholds = gc.get_threshold()
-    gc.set_threshold(50_000, 20, 100)  # as kvroute-proxy's workers run
+    tune_gc()  # as kvroute-proxy's workers run
     before = _collections()
     cpu = sorted(_timed(partial(decide, request))[1] / 1000 for request in requests[1:])
     collections = _collections() - before
