@@ -268,19 +268,13 @@ def usage(choices: Choices, n: int, *, streamed: bool) -> dict[str, Any]:
         firsts = handles[::n] if n > 0 else []
     prompt = sum(len(h.req.prompt) for h in firsts)
     completion = sum(len(h.req.output) for h in handles)
-    return {
-        "prompt_tokens": prompt,
-        "total_tokens": prompt + completion,
-        "completion_tokens": completion,
-        "prompt_tokens_details": {"cached_tokens": sum(h.req.num_cached_tokens for h in firsts)},
-        "reasoning_tokens": 0,
-        "completion_tokens_details": None,
-    }
+    return usage_info(prompt, completion, sum(h.req.num_cached_tokens for h in firsts))
 
 
-def running_usage(prompt: int, completion: int, cached: int | None) -> dict[str, Any]:
-    """A content chunk's usage with ``continuous_usage_stats``: its choice's tokens so far
-    (``cached``: its cached tokens, as a chat reports them; ``None``: a completion's, none)."""
+def usage_info(prompt: int, completion: int, cached: int | None) -> dict[str, Any]:
+    """``UsageInfo`` as SGLang dumps it: of a whole answer, a usage chunk, or with
+    ``continuous_usage_stats`` a content chunk's choice so far (``cached``: ``None`` where
+    no cached tokens are reported: a completion stream's content chunks)."""
     return {
         "prompt_tokens": prompt,
         "total_tokens": prompt + completion,
@@ -378,7 +372,7 @@ async def completion_chunks(
             finish = "length" if last and i == len(pieces) - 1 else None
             item = _text_choice(k, piece, finish)
             sent[k] += 1
-            use = running_usage(len(req.prompt), sent[k], None) if asked.continuous else None
+            use = usage_info(len(req.prompt), sent[k], None) if asked.continuous else None
             yield _sse({**_chunk(rid, "text_completion", model, [item]), "usage": use})
     else:
         if asked.final:
@@ -431,7 +425,7 @@ async def chat_chunks(
             sent[k] += 1
             if asked.continuous:  # a msgspec struct's usage: left out when null
                 cached = req.num_cached_tokens
-                chunk["usage"] = running_usage(len(req.prompt), sent[k], cached)
+                chunk["usage"] = usage_info(len(req.prompt), sent[k], cached)
             yield _sse(chunk)
         if last:
             finished.append(k)
