@@ -173,8 +173,10 @@ class Dispatcher:
         if first:
             self._routed(exchange)
         self.fleet.apply_speculative(decision)
-        uncached = exchange.prepared.prompt_tokens - predicted
-        ticket = self.fleet.on_sent(endpoint.ordinal, time.time(), uncached)
+        prepared = exchange.prepared
+        uncached = prepared.prompt_tokens - predicted
+        later = self.router.later_uncached(prepared, endpoint.ordinal, now) if prepared.later else 0
+        ticket = self.fleet.on_sent(endpoint.ordinal, time.time(), uncached, later)
         self.breakers.on_sent(endpoint.replica_id, endpoint.ordinal, now)
         return ticket
 

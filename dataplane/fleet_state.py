@@ -63,6 +63,9 @@ class InflightTicket:
     ledger_key: int
     ticket: int
     prefill: int = 0  # the prefill books' ticket (0: not booked)
+    # a batch's later prompts' ticket: a stream's first event is its first prompt's first
+    # token, so only a whole answer or the request's end settles them
+    prefill_later: int = 0
 
 
 @dataclass(slots=True)
@@ -561,23 +564,39 @@ class FleetState:
 
     # -- what the proxy writes back -----------------------------------------------
 
-    def on_sent(self, ordinal: int, now: float, uncached_tokens: int = 0) -> InflightTicket | None:
+    @property
+    def keeps_books(self) -> bool:
+        """Whether this proxy keeps prefill books (a ``kv_cost`` workload is configured)."""
+        return self._books.on
+
+    def on_sent(
+        self, ordinal: int, now: float, uncached_tokens: int = 0, later_uncached: int = 0
+    ) -> InflightTicket | None:
         """A request went to ``ordinal`` at ``now`` (wall clock, like LoadReport.ts) with
-        ``uncached_tokens`` to prefill there (its prompt less the predicted cached tokens)."""
+        ``uncached_tokens`` to prefill there (its prompt less the predicted cached tokens)
+        and, for a batch, ``later_uncached`` for its other prompts."""
         record = self._records.get(ordinal)
         if record is None:
             return None
         key = record.ledger_key
         ticket = self._ledger.sent(key, now)
         self._refresh(ordinal)
-        return InflightTicket(ordinal, key, ticket, self._books.sent(key, uncached_tokens))
+        books = self._books
+        first = books.sent(key, uncached_tokens)  # booked first: the engine starts on it
+        later = books.sent(key, later_uncached) if later_uncached else 0
+        return InflightTicket(ordinal, key, ticket, first, later)
 
     def on_first_byte(self, ticket: InflightTicket | None, status: int, streaming: bool) -> None:
         """The first bytes of the request's answer arrived (a stream's first event, or a
-        whole body), with HTTP ``status``: its prefill is settled."""
-        if ticket is not None and ticket.prefill:
-            self._books.answered(ticket.ledger_key, ticket.prefill, status, streaming)
-            self._refresh_ticket(ticket)
+        whole body), with HTTP ``status``: its prefill is settled (a batch's later
+        prompts' only by a whole answer or an error)."""
+        if ticket is None or not ticket.prefill:
+            return
+        books, key = self._books, ticket.ledger_key
+        books.answered(key, ticket.prefill, status, streaming)
+        if ticket.prefill_later and (not streaming or status >= 400):
+            books.answered(key, ticket.prefill_later, status, streaming)
+        self._refresh_ticket(ticket)
 
     def on_done(self, ticket: InflightTicket | None) -> None:
         """The request of ``ticket`` ended, in any way (twice: ignored)."""
@@ -586,6 +605,8 @@ class FleetState:
         self._ledger.done(ticket.ledger_key, ticket.ticket)
         if ticket.prefill:
             self._books.ended(ticket.ledger_key, ticket.prefill)
+        if ticket.prefill_later:
+            self._books.ended(ticket.ledger_key, ticket.prefill_later)
         self._refresh_ticket(ticket, ended=True)
 
     def _refresh_ticket(self, ticket: InflightTicket, *, ended: bool = False) -> None:

@@ -5,11 +5,13 @@ of that time is the prefill queued ahead of it, which no load report shows
 (:mod:`kvcore.policies.prefill`). So the proxy keeps books of its own requests:
 
 - sent: a request going upstream is booked on its replica for its uncached tokens, the
-  prompt's tokens less the cached tokens its decision predicted on that replica;
+  prompt's tokens less the cached tokens its decision predicted on that replica; a
+  completion batch's later prompts are booked on a ticket of their own, behind it;
 - answered: its first response bytes settle the ticket. vLLM and SGLang send a stream's
   first event with the first token, so a streamed answer is a first token now; a whole
   (non-streamed) answer says its prefill was done some time before; an error status says
-  it was never prefilled;
+  it was never prefilled. A stream's first event is a batch's first prompt's first
+  token only: its later prompts' ticket waits for the request's end;
 - ended: an attempt that fails, is refused, is cancelled or is retried elsewhere before
   its first bytes drops its ticket (whatever ends a request settles it: no tokens leak).
 

@@ -23,6 +23,7 @@ engine sees, since the sidecar keys the engine's blocks under it):
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -34,7 +35,7 @@ from dataplane.openai_request import InferenceRequest
 from kvcore.keys import root_key
 from kvcore.pb import routing_pb2
 from kvcore.policies import Decision, Policy, ReplicaState, RouteContext, create_policy
-from kvcore.request import InvalidRequest, prompt_keys, session_id
+from kvcore.request import InvalidRequest, keyed, later_prompts, prompt_keys, session_id
 from kvcore.tokenize import Encoded, PrefixTokenCache, Tokenizer, TokenizerError, load_tokenizer
 from kvcore.workload import (
     RequestInfo,
@@ -76,6 +77,9 @@ class Prepared:
     session_id: str | None
     request_id: str
     keyed: bool = True
+    # a completion batch's prompts after the first, keyed only while the fleet keeps
+    # prefill books (what else the batch asks its replica to prefill)
+    later: tuple[Encoded, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +207,8 @@ class Router:
         )
         if keys_read or policy.reads_keys or not self.fleet.static or request.fans_out:
             self._key(prepared, request, route.spec)
+            if request.is_batch and self.fleet.keeps_books:
+                self._key_later(prepared, request, route.spec)
         return prepared
 
     def key(self, prepared: Prepared, request: InferenceRequest) -> None:
@@ -216,6 +222,33 @@ class Router:
         prompt = self._prompt(request, spec, root, prepared.block_size)
         prepared.prompt_tokens, prepared.block_keys = len(prompt.tokens), prompt.keys
         prepared.keyed = True
+
+    def _key_later(self, prepared: Prepared, request: InferenceRequest, spec: str) -> None:
+        cache = self.tokenizers.token_cache(spec)
+        root = self._root(prepared.key_model, prepared.namespace)
+        size = prepared.block_size
+        # a later prompt the tokenizer refuses is the engine's to refuse (the whole batch)
+        with contextlib.suppress(TokenizerError):
+            prepared.later = tuple(
+                keyed(prompt, cache, root=root, block_size=size)
+                for prompt in later_prompts(request.body)
+            )
+
+    def later_uncached(self, prepared: Prepared, ordinal: int, now: float) -> int:
+        """Tokens a batch's later prompts leave to prefill on ``ordinal`` (after the
+        decision's speculative record: a prompt starting as the first does is a hit),
+        each prompt also hitting the blocks of the batch's prompts before it."""
+        view, size = self.fleet.view(prepared.model), prepared.block_size
+        batch: set[int] = set(prepared.block_keys)
+        uncached = 0
+        for prompt in prepared.later:
+            keys = prompt.keys
+            run = view.leading_runs(keys, now=now).get(ordinal, 0) if keys else 0
+            while run < len(keys) and keys[run] in batch:
+                run += 1
+            batch.update(keys)
+            uncached += len(prompt.tokens) - _cached(run, len(prompt.tokens), size)
+        return uncached
 
     def choose(
         self, prepared: Prepared, *, now: float, exclude: frozenset[int] = frozenset()
@@ -336,8 +369,7 @@ class Router:
         if ordinal is None or not prepared.block_keys:
             return 0
         run = view.leading_runs(prepared.block_keys, now=now).get(ordinal, 0)
-        size = prepared.block_size
-        return min(run, max(prepared.prompt_tokens - 1, 0) // size) * size
+        return _cached(run, prepared.prompt_tokens, prepared.block_size)
 
 
 class _RunsOnce:
@@ -361,6 +393,12 @@ class _RunsOnce:
             self._runs = self._view.leading_runs(keys, now=now)
             self._keys, self._now = keys, now
         return self._runs
+
+
+def _cached(run: int, prompt_tokens: int, block_size: int) -> int:
+    """The tokens an engine reports cached for a prompt whose first ``run`` blocks it
+    holds: capped as vLLM caps a hit, at least the prompt's last token is computed."""
+    return min(run, max(prompt_tokens - 1, 0) // block_size) * block_size
 
 
 def _prompt_field(request: InferenceRequest) -> str:

@@ -7,7 +7,8 @@ chat request's ``messages`` are rendered with the model's chat template
 (``add_generation_prompt`` true unless the body says otherwise, ``tools`` passed to the
 template) and encoded without special tokens; a completion's ``prompt`` text is encoded
 with them; a ``prompt`` of token ids is taken as is. A batch of prompts is routed by its
-first. Errors are :class:`InvalidRequest` (a ``ValueError``) naming the field, and the
+first; :func:`later_prompts` reads the others (what the proxy's prefill books count).
+Errors are :class:`InvalidRequest` (a ``ValueError``) naming the field, and the
 tokenizer's :class:`~kvcore.tokenize.TokenizerError` for a chat its template refuses.
 """
 
@@ -78,7 +79,13 @@ def prompt_keys(
     text = body.get("prompt") if kind == "completion" else None
     if isinstance(text, str):  # the usual completion, without building its PromptText
         return cache.encode_keyed(text, add_special_tokens=True, root=root, block_size=block_size)
-    prompt = prompt_input(body, cache.tokenizer, kind)
+    return keyed(prompt_input(body, cache.tokenizer, kind), cache, root=root, block_size=block_size)
+
+
+def keyed(
+    prompt: PromptText | list[int], cache: PrefixTokenCache, *, root: int, block_size: int
+) -> Encoded:
+    """The token ids of one prompt and their block keys chained from ``root``."""
     if isinstance(prompt, list):
         tokens = array("I", prompt)
         return Encoded(tokens, chain_keys(root, tokens, block_size))
@@ -88,6 +95,22 @@ def prompt_keys(
         root=root,
         block_size=block_size,
     )
+
+
+def later_prompts(body: Mapping[str, Any]) -> list[PromptText | list[int]]:
+    """A completion batch's prompts after the first (routing's subject), each as the engine
+    encodes it; [] for anything but a batch. An element that is no prompt is left out:
+    the engine refuses the whole batch for it."""
+    batch = body.get("prompt")
+    if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[0], str | list):
+        return []
+    prompts: list[PromptText | list[int]] = []
+    for prompt in batch[1:]:
+        if isinstance(prompt, str):
+            prompts.append(PromptText(prompt, add_special_tokens=True))
+        elif isinstance(prompt, list) and prompt and _are_token_ids(prompt):
+            prompts.append(list(prompt))
+    return prompts
 
 
 def _chat_text(body: Mapping[str, Any], tokenizer: Tokenizer) -> PromptText:

@@ -44,9 +44,14 @@ def sims() -> Iterator[list[SimProcess]]:
 
 
 async def complete(
-    session: aiohttp.ClientSession, url: str, prompt: list[int], *, stream: bool = False
+    session: aiohttp.ClientSession,
+    url: str,
+    prompt: list[int] | list[list[int]],
+    *,
+    stream: bool = False,
 ) -> tuple[int, str, bytes]:
-    """``(status, replica, body)`` of one completion of ``prompt`` (token ids)."""
+    """``(status, replica, body)`` of one completion of ``prompt`` (token ids, or a batch
+    of them)."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "stream": stream}
     async with session.post(f"{url}/v1/completions", json=body, headers=AUTH) as response:
         return response.status, response.headers.get("x-kvroute-replica", ""), await response.read()
@@ -96,6 +101,29 @@ async def test_a_replica_busy_prefilling_for_this_proxy_is_passed_over(
         assert status == 200 and landed != holder
         status, long_replica, _ = await long_request
         assert status == 200 and long_replica == holder
+    assert open_tickets(service) == 0
+    assert set(queued(service).values()) == {0}
+
+
+async def test_a_batchs_long_later_prompt_counts_on_its_replica(sims: list[SimProcess]) -> None:
+    """A completion batch is routed by its first prompt, the warm prefix, but its second
+    prompt brings 12,000 new tokens to the same replica. The books count them (the
+    prefix's 2,000 tokens, resident and the first prompt's, are not), so the next prompt
+    on that prefix is passed over to the idle replica, as behind one long prompt."""
+    async with (
+        proxy(routing_state(sims, KV_COST)) as (url, service),
+        aiohttp.ClientSession() as session,
+    ):
+        status, holder, _ = await complete(session, url, SHARED)  # warm the prefix
+        assert status == 200
+        batch = asyncio.ensure_future(complete(session, url, [SHARED, SHARED + LONG_TAIL]))
+        await until(lambda: service.fleet.inflight_total() == 1, "the batch sent")
+        assert 11_000 < (queued(service)[holder] or 0) <= len(LONG_TAIL) + 16
+        status, landed, _ = await complete(session, url, [*SHARED, *range(20, 70)])
+        assert status == 200 and landed != holder
+        status, batch_replica, answer = await batch
+        assert status == 200 and batch_replica == holder, answer
+        assert [choice["index"] for choice in json.loads(answer)["choices"]] == [0, 1]
     assert open_tickets(service) == 0
     assert set(queued(service).values()) == {0}
 

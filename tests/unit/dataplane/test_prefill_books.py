@@ -122,6 +122,32 @@ def test_a_whole_answer_settles_as_prefilled_and_an_error_status_as_never_prefil
     assert queued(state) == [0, 0]
 
 
+def test_a_batchs_later_prompts_outlast_its_streams_first_event_not_a_whole_answer() -> None:
+    """A batch's first event is its first prompt's first token: the other prompts' 4,000
+    tokens stay booked until the request ends. A whole answer settles them all."""
+    clock = Clock()
+    state = fleet(clock)
+    streamed = state.on_sent(0, 1e9, uncached_tokens=500, later_uncached=4_000)
+    whole = state.on_sent(1, 1e9, uncached_tokens=500, later_uncached=4_000)
+    assert queued(state) == [4_500, 4_500]
+    clock.now += 0.01  # 100 tokens' prefill
+    state.on_first_byte(streamed, 200, streaming=True)
+    state.on_first_byte(whole, 200, streaming=False)
+    assert queued(state) == [4_000, 0]
+    state.on_done(streamed)
+    state.on_done(whole)
+    assert queued(state) == [0, 0]
+    assert all(state._books._ledger.pending(key) == 0 for key in (0, 1))
+
+
+def test_a_refused_batch_leaves_nothing_booked() -> None:
+    clock = Clock()
+    state = fleet(clock)
+    refused = state.on_sent(0, 1e9, uncached_tokens=500, later_uncached=4_000)
+    state.on_first_byte(refused, 400, streaming=True)
+    assert queued(state) == [0, 0]
+
+
 def test_no_tokens_leak_when_attempts_fail_or_are_retried_elsewhere() -> None:
     """A connect failure on replica 0 retried on replica 1, whose stream is cancelled
     before its first byte: after both ends, both queues are empty."""

@@ -18,14 +18,18 @@ from kvcore.request import prompt_token_ids
 from kvcore.tokenize import BuiltinTokenizer
 from kvcore.workload import RoutingConfig, parse_config
 from tests.unit.dataplane.state_messages import (
+    MODEL,
     config,
     delta,
     model_entry,
     replica,
     residency_change,
+    snapshot,
 )
 
 LONG = "".join(f"Line {i}: the router keys this prompt block by block.\n" for i in range(60))
+KV_AWARE = {"name": "default", "strategy": "kv_aware"}
+KV_COST = {"name": "default", "strategy": "kv_cost", "prefill_tokens_per_s": 10_000}
 WORKLOADS = [
     {"name": "default", "strategy": "round_robin"},
     {"name": "isolated", "strategy": "round_robin", "tenant_isolation": True},
@@ -204,3 +208,37 @@ def test_a_prompt_is_keyed_unless_nothing_would_read_its_keys(
 
 def _routing(strategy: str) -> RoutingConfig:
     return parse_config({"workloads": [{"name": "default", "strategy": strategy}]})
+
+
+def test_a_batchs_later_prompts_are_keyed_and_counted_only_while_prefill_books_are_kept() -> None:
+    """A batch is routed by its first prompt; with a kv_cost workload the proxy books what
+    the others leave to prefill on the chosen replica: each prompt's tokens less what the
+    replica holds of it or the batch's earlier prompts bring (the engine runs them as
+    requests of its own, each hitting the blocks of those before it)."""
+    first = list(range(1000, 1160))  # 10 blocks, resident on replica 0, and the batch's
+    held = list(range(20000, 20064))  # 4 blocks replica 0 holds, no other prompt's
+    batch = [first, first + list(range(5000, 5040)), first + list(range(5000, 5040)),
+             list(range(9000, 9040)), held + list(range(30000, 30020))]  # fmt: skip
+    texts = [LONG, LONG + "One more line.", "A prompt of its own."]
+    root = root_key(model=MODEL)
+    for workload, books in ((KV_AWARE, False), (KV_COST, True)):
+        fleet = FleetState(max_age_s=3600)
+        fleet.apply(snapshot(1, 1, [replica(0), replica(1)], routing=config([workload]))[0])
+        resident = chain_keys(root, first, 16) + chain_keys(root, held, 16)
+        fleet.apply(delta(1, 2, residency=[residency_change(0, resident)]))
+        router = Router(fleet, Defaults())
+        prepared = _prepare(router, {"model": MODEL, "prompt": batch}, "completion")
+        in_words = _prepare(router, {"model": MODEL, "prompt": texts}, "completion")
+        if not books:
+            assert prepared.later == in_words.later == ()
+            continue
+        assert [list(p.tokens) for p in prepared.later] == batch[1:]
+        assert [p.keys for p in prepared.later] == [chain_keys(root, p, 16) for p in batch[1:]]
+        assert [list(p.tokens) for p in in_words.later] == [
+            prompt_token_ids({"prompt": text}, BuiltinTokenizer(), "completion")
+            for text in texts[1:]
+        ]
+        # 200 tokens less the first prompt's 160; its repeat: the last partial block (8);
+        # 40 new; 84 less the 64 replica 0 holds (all 84 on replica 1)
+        assert router.later_uncached(prepared, 0, now=1.0) == 40 + 8 + 40 + 20
+        assert router.later_uncached(prepared, 1, now=1.0) == 40 + 8 + 40 + 84
