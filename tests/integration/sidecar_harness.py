@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -129,9 +130,25 @@ class Watcher:
         await self.nc.close()
 
 
+def _bound_port_nobody_listens_on() -> socket.socket:
+    """A loopback port held for the whole test session and never listened on, so a
+    connect to it is refused at once and no other server can take it."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+_NO_ENGINE = _bound_port_nobody_listens_on()
+NO_ENGINE_URL = f"http://127.0.0.1:{_NO_ENGINE.getsockname()[1]}"
+"""Where a sidecar under test finds no engine HTTP side. Its default, 127.0.0.1:8000, is
+whatever else runs here (``kvroute up``'s proxy, say), and a first-contact replay probe
+answered by that raced the test's own frames."""
+
+
 def sidecar_settings(**overrides: Any) -> SidecarSettings:
     values: dict[str, Any] = {
         "replica_id": "r1",
+        "engine_url": NO_ENGINE_URL,
         "model": "m",
         "port": 0,
         "replay_timeout_s": 0.5,
