@@ -8,6 +8,7 @@
 | GET | ``/healthz`` | 200 while the process serves |
 | GET | ``/readyz`` | 200 when some replica is routable and the state is usable; details as JSON |
 | GET | ``/metrics`` | Prometheus (``metrics.py``) |
+| OPTIONS | any | a CORS preflight, when origins are allowed (``cors.py``) |
 
 A handler is parse -> select -> stream. ``x-request-id`` is kept (or created: a random
 per-process prefix and a counter, cheaper than a UUID) and sent both ways;
@@ -35,6 +36,7 @@ from urllib.parse import parse_qs, unquote
 import msgspec
 from opentelemetry.trace import Span
 
+from dataplane.cors import Cors
 from dataplane.exchange import Attempt, Dispatcher, Exchange
 from dataplane.fleet_state import FleetState
 from dataplane.http_client import ConnectionFailed, ResponseBroken
@@ -75,6 +77,7 @@ class AppOptions:
     debug_headers: bool
     static: bool
     state_max_age_s: float
+    cors_allowed_origins: tuple[str, ...] = ()
 
 
 class RequestIds:
@@ -108,15 +111,18 @@ class ProxyApp:
         self.metrics = metrics
         self.readiness = readiness
         self.tracing = tracing
+        self.cors = Cors(options.cors_allowed_origins) if options.cors_allowed_origins else None
         self._ids = RequestIds()
 
     async def __call__(self, request: Request, response: Response) -> None:
         request_id = request.headers.get("x-request-id") or self._ids.next()
-        reply = _Responder(response, request_id)
+        if self.cors is None:
+            reply = _Responder(response, request_id)
+        else:
+            reply = _Responder(response, request_id, self.cors.answer_headers(request.headers))
         try:
             kind = INFERENCE.get(request.path)
-            if kind is not None:  # the hot path: as few coroutines deep as may be
-                _allow(request.method, "POST", request.path)
+            if kind is not None and request.method == "POST":  # the hot path: few coroutines
                 api_key = self._authenticate(request.headers)
                 inference = parse_inference(request.body, kind)
                 if self.tracing is None:
@@ -132,9 +138,13 @@ class ProxyApp:
             reply.error(ApiError("internal error in the proxy"))
 
     async def _dispatch(self, request: Request, response: _Responder) -> None:
-        """Every route but inference."""
+        """Every route but inference, and inference asked with another method."""
         path, method = request.path, request.method
-        if path == "/v1/models":
+        if self.cors is not None and self.cors.is_preflight(method, request.headers):
+            response.preflight(self.cors.preflight(request.headers))
+        elif path in INFERENCE:
+            _allow(method, "POST", path)
+        elif path == "/v1/models":
             _allow(method, "GET", path)
             self._authenticate(request.headers)
             response.json(self._models())
@@ -405,18 +415,22 @@ def _model_of(request: Request) -> str:
 
 
 class _Responder:
-    """The server's :class:`Response` with this request's id on every answer; once
-    started, errors can no longer change the status."""
+    """The server's :class:`Response` with this request's id (and, for a browser page on
+    an allowed origin, the CORS headers) on every answer; once started, errors can no
+    longer change the status."""
 
-    __slots__ = ("_id_header", "_response", "id")
+    __slots__ = ("_response", "_tail", "id")
 
-    def __init__(self, response: Response, request_id: str) -> None:
+    def __init__(
+        self, response: Response, request_id: str, cors: list[tuple[bytes, bytes]] | None = None
+    ) -> None:
         self._response = response
         self.id = request_id
-        self._id_header = (b"x-request-id", request_id.encode("latin-1"))
+        id_header = (b"x-request-id", request_id.encode("latin-1"))
+        self._tail = [id_header, *cors] if cors else [id_header]
 
     def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        self._response.start(status, [*headers, self._id_header])
+        self._response.start(status, headers + self._tail)
 
     async def chunk(self, data: bytes) -> None:
         if data:
@@ -434,10 +448,14 @@ class _Responder:
 
     def send_as_is(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         """A replica's whole answer, with its own headers."""
-        self._response.send(status, [*headers, self._id_header], body)
+        self._response.send(status, headers + self._tail, body)
 
     def send(self, status: int, body: bytes, content_type: bytes = JSON) -> None:
-        self._response.send(status, [(b"content-type", content_type), self._id_header], body)
+        self._response.send(status, [(b"content-type", content_type), *self._tail], body)
+
+    def preflight(self, headers: list[tuple[bytes, bytes]]) -> None:
+        """A CORS preflight allowed: 200, no body."""
+        self._response.send(200, headers + self._tail, b"")
 
     def json(self, obj: Any, status: int = 200) -> None:
         self.send(status, _encode(obj))
@@ -449,5 +467,5 @@ class _Responder:
             log.warning("stream ended by an error", extra={"id": self.id, "error": exc.message})
             self._response.end(b"data: " + exc.encode() + b"\n\n")
             return
-        headers = [(b"content-type", JSON), *exc.headers, self._id_header]
+        headers = [(b"content-type", JSON), *exc.headers, *self._tail]
         self._response.send(exc.status, headers, exc.encode())

@@ -89,6 +89,7 @@ class ProxyService:
             debug_headers=settings.debug_headers,
             static=settings.static,
             state_max_age_s=settings.state_max_age_s,
+            cors_allowed_origins=tuple(settings.cors_allowed_origins),
         )
         self.app = ProxyApp(
             options,

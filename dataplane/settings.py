@@ -23,11 +23,12 @@ from urllib.parse import urlsplit
 from pydantic import Field, FilePath, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from dataplane.cors import check_origin
 from kvcore.keys import DEFAULT_BLOCK_SIZE
 from kvcore.subjects import InvalidName, check_name
 
 CommaList = Annotated[list[str], NoDecode]
-LIST_FIELDS = frozenset({"controlplane", "pools", "static_replicas"})
+LIST_FIELDS = frozenset({"controlplane", "pools", "static_replicas", "cors_allowed_origins"})
 
 
 class ProxySettings(BaseSettings):
@@ -159,6 +160,11 @@ class ProxySettings(BaseSettings):
         default=False,
         description="Answer with x-kvroute-replica, x-kvroute-workload, x-kvroute-prefix-blocks.",
     )
+    cors_allowed_origins: CommaList = Field(
+        default_factory=list,
+        description="Origins whose browser pages may call the proxy (comma-separated "
+        "scheme://host[:port], * for any; empty: none, no CORS headers).",
+    )
     # -- observability ----------------------------------------------------------------
     tracing: bool = Field(
         default=False, description="OpenTelemetry spans with the routing decision."
@@ -167,7 +173,7 @@ class ProxySettings(BaseSettings):
         default="INFO", description="Log level."
     )
 
-    @field_validator("controlplane", "pools", "static_replicas", mode="before")
+    @field_validator(*LIST_FIELDS, mode="before")
     @classmethod
     def _comma_list(cls, value: object) -> object:
         if isinstance(value, str):
@@ -201,6 +207,11 @@ class ProxySettings(BaseSettings):
                 raise ValueError(f"{url!r} is not an http:// or https:// base URL")
             urls.append(url.rstrip("/"))
         return urls
+
+    @field_validator("cors_allowed_origins")
+    @classmethod
+    def _origins(cls, value: list[str]) -> list[str]:
+        return [check_origin(origin) for origin in value]
 
     @field_validator("tenant_header")
     @classmethod

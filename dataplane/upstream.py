@@ -37,6 +37,11 @@ _NOT_RELAYED = frozenset(
         b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
         b"trailer", b"transfer-encoding", b"upgrade", b"content-length", b"date", b"server",
         b"x-request-id",
+        # the engines' own CORS answer (vLLM's allows any origin): the proxy's is the one
+        b"access-control-allow-origin", b"access-control-allow-credentials",
+        b"access-control-allow-methods", b"access-control-allow-headers",
+        b"access-control-expose-headers", b"access-control-max-age",
+        b"access-control-allow-private-network",
     }
 )  # fmt: skip
 

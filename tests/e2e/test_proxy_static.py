@@ -419,6 +419,29 @@ def test_other_v1_routes_reach_a_replica_and_request_ids_are_kept(fleet: Any) ->
     assert status == 200 and len(headers["x-request-id"]) == 32  # one was made up
 
 
+def test_a_browser_page_on_an_allowed_origin_can_call_the_proxy(fleet: Any) -> None:
+    sims, _ = fleet
+    page = "http://localhost:5173"  # a chat UI's dev server, say
+    args = (f"--static-replicas={sims[0].url}", f"--cors-allowed-origins={page}")
+    with ProxyProcess(*args) as proxy:
+        asked = {"origin": page, "access-control-request-method": "POST",
+                 "access-control-request-headers": "content-type, x-request-id"}  # fmt: skip
+        status, headers, _ = proxy.request("/v1/chat/completions", method="OPTIONS", headers=asked)
+        assert status == 200
+        assert headers["access-control-allow-origin"] == page
+        assert headers["access-control-allow-headers"] == "content-type, x-request-id"
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        status, headers, answer = proxy.request(
+            "/v1/chat/completions", body, headers={"origin": page}
+        )
+        assert status == 200 and json.loads(answer)["choices"][0]["message"]["content"]
+        assert headers["access-control-allow-origin"] == page
+        assert "x-request-id" in headers["access-control-expose-headers"]
+        other = {"origin": "http://elsewhere.example"}
+        status, headers, _ = proxy.request("/v1/chat/completions", body, headers=other)
+        assert status == 200 and "access-control-allow-origin" not in headers
+
+
 def test_the_openai_client_lists_and_retrieves_the_served_models(fleet: Any) -> None:
     _, proxy = fleet
     client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="none", max_retries=0)

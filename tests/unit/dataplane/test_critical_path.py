@@ -28,15 +28,16 @@ MODEL = "m"
 REPLICAS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
 
 
-def _json_reply(cached: int) -> bytes:
+def json_reply(cached: int, extra_headers: bytes = b"") -> bytes:
+    """A replica's whole completion; ``extra_headers`` are raw header lines (CRLF-ended)."""
     body = json.dumps({
         "id": "cmpl-1", "object": "text_completion", "model": MODEL,
         "choices": [{"index": 0, "text": " hi", "finish_reason": "length"}],
         "usage": {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8,
                   "prompt_tokens_details": {"cached_tokens": cached}},
     }).encode()  # fmt: skip
-    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
-    return head % len(body) + body
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+    return head % len(body) + extra_headers + b"\r\n" + body
 
 
 def _sse_reply(cached: int) -> bytes:
@@ -79,10 +80,11 @@ class _Replicas(ConnectionPool):
 
 
 class Proxy:
-    """A static round-robin proxy of two in-memory replicas, its calls logged."""
+    """A static round-robin proxy of two in-memory replicas, its calls logged;
+    ``options`` are more of its settings."""
 
-    def __init__(self, reply: bytes) -> None:
-        settings = {"static_replicas": REPLICAS, "static_strategy": "round_robin"}
+    def __init__(self, reply: bytes, **options: Any) -> None:
+        settings = {"static_replicas": REPLICAS, "static_strategy": "round_robin", **options}
         self.service = ProxyService(ProxySettings.model_validate(settings))
         for endpoint in self.service.fleet.endpoints():
             self.service.fleet.set_served_names(endpoint.ordinal, [MODEL])
@@ -111,9 +113,17 @@ class Proxy:
         connection.connection_made(MemoryTransport(on_write))  # type: ignore[arg-type]
         return connection
 
-    async def ask(self, body: dict[str, Any], *, hang_up: bool = False) -> bytes:
-        """Send one completion; with ``hang_up`` the client's connection is lost as soon
-        as the first answer bytes are written to it (within that very write)."""
+    async def ask(
+        self,
+        body: dict[str, Any] | None,
+        *,
+        hang_up: bool = False,
+        method: str = "POST",
+        headers: dict[str, str] | None = None,
+    ) -> bytes:
+        """Send one completion (or, with no ``body``, a bodiless ``method``); with
+        ``hang_up`` the client's connection is lost as soon as the first answer bytes are
+        written to it (within that very write)."""
         answered: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
 
         def on_write(data: bytes) -> None:
@@ -124,10 +134,13 @@ class Proxy:
                 client.connection_lost(None)
 
         client = self.client(on_write)
-        raw = json.dumps({"model": MODEL, "max_tokens": 1, **body}).encode()
+        raw = (
+            b"" if body is None else json.dumps({"model": MODEL, "max_tokens": 1, **body}).encode()
+        )
+        lines = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items()).encode()
         client.data_received(
-            b"POST /v1/completions HTTP/1.1\r\nhost: proxy\r\ncontent-type: application/json"
-            b"\r\ncontent-length: %d\r\n\r\n%s" % (len(raw), raw)
+            b"%s /v1/completions HTTP/1.1\r\nhost: proxy\r\ncontent-type: application/json"
+            b"\r\n%scontent-length: %d\r\n\r\n%s" % (method.encode(), lines, len(raw), raw)
         )
         return await answered
 
@@ -143,7 +156,7 @@ class Proxy:
 
 
 async def test_the_upstream_write_and_the_client_write_come_before_the_bookkeeping() -> None:
-    proxy = Proxy(_json_reply(cached=3))
+    proxy = Proxy(json_reply(cached=3))
     await proxy.ask({"prompt": "hello"})
     await proxy.ask({"prompt": "hello"})  # each replica has a kept-alive connection now
     proxy.log.clear()
@@ -161,7 +174,7 @@ async def test_the_upstream_write_and_the_client_write_come_before_the_bookkeepi
 
 
 async def test_a_client_gone_right_after_its_answer_is_still_counted_in_full() -> None:
-    proxy = Proxy(_json_reply(cached=5))
+    proxy = Proxy(json_reply(cached=5))
     answer = await proxy.ask({"prompt": "hello there"}, hang_up=True)
     assert answer.startswith(b"HTTP/1.1 200")
     await asyncio.sleep(0)  # the cancellation the hang-up asked for is delivered
@@ -208,7 +221,7 @@ async def test_a_stream_is_settled_after_its_first_event_is_written_before_any_w
 
 @pytest.mark.parametrize("held_out", [True, False])
 async def test_a_request_no_replica_takes_still_counts_its_decision(held_out: bool) -> None:
-    proxy = Proxy(_json_reply(cached=0))
+    proxy = Proxy(json_reply(cached=0))
     breakers = proxy.service.dispatcher.breakers
     if held_out:  # every replica's breaker is open: nothing is written
         for endpoint in proxy.service.fleet.endpoints():
