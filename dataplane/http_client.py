@@ -16,6 +16,11 @@ on a new connection (the replica may have closed it just as it was reused). Erro
                                    response's first byte
     ResponseBroken (OSError)       the connection broke or the parser failed mid-response
     TimeoutError                   connect or read deadline passed
+
+A read deadline bounds each wait for a replica's next bytes. The waits of a pool share one
+loop timer (:class:`ReadDeadlines`) rather than arming and cancelling one each: with one
+timeout, deadlines fall in the order the waits began, so the timer only ever needs the
+oldest wait still pending.
 """
 
 from __future__ import annotations
@@ -101,18 +106,17 @@ class _Connection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def wait(self, timeout_s: float) -> None:
-        """Until something new arrives (or the connection fails); raises its error."""
+    async def wait(self, deadlines: ReadDeadlines) -> None:
+        """Until something new arrives (or the connection fails, or the deadline passes);
+        raises its error."""
         if self.error is not None:
             raise self.error
-        loop = asyncio.get_running_loop()
-        waiter = self._waiter = loop.create_future()
-        timer = loop.call_later(timeout_s, _expire, waiter)
+        waiter = self._waiter = deadlines.waiter()
         try:
             await waiter
         finally:
-            timer.cancel()
             self._waiter = None
+            deadlines.pending -= 1
         if self.error is not None:
             raise self.error
 
@@ -122,9 +126,54 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
-def _expire(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimeoutError("the replica did not answer in time"))
+class ReadDeadlines:
+    """Read deadlines of ``timeout_s`` on one loop timer, armed for the oldest wait still
+    pending. Waits that ended are dropped when the timer reaches them, or all at once when
+    they outnumber the pending ones (so a long wait at the front keeps no pile behind it)."""
+
+    __slots__ = ("_loop", "_timer", "_waits", "pending", "timeout_s")
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.pending = 0  # waits begun and not yet ended (each ``wait`` ends its own)
+        self._waits: deque[tuple[float, asyncio.Future[None]]] = deque()
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def waiter(self) -> asyncio.Future[None]:
+        """A future that fails with :class:`TimeoutError` once ``timeout_s`` has passed
+        unless it was set first; the caller decrements :attr:`pending` when done with it."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # first use, or a new loop: the old one's timer is gone
+            self._loop, self._timer, self._waits, self.pending = loop, None, deque(), 0
+        waiter = loop.create_future()
+        waits = self._waits
+        deadline = loop.time() + self.timeout_s
+        waits.append((deadline, waiter))
+        self.pending += 1
+        if self._timer is None:
+            self._timer = loop.call_at(deadline, self._expire)
+        elif len(waits) > 64 and len(waits) > 4 * self.pending:
+            self._waits = deque(wait for wait in waits if not wait[1].done())
+        return waiter
+
+    def __len__(self) -> int:
+        """Waits remembered: the pending ones and those ended but not yet dropped."""
+        return len(self._waits)
+
+    def _expire(self) -> None:
+        assert self._loop is not None
+        now = self._loop.time()
+        waits = self._waits
+        while waits:
+            deadline, waiter = waits[0]
+            if not waiter.done():
+                if deadline > now:
+                    self._timer = self._loop.call_at(deadline, self._expire)
+                    return
+                waiter.set_exception(TimeoutError("the replica did not answer in time"))
+            waits.popleft()
+        self._timer = None
 
 
 class Response:
@@ -150,7 +199,7 @@ class Response:
                 return b""
             if connection.closed and connection.error is None:
                 return b""
-            await connection.wait(self._pool.read_timeout_s)
+            await connection.wait(self._pool.deadlines)
         return connection.body.popleft()
 
     def read_now(self) -> bytes | None:
@@ -193,6 +242,7 @@ class ConnectionPool:
     def __init__(self, connect_timeout_s: float, read_timeout_s: float, max_idle: int = 64):
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
+        self.deadlines = ReadDeadlines(read_timeout_s)
         self.max_idle = max_idle
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._targets: dict[str, tuple[tuple[str, int], str]] = {}
@@ -271,7 +321,7 @@ class ConnectionPool:
         """Wait for the status and headers of the request written on ``connection``."""
         try:
             while not connection.headers_done:
-                await connection.wait(self.read_timeout_s)
+                await connection.wait(self.deadlines)
         except BaseException:
             connection.close()
             raise
@@ -306,7 +356,7 @@ class Sending:
         if connection is not None:
             try:
                 while not connection.headers_done:
-                    await connection.wait(pool.read_timeout_s)
+                    await connection.wait(pool.deadlines)
                 return Response(pool, connection)
             except ConnectionFailed:
                 connection.close()  # broke before any response byte: once more, anew

@@ -106,7 +106,11 @@ class ProxySettings(BaseSettings):
         default=2.0, gt=0, le=300, description="Deadline to connect to a replica."
     )
     upstream_timeout_s: float = Field(
-        default=600.0, gt=0, description="Longest wait for a replica's first byte."
+        default=600.0,
+        gt=0,
+        description="Longest a replica may stay silent, before its answer's first bytes or "
+        "between two of its pieces (then the request fails, on another replica if nothing "
+        "reached the client yet).",
     )
     retry_attempts: int = Field(
         default=2,

@@ -127,8 +127,7 @@ class Pending:
         try:
             response = await self._sending.response()
         except (ConnectionFailed, ResponseBroken, TimeoutError) as exc:
-            reason = "connect" if isinstance(exc, ConnectionFailed) else "disconnect"
-            raise Retriable(f"cannot reach {self._url}: {_describe(exc)}", reason) from exc
+            raise Retriable(f"cannot reach {self._url}: {_describe(exc)}", _reason(exc)) from exc
         try:
             return await _first_bytes(response, self._started)
         except BaseException:
@@ -150,12 +149,19 @@ async def _first_bytes(response: Response, started: float) -> Opened:
         if first is None:
             first = await (response.read_chunk() if streaming else response.read())
     except (ConnectionFailed, ResponseBroken, TimeoutError) as exc:
-        raise Retriable(f"replica broke off: {_describe(exc)}", "disconnect") from exc
+        raise Retriable(f"replica broke off: {_describe(exc)}", _reason(exc)) from exc
     if streaming and not first:
         raise Retriable("replica ended the stream before any event", "disconnect")
     headers = [(k, v) for k, v in response.headers if k not in _NOT_RELAYED]
     ttfb = time.perf_counter() - started
     return Opened(response, response.status, headers, first, streaming, ttfb)
+
+
+def _reason(exc: BaseException) -> str:
+    """A retry's reason label for a failure before the first bytes."""
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    return "connect" if isinstance(exc, ConnectionFailed) else "disconnect"
 
 
 def _describe(exc: BaseException) -> str:

@@ -9,9 +9,11 @@ engine's work. (A replica killed under load is shown on the whole fleet, in
 
 from __future__ import annotations
 
+import http.server
 import json
 import signal
 import socket
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -477,6 +479,57 @@ def test_no_replica_left_is_a_503_with_retry_after() -> None:
     assert status == 503 and headers["retry-after"] == "3"
     error = json.loads(answer)["error"]
     assert error["code"] == "no_replica" and "cannot connect" in error["message"]
+
+
+class _SilentReplica(http.server.BaseHTTPRequestHandler):
+    """Lists the model, then takes every request and never answers it (until the test
+    ends): an engine wedged mid-request."""
+
+    released = threading.Event()
+
+    def do_GET(self) -> None:
+        cards = {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "vllm"}]}
+        body = json.dumps(cards).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["content-length"]))
+        self.released.wait(60)
+        self.close_connection = True
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_a_replica_that_never_answers_is_given_up_after_the_upstream_timeout() -> None:
+    _SilentReplica.released.clear()
+    silent = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _SilentReplica)
+    silent.daemon_threads = True
+    threading.Thread(target=silent.serve_forever, daemon=True).start()
+    wedged = f"http://127.0.0.1:{silent.server_address[1]}"
+    try:
+        with (
+            SimProcess(*SIM_ARGS) as sim,
+            ProxyProcess(
+                f"--static-replicas={wedged},{sim.url}",
+                "--static-strategy=round_robin",
+                "--upstream-timeout-s=0.3",
+            ) as proxy,
+        ):
+            body = {"model": MODEL, "prompt": "Is anyone there?", "max_tokens": 2}
+            answers = [proxy.request("/v1/completions", body) for _ in range(4)]
+            retried = _proxy_metric(proxy, 'kvroute_proxy_retries_total{reason="timeout"}')
+    finally:
+        _SilentReplica.released.set()
+        silent.shutdown()
+        silent.server_close()
+    assert [status for status, _, _ in answers] == [200] * 4
+    assert all(json.loads(answer)["choices"][0]["text"] for _, _, answer in answers)
+    assert 1 <= retried <= 4  # each one tried on the wedged replica first, given up, retried
 
 
 def test_a_replica_dying_mid_stream_ends_the_stream_with_an_error_event() -> None:
