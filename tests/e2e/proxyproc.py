@@ -47,10 +47,16 @@ class ProxyProcess(SimProcess):
         self.url = fields["http"]
 
     def request(
-        self, path: str, body: Any = None, *, raw: bytes | None = None, method: str = "POST"
+        self,
+        path: str,
+        body: Any = None,
+        *,
+        raw: bytes | None = None,
+        method: str = "POST",
+        headers: dict[str, str] | None = None,
     ) -> tuple[int, dict[str, str], bytes]:
         """``(status, headers, body)`` of one request, errors included."""
-        return http_request(self.url + path, body, raw=raw, method=method)
+        return http_request(self.url + path, body, raw=raw, method=method, headers=headers)
 
 
 class ControlPlaneProcess(SimProcess):
