@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -86,7 +85,6 @@ class Engine:
         self._handles: dict[SimRequest, RequestHandle] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._ids = itertools.count()
 
     async def start(self) -> None:
         self.publisher.start()
@@ -100,9 +98,6 @@ class Engine:
         self.publisher.close()
 
     # -- requests ------------------------------------------------------------------
-
-    def new_request_id(self, prefix: str) -> str:
-        return f"{prefix}-{next(self._ids):x}{time.monotonic_ns() & 0xFFFFFF:06x}"
 
     def check(self, prompt_len: int, max_tokens: int) -> None:
         """Raise ``RequestRejected`` for a request this engine can never serve."""

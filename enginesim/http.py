@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -71,6 +72,15 @@ class Request:
     path: str
     body: bytes
     client_host: str
+    headers: list[tuple[bytes, bytes]]  # the ASGI scope's
+
+    def header(self, name: bytes) -> str | None:
+        """The first value of header ``name`` (lower case, as the server gives names),
+        decoded as latin-1, as Starlette's ``Headers.get`` reads it."""
+        for key, value in self.headers:
+            if key == name:
+                return value.decode("latin-1")
+        return None
 
 
 @dataclass
@@ -105,6 +115,7 @@ class SimApp:
         self.engine = engine
         self.tokenizer = tokenizer
         self.sglang = SglangServing(self) if settings.event_format == "sglang" else None
+        self._engine_ids = itertools.count()  # what keeps engine request ids unique
         self.routes: dict[str, dict[str, Handler]] = {}
         self._register()
 
@@ -146,7 +157,8 @@ class SimApp:
             handler = self._route(scope)
             client = scope.get("client") or ("", 0)
             body = await _read_body(receive)
-            result = await handler(Request(scope["method"], scope["path"], body, client[0]))
+            request = Request(scope["method"], scope["path"], body, client[0], scope["headers"])
+            result = await handler(request)
         except p.ApiError as exc:
             result = json_response(self._error_body(scope["path"], exc), exc.status)
         except Exception:
@@ -214,16 +226,15 @@ class SimApp:
             usage = p.stream_usage(body)
         except p.RequestValidatorError as exc:
             raise exc.with_body(request.body) from None
+        rid = _answer_id("cmpl", request, body)
         prompts = await self.prompt_ids(given)
         try:
-            choices = await self._submit(
-                prompts, body, "cmpl", ids_given=isinstance(given[0], list)
-            )
+            choices = await self._submit(rid, prompts, body, ids_given=isinstance(given[0], list))
         except p.EngineInputError as exc:  # raised by the engine once vLLM's stream began
             if not body.stream:
                 raise
             error = b"data: " + json.dumps(exc.body()).encode() + b"\n\n"  # json.dumps's
-            nothing = Choices(self.engine.new_request_id("cmpl"), [])  # nothing was queued
+            nothing = Choices(rid, [])  # nothing was queued
             return EventStream(_events(error, b"data: [DONE]\n\n"), nothing)
         if body.stream:
             return EventStream(self._completion_chunks(choices, usage), choices)
@@ -241,10 +252,11 @@ class SimApp:
             usage = p.stream_usage(body)
         except p.RequestValidatorError as exc:
             raise exc.with_body(request.body) from None
+        rid = _answer_id("chatcmpl", request, body)
         prompt = await self.chat_prompt_ids(body.messages, body.tools, body.add_generation_prompt)
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
-        choices = await self._submit([prompt], body, "chatcmpl")
+        choices = await self._submit(rid, [prompt], body)
         if body.stream:
             return EventStream(self._chat_chunks(choices, usage), choices)
         await choices.until_done()
@@ -253,12 +265,13 @@ class SimApp:
         return json_response(p.chat_body(rid, model, texts, choices.final_usage()))
 
     async def _submit(
-        self, prompts: list[list[int]], body: p._Sampling, prefix: str, *, ids_given: bool = False
+        self, rid: str, prompts: list[list[int]], body: p._Sampling, *, ids_given: bool = False
     ) -> Choices:
-        """One engine request per prompt and sample, checked in vLLM's order: the model,
-        each prompt's length (rendering), the sampling parameters (serving), then the
-        token ids of prompts given as ids (the engine's input processor, which runs when
-        the request's generator is first read: ``EngineInputError``)."""
+        """One engine request per prompt and sample of the answer ``rid``, checked in
+        vLLM's order: the model, each prompt's length (rendering), the sampling parameters
+        (serving), then the token ids of prompts given as ids (the engine's input
+        processor, which runs when the request's generator is first read:
+        ``EngineInputError``)."""
         self.check_model(body.model)
         p.check_salt(body.cache_salt)
         max_tokens = body.max_tokens or p.DEFAULT_MAX_TOKENS
@@ -273,14 +286,13 @@ class SimApp:
                 p.check_token_ids(prompt, self.tokenizer.max_token_id)
         if self.engine.faults.should_fail():
             raise p.InjectedFailure("Injected failure (kvroute-sim fault).")
-        rid = self.engine.new_request_id(prefix)
-        reqs = [
-            SimRequest(
-                _engine_request_id(rid, prefix, i, j, n), prompt, max_tokens, body.cache_salt
-            )
-            for i, prompt in enumerate(prompts)
-            for j in range(n)
-        ]
+        chat = isinstance(body, p.ChatRequest)
+        reqs = []
+        for i, prompt in enumerate(prompts):
+            external, unique = rid if chat else f"{rid}-{i}", next(self._engine_ids)
+            for j in range(n):
+                req_id = _engine_request_id(external, unique, j, n)
+                reqs.append(SimRequest(req_id, prompt, max_tokens, body.cache_salt))
         try:
             handles = await self.engine.submit_all(reqs, stream=body.stream)
         except RequestRejected as exc:
@@ -446,7 +458,7 @@ class SimApp:
 
     def _generate_request(self, tokens: list[int], body: p._Sampling, prefix: str) -> Any:
         return {
-            "request_id": self.engine.new_request_id(prefix),
+            "request_id": f"{prefix}-{p.random_uuid()}",  # vLLM's: never the client's
             "token_ids": tokens,
             "sampling_params": {"max_tokens": body.max_tokens or p.DEFAULT_MAX_TOKENS},
             "model": self.settings.model,
@@ -562,11 +574,20 @@ def _crash() -> None:
     os._exit(CRASH_EXIT_CODE)
 
 
-def _engine_request_id(rid: str, prefix: str, prompt: int, sample: int, n: int) -> str:
-    """vLLM's ids: ``{rid}-{i}`` for prompt ``i`` of a completion request (a batch or
-    not), and ``{j}_{...}`` for sample ``j`` of ``n > 1`` (v1's ``ParentRequest``)."""
-    rid = f"{rid}-{prompt}" if prefix == "cmpl" else rid
-    return f"{sample}_{rid}" if n > 1 else rid
+def _answer_id(prefix: str, request: Request, body: p._Sampling) -> str:
+    """The ``id`` of every answer and chunk to ``request``: ``cmpl-`` or ``chatcmpl-``,
+    then :func:`protocol.base_request_id` (from ``X-Request-Id`` or the body)."""
+    return f"{prefix}-{p.base_request_id(request.header(b'x-request-id'), body.request_id)}"
+
+
+def _engine_request_id(external: str, unique: int, sample: int, n: int) -> str:
+    """vLLM's ids: ``external`` is the answer's id, with ``-{i}`` for prompt ``i`` of a
+    completion request (a batch or not); v1's ``InputProcessor.assign_request_id`` adds
+    ``-`` and 8 random characters, since two requests may share an ``X-Request-Id`` (the
+    simulator: the counter value ``unique`` in 8 or more hex digits, unique without
+    chance); and sample ``j`` of ``n > 1`` is ``{j}_`` before that (``ParentRequest``)."""
+    internal = f"{external}-{unique:08x}"
+    return f"{sample}_{internal}" if n > 1 else internal
 
 
 def _model_path(settings: SimSettings) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Annotated, Any, NamedTuple, TypeVar
 
@@ -152,10 +153,12 @@ class StreamOptions(msgspec.Struct):
 
 
 NULL = msgspec.Raw(b"null")
+ABSENT = msgspec.Raw(b"")  # a field the body does not have (any value it has is not empty)
 
 
 class _Sampling(msgspec.Struct, kw_only=True):
     model: str | None = None
+    request_id: msgspec.Raw = ABSENT  # vLLM's, checked by :func:`base_request_id`
     max_tokens: PositiveInt | None = None
     stream: bool = False
     stream_options: msgspec.Raw = NULL  # checked by :func:`stream_usage`
@@ -230,15 +233,42 @@ def stream_usage(body: _Sampling) -> UsageAsked:
     try:
         fields = msgspec.json.decode(raw, type=dict[str, Any])
         options = msgspec.convert(fields, StreamOptions)
-    except msgspec.ValidationError as exc:  # worded as if the whole body had been decoded
-        where, at = str(exc), "`$.stream_options"
-        message = where.replace("`$", at, 1) if "`$" in where else f"{where} - at {at}`"
-        raise BadRequest(f"Invalid request: {message}", "stream_options") from None
+    except msgspec.ValidationError as exc:
+        raise _field_error(exc, "stream_options") from None
     if fields and not body.stream:
         reason = "Stream options can only be defined when `stream=True`."
         raise RequestValidatorError(reason, "stream_options")
     final = options.include_usage is True
     return UsageAsked(final, final and options.continuous_usage_stats is True)
+
+
+def _field_error(exc: msgspec.ValidationError, field: str) -> BadRequest:
+    """The refusal of a field decoded on its own, worded as if the whole body had been
+    decoded (msgspec's message, its path under ``$.field``)."""
+    where, at = str(exc), f"`$.{field}"
+    message = where.replace("`$", at, 1) if "`$" in where else f"{where} - at {at}`"
+    return BadRequest(f"Invalid request: {message}", field)
+
+
+def base_request_id(header: str | None, given: msgspec.Raw) -> str:
+    """vLLM's ``_base_request_id``, what follows ``cmpl-`` or ``chatcmpl-`` in an answer's
+    id: the ``X-Request-Id`` header, else the body's ``request_id``, else
+    :func:`random_uuid` (the default of the body's field). The body's must be a string
+    (its request model's ``request_id: str``), header or not."""
+    body_id = None
+    if given != ABSENT:
+        try:
+            body_id = msgspec.json.decode(given, type=str)
+        except msgspec.ValidationError as exc:
+            raise _field_error(exc, "request_id") from None
+    if header is not None:
+        return header
+    return random_uuid() if body_id is None else body_id
+
+
+def random_uuid() -> str:
+    """vLLM's ``random_uuid``: 32 hex digits."""
+    return uuid.uuid4().hex
 
 
 def check_salt(salt: str | None) -> None:

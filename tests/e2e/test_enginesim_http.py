@@ -3,6 +3,7 @@ metrics, bad input, and the faults a sidecar's tests rely on."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -65,6 +66,41 @@ def test_chat_stream_with_usage_and_text_tokenization(sim: SimProcess) -> None:
     use = events[-2]["usage"]
     assert use["prompt_tokens"] == counted["count"] and use["completion_tokens"] == 5
     assert use["prompt_tokens_details"]["cached_tokens"] == (counted["count"] - 1) // 16 * 16
+
+
+def test_answers_are_named_after_the_x_request_id_header_as_vllm_names_them(
+    sim: SimProcess,
+) -> None:
+    """vLLM's ``_base_request_id`` after ``chatcmpl-`` or ``cmpl-``: the ``X-Request-Id``
+    header, else the body's ``request_id``, else 32 random hex digits; the body's must be
+    a string, header or not."""
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    completion = {"prompt": [5, 6, 7], "max_tokens": 2}
+    header = {"X-Request-Id": "trace-42"}
+    named = sim.post("/v1/chat/completions", {**chat, "request_id": "body-1"}, header)
+    assert named["id"] == "chatcmpl-trace-42"
+    assert sim.post("/v1/completions", completion, header)["id"] == "cmpl-trace-42"
+    usage = {"stream": True, "stream_options": {"include_usage": True}}
+    for path, body, rid in [("/v1/completions", completion, "cmpl-trace-42"),
+                            ("/v1/chat/completions", chat, "chatcmpl-trace-42")]:  # fmt: skip
+        events = sim.stream(path, {**body, **usage}, header)
+        assert events[-1] == "[DONE]" and {e["id"] for e in events[:-1]} == {rid}
+    assert sim.post("/v1/chat/completions", {**chat, "request_id": "body-1"})["id"] == (
+        "chatcmpl-body-1"
+    )
+    assert sim.post("/v1/completions", {**completion, "request_id": "body-2"})["id"] == (
+        "cmpl-body-2"
+    )
+    made_up = [sim.post("/v1/chat/completions", chat)["id"] for _ in range(2)]
+    assert all(re.fullmatch("chatcmpl-[0-9a-f]{32}", rid) for rid in made_up)
+    assert made_up[0] != made_up[1]
+    code, answer = sim.call(
+        "POST", "/v1/completions", {**completion, "request_id": 7}, headers=header
+    )
+    assert code == 400
+    assert answer["error"]["message"] == (
+        "Invalid request: Expected `str`, got `int` - at `$.request_id`"
+    )
 
 
 @pytest.mark.parametrize(

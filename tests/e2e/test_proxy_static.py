@@ -404,21 +404,23 @@ def test_workers_share_one_port_and_stop_together(fleet: Any) -> None:
 
 
 def test_other_v1_routes_reach_a_replica_and_request_ids_are_kept(fleet: Any) -> None:
+    """A request's ``x-request-id``, kept or made up, is the one the replica names its
+    answer after (``cmpl-`` or ``chatcmpl-`` and the header, as vLLM does)."""
     sims, proxy = fleet
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Render me"}]}
     status, _, via_proxy = proxy.request("/v1/chat/completions/render", body)
     direct = sims[0].post("/v1/chat/completions/render", body)
     assert status == 200
     assert json.loads(via_proxy)["token_ids"] == direct["token_ids"]
-    request = urllib.request.Request(
-        f"{proxy.url}/v1/completions",
-        data=json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 1}).encode(),
-        headers={"x-request-id": "my-request-7"},
+    completion = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+    status, headers, answer = proxy.request(
+        "/v1/completions", completion, headers={"x-request-id": "my-request-7"}
     )
-    with urllib.request.urlopen(request, timeout=30) as resp:
-        assert resp.headers["x-request-id"] == "my-request-7"
-    status, headers, _ = proxy.request("/v1/completions", {"model": MODEL, "prompt": "Hi"})
+    assert status == 200 and headers["x-request-id"] == "my-request-7"
+    assert json.loads(answer)["id"] == "cmpl-my-request-7"
+    status, headers, answer = proxy.request("/v1/chat/completions", {**body, "max_tokens": 1})
     assert status == 200 and len(headers["x-request-id"]) == 32  # one was made up
+    assert json.loads(answer)["id"] == f"chatcmpl-{headers['x-request-id']}"
 
 
 def test_a_browser_page_on_an_allowed_origin_can_call_the_proxy(fleet: Any) -> None:

@@ -105,26 +105,33 @@ class SimProcess:
 
     # -- HTTP ----------------------------------------------------------------------------
 
-    def call(self, method: str, path: str, body: Any = None, raw: bytes | None = None):
+    def call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        raw: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         """``(status, parsed JSON or text)`` of one request."""
         data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-        request = urllib.request.Request(self.url + path, data=data, method=method)
-        request.add_header("content-type", "application/json")
+        headers = {"content-type": "application/json", **(headers or {})}
+        request = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
         try:
             with urllib.request.urlopen(request, timeout=30) as resp:
                 return resp.status, _parse(resp.read(), resp.headers.get_content_type())
         except urllib.error.HTTPError as err:
             return err.code, _parse(err.read(), err.headers.get_content_type())
 
-    def post(self, path: str, body: Any) -> Any:
-        status, answer = self.call("POST", path, body)
+    def post(self, path: str, body: Any, headers: dict[str, str] | None = None) -> Any:
+        status, answer = self.call("POST", path, body, headers=headers)
         assert status == 200, answer
         return answer
 
-    def stream(self, path: str, body: Any) -> list[Any]:
+    def stream(self, path: str, body: Any, headers: dict[str, str] | None = None) -> list[Any]:
         """The parsed ``data:`` events of an SSE response (``[DONE]`` kept as a string)."""
         request = urllib.request.Request(
-            self.url + path, data=json.dumps(body).encode(), method="POST"
+            self.url + path, data=json.dumps(body).encode(), headers=headers or {}, method="POST"
         )
         with urllib.request.urlopen(request, timeout=30) as resp:
             text = resp.read().decode()
