@@ -41,6 +41,7 @@ class Choices:
     request_id: str
     handles: list[RequestHandle]
     n: int = 1
+    answer_ids: list[str] | None = None  # SGLang mode: the ids a client named them by
     first_cached: int | None = field(default=None, init=False)
 
     @property

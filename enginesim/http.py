@@ -42,6 +42,7 @@ import msgspec
 
 from enginesim import protocol as p
 from enginesim import sglang_api as sg
+from enginesim import sglang_rids as sr
 from enginesim.choices import DISCONNECTED, Choices
 from enginesim.engine import Engine
 from enginesim.errors import RequestRejected
@@ -246,7 +247,8 @@ class SimApp:
     async def chat_completions(self, request: Request) -> Result:
         if self.sglang is not None:
             sglang_body = p.decode_body(request.body, sg.ChatRequest)
-            return _result(await self.sglang.chat(sglang_body))
+            override = request.header(sr.OVERRIDE_HEADER)
+            return _result(await self.sglang.chat(sglang_body, override))
         body = p.decode_body(request.body, p.ChatRequest)
         try:  # checked first, as vLLM's request validators run
             usage = p.stream_usage(body)

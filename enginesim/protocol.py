@@ -159,6 +159,7 @@ ABSENT = msgspec.Raw(b"")  # a field the body does not have (any value it has is
 class _Sampling(msgspec.Struct, kw_only=True):
     model: str | None = None
     request_id: msgspec.Raw = ABSENT  # vLLM's, checked by :func:`base_request_id`
+    rid: msgspec.Raw = ABSENT  # SGLang's, checked in SGLang mode (``sglang_rids``)
     max_tokens: PositiveInt | None = None
     stream: bool = False
     stream_options: msgspec.Raw = NULL  # checked by :func:`stream_usage`
@@ -234,7 +235,7 @@ def stream_usage(body: _Sampling) -> UsageAsked:
         fields = msgspec.json.decode(raw, type=dict[str, Any])
         options = msgspec.convert(fields, StreamOptions)
     except msgspec.ValidationError as exc:
-        raise _field_error(exc, "stream_options") from None
+        raise field_error(exc, "stream_options") from None
     if fields and not body.stream:
         reason = "Stream options can only be defined when `stream=True`."
         raise RequestValidatorError(reason, "stream_options")
@@ -242,12 +243,13 @@ def stream_usage(body: _Sampling) -> UsageAsked:
     return UsageAsked(final, final and options.continuous_usage_stats is True)
 
 
-def _field_error(exc: msgspec.ValidationError, field: str) -> BadRequest:
+def field_error(exc: msgspec.ValidationError, field: str) -> BadRequest:
     """The refusal of a field decoded on its own, worded as if the whole body had been
-    decoded (msgspec's message, its path under ``$.field``)."""
+    decoded (msgspec's message, its path under ``$.field``): a body that does not
+    validate."""
     where, at = str(exc), f"`$.{field}"
     message = where.replace("`$", at, 1) if "`$" in where else f"{where} - at {at}`"
-    return BadRequest(f"Invalid request: {message}", field)
+    return BadRequest(f"Invalid request: {message}", field, sglang_type=_UNVALIDATED)
 
 
 def base_request_id(header: str | None, given: msgspec.Raw) -> str:
@@ -260,7 +262,7 @@ def base_request_id(header: str | None, given: msgspec.Raw) -> str:
         try:
             body_id = msgspec.json.decode(given, type=str)
         except msgspec.ValidationError as exc:
-            raise _field_error(exc, "request_id") from None
+            raise field_error(exc, "request_id") from None
     if header is not None:
         return header
     return random_uuid() if body_id is None else body_id

@@ -51,6 +51,11 @@ class SimSettings(BaseSettings):
     decode_base_ms: float = Field(10.0, ge=0, description="decode step cost at batch 0")
     decode_per_seq_ms: float = Field(0.2, ge=0, description="decode step cost per running seq")
     log_level: str = Field("warning", description="log level of the server")
+    request_header_overrides: bool = Field(
+        False,
+        description="SGLang mode: a chat's x-override-rid header names it, as "
+        "SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=1 makes SGLang do",
+    )
 
     @model_validator(mode="after")
     def _check_lengths(self) -> SimSettings:
@@ -59,6 +64,12 @@ class SimSettings(BaseSettings):
                 f"max_model_len {self.max_model_len} exceeds the KV pool "
                 f"({self.num_blocks} blocks x {self.block_size} tokens)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_sglang_only(self) -> SimSettings:
+        if self.request_header_overrides and self.event_format != "sglang":
+            raise ValueError("request_header_overrides is SGLang's: it needs event_format sglang")
         return self
 
     @property

@@ -5,7 +5,9 @@ them in SGLang mode. Facts, with where they were read (``python/sglang/srt/``):
 
 - **Request ids** are ``uuid4().hex``, one per engine request (``managers/io_struct.py``,
   ``GenerateReqInput._normalize_single_inputs`` / ``_normalize_rid``;
-  ``regenerate_rid`` gives each sample of ``n > 1`` its own). A whole answer carries the
+  ``regenerate_rid`` gives each sample of ``n > 1`` its own), unless the client named
+  the request (its ``rid``, or a chat's ``x-override-rid`` header where SGLang is told
+  to read it: ``sglang_rids``, which keeps those facts). A whole answer carries the
   first engine request's id (``ret[0]["meta_info"]["id"]`` in
   ``serving_completions._build_completion_response`` and
   ``serving_chat._build_chat_response``); a streamed chunk carries the id of the engine
@@ -329,12 +331,18 @@ def _whole(
     choices: Choices, n: int, obj: str, model: str, items: list[dict[str, Any]]
 ) -> dict[str, Any]:
     use = usage(choices, n, streamed=False)
-    first = choices.handles[0].req
-    body = _chunk(first.request_id, obj, model, items)
-    return {**body, "usage": use, "metadata": _metadata(len(first.output))}
+    body = _chunk(choices.request_id, obj, model, items)  # the first engine request's
+    return {**body, "usage": use, "metadata": _metadata(len(choices.handles[0].req.output))}
 
 
 # -- streams --------------------------------------------------------------------------
+
+
+def answer_id(choices: Choices, k: int) -> str:
+    """The ``id`` of choice ``k``'s chunks: its engine request's rid, the client's name
+    for it if it has one (``sglang_rids``)."""
+    named = choices.answer_ids
+    return named[k] if named is not None else choices.handles[k].req.request_id
 
 
 def _chunk(rid: str, obj: str, model: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -367,7 +375,7 @@ async def completion_chunks(
             break
         k, pieces, last = delta
         req = choices.handles[k].req
-        rid = req.request_id
+        rid = answer_id(choices, k)
         for i, piece in enumerate(pieces):
             finish = "length" if last and i == len(pieces) - 1 else None
             item = _text_choice(k, piece, finish)
@@ -415,7 +423,7 @@ async def chat_chunks(
             break
         k, pieces, last = delta
         req = choices.handles[k].req
-        rid = req.request_id
+        rid = answer_id(choices, k)
         if k not in started:
             started.add(k)
             role = _chat_choice(k, {"role": "assistant", "content": ""})

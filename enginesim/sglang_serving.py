@@ -3,7 +3,8 @@ order, its engine requests for ``n`` and batches, and its answers (``sglang_api.
 
 The HTTP app (``http.py``) decodes the body and hands it here; prompts are tokenized by
 the app's own helpers, so both modes read prompts and chat templates alike. What SGLang
-does, and where that was read, is in ``sglang_api``'s docstring.
+does, and where that was read, is in ``sglang_api``'s docstring, and for the ids a
+client names its requests by, in ``sglang_rids``'s.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from enginesim import protocol as p
 from enginesim import sglang_api as sg
+from enginesim import sglang_rids as sr
 from enginesim.choices import Choices
 from enginesim.errors import RequestRejected
 from enginesim.scheduler import SimRequest
@@ -27,42 +29,48 @@ Answer = dict[str, Any] | tuple[AsyncIterator[bytes], Choices]
 class SglangServing:
     def __init__(self, app: SimApp) -> None:
         self.app = app
+        self.rids = sr.RidsInFlight()
 
     async def completions(self, body: p.CompletionRequest | p.CompletionBatchRequest) -> Answer:
-        usage = sg.stream_usage(body)  # a field of the body: validated first
+        usage = sg.stream_usage(body)  # fields of the body: validated first
+        given_rid = sr.body_rid(body.rid)
         sg.check_prompt(body.prompt)
         given = p.completion_prompts(body)
         prompts = await self.app.prompt_ids(given)
-        sg.check_lora(body.model, self.app.settings.model)
         if body.max_tokens is None:  # SGLang's completion request: ``max_tokens: int = 16``
             body.max_tokens = p.DEFAULT_MAX_TOKENS
         batch, ids = isinstance(body, p.CompletionBatchRequest), isinstance(given[0], list)
         n = body.n
-        choices = await self._submit(prompts, body, n, batch=batch, ids_given=ids)
+        rids = sr.plan(given_rid, len(prompts), n, batch=batch)
+        choices = await self._start(rids, prompts, body, n, batch=batch, ids_given=ids)
         model, text_of = _model(body), self.app.tokenizer.text_of
         if body.stream:
             return sg.completion_chunks(choices, n, model, text_of, usage), choices
         await choices.until_done()
         return sg.completion_body(choices, n, model, text_of)
 
-    async def chat(self, body: sg.ChatRequest) -> Answer:
-        usage = sg.stream_usage(body)  # a field of the body: validated first
+    async def chat(self, body: sg.ChatRequest, override_rid: str | None = None) -> Answer:
+        """``override_rid``: the request's ``x-override-rid`` header, if it has one."""
+        usage = sg.stream_usage(body)  # fields of the body: validated first
+        given_rid = sr.body_rid(body.rid)
         n = sg.check_n(body.n)
         sg.check_messages(body.messages)
         prompt = await self.app.chat_prompt_ids(
             body.messages, body.tools, body.add_generation_prompt
         )
-        sg.check_lora(body.model, self.app.settings.model)
+        if override_rid is not None and self.app.settings.request_header_overrides:
+            given_rid = override_rid  # ``apply_header_overrides``, on the request built
         body.max_tokens = body.max_completion_tokens or body.max_tokens  # SGLang's preference
-        choices = await self._submit([prompt], body, n)
+        choices = await self._start(sr.plan(given_rid, 1, n, batch=False), [prompt], body, n)
         model, text_of = _model(body), self.app.tokenizer.text_of
         if body.stream:
             return sg.chat_chunks(choices, n, model, text_of, usage), choices
         await choices.until_done()
         return sg.chat_body(choices, n, model, text_of)
 
-    async def _submit(
+    async def _start(
         self,
+        rids: sr.Rids,
         prompts: list[list[int]],
         body: p._Sampling,
         n: int,
@@ -70,9 +78,30 @@ class SglangServing:
         batch: bool = False,
         ids_given: bool = False,
     ) -> Choices:
+        """The tokenizer manager's part: the client's rids taken (``_init_req_state``),
+        then the LoRA check, then the engine requests; the rids given back if it fails."""
+        self.rids.reserve(rids.held)
+        try:
+            sg.check_lora(body.model, self.app.settings.model)
+            return await self._submit(rids, prompts, body, n, batch=batch, ids_given=ids_given)
+        except BaseException:
+            self.rids.release(rids.held)
+            raise
+
+    async def _submit(
+        self,
+        rids: sr.Rids,
+        prompts: list[list[int]],
+        body: p._Sampling,
+        n: int,
+        *,
+        batch: bool,
+        ids_given: bool,
+    ) -> Choices:
         """SGLang's engine requests: one per prompt, or for ``n > 1`` a warm-up per prompt
         (``max_tokens`` 0, awaited in turn) and then ``n`` samples each; checked in
-        SGLang's order: the batch's form, then per prompt its length and the sampling."""
+        SGLang's order: the batch's form, then per prompt its length and the sampling.
+        Each has an id of its own (uuid hex), whatever the client named it."""
         app, engine = self.app, self.app.engine
         if batch and n < 1:  # the batch expanded n times over is empty: obj[i] fails
             raise p.ApiError("Internal server error: list index out of range")
@@ -95,13 +124,18 @@ class SglangServing:
                 warm = SimRequest(sg.request_id(), prompt, 0, salt)
                 handle = await engine.submit(warm, stream=False)
                 await Choices(warm.request_id, [handle]).until_done()
+            self.rids.release(rids.held)  # the samples are named anew
         reqs = [
             SimRequest(sg.request_id(), prompt, _max_tokens(body, len(prompt), context), salt)
             for prompt in prompts
             for _ in range(max(n, 1))
         ]
         handles = await engine.submit_all(reqs, stream=body.stream)
-        return Choices(reqs[0].request_id, handles, max(n, 1))
+        names = rids.names
+        if names is None:
+            return Choices(reqs[0].request_id, handles, max(n, 1))
+        self.rids.hold(rids.held, handles)
+        return Choices(names[0], handles, max(n, 1), names)
 
 
 def _model(body: p._Sampling) -> str:

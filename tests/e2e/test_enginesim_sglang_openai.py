@@ -1,10 +1,12 @@
 """kvroute-sim in SGLang mode answers the official OpenAI client as SGLang 0.5.23 does:
 ``n`` and batches (a warm-up per prompt, then the samples), SGLang's usage sums, its
-stream order and ids, its error shape, and none of vLLM's refusals."""
+stream order and ids (named after a client's ``rid``), its error shape, and none of
+vLLM's refusals."""
 
 from __future__ import annotations
 
 import http.client
+import json
 import re
 from collections.abc import Iterator
 
@@ -349,3 +351,107 @@ def test_a_lora_adapter_in_the_model_name_is_refused_as_without_enable_lora(
     with pytest.raises(openai.BadRequestError, match="LoRA is not enabled"):
         client.completions.create(model=f"{MODEL}:tuned", prompt="x", max_tokens=1)
     assert client.completions.create(model="base:", prompt="x", max_tokens=1).model == "base:"
+
+
+def test_answers_are_named_after_the_rid_exactly_as_sglang_names_them(
+    sim: SimProcess, client: openai.OpenAI
+) -> None:
+    """SGLang's engine request takes the body's ``rid`` as its id, which names the answer
+    and every chunk, with no ``cmpl-`` or ``chatcmpl-``; a batch's prompts are ``rid_i``;
+    the samples of ``n > 1`` get new uuids; without a rid, each is a uuid hex."""
+    completion = {"prompt": fresh(5_000, 20), "max_tokens": 2}
+    chat = {"messages": [{"role": "user", "content": "Name me."}], "max_tokens": 2}
+    usage = {"stream": True, "stream_options": {"include_usage": True}}
+    assert sim.post("/v1/completions", {**completion, "rid": "cmpl-7"})["id"] == "cmpl-7"
+    assert sim.post("/v1/chat/completions", {**chat, "rid": "my chat"})["id"] == "my chat"
+    for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+        events = sim.stream(path, {**body, **usage, "rid": "streamed"})
+        assert events[-1] == "[DONE]" and {e["id"] for e in events[:-1]} == {"streamed"}
+    named = client.completions.create(
+        model=MODEL, prompt="Once", max_tokens=1, extra_body={"rid": "via-client"}
+    )
+    assert named.id == "via-client"
+
+    batch = {"prompt": [fresh(5_100, 3), fresh(5_200, 3)], "max_tokens": 2, "rid": "b"}
+    assert sim.post("/v1/completions", batch)["id"] == "b_0"
+    ids: dict[int, set[str]] = {0: set(), 1: set()}
+    for event in sim.stream("/v1/completions", {**batch, **usage})[:-2]:
+        ids[event["choices"][0]["index"]].add(event["id"])
+    assert ids == {0: {"b_0"}, 1: {"b_1"}}
+    listed = sim.post("/v1/completions", {**batch, "rid": ["first", "second"]})
+    assert listed["id"] == "first"
+
+    sampled = sim.post("/v1/completions", {**completion, "n": 2, "rid": "sampled"})
+    assert HEX32.match(sampled["id"])  # regenerate_rid: the samples are named anew
+    made_up = [sim.post("/v1/chat/completions", chat)["id"] for _ in range(2)]
+    assert all(HEX32.match(rid) for rid in made_up) and made_up[0] != made_up[1]
+
+
+def test_sglang_reads_no_request_id_header_unless_told_to(sim: SimProcess) -> None:
+    """``x-override-rid`` is read only with SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES (off
+    by default), and vLLM's ``X-Request-Id`` never."""
+    chat = {"messages": [{"role": "user", "content": "Headers?"}], "max_tokens": 1}
+    headers = {"x-override-rid": "from-header", "X-Request-Id": "trace-1"}
+    assert sim.post("/v1/chat/completions", {**chat, "rid": "body"}, headers)["id"] == "body"
+    assert HEX32.match(sim.post("/v1/chat/completions", chat, headers)["id"])
+
+
+def test_a_chat_takes_x_override_rid_over_the_body_where_sglang_is_told_to_read_it() -> None:
+    """SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES (here ``--request-header-overrides``): the
+    header replaces a chat's rid, body or not; a completion does not read it (0.5.23)."""
+    args = ("--instant", "--max-model-len=4096", "--event-format=sglang")
+    with SimProcess(*args, "--request-header-overrides") as sim:
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        header = {"x-override-rid": "hdr-1"}
+        assert sim.post("/v1/chat/completions", {**chat, "rid": "body"}, header)["id"] == "hdr-1"
+        events = sim.stream("/v1/chat/completions", {**chat, "stream": True}, header)
+        assert events[-1] == "[DONE]" and {e["id"] for e in events[:-1]} == {"hdr-1"}
+        two = sim.post("/v1/chat/completions", {**chat, "n": 2}, header)
+        assert HEX32.match(two["id"])  # hdr-1_0 and hdr-1_1 name the prompt; samples anew
+        completion = {"prompt": "x", "max_tokens": 1}
+        assert sim.post("/v1/completions", {**completion, "rid": "body"}, header)["id"] == "body"
+        assert HEX32.match(sim.post("/v1/completions", completion, header)["id"])
+
+
+def test_a_rid_sglang_cannot_take_is_refused_with_its_error(sim: SimProcess) -> None:
+    one, two = {"prompt": "x", "max_tokens": 1}, {"prompt": ["x", "y"], "max_tokens": 1}
+    cases = [
+        ({**one, "rid": 7}, 400, "Bad Request",
+         "Invalid request: Expected `str | array | null`, got `int` - at `$.rid`"),
+        ({**one, "rid": ["a", 1]}, 400, "Bad Request",
+         "Invalid request: Expected `str`, got `int` - at `$.rid[1]`"),
+        ({**one, "rid": ["a"]}, 500, "InternalServerError",
+         "Internal server error: unhashable type: 'list'"),
+        ({**one, "rid": ["a", "a"]}, 400, "BadRequestError",
+         "Duplicate request IDs detected within the request: ['a']"),
+        ({**two, "rid": ["a"]}, 400, "BadRequestError",
+         "The specified rids length mismatch with the batch_size for batch processing."),
+        ({**two, "rid": ["a", "a"], "stream": True}, 400, "BadRequestError",
+         "Duplicate request IDs detected within the request: ['a']"),
+    ]  # fmt: skip
+    for body, status, error_type, message in cases:
+        code, answer = sim.call("POST", "/v1/completions", body)
+        assert (code, answer["type"], answer["message"]) == (status, error_type, message)
+
+
+def test_a_rid_in_flight_is_refused_until_its_request_ends(sim: SimProcess) -> None:
+    """SGLang keeps a rid taken while its request runs ("Duplicate request ID detected"),
+    and free again once it ended: the simulator's own engine ids never collide."""
+    body = {"prompt": fresh(6_000, 8), "max_tokens": 40, "stream": True, "rid": "busy"}
+    sim.post("/sim/faults", {"delay_ms": 100})
+    try:
+        host, port = sim.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps(body))
+        running = conn.getresponse()
+        assert running.status == 200 and running.readline().startswith(b"data: ")
+        code, answer = sim.call("POST", "/v1/completions", {**body, "stream": False})
+        assert (code, answer["type"], answer["message"]) == (
+            400, "BadRequestError", "Duplicate request ID detected: busy",
+        )  # fmt: skip
+    finally:
+        sim.call("DELETE", "/sim/faults")
+    assert running.read().endswith(b"data: [DONE]\n\n")
+    conn.close()
+    again = sim.post("/v1/completions", {**body, "stream": False, "max_tokens": 1})
+    assert again["id"] == "busy"

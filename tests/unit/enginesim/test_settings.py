@@ -48,6 +48,7 @@ def test_model_len_defaults_to_what_the_pool_holds() -> None:
         (["--num-blocks", "10", "--max-model-len", "161"], "exceeds the KV pool"),
         (["--block-size", "0"], "block_size"),
         (["--time-scale", "-1"], "time_scale"),
+        (["--request-header-overrides"], "needs event_format sglang"),
     ],
 )
 def test_invalid_settings_are_refused_with_the_reason(argv: list[str], needle: str) -> None:
