@@ -225,8 +225,7 @@ def stream_usage(body: p._Sampling) -> p.UsageAsked:
     try:
         options = msgspec.json.decode(body.stream_options, type=StreamOptions | None)
     except msgspec.ValidationError as exc:
-        where = str(exc).replace("`$", "`$.stream_options", 1)
-        raise p.BadRequest(f"Invalid request: {where}", sglang_type="Bad Request") from None
+        raise p.field_error(exc, "stream_options") from None
     if options is None:
         return p.NO_USAGE
     return p.UsageAsked(options.include_usage is True, bool(options.continuous_usage_stats))

@@ -308,3 +308,23 @@ async def test_n_zero_fails_a_completion_streams_usage_and_breaks_a_chat_stream(
                 sg.stream_error("integer modulo by zero", "BadRequestError", 400)[6:]
             )
             assert got[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize(
+    ("options", "where"),
+    [
+        (b"5", "Expected `object | null`, got `int` - at `$.stream_options`"),
+        (b'{"include_usage": "yes"}', "Expected `bool | null`, got `str` - at "
+         "`$.stream_options.include_usage`"),
+    ],
+)  # fmt: skip
+def test_stream_options_of_a_wrong_type_name_where_they_are_wrong(
+    options: bytes, where: str
+) -> None:
+    body = msgspec.json.decode(
+        b'{"prompt": "x", "stream": true, "stream_options": %s}' % options, type=p.CompletionRequest
+    )
+    with pytest.raises(p.BadRequest) as caught:
+        sg.stream_usage(body)
+    assert caught.value.message == f"Invalid request: {where}"
+    assert sg.error_body(caught.value)["type"] == "Bad Request"
