@@ -241,8 +241,7 @@ class ConnectionPool:
 
     def __init__(self, connect_timeout_s: float, read_timeout_s: float, max_idle: int = 64):
         self.connect_timeout_s = connect_timeout_s
-        self.read_timeout_s = read_timeout_s
-        self.deadlines = ReadDeadlines(read_timeout_s)
+        self.deadlines = ReadDeadlines(read_timeout_s)  # every wait's read deadline
         self.max_idle = max_idle
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._targets: dict[str, tuple[tuple[str, int], str]] = {}

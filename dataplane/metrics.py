@@ -27,8 +27,8 @@ worker's event-loop thread writes them, and scrapes run on that thread too.
 Outcomes: ``ok``, ``upstream_error`` (a 5xx or a broken stream), ``client_error`` (a 4xx
 from the engine), ``no_replica``, ``cancelled`` (the client went away). Retry reasons:
 ``connect``, ``status_502``, ``status_503``, ``disconnect``, ``timeout`` (no byte for
-``--upstream-timeout-s``). Only requests that reached
-a replica carry its id; requests refused before routing are counted with ``replica=""``.
+``--upstream-timeout-s``). Only requests that reached a replica carry its id; requests
+refused before routing are counted with ``replica=""``.
 """
 
 from __future__ import annotations
