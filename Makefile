@@ -36,11 +36,11 @@ proto-check:  ## Fail when kvcore/pb is not what proto/ generates.
 native:  ## Compile the proxy's request path with mypyc (dataplane/native.py) when a source changed.
 	@$(PY) -m dataplane.native --quiet || { \
 	  echo "native: compiling $$($(PY) -c 'import dataplane.native as n; print(*n.MODULES)')"; \
-	  rm -f dataplane/*.so && KVROUTE_NATIVE=1 $(PY) setup.py -q build_ext --inplace --force \
+	  find dataplane kvcore -name "*.so" -delete && KVROUTE_NATIVE=1 $(PY) setup.py -q build_ext --inplace --force \
 	    >build-native.log 2>&1 || { cat build-native.log; exit 1; }; rm -f build-native.log; }
 
 clean-native:  ## Remove the compiled modules: the proxy runs from source.
-	rm -f dataplane/*.so
+	find dataplane kvcore -name "*.so" -delete
 
 test: native  ## Every test: unit, integration (real NATS, etcd, PostgreSQL) and end to end.
 	$(PY) -m pytest

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from itertools import count
 from urllib.parse import urlsplit
 
+from mypy_extensions import mypyc_attr
+
 from dataplane.endpoints import ENGINE_KIND_OF, endpoint_of
 from dataplane.endpoints import Endpoint as Endpoint  # re-exported: callers import it here
 from dataplane.errors import SnapshotNeeded
@@ -128,6 +130,7 @@ class FleetView:
             self._board.put(state)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # tests build on it (compiled, see native.py)
 class FleetState:
     """Replicas, residency and config of this proxy's pools; see the module docstring.
 

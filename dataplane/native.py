@@ -1,19 +1,26 @@
 """The proxy's request path compiled to C with mypyc, and whether a checkout's build is
 current.
 
-The modules in :data:`MODULES` are what every request runs through (the HTTP server, the
-handler, the exchange with the replica, request parsing and routing). ``setup.py``
-compiles them when ``KVROUTE_NATIVE=1`` (the images are built so; in a checkout, ``make
-native``, which ``make test`` runs first), and an extension module sitting beside its
-source is what Python imports. Compiled, the request path costs a tenth to a fifth less
-CPU in process and about a tenth less in the real process (docs/architecture.md, "The
-request path compiled"); the code is the same either way, and a checkout without a C
-compiler runs it from source.
+The modules in :data:`MODULES` are what a routed request runs through: the HTTP server,
+the handler, the exchange with the replica, request parsing, routing and the fleet
+state, and kvcore's keys, prompt reading, built-in tokenizer and prefix cache, residency
+index, replica board, in-flight ledger, screening and view. ``setup.py`` compiles them
+when ``KVROUTE_NATIVE=1`` (the images are built so; in a checkout, ``make native``, which
+``make test`` runs first), and an extension module sitting beside its source is what
+Python imports. Compiled, the request path costs a fifth less CPU in process
+(docs/architecture.md, "The request path compiled"); the code is the same either way,
+and a checkout without a C compiler runs it from source.
 
 A checkout's compiled modules go stale when a source changes: :func:`stale` lists
 them (``make native`` rebuilds, ``make clean-native`` removes), and the test suite
-refuses to run on them. These modules are kept within what mypyc compiles as Python
-runs it: no class a test or another module subclasses or patches, no async generator.
+refuses to run on them. A compiled module behaves as Python runs it only within what
+mypyc keeps: no name bound by two ``except`` clauses of different types in one function
+(it keeps the first one's type, and the second exception becomes a ``TypeError``:
+tests/unit/dataplane/test_native.py checks), no ``is`` on tuples (they may be boxed
+anew), no ``isinstance`` against a
+compiled class with an ABC base (it shares the ABC's registry), no replacing a compiled
+object's methods, and no subclass of a compiled class unless it allows one
+(``mypyc_attr(allow_interpreted_subclasses=True)``); mypyc compiles no async generator.
 """
 
 from __future__ import annotations
@@ -25,9 +32,20 @@ from pathlib import Path
 MODULES = (
     "dataplane.app",
     "dataplane.exchange",
+    "dataplane.fleet_state",
     "dataplane.http_server",
     "dataplane.openai_request",
     "dataplane.routing",
+    "kvcore.index.bitmask",
+    "kvcore.keys",
+    "kvcore.policies.board",
+    "kvcore.policies.inflight",
+    "kvcore.policies.preselect",
+    "kvcore.policies.screening",
+    "kvcore.policies.view",
+    "kvcore.request",
+    "kvcore.tokenize.builtin",
+    "kvcore.tokenize.prefix_cache",
 )
 GROUP = "dataplane._native"  # the C library the compiled modules share (``GROUP__mypyc``)
 _ROOT = Path(__file__).resolve().parent.parent
@@ -62,11 +80,13 @@ def stale(root: Path = _ROOT) -> list[str]:
         sources = (p for package in _PACKAGES for p in (root / package).rglob("*.py"))
         if any(path.stat().st_mtime > built_at for path in sources):
             out.extend(extensions)
-    known = {name.rsplit(".", 1)[1] for name in (*MODULES, f"{GROUP}__mypyc")}
-    for path in sorted((root / "dataplane").iterdir()):
-        stem = path.name.split(".", 1)[0]
-        if path.name.endswith(_EXTENSIONS) and stem not in known:
-            out.append(f"dataplane.{stem}")
+    known = {*MODULES, f"{GROUP}__mypyc"}
+    for package in _PACKAGES:
+        for path in sorted((root / package).rglob("*")):
+            if path.name.endswith(_EXTENSIONS):
+                name = ".".join(path.relative_to(root).with_name(path.name.split(".")[0]).parts)
+                if name not in known:
+                    out.append(name)
     return out
 
 

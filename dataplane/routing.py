@@ -353,11 +353,11 @@ class Router:
             return prompt_keys(
                 request.body, cache, root=root, block_size=block_size, kind=request.kind
             )
-        except InvalidRequest as exc:
-            raise BadRequest(f"The prompt cannot be routed: {exc}", exc.field) from None
-        except TokenizerError as exc:
+        except InvalidRequest as invalid:  # one name per type: see dataplane/native.py
+            raise BadRequest(f"The prompt cannot be routed: {invalid}", invalid.field) from None
+        except TokenizerError as refused:
             raise BadRequest(
-                f"The prompt cannot be tokenized: {exc}", _prompt_field(request)
+                f"The prompt cannot be tokenized: {refused}", _prompt_field(request)
             ) from None
 
     def _predicted(

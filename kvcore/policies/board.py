@@ -45,6 +45,11 @@ class ReplicaBoard(Sequence[ReplicaState]):
     replica or two per request under load (its in-flight count changed), and a strategy
     that never reads an order (``round_robin`` reads none, ``kv_aware`` no queue) does
     not pay for keeping it.
+
+    Tell a board from another sequence by ``type(x) is ReplicaBoard``, not
+    ``isinstance``: compiled by mypyc (``dataplane/native.py``), this class shares
+    ``Sequence``'s ABC registry, so ``isinstance((), ReplicaBoard)`` is true (and a list
+    was taken for a board in tests/unit/kvcore/test_preselect.py).
     """
 
     __slots__ = ("_by_load", "_ordinals", "_queues", "_rows", "_snapshot", "_states")

@@ -83,7 +83,7 @@ class KvAwarePolicy(KvScoringPolicy):
         runs = state.leading_runs(keys, now=ctx.now)
         if runs:
             fleet = state.replicas()
-            if isinstance(fleet, ReplicaBoard):
+            if type(fleet) is ReplicaBoard:  # not isinstance: see ReplicaBoard
                 decided = self._by_hit(ctx, fleet, runs)
                 if decided is not None:
                     return decided
@@ -159,7 +159,7 @@ class KvAwarePolicy(KvScoringPolicy):
         if cold and not self.places_cold_prompts:
             return self._fall_back(ctx, state)
         fleet = state.replicas()
-        snapshot = fleet.snapshot() if isinstance(fleet, ReplicaBoard) else tuple(fleet)
+        snapshot = fleet.snapshot() if type(fleet) is ReplicaBoard else tuple(fleet)
         usable, note = queue_screened(ctx, snapshot)
         chosen = None
         if usable:

@@ -118,7 +118,7 @@ def candidates(
     """The usable holders of the prompt, or every usable replica on a plain fleet (see
     the module docstring); ``saturated_why`` as for :func:`~kvcore.policies.screening.screen`."""
     fleet = state.replicas()
-    if not isinstance(fleet, ReplicaBoard):
+    if type(fleet) is not ReplicaBoard:  # not isinstance: see ReplicaBoard
         screened = screen_rows(ctx, fleet, saturated_why)
         admitted = {r.ordinal for r in screened.usable}
         return Candidates(

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from bench.micro.model_files import write_tiny_model
 from tests.e2e.openai_answers import openai_answers
 from tests.e2e.proxyproc import ProxyProcess
+from tests.request_bodies import request_bodies
 from tests.unit.enginesim.simproc import SimProcess
 
 pytestmark = pytest.mark.e2e
@@ -320,22 +321,7 @@ def test_bad_input_gets_an_openai_shaped_4xx(
     assert error["param"] == param
 
 
-JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4)
-    | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=12,
-)  # fmt: skip
-FIELDS = ["model", "messages", "prompt", "stream", "stream_options", "max_tokens",
-          "cache_salt", "prompt_cache_key", "tools", "user", "n"]  # fmt: skip
-BODIES = st.dictionaries(
-    st.sampled_from(FIELDS), JSON_VALUES | st.just(MODEL), max_size=6
-) | st.builds(
-    lambda extra, messages: {"model": MODEL, "messages": messages, **extra},
-    st.dictionaries(st.sampled_from(FIELDS[3:]), JSON_VALUES, max_size=3),
-    st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]),
-                                    "content": JSON_VALUES}), max_size=3),
-)  # fmt: skip
+BODIES = request_bodies(MODEL)
 
 
 @settings(

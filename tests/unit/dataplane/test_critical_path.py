@@ -14,16 +14,20 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
+from unittest import mock
 
 import pytest
 
 from bench.proxy_path import MemoryTransport
+from dataplane import service as service_module
+from dataplane.fleet_state import FleetState
 from dataplane.http_client import ConnectionPool, _Connection
 from dataplane.http_server import HttpServer
 from dataplane.service import ProxyService
 from dataplane.settings import ProxySettings
 
+T = TypeVar("T")
 MODEL = "m"
 REPLICAS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
 
@@ -79,22 +83,40 @@ class _Replicas(ConnectionPool):
         return connection
 
 
+def logged_subclass(cls: type[T], names: list[str], log: list[str]) -> type[T]:
+    """A subclass of ``cls`` whose methods ``names`` append their name to ``log`` first."""
+
+    def logged(name: str) -> Callable[..., Any]:
+        method = getattr(cls, name)
+
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            log.append(name)
+            return method(self, *args, **kwargs)
+
+        return call
+
+    return type(f"Logged{cls.__name__}", (cls,), {name: logged(name) for name in names})
+
+
 class Proxy:
     """A static round-robin proxy of two in-memory replicas, its calls logged;
     ``options`` are more of its settings."""
 
     def __init__(self, reply: bytes, **options: Any) -> None:
         settings = {"static_replicas": REPLICAS, "static_strategy": "round_robin", **options}
-        self.service = ProxyService(ProxySettings.model_validate(settings))
+        self.log: list[str] = []
+        # the fleet state's calls are logged by a subclass: its class may be compiled
+        # (dataplane/native.py), and a compiled object's methods cannot be replaced
+        fleet_class = logged_subclass(FleetState, ["on_sent", "on_first_byte", "on_done"], self.log)
+        with mock.patch.object(service_module, "FleetState", fleet_class):
+            self.service = ProxyService(ProxySettings.model_validate(settings))
         for endpoint in self.service.fleet.endpoints():
             self.service.fleet.set_served_names(endpoint.ordinal, [MODEL])
         self.server = HttpServer(self.service.app, max_body_bytes=1 << 20)
-        self.log: list[str] = []
         self.replicas = _Replicas(self.log, reply)
         self.service.upstream.pool = self.replicas
-        fleet, metrics = self.service.fleet, self.service.metrics
-        for obj, name in [(fleet, "on_sent"), (fleet, "on_first_byte"), (fleet, "on_done"),
-                          (metrics, "decided"), (metrics, "first_byte"), (metrics, "count"),
+        metrics = self.service.metrics
+        for obj, name in [(metrics, "decided"), (metrics, "first_byte"), (metrics, "count"),
                           (self.service.dispatcher.breakers, "on_success")]:  # fmt: skip
             self._spy(obj, name)
 

@@ -2,28 +2,30 @@
 
 from __future__ import annotations
 
+import ast
 import os
 from pathlib import Path
 
 from dataplane import native
 
+SUFFIX = native._EXTENSIONS[0]
+IMPORTED = Path("kvcore", "policies", "kv_aware.py")  # imported by compiled modules, not one
+
 
 def _checkout(tmp_path: Path) -> Path:
     """A checkout with every listed module's source, each compiled a second after it,
-    and a kvcore module they import."""
-    package = tmp_path / "dataplane"
-    package.mkdir()
-    (tmp_path / "kvcore" / "policies").mkdir(parents=True)
-    (tmp_path / "kvcore" / "policies" / "view.py").write_text("")
-    os.utime(tmp_path / "kvcore" / "policies" / "view.py", (1_000, 1_000))
-    suffix = native._EXTENSIONS[0]
+    and a module they import that is not compiled."""
     for name in native.MODULES:
-        stem = name.split(".")[1]
-        (package / f"{stem}.py").write_text("")
-        (package / f"{stem}{suffix}").write_bytes(b"")
-        os.utime(package / f"{stem}.py", (1_000, 1_000))
-        os.utime(package / f"{stem}{suffix}", (1_001, 1_001))
-    (package / f"_native__mypyc{suffix}").write_bytes(b"")
+        source = tmp_path.joinpath(*name.split(".")).with_suffix(".py")
+        source.parent.mkdir(parents=True, exist_ok=True)
+        source.write_text("")
+        extension = source.with_name(source.stem + SUFFIX)
+        extension.write_bytes(b"")
+        os.utime(source, (1_000, 1_000))
+        os.utime(extension, (1_001, 1_001))
+    (tmp_path / IMPORTED).write_text("")
+    os.utime(tmp_path / IMPORTED, (1_000, 1_000))
+    (tmp_path / "dataplane" / f"_native__mypyc{SUFFIX}").write_bytes(b"")
     return tmp_path
 
 
@@ -44,22 +46,44 @@ def test_a_module_the_compiled_ones_import_edited_after_the_build_makes_it_stale
 ) -> None:
     """Compiled code checks the types of what it calls as they were at the build."""
     root = _checkout(tmp_path)
-    os.utime(root / "kvcore" / "policies" / "view.py", (2_000, 2_000))
+    os.utime(root / IMPORTED, (2_000, 2_000))
     assert native.stale(root) == list(native.MODULES)
 
 
 def test_a_compiled_module_no_longer_listed_is_stale(tmp_path: Path) -> None:
     """Python would still import it instead of its source."""
     root = _checkout(tmp_path)
-    (root / "dataplane" / "fleet_state.py").write_text("")
-    (root / "dataplane" / f"fleet_state{native._EXTENSIONS[0]}").write_bytes(b"")
-    os.utime(root / "dataplane" / "fleet_state.py", (1_000, 1_000))
-    assert native.stale(root) == ["dataplane.fleet_state"]
+    (root / "dataplane" / "metrics.py").write_text("")
+    (root / "dataplane" / f"metrics{SUFFIX}").write_bytes(b"")
+    (root / "kvcore" / "policies" / f"kv_aware{SUFFIX}").write_bytes(b"")
+    os.utime(root / "dataplane" / "metrics.py", (1_000, 1_000))
+    assert native.stale(root) == ["dataplane.metrics", "kvcore.policies.kv_aware"]
 
 
 def test_a_checkout_never_built_runs_from_source(tmp_path: Path) -> None:
     root = _checkout(tmp_path)
-    for path in (root / "dataplane").glob("*.so"):
+    for path in root.rglob(f"*{SUFFIX}"):
         path.unlink()
     assert native.built(root) == []
     assert native.stale(root) == []
+
+
+def test_no_compiled_function_binds_one_name_to_two_exception_types() -> None:
+    """Compiled, ``except A as exc: ... except B as exc:`` gives ``exc`` A's type, and a
+    B becomes a TypeError: a 500 where the proxy meant a 400 (the fuzz test of
+    tests/e2e/test_proxy_static.py found one in ``Router._prompt``)."""
+    root = Path(native.__file__).resolve().parents[1]
+    found = []
+    for name in native.MODULES:
+        source = root.joinpath(*name.split(".")).with_suffix(".py")
+        for function in ast.walk(ast.parse(source.read_text())):
+            if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            bound: dict[str, set[str]] = {}
+            for node in ast.walk(function):
+                if isinstance(node, ast.ExceptHandler) and node.name and node.type:
+                    bound.setdefault(node.name, set()).add(ast.unparse(node.type))
+            found += [
+                f"{name}.{function.name}: {n}" for n, types in bound.items() if len(types) > 1
+            ]
+    assert found == []
