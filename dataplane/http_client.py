@@ -31,14 +31,17 @@ from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 import httptools
+from mypy_extensions import mypyc_attr
 
 MAX_TARGETS = 4096  # URLs whose parsed form is remembered
 
 
+@mypyc_attr(native_class=False)  # compiled (dataplane/native.py): a plain exception class
 class ConnectionFailed(OSError):
     """Nothing of a response arrived: connecting failed or the connection broke first."""
 
 
+@mypyc_attr(native_class=False)
 class ResponseBroken(OSError):
     """The response started but did not end properly."""
 
@@ -117,8 +120,12 @@ class _Connection(asyncio.Protocol):
         finally:
             self._waiter = None
             deadlines.pending -= 1
-        if self.error is not None:
-            raise self.error
+        error = self._error()  # not `self.error`: compiled, its narrowing above would hold
+        if error is not None:
+            raise error
+
+    def _error(self) -> Exception | None:
+        return self.error
 
     def close(self) -> None:
         self.closed = True
@@ -236,6 +243,7 @@ class Response:
         self._connection.close()
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # in-memory replicas build on it
 class ConnectionPool:
     """Keep-alive connections to every replica, by ``host:port``."""
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 
+from mypy_extensions import mypyc_attr
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -105,6 +106,7 @@ class HistogramTable:
         return family
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # tests log its calls in a subclass
 class ProxyMetrics:
     """Every metric of one worker; ``registry`` is what ``/metrics`` renders."""
 

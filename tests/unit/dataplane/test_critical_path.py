@@ -21,9 +21,11 @@ import pytest
 
 from bench.proxy_path import MemoryTransport
 from dataplane import service as service_module
+from dataplane.breaker import CircuitBreakers
 from dataplane.fleet_state import FleetState
 from dataplane.http_client import ConnectionPool, _Connection
 from dataplane.http_server import HttpServer
+from dataplane.metrics import ProxyMetrics
 from dataplane.service import ProxyService
 from dataplane.settings import ProxySettings
 
@@ -105,29 +107,22 @@ class Proxy:
     def __init__(self, reply: bytes, **options: Any) -> None:
         settings = {"static_replicas": REPLICAS, "static_strategy": "round_robin", **options}
         self.log: list[str] = []
-        # the fleet state's calls are logged by a subclass: its class may be compiled
-        # (dataplane/native.py), and a compiled object's methods cannot be replaced
-        fleet_class = logged_subclass(FleetState, ["on_sent", "on_first_byte", "on_done"], self.log)
-        with mock.patch.object(service_module, "FleetState", fleet_class):
+        # calls are logged by subclasses: the classes may be compiled (dataplane/native.py),
+        # and a compiled object's methods cannot be replaced
+        fleet = logged_subclass(FleetState, ["on_sent", "on_first_byte", "on_done"], self.log)
+        metrics = logged_subclass(ProxyMetrics, ["decided", "first_byte", "count"], self.log)
+        breakers = logged_subclass(CircuitBreakers, ["on_success"], self.log)
+        with (
+            mock.patch.object(service_module, "FleetState", fleet),
+            mock.patch.object(service_module, "ProxyMetrics", metrics),
+            mock.patch.object(service_module, "CircuitBreakers", breakers),
+        ):
             self.service = ProxyService(ProxySettings.model_validate(settings))
         for endpoint in self.service.fleet.endpoints():
             self.service.fleet.set_served_names(endpoint.ordinal, [MODEL])
         self.server = HttpServer(self.service.app, max_body_bytes=1 << 20)
         self.replicas = _Replicas(self.log, reply)
         self.service.upstream.pool = self.replicas
-        metrics = self.service.metrics
-        for obj, name in [(metrics, "decided"), (metrics, "first_byte"), (metrics, "count"),
-                          (self.service.dispatcher.breakers, "on_success")]:  # fmt: skip
-            self._spy(obj, name)
-
-    def _spy(self, obj: object, name: str) -> None:
-        method = getattr(obj, name)
-
-        def logged(*args: Any, **kwargs: Any) -> Any:
-            self.log.append(name)
-            return method(*args, **kwargs)
-
-        setattr(obj, name, logged)
 
     def client(self, on_write: Callable[[bytes], None]) -> Any:
         """A new client connection; its writes go to ``on_write``."""

@@ -53,11 +53,11 @@ def test_a_module_the_compiled_ones_import_edited_after_the_build_makes_it_stale
 def test_a_compiled_module_no_longer_listed_is_stale(tmp_path: Path) -> None:
     """Python would still import it instead of its source."""
     root = _checkout(tmp_path)
-    (root / "dataplane" / "metrics.py").write_text("")
-    (root / "dataplane" / f"metrics{SUFFIX}").write_bytes(b"")
+    (root / "dataplane" / "relay.py").write_text("")
+    (root / "dataplane" / f"relay{SUFFIX}").write_bytes(b"")
     (root / "kvcore" / "policies" / f"kv_aware{SUFFIX}").write_bytes(b"")
-    os.utime(root / "dataplane" / "metrics.py", (1_000, 1_000))
-    assert native.stale(root) == ["dataplane.metrics", "kvcore.policies.kv_aware"]
+    os.utime(root / "dataplane" / "relay.py", (1_000, 1_000))
+    assert native.stale(root) == ["dataplane.relay", "kvcore.policies.kv_aware"]
 
 
 def test_a_checkout_never_built_runs_from_source(tmp_path: Path) -> None:
