@@ -636,7 +636,7 @@ async def with_fleet(args: argparse.Namespace, context: dict[str, Any]) -> Resul
     procs: list[subprocess.Popen[bytes]] = []
     try:
         with tempfile.TemporaryDirectory(prefix="kvroute-bench-proxy-") as scratch:
-            results = await _measure_routers(args, Path(scratch), split, procs)
+            results = await _measure_routers(args, Path(scratch), split, procs, context)
     finally:
         for proc in procs:
             proc.terminate()
@@ -651,6 +651,7 @@ async def _measure_routers(
     scratch: Path,
     split: CpuSplit | None,
     procs: list[subprocess.Popen[bytes]],
+    context: dict[str, Any],
 ) -> Results:
     urls = [u for u in args.replicas.split(",") if u]
     for _ in range(0 if urls else 2):
@@ -669,6 +670,9 @@ async def _measure_routers(
             targets.append(Target(name, url.rstrip("/")))
         for name, why in routers.not_run.items():
             print(f"{name}: not run: {why}", flush=True)
+        for name, compiled in routers.compiled.items():
+            print(f"{name}: request-path modules compiled {compiled}", flush=True)
+        context["kvroute_compiled"] = dict(routers.compiled)
         results = await measure(args, urls, targets)
         await _check_strategy(routers, "kvroute kv_aware", "kv_aware")
     finally:

@@ -28,7 +28,7 @@ from bench.e2e.harness import _wait_answering
 from bench.e2e.peers import PEERS, PeerUnavailable
 from kvroute.servers import free_port
 from kvroute.supervisor import ChildFailed, ChildSpec, Supervisor
-from kvroute.up import LocalFleet, UpError, UpOptions, venv_tool_or_fail
+from kvroute.up import LocalFleet, UpError, UpOptions, ready_field, venv_tool_or_fail
 
 PEER_POLICIES = ("round_robin", "cache_aware")
 FLEET_PROXY = "proxy-0"  # the child name LocalFleet gives its first proxy
@@ -124,6 +124,9 @@ class Routers:
         self.fleet: LocalFleet | None = None
         self.running: list[Router] = []
         self.not_run: dict[str, str] = {}  # name -> why
+        # kvroute proxy -> its ready line's "compiled=N/M": how much of its request path
+        # ran compiled (dataplane/native.py), so a result says which build it measured
+        self.compiled: dict[str, str] = {}
 
     async def start(self, session: aiohttp.ClientSession, peers: tuple[str, ...]) -> None:
         await self._start_static()
@@ -157,6 +160,7 @@ class Routers:
         child = await self.supervisor.start(spec)
         url = child.ready_text.split("http=", 1)[1].split()[0]
         self._add("kvroute round_robin", url, child.proc.pid)
+        self.compiled["kvroute round_robin"] = ready_field(child.ready_text, "compiled")
 
     async def _start_fleet(self) -> None:
         """kv_aware needs the residency map: one proxy of a whole local fleet."""
@@ -174,6 +178,7 @@ class Routers:
         child = next(c for c in children if c.name == FLEET_PROXY)
         helpers = tuple(c.proc.pid for c in children if c is not child)
         self._add("kvroute kv_aware", fleet.proxy_urls[0], child.proc.pid, helpers)
+        self.compiled["kvroute kv_aware"] = ready_field(child.ready_text, "compiled")
 
     async def _start_peer(self, name: str, policy: str) -> None:
         peer = PEERS[name]

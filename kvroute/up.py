@@ -80,7 +80,8 @@ class Fleet:
     proxy_urls: list[str] = field(default_factory=list)
 
 
-def _field(line: str, name: str) -> str:
+def ready_field(line: str, name: str) -> str:
+    """The value of ``name=`` in a readiness line (ChildFailed when it has none)."""
     match = re.search(rf"\b{name}=(\S+)", line)
     if match is None:
         raise ChildFailed("launcher", f"readiness line has no {name}=: {line!r}", [])
@@ -190,7 +191,7 @@ class LocalFleet:
                     self.fleet.engines.append(url.rstrip("/"))
         for index in range(0 if self.options.engines else self.options.replicas):
             child = await self.supervisor.start(self._sim_spec(index))
-            self.fleet.engines.append(_field(child.ready_text, "http"))
+            self.fleet.engines.append(ready_field(child.ready_text, "http"))
             self.fleet.models.append(SIM_MODEL)
             self._sim_lines.append(child.ready_text)
         self.say(f"  engines     {', '.join(self.fleet.engines)}")
@@ -230,8 +231,8 @@ class LocalFleet:
                 ready_line="kvroute-controlplane ready",
             )
             child = await self.supervisor.start(spec)
-            self.fleet.admin_urls.append(_field(child.ready_text, "admin"))
-            self.fleet.grpc_addresses.append(_field(child.ready_text, "grpc"))
+            self.fleet.admin_urls.append(ready_field(child.ready_text, "admin"))
+            self.fleet.grpc_addresses.append(ready_field(child.ready_text, "grpc"))
         self.say(f"  admin API   {', '.join(self.fleet.admin_urls)}")
 
     async def _start_sidecars(self) -> None:
@@ -249,8 +250,8 @@ class LocalFleet:
                 "--port", str(port),
             ]  # fmt: skip
             if sims:
-                argv += ["--kv-events-endpoint", _field(sims[index], "events")]
-                argv += ["--replay-endpoint", _field(sims[index], "replay")]
+                argv += ["--kv-events-endpoint", ready_field(sims[index], "events")]
+                argv += ["--replay-endpoint", ready_field(sims[index], "replay")]
             spec = ChildSpec(f"sidecar-{index}", argv, ready_url=f"http://127.0.0.1:{port}/healthz")
             await self.supervisor.start(spec)
 
@@ -282,7 +283,7 @@ class LocalFleet:
                 ready_url=f"http://127.0.0.1:{port}/readyz",  # routable replicas known
             )
             child = await self.supervisor.start(spec)
-            self.fleet.proxy_urls.append(_field(child.ready_text, "http"))
+            self.fleet.proxy_urls.append(ready_field(child.ready_text, "http"))
         self.say(f"  proxies     {', '.join(self.fleet.proxy_urls)}")
 
     async def aclose(self) -> None:
