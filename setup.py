@@ -9,10 +9,10 @@ import importlib.util
 import os
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 
 
-def _native() -> list:  # type: ignore[type-arg]
+def _native() -> list[Extension]:
     if os.environ.get("KVROUTE_NATIVE") != "1":
         return []
     from mypyc.build import mypycify
@@ -22,7 +22,7 @@ def _native() -> list:  # type: ignore[type-arg]
     assert spec is not None and spec.loader is not None
     native = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(native)
-    sources = [str(Path(*name.split(".")).with_suffix(".py")) for name in native.MODULES]
+    sources = [str(native.source(name, Path())) for name in native.MODULES]
     return mypycify(sources, opt_level="3", group_name=native.GROUP)
 
 

@@ -158,7 +158,7 @@ class Routers:
         ]  # fmt: skip
         spec = ChildSpec("kvroute-round_robin", argv, ready_line="kvroute-proxy ready")
         child = await self.supervisor.start(spec)
-        url = child.ready_text.split("http=", 1)[1].split()[0]
+        url = ready_field(child.ready_text, "http")
         self._add("kvroute round_robin", url, child.proc.pid)
         self.compiled["kvroute round_robin"] = ready_field(child.ready_text, "compiled")
 

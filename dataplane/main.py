@@ -110,7 +110,7 @@ def bind(host: str, port: int, *, reuse_port: bool) -> socket.socket:
 
 def ready_line(sock: socket.socket) -> str:
     """The line that says the proxy serves: its URL, and how many of its request-path
-    modules run compiled (:mod:`dataplane.native`; ``compiled=0/16``: all from source)."""
+    modules run compiled (:mod:`dataplane.native`; ``compiled=0/N``: all from source)."""
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     return f"{READY_PREFIX} http={url} compiled={len(native.compiled())}/{len(native.MODULES)}"

@@ -79,30 +79,31 @@ def stale(root: Path = _ROOT) -> list[str]:
     ``dataplane`` or ``kvcore`` counts, not only a compiled one's own: mypyc compiles a
     module against the types of what it imports, and checks them at run time."""
     extensions = {name: path for name in MODULES if (path := _extension(root, name))}
+    files = sorted(path for package in _PACKAGES for path in (root / package).rglob("*"))
     out: list[str] = []
     if extensions:
         built_at = min(path.stat().st_mtime for path in extensions.values())
-        sources = (p for package in _PACKAGES for p in (root / package).rglob("*.py"))
+        sources = (path for path in files if path.suffix == ".py")
         if any(path.stat().st_mtime > built_at for path in sources):
             out.extend(extensions)
     known = {*MODULES, f"{GROUP}__mypyc"}
-    for package in _PACKAGES:
-        for path in sorted((root / package).rglob("*")):
-            if path.name.endswith(_EXTENSIONS):
-                name = ".".join(path.relative_to(root).with_name(path.name.split(".")[0]).parts)
-                if name not in known:
-                    out.append(name)
+    for path in files:
+        if path.name.endswith(_EXTENSIONS):
+            name = ".".join(path.relative_to(root).with_name(path.name.split(".")[0]).parts)
+            if name not in known:
+                out.append(name)
     return out
 
 
-def _source(root: Path, name: str) -> Path:
+def source(name: str, root: Path = _ROOT) -> Path:
+    """The source file of module ``name`` under ``root``."""
     return root.joinpath(*name.split(".")).with_suffix(".py")
 
 
 def _extension(root: Path, name: str) -> Path | None:
-    source = _source(root, name)
+    source_path = source(name, root)
     for suffix in _EXTENSIONS:
-        path = source.with_name(source.stem + suffix)
+        path = source_path.with_name(source_path.stem + suffix)
         if path.exists():
             return path
     return None

@@ -16,7 +16,7 @@ def _checkout(tmp_path: Path) -> Path:
     """A checkout with every listed module's source, each compiled a second after it,
     and a module they import that is not compiled."""
     for name in native.MODULES:
-        source = tmp_path.joinpath(*name.split(".")).with_suffix(".py")
+        source = native.source(name, tmp_path)
         source.parent.mkdir(parents=True, exist_ok=True)
         source.write_text("")
         extension = source.with_name(source.stem + SUFFIX)
@@ -72,11 +72,9 @@ def test_no_compiled_function_binds_one_name_to_two_exception_types() -> None:
     """Compiled, ``except A as exc: ... except B as exc:`` gives ``exc`` A's type, and a
     B becomes a TypeError: a 500 where the proxy meant a 400 (the fuzz test of
     tests/e2e/test_proxy_static.py found one in ``Router._prompt``)."""
-    root = Path(native.__file__).resolve().parents[1]
     found = []
     for name in native.MODULES:
-        source = root.joinpath(*name.split(".")).with_suffix(".py")
-        for function in ast.walk(ast.parse(source.read_text())):
+        for function in ast.walk(ast.parse(native.source(name).read_text())):
             if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
                 continue
             bound: dict[str, set[str]] = {}
