@@ -4,26 +4,29 @@ current.
 The modules in :data:`MODULES` are what a routed request runs through: the HTTP server,
 the handler, the exchange with the replica, request parsing, routing, the fleet state,
 the HTTP client and the metrics, and kvcore's keys, prompt reading, built-in tokenizer
-and prefix cache, residency index, replica board, in-flight ledger, screening and view.
-``setup.py`` compiles them when ``KVROUTE_NATIVE=1`` (the images are built so; in a
-checkout, ``make native``, which ``make test`` runs first), and an extension module
-sitting beside its source is what Python imports. Compiled, the request path costs a
-quarter less CPU in process (docs/architecture.md, "The request path compiled"); the
-code is the same either way, and a checkout without a C compiler runs it from source.
+and prefix cache, residency index, replica board, in-flight ledger, screening, view and
+the level-3 policies. ``setup.py`` compiles them when ``KVROUTE_NATIVE=1`` (the images
+are built so; in a checkout, ``make native``, which ``make test`` runs first), and an
+extension module sitting beside its source is what Python imports. Compiled, the request
+path costs a quarter less CPU in process (docs/architecture.md, "The request path
+compiled"); the code is the same either way, and a checkout without a C compiler runs it
+from source.
 
-A checkout's compiled modules go stale when a source changes: :func:`stale` lists
-them (``make native`` rebuilds, ``make clean-native`` removes), and the test suite
-refuses to run on them. A compiled module behaves as Python runs it only within what
-mypyc keeps: no name bound by two ``except`` clauses of different types in one function
-(it keeps the first one's type, and the second exception becomes a ``TypeError``:
+A checkout's compiled modules go stale when a source changes: :func:`stale` lists them
+(``make native`` rebuilds, ``make clean-native`` removes), and the test suite refuses to
+run on them. A compiled module behaves as Python runs it only within what mypyc keeps:
+no name bound by two ``except`` clauses of different types in one function (it keeps the
+first one's type, and the second exception becomes a ``TypeError``:
 tests/unit/dataplane/test_native.py checks), no attribute tested again after an
 ``await`` that a test before it narrowed (the narrowing holds: read it through a
 method), no ``is`` on tuples (they may be boxed anew), no ``isinstance`` against a
-compiled class with an ABC base (it shares the ABC's registry), no replacing a compiled
-object's methods, and no subclass of a compiled class unless it allows one
-(``mypyc_attr(allow_interpreted_subclasses=True)``); mypyc compiles no async generator
-and no subclass of a built-in exception (``mypyc_attr(native_class=False)`` leaves such a
-class plain Python).
+compiled class with an ABC base (it shares the ABC's registry), no method aliased in a
+class body (``b = a`` leaves a ``KeyError`` pending), no plain class attribute a
+subclass overrides (the base's compiled methods read the base's value: declare it
+``ClassVar``), no replacing a compiled object's methods, and no subclass of a compiled
+class unless it allows one (``mypyc_attr(allow_interpreted_subclasses=True)``); mypyc
+compiles no async generator and no subclass of a built-in exception
+(``mypyc_attr(native_class=False)`` leaves such a class plain Python).
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ MODULES = (
     "kvcore.keys",
     "kvcore.policies.board",
     "kvcore.policies.inflight",
+    "kvcore.policies.kv_aware",
+    "kvcore.policies.kv_cost",
+    "kvcore.policies.kv_scoring",
     "kvcore.policies.preselect",
     "kvcore.policies.screening",
     "kvcore.policies.view",

@@ -241,7 +241,11 @@ class Decision:
 class Policy(Protocol):
     """One routing strategy."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """The strategy's name, as decisions carry it (a class attribute)."""
+        ...
+
     # whether ``select`` reads the prompt (``block_keys``, ``token_ids``): a router with no
     # residency to predict from may route without keying the prompt when it does not
     reads_keys: bool

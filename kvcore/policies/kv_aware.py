@@ -35,6 +35,7 @@ import random
 from collections.abc import Sequence
 from math import inf
 from operator import attrgetter
+from typing import ClassVar
 
 from kvcore.policies.base import (
     Decision,
@@ -62,7 +63,7 @@ _ordinal = attrgetter("ordinal")
 class KvAwarePolicy(KvScoringPolicy):
     """Weighted sum of cache hit and spare capacity."""
 
-    name = "kv_aware"
+    name: ClassVar[str] = "kv_aware"
 
     def __init__(self, workload: KvAwareWorkload, rng: random.Random) -> None:
         super().__init__(workload, rng)

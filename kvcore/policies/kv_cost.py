@@ -26,6 +26,7 @@ mean TTFT on the Mooncake trace in ``bench.sim``; with a router's own books, 1.2
 from __future__ import annotations
 
 import random
+from typing import ClassVar
 
 from kvcore.policies.base import ReplicaState, RouteContext
 from kvcore.policies.board import ReplicaBoard
@@ -37,7 +38,7 @@ from kvcore.workload import KvCostWorkload
 class KvCostPolicy(KvScoringPolicy):
     """Lowest predicted time to first token."""
 
-    name = "kv_cost"
+    name: ClassVar[str] = "kv_cost"
 
     def __init__(self, workload: KvCostWorkload, rng: random.Random) -> None:
         super().__init__(workload, rng)

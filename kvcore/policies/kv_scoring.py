@@ -22,6 +22,7 @@ import random
 from collections.abc import Iterable
 from dataclasses import replace
 from math import ceil, inf
+from typing import ClassVar
 
 from kvcore.policies.base import (
     Decision,
@@ -125,7 +126,7 @@ def queue_screened(
 class KvScoringPolicy:
     """Base of the level-3 strategies; subclasses define :meth:`score`."""
 
-    name = "kv"
+    name: ClassVar[str] = "kv"
     reads_keys = True
     places_cold_prompts = False  # True: without_hit, not the fallback, before residency data
 
@@ -167,7 +168,9 @@ class KvScoringPolicy:
         runs = state.leading_runs(ctx.block_keys, now=ctx.now) if ctx.block_keys else {}
         return self.decide(ctx, state, runs)
 
-    select_scored = select  # the general path by name, whatever a subclass's select does
+    def select_scored(self, ctx: RouteContext, state: StateView) -> Decision:
+        """The general path by name, whatever a subclass's :meth:`select` does."""
+        return KvScoringPolicy.select(self, ctx, state)
 
     def decide(self, ctx: RouteContext, state: StateView, runs: dict[int, int]) -> Decision:
         """:meth:`select_scored` once the leading runs are known."""

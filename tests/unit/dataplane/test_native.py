@@ -9,7 +9,7 @@ from pathlib import Path
 from dataplane import native
 
 SUFFIX = native._EXTENSIONS[0]
-IMPORTED = Path("kvcore", "policies", "kv_aware.py")  # imported by compiled modules, not one
+IMPORTED = Path("kvcore", "policies", "base.py")  # imported by compiled modules, not one
 
 
 def _checkout(tmp_path: Path) -> Path:
@@ -55,9 +55,9 @@ def test_a_compiled_module_no_longer_listed_is_stale(tmp_path: Path) -> None:
     root = _checkout(tmp_path)
     (root / "dataplane" / "relay.py").write_text("")
     (root / "dataplane" / f"relay{SUFFIX}").write_bytes(b"")
-    (root / "kvcore" / "policies" / f"kv_aware{SUFFIX}").write_bytes(b"")
+    (root / "kvcore" / "policies" / f"least_load{SUFFIX}").write_bytes(b"")
     os.utime(root / "dataplane" / "relay.py", (1_000, 1_000))
-    assert native.stale(root) == ["dataplane.relay", "kvcore.policies.kv_aware"]
+    assert native.stale(root) == ["dataplane.relay", "kvcore.policies.least_load"]
 
 
 def test_a_checkout_never_built_runs_from_source(tmp_path: Path) -> None:
@@ -85,3 +85,60 @@ def test_no_compiled_function_binds_one_name_to_two_exception_types() -> None:
                 f"{name}.{function.name}: {n}" for n, types in bound.items() if len(types) > 1
             ]
     assert found == []
+
+
+def _compiled_classes() -> dict[str, ast.ClassDef]:
+    """Every class the compiled modules define, by name."""
+    return {
+        node.name: node
+        for name in native.MODULES
+        for node in ast.walk(ast.parse(native.source(name).read_text()))
+        if isinstance(node, ast.ClassDef)
+    }
+
+
+def test_no_compiled_class_aliases_a_method() -> None:
+    """Compiled, ``select_scored = select`` in a class body left a ``KeyError: 'select'``
+    pending, raised later by whatever C code next checked for an error (pydantic's
+    ``model_dump`` in the proxy's first keyed request)."""
+    found = []
+    for cls in _compiled_classes().values():
+        methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+        found += [
+            f"{cls.name}.{ast.unparse(node)}"
+            for node in cls.body
+            if isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in methods
+        ]
+    assert found == []
+
+
+def test_a_class_attribute_a_compiled_subclass_overrides_is_a_classvar() -> None:
+    """Compiled methods of a base read the base's value of a plain class attribute, not
+    a subclass's: ``KvAwarePolicy``'s decisions were named ``kv``, its base's ``name``,
+    until the base declared it ``ClassVar``."""
+    classes = _compiled_classes()
+
+    def attributes(cls: ast.ClassDef) -> dict[str, bool]:  # name -> declared ClassVar
+        found = {}
+        for node in cls.body:
+            if isinstance(node, ast.Assign):
+                found.update({t.id: False for t in node.targets if isinstance(t, ast.Name)})
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                found[node.target.id] = "ClassVar" in ast.unparse(node.annotation)
+        return found
+
+    overridden = []
+    for cls in classes.values():
+        for base in cls.bases:
+            parent = classes.get(ast.unparse(base))
+            if parent is None:
+                continue
+            inherited = attributes(parent)
+            overridden += [
+                f"{parent.name}.{name} (overridden by {cls.name})"
+                for name in attributes(cls)
+                if inherited.get(name) is False
+            ]
+    assert overridden == []
