@@ -266,7 +266,7 @@ class ProxyApp:
             self.dispatcher.answered(attempt)
             if full:
                 await response.drain()
-            async for chunk in opened.rest():
+            while chunk := await opened.next_chunk():
                 await response.chunk(relay.feed(chunk))
             await response.chunk(relay.flush())
         except (ConnectionFailed, ResponseBroken, TimeoutError) as exc:
@@ -352,7 +352,7 @@ class ProxyApp:
         try:
             response.start(opened.status, opened.headers)
             await response.chunk(opened.first)
-            async for chunk in opened.rest():
+            while chunk := await opened.next_chunk():
                 await response.chunk(chunk)
         finally:
             opened.close()

@@ -2,15 +2,15 @@
 current.
 
 The modules in :data:`MODULES` are what a routed request runs through: the HTTP server,
-the handler, the exchange with the replica, request parsing, routing, the fleet state,
-the HTTP client and the metrics, and kvcore's keys, prompt reading, built-in tokenizer
-and prefix cache, residency index, replica board, in-flight ledger, screening, view and
-the level-3 policies. ``setup.py`` compiles them when ``KVROUTE_NATIVE=1`` (the images
-are built so; in a checkout, ``make native``, which ``make test`` runs first), and an
-extension module sitting beside its source is what Python imports. Compiled, the request
-path costs a quarter less CPU in process (docs/architecture.md, "The request path
-compiled"); the code is the same either way, and a checkout without a C compiler runs it
-from source.
+the handler, the exchange with the replica, request parsing, routing, the requests
+upstream, the fleet state, the HTTP client and the metrics, and kvcore's keys, prompt
+reading, built-in tokenizer and prefix cache, residency index, routing contract, replica
+board, in-flight ledger, screening, view and the level-3 policies. ``setup.py`` compiles
+them when ``KVROUTE_NATIVE=1`` (the images are built so; in a checkout, ``make native``,
+which ``make test`` runs first), and an extension module sitting beside its source is
+what Python imports. Compiled, the request path costs a quarter less CPU in process
+(docs/architecture.md, "The request path compiled"); the code is the same either way,
+and a checkout without a C compiler runs it from source.
 
 A checkout's compiled modules go stale when a source changes: :func:`stale` lists them
 (``make native`` rebuilds, ``make clean-native`` removes), and the test suite refuses to
@@ -44,8 +44,10 @@ MODULES = (
     "dataplane.metrics",
     "dataplane.openai_request",
     "dataplane.routing",
+    "dataplane.upstream",
     "kvcore.index.bitmask",
     "kvcore.keys",
+    "kvcore.policies.base",
     "kvcore.policies.board",
     "kvcore.policies.inflight",
     "kvcore.policies.kv_aware",

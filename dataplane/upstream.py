@@ -19,8 +19,10 @@ before it awaits :meth:`Pending.opened`. Errors::
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from mypy_extensions import mypyc_attr
 
 from dataplane.errors import DataplaneError
 from dataplane.http_client import (
@@ -46,10 +48,12 @@ _NOT_RELAYED = frozenset(
 )  # fmt: skip
 
 
+@mypyc_attr(native_class=False)  # compiled, a plain class: see dataplane/native.py
 class UpstreamError(DataplaneError):
     """A replica failed to answer."""
 
 
+@mypyc_attr(native_class=False)
 class Retriable(UpstreamError):
     """A failure before any byte reached the client; ``reason`` labels the retry."""
 
@@ -69,12 +73,13 @@ class Opened:
     streaming: bool
     ttfb_s: float
 
-    async def rest(self) -> AsyncIterator[bytes]:
-        """The body after ``first``, chunk by chunk as it arrives."""
+    async def next_chunk(self) -> bytes:
+        """The body after ``first``, chunk by chunk as it arrives; ``b""`` at its end
+        (at once unless ``streaming``). A method, not an async generator: mypyc compiles
+        none."""
         if not self.streaming:
-            return
-        while chunk := await self.response.read_chunk():
-            yield chunk
+            return b""
+        return await self.response.read_chunk()
 
     def close(self) -> None:
         """Drop the connection (a stream cut short: the engine sees the disconnect)."""

@@ -209,7 +209,7 @@ class Decision:
         row = None
         if self.ordinal is not None:
             reasons = self.reasons
-            if isinstance(reasons, Reasons):
+            if type(reasons) is Reasons:  # not isinstance: see ReplicaBoard
                 row = reasons.row(self.ordinal)
             else:
                 row = next((r for r in reasons if r.ordinal == self.ordinal), None)

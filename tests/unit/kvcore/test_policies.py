@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcore.policies import POLICIES, Decision, ReplicaState, StaticStateView, create_policy
+from kvcore.policies.base import ReplicaReason
 from kvcore.policies.kv_scoring import queue_saturation
 from kvcore.policies.screening import hard_exclusion, saturation
 from kvcore.workload import STRATEGIES, Workload, parse_workload
@@ -120,6 +121,16 @@ def test_the_debug_header_shows_the_chosen_replicas_explain_row(strategy: str) -
     assert header.startswith(f"replica={decision.replica_id}; strategy={strategy}; ")
     assert figures and "; ".join(figures) in header
     assert decision.summary() == header  # the same once every row is built
+
+
+@pytest.mark.parametrize("rows", [tuple, list])
+def test_the_debug_header_reads_reasons_given_as_a_plain_sequence(rows: type) -> None:
+    """A decision made outside the policies (the proxy's own, a fallback's) carries its
+    reasons as a tuple or a list, not a lazy ``Reasons``."""
+    chosen = ReplicaState(1, "b", running=64)
+    reasons = rows([ReplicaReason(0, "a", 0.5), ReplicaReason(1, "b", 0.25, score=0.75)])
+    header = Decision(chosen, "manual", reasons).summary()
+    assert header == "replica=b; strategy=manual; load=0.250; score=0.750"
 
 
 replica_states = st.tuples(
