@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import os
 from pathlib import Path
 
@@ -68,13 +69,19 @@ def test_a_checkout_never_built_runs_from_source(tmp_path: Path) -> None:
     assert native.stale(root) == []
 
 
+@functools.cache
+def _compiled_trees() -> dict[str, ast.Module]:
+    """Each compiled module's source, parsed once for every check below."""
+    return {name: ast.parse(native.source(name).read_text()) for name in native.MODULES}
+
+
 def test_no_compiled_function_binds_one_name_to_two_exception_types() -> None:
     """Compiled, ``except A as exc: ... except B as exc:`` gives ``exc`` A's type, and a
     B becomes a TypeError: a 500 where the proxy meant a 400 (the fuzz test of
     tests/e2e/test_proxy_static.py found one in ``Router._prompt``)."""
     found = []
-    for name in native.MODULES:
-        for function in ast.walk(ast.parse(native.source(name).read_text())):
+    for name, tree in _compiled_trees().items():
+        for function in ast.walk(tree):
             if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
                 continue
             bound: dict[str, set[str]] = {}
@@ -91,8 +98,8 @@ def _compiled_classes() -> dict[str, ast.ClassDef]:
     """Every class the compiled modules define, by name."""
     return {
         node.name: node
-        for name in native.MODULES
-        for node in ast.walk(ast.parse(native.source(name).read_text()))
+        for tree in _compiled_trees().values()
+        for node in ast.walk(tree)
         if isinstance(node, ast.ClassDef)
     }
 
