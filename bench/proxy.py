@@ -14,11 +14,17 @@ its target, writes them all to ``--out`` (JSON) and exits 1 when a target is mis
 could not be checked (a router that did not run is reported with the reason):
 
 1. added latency: one client sends short non-streaming completions one at a time, each
-   round to a replica directly and through each router, in an order shuffled each round
-   (the routers share a CPU: what one does after its answer must not always fall on the
-   same other's request); the figure is the
-   router's p50 minus the direct p50: kvroute's <= 0.3 ms and no worse than
-   sglang-router's with the like policy (vllm-router's printed beside them);
+   round to every replica directly and through each router, in an order shuffled each
+   round (the routers share a CPU: what one does after its answer must not always fall
+   on the same other's request); the figure is the router's p50 minus the direct p50 of
+   the replicas pooled (a router spreads its requests over them; each replica's own p50
+   is printed beside it, and a floor that sends to one replica is measured against
+   that replica's). Every replica gets as many requests each round, the floors' too: a
+   replica sent fewer answers more slowly (sent a fifth of another's, 0.05 ms slower
+   alone, 0.15 ms beside the fleet on one machine), which would count against routers
+   that spread requests:
+   kvroute's <= 0.3 ms and no worse than sglang-router's with the like policy
+   (vllm-router's printed beside them);
 2. throughput: ``--concurrency`` keep-alive clients for ``--duration`` seconds through each
    router in turn, ``--repeats`` times over (the median kept), and spread over the
    replicas directly (their ceiling), with each router's CPU share and requests per CPU-
@@ -64,6 +70,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -128,6 +135,7 @@ class Target:
     helpers: tuple[int, ...] = ()  # processes working for it on the other CPUs (reported)
     samples: list[float] = field(default_factory=list)
     failed: str = ""  # why it was dropped from the run
+    replica: str = ""  # the one replica it sends to (the floors): its latency's baseline
 
 
 # -- end to end -------------------------------------------------------------------------
@@ -288,20 +296,39 @@ class Run:
     helpers_share: float  # of a core, kv_aware's fleet beside the replicas (any router's run)
 
 
+def direct_targets(replicas: list[str], targets: list[Target]) -> list[Target]:
+    """The latency rounds' direct requests: one per replica, and one more to each other
+    replica for every target sent to one replica only (the floors), so that every replica
+    gets as many requests each round. A replica sent fewer answers more slowly (its
+    caches are colder), which would count against the routers that spread requests."""
+    pinned = Counter(target.replica for target in targets if target.replica)
+    most = max(pinned.values(), default=0)
+    return [
+        Target(f"direct to replica {i}", url)
+        for i, url in enumerate(replicas)
+        for _ in range(1 + most - pinned[url])
+    ]
+
+
 async def measure(args: argparse.Namespace, replicas: list[str], targets: list[Target]) -> Results:
     """Latency interleaved over every target, then throughput: each target in turn,
     ``--repeats`` times over, the median kept."""
-    direct = Target("direct", replicas[0])
-    await latencies([direct, *targets], args.rounds)
-    if direct.failed:
-        raise SystemExit(f"the replica {direct.url} {direct.failed}")
-    direct_ms = statistics.median(direct.samples)
-    results = Results(direct_ms=direct_ms)
+    directs = direct_targets(replicas, targets)
+    await latencies([*directs, *targets], args.rounds)
+    by_url: dict[str, list[float]] = {}
+    for direct in directs:
+        if direct.failed:
+            raise SystemExit(f"the replica {direct.url} {direct.failed}")
+        by_url.setdefault(direct.url, []).extend(direct.samples)
+    each = {url: statistics.median(samples) for url, samples in by_url.items()}
+    pooled = statistics.median([sample for samples in by_url.values() for sample in samples])
+    results = Results(direct_ms=pooled, direct_each_ms=list(each.values()))
     for target in targets:
         if target.failed:
             results.routers[target.name] = Measured(target.name, unavailable=target.failed)
         else:
-            added = statistics.median(target.samples) - direct_ms
+            baseline = each[target.replica] if target.replica else pooled
+            added = statistics.median(target.samples) - baseline
             results.routers[target.name] = Measured(target.name, added_ms=added)
     targets = [target for target in targets if not target.failed]
     pids = [t.pid for t in targets if t.pid is not None]
@@ -694,7 +721,8 @@ def _floors(
         procs.append(floor)
         if split is not None:
             pin_tree(floor.pid, split.routers)
-        targets.append(Target(f"pass-through floor, {name} (one replica)", floor_url, floor.pid))
+        name = f"pass-through floor, {name} (one replica)"
+        targets.append(Target(name, floor_url, floor.pid, replica=urls[0]))
     return targets
 
 

@@ -80,7 +80,8 @@ class Row:
 
 @dataclass
 class Results:
-    direct_ms: float | None = None
+    direct_ms: float | None = None  # p50 of one request per replica per round, pooled
+    direct_each_ms: list[float] = field(default_factory=list)  # p50 per replica
     direct_rps: float | None = None
     routers: dict[str, Measured] = field(default_factory=dict)
     cpu_limit: str = ""  # the limited runs' limit, as a pod spec writes it ("400m")
@@ -102,7 +103,12 @@ def _why(*measured: Measured) -> str:
 
 def latency_rows(results: Results) -> list[Row]:
     """Added latency of every router, grouped like for like, with kvroute's ratios."""
-    rows = [Row("one client, short prompt: direct to a replica (p50)", results.direct_ms, "ms")]
+    rows = [Row("one client, short prompt: direct to the replicas, each in turn (p50)",
+                results.direct_ms, "ms")]  # fmt: skip
+    rows += [
+        Row(f"  direct to replica {i} alone (p50)", ms, "ms")
+        for i, ms in enumerate(results.direct_each_ms)
+    ]
     for ours, theirs in PAIRS:
         kvroute = results.get(f"kvroute {ours}")
         rows.append(

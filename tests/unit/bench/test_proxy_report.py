@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.proxy import QUESTIONS, parse_args, short_prompt, warm
+from bench.proxy import QUESTIONS, Target, direct_targets, parse_args, short_prompt, warm
 from bench.proxy_report import (
     Measured,
     Results,
@@ -81,6 +81,27 @@ def test_added_latency_needs_both_the_bound_and_sglang_routers_figure() -> None:
     assert _row(rows, "kvroute kv_aware / sglang-router cache_aware").verdict == "MISSED"
     assert _row(rows, "kvroute round_robin / sglang-router round_robin").verdict == "met"
     assert all_met(latency_rows(_everyone(kv_rps=1000.0, kv_ms=0.27)))
+
+
+def test_every_replica_gets_as_many_latency_requests_each_round_floors_included() -> None:
+    replicas = ["http://r0", "http://r1", "http://r2"]
+    routers = [Target("kvroute round_robin", "http://p0"), Target("sglang", "http://p1")]
+    floors = [Target(f"floor {i}", f"http://f{i}", replica="http://r0") for i in range(3)]
+    sent = [d.url for d in direct_targets(replicas, routers + floors)]
+    # r0 gets one direct and the three floors' requests; r1 and r2 as many, all direct
+    assert (sent.count("http://r0"), sent.count("http://r1"), sent.count("http://r2")) == (1, 4, 4)
+    assert [d.url for d in direct_targets(replicas, routers)] == replicas  # no floors: one each
+
+
+def test_each_replicas_own_direct_latency_is_printed_beside_the_pooled_one() -> None:
+    results = _everyone(kv_rps=1000.0, kv_ms=0.28)
+    results.direct_each_ms = [0.25, 0.35]
+    rows = latency_rows(results)
+    assert rows[0].value == 0.3 and "each in turn" in rows[0].name
+    assert [(r.name.strip(), r.value) for r in rows[1:3]] == [
+        ("direct to replica 0 alone (p50)", 0.25),
+        ("direct to replica 1 alone (p50)", 0.35),
+    ]
 
 
 def test_a_peer_that_did_not_run_is_reported_and_not_counted_as_met() -> None:
