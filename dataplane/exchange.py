@@ -76,6 +76,24 @@ class Attempt:
     tried: int  # replicas tried, this one included
     answered: bool = False  # Dispatcher.answered has settled it
 
+    def __init__(  # written out: one per request (see dataplane/native.py)
+        self,
+        opened: Opened,
+        decision: Decision,
+        endpoint: Endpoint,
+        predicted: int,
+        ticket: InflightTicket | None,
+        tried: int,
+        answered: bool = False,
+    ) -> None:
+        self.opened = opened
+        self.decision = decision
+        self.endpoint = endpoint
+        self.predicted = predicted
+        self.ticket = ticket
+        self.tried = tried
+        self.answered = answered
+
 
 @dataclass(slots=True)
 class Exchange:
@@ -88,6 +106,24 @@ class Exchange:
     usage: Usage | None = None
     outcome: str = "ok"
     tried: list[str] = field(default_factory=list)
+
+    def __init__(  # written out: one per request (see dataplane/native.py)
+        self,
+        request: InferenceRequest,
+        prepared: Prepared,
+        decision_s: float,
+        attempt: Attempt | None = None,
+        usage: Usage | None = None,
+        outcome: str = "ok",
+        tried: list[str] | None = None,
+    ) -> None:
+        self.request = request
+        self.prepared = prepared
+        self.decision_s = decision_s
+        self.attempt = attempt
+        self.usage = usage
+        self.outcome = outcome
+        self.tried = [] if tried is None else tried
 
 
 class Dispatcher:

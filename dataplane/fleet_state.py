@@ -69,6 +69,15 @@ class InflightTicket:
     # token, so only a whole answer or the request's end settles them
     prefill_later: int = 0
 
+    def __init__(  # written out: one per request (see dataplane/native.py)
+        self, ordinal: int, ledger_key: int, ticket: int, prefill: int = 0, prefill_later: int = 0
+    ) -> None:
+        self.ordinal = ordinal
+        self.ledger_key = ledger_key
+        self.ticket = ticket
+        self.prefill = prefill
+        self.prefill_later = prefill_later
+
 
 @dataclass(slots=True)
 class _Replica:

@@ -26,7 +26,10 @@ subclass overrides (the base's compiled methods read the base's value: declare i
 ``ClassVar``), no replacing a compiled object's methods, and no subclass of a compiled
 class unless it allows one (``mypyc_attr(allow_interpreted_subclasses=True)``); mypyc
 compiles no async generator and no subclass of a built-in exception
-(``mypyc_attr(native_class=False)`` leaves such a class plain Python).
+(``mypyc_attr(native_class=False)`` leaves such a class plain Python), and no method
+``@dataclass`` generates: a dataclass a request builds writes its own ``__init__``, taking
+its fields in order (tests/unit/dataplane/test_native.py checks that it does, and
+tests/unit/bench/test_proxy_path.py that no generated one runs for a routed request).
 """
 
 from __future__ import annotations

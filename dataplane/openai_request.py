@@ -38,6 +38,24 @@ class InferenceRequest:
     # stream_options.continuous_usage_stats given, other than false or null
     continuous_usage: bool = False
 
+    def __init__(  # written out: one per request (see dataplane/native.py)
+        self,
+        kind: Kind,
+        raw: bytes,
+        body: dict[str, Any],
+        model: str,
+        stream: bool,
+        usage_asked: bool | None,
+        continuous_usage: bool = False,
+    ) -> None:
+        self.kind = kind
+        self.raw = raw
+        self.body = body
+        self.model = model
+        self.stream = stream
+        self.usage_asked = usage_asked
+        self.continuous_usage = continuous_usage
+
     @property
     def adds_usage(self) -> bool:
         """Whether the proxy asks the engine for the stream's usage on the client's

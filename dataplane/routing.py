@@ -81,6 +81,36 @@ class Prepared:
     # prefill books (what else the batch asks its replica to prefill)
     later: tuple[Encoded, ...] = ()
 
+    def __init__(  # written out: one per request (see dataplane/native.py)
+        self,
+        workload: Workload,
+        policy: Policy,
+        model: str,
+        key_model: str,
+        block_size: int,
+        namespace: str,
+        upstream_salt: str | None,
+        prompt_tokens: int,
+        block_keys: list[int],
+        session_id: str | None,
+        request_id: str,
+        keyed: bool = True,
+        later: tuple[Encoded, ...] = (),
+    ) -> None:
+        self.workload = workload
+        self.policy = policy
+        self.model = model
+        self.key_model = key_model
+        self.block_size = block_size
+        self.namespace = namespace
+        self.upstream_salt = upstream_salt
+        self.prompt_tokens = prompt_tokens
+        self.block_keys = block_keys
+        self.session_id = session_id
+        self.request_id = request_id
+        self.keyed = keyed
+        self.later = later
+
 
 @dataclass(frozen=True, slots=True)
 class _ModelRoute:

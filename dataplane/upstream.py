@@ -73,6 +73,22 @@ class Opened:
     streaming: bool
     ttfb_s: float
 
+    def __init__(  # written out: one per request (see dataplane/native.py)
+        self,
+        response: Response,
+        status: int,
+        headers: list[tuple[bytes, bytes]],
+        first: bytes,
+        streaming: bool,
+        ttfb_s: float,
+    ) -> None:
+        self.response = response
+        self.status = status
+        self.headers = headers
+        self.first = first
+        self.streaming = streaming
+        self.ttfb_s = ttfb_s
+
     async def next_chunk(self) -> bytes:
         """The body after ``first``, chunk by chunk as it arrives; ``b""`` at its end
         (at once unless ``streaming``). A method, not an async generator: mypyc compiles

@@ -48,15 +48,40 @@ class ReplicaState:
     requests: int = field(init=False, compare=False)  # running + waiting + unreported
     load: float = field(init=False, compare=False)  # max(reported, kv_usage) + unreported, 0-1
 
-    def __post_init__(self) -> None:
-        reported = self.running + self.waiting
-        capacity = max(self.capacity, 1)
-        self.requests = reported + self.unreported
+    def __init__(
+        self,
+        ordinal: int,
+        replica_id: str,
+        models: frozenset[str] = frozenset(),
+        healthy: bool = True,
+        draining: bool = False,
+        running: int = 0,
+        waiting: int = 0,
+        kv_usage: float = 0.0,
+        unreported: int = 0,
+        capacity: int = 256,
+        prefill_tokens_per_s: float | None = None,
+        queued_prefill_tokens: float | None = None,
+    ) -> None:
+        self.ordinal = ordinal
+        self.replica_id = replica_id
+        self.models = models
+        self.healthy = healthy
+        self.draining = draining
+        self.running = running
+        self.waiting = waiting
+        self.kv_usage = kv_usage
+        self.unreported = unreported
+        self.capacity = capacity
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.queued_prefill_tokens = queued_prefill_tokens
+        reported = running + waiting
+        self.requests = reported + unreported
         # unreported requests add on top of whichever reported measure dominates: with
         # max() alone they vanish under a higher KV usage and a proxy herds every request
         # of a report period to the replica whose last report was lowest
-        measured = max(reported / capacity, self.kv_usage, 0.0)
-        self.load = min(1.0, measured + self.unreported / capacity)
+        measured = max(reported / max(capacity, 1), kv_usage, 0.0)
+        self.load = min(1.0, measured + unreported / max(capacity, 1))
 
 
 class StateView(Protocol):
@@ -96,6 +121,28 @@ class RouteContext:
     now: float = 0.0  # monotonic seconds, for speculative expiry
     exclude: frozenset[int] = frozenset()  # ordinals already tried for this request
     request_id: str = ""
+
+    def __init__(  # written out: one per request (see dataplane/native.py)
+        self,
+        workload: Workload,
+        model: str,
+        block_keys: Sequence[int] = (),
+        token_ids: Sequence[int] = (),
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        session_id: str | None = None,
+        now: float = 0.0,
+        exclude: frozenset[int] = frozenset(),
+        request_id: str = "",
+    ) -> None:
+        self.workload = workload
+        self.model = model
+        self.block_keys = block_keys
+        self.token_ids = token_ids
+        self.block_size = block_size
+        self.session_id = session_id
+        self.now = now
+        self.exclude = exclude
+        self.request_id = request_id
 
     @property
     def prompt_tokens(self) -> int:
@@ -183,6 +230,11 @@ class SpeculativeRecord:
     keys: tuple[int, ...]
     expires_at: float
 
+    def __init__(self, replica: int, keys: tuple[int, ...], expires_at: float) -> None:
+        self.replica = replica  # written out: one per request (see dataplane/native.py)
+        self.keys = keys
+        self.expires_at = expires_at
+
 
 @dataclass(slots=True)  # one per request; a frozen init costs 3x (read-only by convention)
 class Decision:
@@ -194,6 +246,22 @@ class Decision:
     note: str = ""
     speculative: SpeculativeRecord | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __init__(  # written out: one per request (see dataplane/native.py)
+        self,
+        replica: ReplicaState | None,
+        strategy: str,
+        reasons: Sequence[ReplicaReason] = (),
+        note: str = "",
+        speculative: SpeculativeRecord | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        self.replica = replica
+        self.strategy = strategy
+        self.reasons = reasons
+        self.note = note
+        self.speculative = speculative
+        self.extra = {} if extra is None else extra
 
     @property
     def ordinal(self) -> int | None:

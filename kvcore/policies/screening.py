@@ -36,6 +36,18 @@ class Screened:
     excluded: list[ReplicaReason]  # hard exclusions and left-out saturated replicas
     note: str = ""
 
+    def __init__(  # written out: one per request (see dataplane/native.py)
+        self,
+        usable: list[ReplicaState],
+        saturated: dict[int, str],
+        excluded: list[ReplicaReason],
+        note: str = "",
+    ) -> None:
+        self.usable = usable
+        self.saturated = saturated
+        self.excluded = excluded
+        self.note = note
+
 
 def hard_exclusion(replica: ReplicaState, ctx: RouteContext) -> str | None:
     """Why ``replica`` can never take this request, or ``None``."""

@@ -55,6 +55,10 @@ class Encoded:
     tokens: array[int]
     keys: list[int] = field(default_factory=list)
 
+    def __init__(self, tokens: array[int], keys: list[int] | None = None) -> None:
+        self.tokens = tokens  # written out: one per request (see dataplane/native.py)
+        self.keys = [] if keys is None else keys
+
     def token_list(self) -> list[int]:
         return self.tokens.tolist()
 
@@ -72,6 +76,26 @@ class _Prompt:
     basis: tuple[int, int, bool] | None = None  # (root, block_size, specials) of keys
     keys: list[int] = field(default_factory=list)
 
+    def __init__(  # written out: one per long prompt (see dataplane/native.py)
+        self,
+        data: bytes,
+        tokens: array[int],
+        starts: array[int],
+        known: int,
+        resume: int,
+        chunks: list[int],
+        basis: tuple[int, int, bool] | None = None,
+        keys: list[int] | None = None,
+    ) -> None:
+        self.data = data
+        self.tokens = tokens
+        self.starts = starts
+        self.known = known
+        self.resume = resume
+        self.chunks = chunks
+        self.basis = basis
+        self.keys = [] if keys is None else keys
+
 
 @dataclass(slots=True)
 class _Reuse:  # not frozen: a frozen dataclass's __init__ costs a setattr call per field
@@ -79,6 +103,14 @@ class _Reuse:  # not frozen: a frozen dataclass's __init__ costs a setattr call 
     cut: int = 0  # characters of the new text whose tokens are the prompt's
     tokens: int = 0  # how many tokens that is
     at: int = 0  # the cut as a byte offset
+
+    def __init__(
+        self, prompt: _Prompt | None = None, cut: int = 0, tokens: int = 0, at: int = 0
+    ) -> None:
+        self.prompt = prompt  # written out: one per long prompt (see dataplane/native.py)
+        self.cut = cut
+        self.tokens = tokens
+        self.at = at
 
 
 class PrefixTokenCache:

@@ -151,6 +151,51 @@ def test_a_class_attribute_a_compiled_subclass_overrides_is_a_classvar() -> None
     assert overridden == []
 
 
+def test_a_compiled_dataclass_that_writes_its_own_init_takes_its_fields_in_order() -> None:
+    """The ``__init__`` a per-request dataclass writes (see the test in
+    tests/unit/bench/test_proxy_path.py) must take what ``@dataclass`` would: each init
+    field in order with its default (``None`` for a ``default_factory``) and assign
+    every field, the derived ones too."""
+    checked, found = 0, []
+    for cls in _compiled_classes().values():
+        if not any("dataclass" in ast.unparse(d) for d in cls.decorator_list):
+            continue
+        init = next(
+            (n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None
+        )
+        if init is None:
+            continue
+        checked += 1
+        fields = [
+            n for n in cls.body
+            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+            and "ClassVar" not in ast.unparse(n.annotation)
+        ]  # fmt: skip
+        wanted = []
+        for node in fields:
+            value = ast.unparse(node.value) if node.value is not None else None
+            if value is not None and value.startswith("field("):
+                if "init=False" in value:
+                    continue
+                value = "None" if "default_factory" in value else value
+            wanted.append((node.target.id, value))  # type: ignore[union-attr]
+        params = init.args.args[1:]
+        defaults = [None] * (len(params) - len(init.args.defaults)) + init.args.defaults
+        taken = [
+            (a.arg, ast.unparse(d) if d is not None else None)
+            for a, d in zip(params, defaults, strict=True)
+        ]
+        assigned = {
+            t.attr for n in ast.walk(init) if isinstance(n, ast.Assign) for t in n.targets
+            if isinstance(t, ast.Attribute) and ast.unparse(t.value) == "self"
+        }  # fmt: skip
+        missing = {n.target.id for n in fields} - assigned  # type: ignore[union-attr]
+        if taken != wanted or missing:
+            found.append(f"{cls.name}: takes {taken}, fields {wanted}, unassigned {missing}")
+    assert checked >= 14  # the per-request classes: the check looks at something
+    assert found == []
+
+
 _ABCS = {"Sequence", "Mapping", "MutableMapping", "Set", "Iterable", "Collection", "Container"}
 
 
