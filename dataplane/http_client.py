@@ -56,6 +56,7 @@ class _Connection(asyncio.Protocol):
         self.peer: tuple[str, int] = ("", 0)
         self.error: Exception | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -70,6 +71,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
+        self.loop = asyncio.get_running_loop()  # asked once: it makes a getpid() call
 
     def data_received(self, data: bytes) -> None:
         self.started = True
@@ -114,7 +116,7 @@ class _Connection(asyncio.Protocol):
         raises its error."""
         if self.error is not None:
             raise self.error
-        waiter = self._waiter = deadlines.waiter()
+        waiter = self._waiter = deadlines.waiter(self.loop)
         try:
             await waiter
         finally:
@@ -147,10 +149,11 @@ class ReadDeadlines:
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def waiter(self) -> asyncio.Future[None]:
-        """A future that fails with :class:`TimeoutError` once ``timeout_s`` has passed
-        unless it was set first; the caller decrements :attr:`pending` when done with it."""
-        loop = asyncio.get_running_loop()
+    def waiter(self, loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Future[None]:
+        """A future of ``loop`` (the running one) that fails with :class:`TimeoutError`
+        once ``timeout_s`` has passed unless it was set first; the caller decrements
+        :attr:`pending` when done with it."""
+        loop = loop or asyncio.get_running_loop()
         if loop is not self._loop:  # first use, or a new loop: the old one's timer is gone
             self._loop, self._timer, self._waits, self.pending = loop, None, deque(), 0
         waiter = loop.create_future()

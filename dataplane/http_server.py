@@ -165,6 +165,8 @@ class _Connection(asyncio.Protocol):
         self.server = server
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
+        # the loop, asked once: asyncio.get_running_loop() makes a getpid() system call
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.task: asyncio.Task[None] | None = None
         self.waiting: deque[Request | ApiError] = deque()
         self.paused = False  # the client's socket buffer is full
@@ -189,6 +191,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
+        self.loop = asyncio.get_running_loop()
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -303,7 +306,8 @@ class _Connection(asyncio.Protocol):
             self.write(_error_bytes(item))
             self.close()
             return
-        self.task = asyncio.get_running_loop().create_task(self._run(item))
+        assert self.loop is not None  # requests come after connection_made
+        self.task = self.loop.create_task(self._run(item))
 
     async def _run(self, request: Request) -> None:
         response = Response(self, request)
