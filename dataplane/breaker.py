@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from mypy_extensions import mypyc_attr
+
 
 @dataclass(slots=True)
 class _Breaker:
@@ -26,6 +28,7 @@ class _Breaker:
     probing: bool = False
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # the tests log its calls through one
 class CircuitBreakers:
     """Per-replica circuit breakers; time is passed in (monotonic seconds)."""
 

@@ -3,9 +3,10 @@ current.
 
 The modules in :data:`MODULES` are what a routed request runs through: the HTTP server,
 the handler, the exchange with the replica, request parsing, routing, the requests
-upstream, the fleet state, the HTTP client and the metrics, and kvcore's keys, prompt
-reading, built-in tokenizer and prefix cache, residency index, routing contract, replica
-board, in-flight ledger, screening, view and the level-3 policies. ``setup.py`` compiles
+upstream, the fleet state, the HTTP client, the metrics, the circuit breakers and the
+prefill books, and kvcore's keys, prompt reading, built-in tokenizer and prefix cache,
+residency index, routing contract, replica board, in-flight ledger, screening, view, hash
+ring and the level-0, -2 and -3 policies. ``setup.py`` compiles
 them when ``KVROUTE_NATIVE=1`` (the images are built so; in a checkout, ``make native``,
 which ``make test`` runs first), and an extension module sitting beside its source is
 what Python imports. Compiled, the request path costs a quarter less CPU in process
@@ -40,23 +41,29 @@ from pathlib import Path
 
 MODULES = (
     "dataplane.app",
+    "dataplane.breaker",
     "dataplane.exchange",
     "dataplane.fleet_state",
     "dataplane.http_client",
     "dataplane.http_server",
     "dataplane.metrics",
     "dataplane.openai_request",
+    "dataplane.prefill_books",
     "dataplane.routing",
     "dataplane.upstream",
     "kvcore.index.bitmask",
     "kvcore.keys",
     "kvcore.policies.base",
     "kvcore.policies.board",
+    "kvcore.policies.hash_ring",
     "kvcore.policies.inflight",
     "kvcore.policies.kv_aware",
     "kvcore.policies.kv_cost",
     "kvcore.policies.kv_scoring",
+    "kvcore.policies.least_load",
+    "kvcore.policies.prefix_hash",
     "kvcore.policies.preselect",
+    "kvcore.policies.round_robin",
     "kvcore.policies.screening",
     "kvcore.policies.view",
     "kvcore.request",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from math import inf
+from typing import ClassVar
 
 from kvcore.policies.base import Decision, ReplicaReason, ReplicaState, RouteContext, StateView
 from kvcore.policies.board import ReplicaBoard
@@ -15,7 +16,7 @@ from kvcore.workload import Workload
 class LeastLoadPolicy:
     """Lowest ``load`` among usable replicas."""
 
-    name = "least_load"
+    name: ClassVar[str] = "least_load"
     reads_keys = False
 
     def __init__(self, workload: Workload, rng: random.Random) -> None:

@@ -9,6 +9,7 @@ hash of their first tokens.
 from __future__ import annotations
 
 import random
+from typing import ClassVar
 
 import xxhash
 
@@ -30,7 +31,7 @@ def prefix_key(ctx: RouteContext, prefix_tokens: int) -> int:
 class PrefixHashPolicy:
     """The prefix's owner on the ring, passed on past saturated replicas."""
 
-    name = "prefix_hash"
+    name: ClassVar[str] = "prefix_hash"
     reads_keys = True
 
     def __init__(self, workload: PrefixHashWorkload, rng: random.Random) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import ClassVar
 
 from kvcore.policies.base import Decision, RouteContext, StateView
 from kvcore.policies.screening import decide, plain_rows, screen
@@ -12,7 +13,7 @@ from kvcore.workload import Workload
 class RoundRobinPolicy:
     """Cycles through the usable replicas in ordinal order."""
 
-    name = "round_robin"
+    name: ClassVar[str] = "round_robin"
     reads_keys = False
 
     def __init__(self, workload: Workload, rng: random.Random) -> None:

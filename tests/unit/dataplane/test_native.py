@@ -56,9 +56,9 @@ def test_a_compiled_module_no_longer_listed_is_stale(tmp_path: Path) -> None:
     root = _checkout(tmp_path)
     (root / "dataplane" / "relay.py").write_text("")
     (root / "dataplane" / f"relay{SUFFIX}").write_bytes(b"")
-    (root / "kvcore" / "policies" / f"least_load{SUFFIX}").write_bytes(b"")
+    (root / "kvcore" / "policies" / f"session_affinity{SUFFIX}").write_bytes(b"")
     os.utime(root / "dataplane" / "relay.py", (1_000, 1_000))
-    assert native.stale(root) == ["dataplane.relay", "kvcore.policies.least_load"]
+    assert native.stale(root) == ["dataplane.relay", "kvcore.policies.session_affinity"]
 
 
 def test_a_checkout_never_built_runs_from_source(tmp_path: Path) -> None:
