@@ -48,7 +48,7 @@ class ReplicaState:
     requests: int = field(init=False, compare=False)  # running + waiting + unreported
     load: float = field(init=False, compare=False)  # max(reported, kv_usage) + unreported, 0-1
 
-    def __init__(
+    def __init__(  # written out: one or two per request (see dataplane/native.py)
         self,
         ordinal: int,
         replica_id: str,
@@ -75,13 +75,13 @@ class ReplicaState:
         self.capacity = capacity
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.queued_prefill_tokens = queued_prefill_tokens
-        reported = running + waiting
+        reported, seats = running + waiting, max(capacity, 1)
         self.requests = reported + unreported
         # unreported requests add on top of whichever reported measure dominates: with
         # max() alone they vanish under a higher KV usage and a proxy herds every request
         # of a report period to the replica whose last report was lowest
-        measured = max(reported / max(capacity, 1), kv_usage, 0.0)
-        self.load = min(1.0, measured + unreported / max(capacity, 1))
+        measured = max(reported / seats, kv_usage, 0.0)
+        self.load = min(1.0, measured + unreported / seats)
 
 
 class StateView(Protocol):
