@@ -250,7 +250,7 @@ class Router:
     def _key(self, prepared: Prepared, request: InferenceRequest, spec: str) -> None:
         root = self._root(prepared.key_model, prepared.namespace)
         prompt = self._prompt(request, spec, root, prepared.block_size)
-        prepared.prompt_tokens, prepared.block_keys = len(prompt.tokens), prompt.keys
+        prepared.prompt_tokens, prepared.block_keys = prompt.count, prompt.keys
         prepared.keyed = True
 
     def _key_later(self, prepared: Prepared, request: InferenceRequest, spec: str) -> None:
@@ -277,7 +277,7 @@ class Router:
             while run < len(keys) and keys[run] in batch:
                 run += 1
             batch.update(keys)
-            uncached += len(prompt.tokens) - _cached(run, len(prompt.tokens), size)
+            uncached += prompt.count - _cached(run, prompt.count, size)
         return uncached
 
     def choose(

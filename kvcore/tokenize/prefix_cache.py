@@ -50,14 +50,27 @@ class CacheStats:
 @dataclass(slots=True)
 class Encoded:
     """A prompt's token ids (special tokens included) and, when asked, its block keys.
-    Both may be the cache's own: read them, never modify them."""
+    Both may be the cache's own: read them, never modify them.
 
-    tokens: array[int]
+    ``count`` is how many tokens there are. A prompt served from the cache holds them as
+    the remembered prompt does, a shared beginning and its own rest, and ``tokens``
+    joins the two only when read (the proxy reads only the count and the keys)."""
+
+    held: array[int] | _Prompt  # the tokens, or the remembered prompt holding them
     keys: list[int] = field(default_factory=list)
+    count: int = field(init=False)
 
-    def __init__(self, tokens: array[int], keys: list[int] | None = None) -> None:
-        self.tokens = tokens  # written out: one per request (see dataplane/native.py)
+    def __init__(self, held: array[int] | _Prompt, keys: list[int] | None = None) -> None:
+        self.held = held  # written out: one per request (see dataplane/native.py)
         self.keys = [] if keys is None else keys
+        self.count = held.size() if isinstance(held, _Prompt) else len(held)
+
+    @property
+    def tokens(self) -> array[int]:
+        held = self.held
+        if isinstance(held, _Prompt):
+            held = self.held = held.span(0, self.count)
+        return held
 
     def token_list(self) -> list[int]:
         return self.tokens.tolist()
@@ -66,7 +79,12 @@ class Encoded:
 @dataclass(slots=True)
 class _Prompt:
     data: bytes  # the text as UTF-8
-    tokens: array[int]  # without special tokens
+    # its tokens (without special tokens): the first ``cut`` of ``head`` (an array
+    # shared with the prompts it was derived from and derived into: never modified),
+    # then ``tail``, its own
+    head: array[int]
+    cut: int
+    tail: array[int]
     starts: array[int]  # the byte offset in data where each of the first tokens starts
     known: int  # how many of starts are this prompt's (a derived prompt shares its
     # source's array, which may hold more: copied before this prompt extends it)
@@ -79,7 +97,9 @@ class _Prompt:
     def __init__(  # written out: one per long prompt (see dataplane/native.py)
         self,
         data: bytes,
-        tokens: array[int],
+        head: array[int],
+        cut: int,
+        tail: array[int],
         starts: array[int],
         known: int,
         resume: int,
@@ -88,13 +108,29 @@ class _Prompt:
         keys: list[int] | None = None,
     ) -> None:
         self.data = data
-        self.tokens = tokens
+        self.head = head
+        self.cut = cut
+        self.tail = tail
         self.starts = starts
         self.known = known
         self.resume = resume
         self.chunks = chunks
         self.basis = basis
         self.keys = [] if keys is None else keys
+
+    def size(self) -> int:
+        return self.cut + len(self.tail)
+
+    def span(self, start: int, end: int) -> array[int]:
+        """A copy of its tokens ``start`` to ``end``."""
+        cut = self.cut
+        if end <= cut:
+            return self.head[start:end]
+        if start >= cut:
+            return self.tail[start - cut : end - cut]
+        part = self.head[start:cut]
+        part.extend(self.tail[: end - cut])
+        return part
 
 
 @dataclass(slots=True)
@@ -119,7 +155,8 @@ class PrefixTokenCache:
 
     ``max_prompts`` bounds memory: each remembered prompt keeps its UTF-8 text, its
     tokens and their offsets (4 bytes each) and its keys, about 150 KB for an
-    8,192-token prompt. Not thread-safe: use one per thread or event loop.
+    8,192-token prompt, less where prompts share a beginning (the tokens before a cut
+    and the offsets are shared). Not thread-safe: use one per thread or event loop.
     """
 
     def __init__(self, tokenizer: Tokenizer, *, max_prompts: int = 128, chunk: int = CHUNK):
@@ -159,14 +196,16 @@ class PrefixTokenCache:
         source, shared, chunks = self._longest(data)
         reuse = self._reuse(text, data, source, shared)
         prompt = self._tokens(text, data, chunks, reuse)
-        bare = prompt.tokens
-        tokens = array("I", before) + bare + array("I", after) if before or after else bare
+        size = prompt.size()
+        wrapped = None
+        if before or after:
+            wrapped = array("I", before) + prompt.span(0, size) + array("I", after)
         if root is not None:
             prompt.basis = (root, block_size, add_special_tokens)
-            prompt.keys = self._keys(prompt, reuse.prompt, tokens, len(before), reuse.tokens)
-        self._count(reuse, len(bare))
+            prompt.keys = self._keys(prompt, reuse.prompt, wrapped, len(before), reuse.tokens)
+        self._count(reuse, size)
         self._record(prompt, reuse.prompt)
-        return Encoded(tokens, prompt.keys)
+        return Encoded(prompt if wrapped is None else wrapped, prompt.keys)
 
     def __len__(self) -> int:
         return len(self._prompts)
@@ -181,7 +220,7 @@ class PrefixTokenCache:
         if cut == 0:
             return _Reuse(prompt)
         at = cut if text.isascii() else len(text[:cut].encode("utf-8", "surrogatepass"))
-        if at == prompt.resume and prompt.known < len(prompt.tokens):
+        if at == prompt.resume and prompt.known < prompt.size():
             return _Reuse(prompt, cut, prompt.known, at)  # where its own tail started
         if at > prompt.resume:
             self._find_starts(self._segmentable, prompt)
@@ -196,12 +235,12 @@ class PrefixTokenCache:
         """Where each of ``prompt``'s tokens after ``resume`` starts: found with the
         prompt when it was new, else only when a later prompt needs them (most prompts'
         own new tails, such as one question among many, are never reused)."""
-        known = prompt.known
-        if known == len(prompt.tokens):
+        known, size = prompt.known, prompt.size()
+        if known == size:
             return
         text = prompt.data.decode("utf-8", "surrogatepass") if text is None else text
         resume = prompt.resume if text.isascii() else _characters(prompt.data, prompt.resume)
-        starts = tokenizer.token_starts(text, resume, prompt.tokens[known:].tolist())
+        starts = tokenizer.token_starts(text, resume, prompt.span(known, size).tolist())
         if starts is not None:
             if len(prompt.starts) != known:  # shared, and holding another prompt's
                 prompt.starts = prompt.starts[:known]
@@ -235,31 +274,42 @@ class PrefixTokenCache:
             ids = self._segmentable.encode_from(text, reuse.cut)
         if ids is None:
             ids = self.tokenizer.encode(text, add_special_tokens=False)
-            return _Prompt(data, array("I", ids), array("I"), 0, 0, chunks)
+            return _Prompt(data, array("I", ids), len(ids), array("I"), array("I"), 0, 0, chunks)
         if reuse.prompt is None or not reuse.tokens:
-            prompt = _Prompt(data, array("I", ids), array("I"), 0, 0, chunks)
+            tokens = array("I", ids)
+            prompt = _Prompt(data, tokens, len(tokens), array("I"), array("I"), 0, 0, chunks)
             if self._segmentable is not None and text.isascii():  # cheap: find them now,
                 self._find_starts(self._segmentable, prompt, text)  # as it may be reused
             return prompt
         count, source = reuse.tokens, reuse.prompt
-        tokens = source.tokens[:count]
-        tokens.fromlist(ids)
-        return _Prompt(data, tokens, source.starts, count, reuse.at, chunks)  # starts shared
+        # the source's tokens before the cut: its head shared where they are all in it
+        # (a new question after the same system prompt), else copied
+        head = source.head if count <= source.cut else source.span(0, count)
+        tail = array("I", ids)
+        return _Prompt(data, head, count, tail, source.starts, count, reuse.at, chunks)
 
     def _keys(
-        self, prompt: _Prompt, source: _Prompt | None, tokens: array[int], lead: int, known: int
+        self,
+        prompt: _Prompt,
+        source: _Prompt | None,
+        wrapped: array[int] | None,
+        lead: int,
+        known: int,
     ) -> list[int]:
-        """Block keys of ``tokens``: ``source``'s for the blocks whose tokens are its
-        (same root, block size and special tokens), chained from there for the rest."""
+        """Block keys of the prompt's tokens (``wrapped`` in its special tokens, whose
+        first ``lead`` come before them): ``source``'s for the blocks whose tokens are
+        its (same root, block size and special tokens), chained from there for the rest."""
         assert prompt.basis is not None
         root, block_size, _ = prompt.basis
         reused = 0
         if source is not None and source.basis == prompt.basis:
-            same = _common_tokens(prompt.tokens, source.tokens, known)
+            same = _common_tokens(prompt, source, known)
             reused = min((lead + same) // block_size, len(source.keys))
         keys = source.keys[:reused] if source is not None and reused else []
         parent = keys[-1] if keys else root
-        keys += chain_keys(parent, tokens[reused * block_size :], block_size)
+        start = reused * block_size
+        rest = wrapped[start:] if wrapped is not None else prompt.span(start, prompt.size())
+        keys += chain_keys(parent, rest, block_size)
         self.stats.reused_keys += reused
         self.stats.hashed_keys += len(keys) - reused
         return keys
@@ -311,14 +361,14 @@ def _common_bytes(a: bytes, b: bytes, start: int) -> int:
     return low
 
 
-def _common_tokens(a: array[int], b: array[int], start: int) -> int:
+def _common_tokens(a: _Prompt, b: _Prompt, start: int) -> int:
     """How many leading tokens ``a`` and ``b`` share, known to be at least ``start``:
     growing strides compared in C (the first difference is usually near ``start``),
     then halving within the first unequal one."""
-    limit, stride = min(len(a), len(b)), _FIRST_STRIDE
+    limit, stride = min(a.size(), b.size()), _FIRST_STRIDE
     while start < limit:
         end = min(start + stride, limit)
-        if a[start:end] != b[start:end]:
+        if a.span(start, end) != b.span(start, end):
             break
         start, stride = end, stride * 2
     else:
@@ -326,7 +376,7 @@ def _common_tokens(a: array[int], b: array[int], start: int) -> int:
     while stride > 1:
         stride //= 2
         end = min(start + stride, limit)
-        if a[start:end] == b[start:end]:
+        if a.span(start, end) == b.span(start, end):
             start = end
     return start
 
