@@ -14,7 +14,8 @@ rendered once, with a marker for each content, and a later conversation of the s
 shape costs one join instead of a render that copies a long system prompt several
 times. Which templates qualify is decided from the template's syntax tree
 (:func:`pastes_contents_only`), never by trying: a template that looks at a content in
-any other way (a test, a filter, a comparison, a variable holding it) is rendered whole.
+any other way than whether it is empty (a filter, a comparison, a variable holding it)
+is rendered whole.
 """
 
 from __future__ import annotations
@@ -137,8 +138,11 @@ class _Shapes:
     def _cut(
         self, variables: Mapping[str, Any], shape: tuple[Any, ...]
     ) -> tuple[list[str], list[int]]:
-        marked = [
-            {"role": message["role"], "content": self._marker.format(index)}
+        marked = [  # an empty content stays empty: a template may test for it
+            {
+                "role": message["role"],
+                "content": self._marker.format(index) if message["content"] else "",
+            }
             for index, message in enumerate(variables["messages"])
         ]
         if len(self._shapes) >= _SHAPES:
@@ -156,9 +160,9 @@ class _Shapes:
 
 def _shape(variables: Mapping[str, Any]) -> tuple[Any, ...] | None:
     """What a content-pasting template can see of ``variables`` besides the contents:
-    each message's role and every other variable. ``None`` unless every message is
-    exactly ``{"role": str, "content": str}`` and every other variable is hashable and
-    no list (tools, documents: rendered whole)."""
+    each message's role and whether its content is empty, and every other variable.
+    ``None`` unless every message is exactly ``{"role": str, "content": str}`` and every
+    other variable is hashable and no list (tools, documents: rendered whole)."""
     messages = variables.get("messages")
     if type(messages) is not list:
         return None
@@ -169,7 +173,7 @@ def _shape(variables: Mapping[str, Any]) -> tuple[Any, ...] | None:
         role, content = message.get("role"), message.get("content")
         if type(role) is not str or type(content) is not str or "\x00" in role:
             return None
-        roles.append(role)
+        roles.append((role, content == ""))
     others = []
     for name, value in variables.items():
         if name != "messages":
@@ -192,6 +196,9 @@ _SCALAR_FILTERS = {"length", "count"}  # of a list of messages: only how many
 _SHAPE_TESTS = {"defined", "undefined", "none", "string", "mapping", "sequence", "iterable"}
 
 
+_LIST = "<messages>"  # in the names held: ``messages`` is never rebound (no name has "<")
+
+
 class _Opaque(Exception):
     """The template uses a content (or something holding one) in a way not pasted."""
 
@@ -200,8 +207,10 @@ def pastes_contents_only(tree: nodes.Template) -> bool:
     """Whether the template's output is its render with each message's content cut out
     and pasted back: it reads a content only as ``message['content']`` or
     ``message.content``, and uses that only as a term of a ``+``/``~`` chain that is
-    output, and reads nothing else of the messages but their roles (and fields a
-    ``{"role", "content"}`` message lacks), how many they are, and which is which.
+    output or as a condition (whether it is empty), and reads nothing else of the
+    messages but their roles (and fields a ``{"role", "content"}`` message lacks), how
+    many they are, and which is which (``messages[i]``, ``i`` computed too while
+    ``messages`` is never rebound).
 
     Names bound to the messages (``messages``, loop targets over them, ``set`` copies,
     ``loop``) are tracked without regard to scope, which can only reject more. Macros,
@@ -210,6 +219,10 @@ def pastes_contents_only(tree: nodes.Template) -> bool:
     or of a message make the answer ``False``, but for the tests a shape decides (``is
     defined``, ``is string``...)."""
     holding = {"messages", "loop"}
+    targets: list[nodes.Node] = [node.target for node in tree.find_all(nodes.Assign)]
+    targets += [node.target for node in tree.find_all(nodes.For)]
+    if not any(name.name == "messages" for t in targets for name in _names(t)):
+        holding.add(_LIST)
     try:
         while True:  # until no more names are found bound to messages
             before = len(holding)
@@ -233,6 +246,10 @@ def pastes_contents_only(tree: nodes.Template) -> bool:
     return True
 
 
+def _names(target: nodes.Node) -> list[nodes.Name]:
+    return [target] if isinstance(target, nodes.Name) else list(target.find_all(nodes.Name))
+
+
 def _check(body: list[nodes.Node], holding: set[str]) -> None:
     for node in body:
         if isinstance(node, nodes.Output):
@@ -243,11 +260,11 @@ def _check(body: list[nodes.Node], holding: set[str]) -> None:
             if node.recursive or _kind(node.iter, holding) == _CONTENT:
                 raise _Opaque
             if node.test is not None:
-                _clean(node.test, holding)
+                _truth(node.test, holding)
             _check(node.body, holding)
             _check(node.else_, holding)
         elif isinstance(node, nodes.If):
-            _clean(node.test, holding)
+            _truth(node.test, holding)
             _check(node.body, holding)
             for branch in node.elif_:
                 _check([branch], holding)
@@ -270,12 +287,24 @@ def _pasted(node: nodes.Expr, holding: set[str]) -> None:
         for term in node.nodes:
             _pasted(term, holding)
     elif isinstance(node, nodes.CondExpr):
-        _clean(node.test, holding)
+        _truth(node.test, holding)
         _pasted(node.expr1, holding)
         if node.expr2 is not None:
             _pasted(node.expr2, holding)
     elif _kind(node, holding) == _MESSAGES:
         raise _Opaque
+
+
+def _truth(node: nodes.Node, holding: set[str]) -> None:
+    """A condition: a content may be tested for being empty (``{% if message.content
+    %}``), which the shape decides (it says which contents are empty)."""
+    if isinstance(node, nodes.And | nodes.Or):
+        _truth(node.left, holding)
+        _truth(node.right, holding)
+    elif isinstance(node, nodes.Not):
+        _truth(node.node, holding)
+    else:
+        _kind(node, holding)  # whatever it holds: only its truth is read
 
 
 def _clean(node: nodes.Node, holding: set[str]) -> None:
@@ -299,7 +328,7 @@ def _kind(node: nodes.Node, holding: set[str]) -> int:
         base = _kind(node.node, holding)
         if base == _CONTENT:
             raise _Opaque
-        if base == _MESSAGES and not _is_position(arg, holding):
+        if base == _MESSAGES and not _is_position(node.node, arg, holding):
             raise _Opaque  # a computed key might be "content"
         _clean(arg, holding)
         return base
@@ -350,13 +379,15 @@ def _member(base: nodes.Node, name: str, holding: set[str]) -> int:
     return _MESSAGES  # loop.previtem, a list's method...: still the messages
 
 
-def _is_position(node: nodes.Node, holding: set[str]) -> bool:
-    """An index or a slice: which message, not which field."""
+def _is_position(base: nodes.Node, node: nodes.Node, holding: set[str]) -> bool:
+    """An index or a slice: which message, not which field. Computed, only of
+    ``messages`` itself (``messages[loop.index0 - 1]``), never rebound to a message."""
     if isinstance(node, nodes.Const):
         return type(node.value) is int
     if isinstance(node, nodes.Slice):
         return all(_kind(part, holding) == _CLEAN for part in node.iter_child_nodes())
-    return False
+    is_list = isinstance(base, nodes.Name) and base.name == "messages" and _LIST in holding
+    return is_list and _kind(node, holding) == _CLEAN
 
 
 def _clean_arguments(node: nodes.Filter | nodes.Call, holding: set[str]) -> None:

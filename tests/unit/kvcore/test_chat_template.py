@@ -33,12 +33,18 @@ PASTING = {
         "{% if loop.nextitem is defined %}{{ '>' + loop.nextitem['content'] }}{% endif %}"
         "{% endfor %}#{{ ns.users }}{% if add_generation_prompt %}{{ bos_token }}{% endif %}"
     ),
+    "empty contents and neighbours by computed position": (
+        "{% for m in messages %}{% if m.role == 'tool' %}"
+        "{% if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}<tools>"
+        "{% endif %}{{ '[' + m.content + ']' }}{% elif m.content %}"
+        "{{ '<' + m.role + '>' + m.content }}{% elif not m.content and m.role == 'user' %}"
+        "<empty>{% else %}<{{ m.role }}/>{% endif %}{% endfor %}"
+        "{{ 'end' if messages[-1].content else 'END' }}"
+    ),
 }
 
 NOT_PASTING = {
     "a filter on a content": "{% for m in messages %}{{ m.content | trim }}{% endfor %}",
-    "a content tested": "{% for m in messages %}{% if m.content %}{{ m.content }}{% endif %}"
-    "{% endfor %}",
     "a content in a variable": "{% set first = messages[0]['content'] %}{{ first }}",
     "a content's method": "{% for m in messages %}{{ m.content.strip() }}{% endfor %}",
     "a content compared": "{% for m in messages %}{{ 'x' in m.content }}{% endfor %}",
@@ -58,6 +64,10 @@ NOT_PASTING = {
     "{% endfor %}{% endfor %}",
     "the messages in a namespace": "{% set ns = namespace(m=none) %}{% set ns.m = messages %}"
     "{{ ns.m[0].content | upper }}",
+    "a computed key once messages is a message": "{% set messages = messages[0] %}"
+    "{% set k = 'content' %}{{ messages[k] | upper }}",
+    "a content compared in a condition": "{% for m in messages %}"
+    "{% if m.content == 'x' %}!{% endif %}{% endfor %}",
 }
 
 
