@@ -231,13 +231,9 @@ def pastes_contents_only(tree: nodes.Template) -> bool:
                 value = node.node if isinstance(node, nodes.Assign) else node.iter
                 if _kind(value, holding) == _CLEAN:
                     continue
-                target = node.target
-                if isinstance(target, nodes.Name):
-                    holding.add(target.name)
-                elif isinstance(target, nodes.Tuple):
-                    holding.update(name.name for name in target.find_all(nodes.Name))
-                else:
+                if isinstance(node.target, nodes.NSRef):
                     raise _Opaque  # a namespace attribute holding messages
+                holding.update(name.name for name in _names(node.target))
             if len(holding) == before:
                 break
         _check(tree.body, holding)

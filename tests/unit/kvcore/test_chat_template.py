@@ -16,7 +16,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from bench.micro.model_files import CHATML_TEMPLATE
 from kvcore.tokenize import ChatTemplateError
-from kvcore.tokenize.chat_template import compile_chat_template, pastes_contents_only
+from kvcore.tokenize.chat_template import _Shapes, compile_chat_template, pastes_contents_only
 
 PASTING = {
     "chatml": CHATML_TEMPLATE,
@@ -92,13 +92,17 @@ def _whole(source: str, variables: dict[str, Any]) -> str:
 
 @pytest.mark.parametrize("name", PASTING)
 def test_templates_that_only_paste_contents_are_recognised(name: str) -> None:
+    """Recognised, and compiled to the renderer by shape (a whole render each time
+    would give the same text, at the cost this path avoids)."""
     assert pastes_contents_only(_tree(PASTING[name]))
+    assert isinstance(getattr(compile_chat_template(PASTING[name]), "__self__", None), _Shapes)
 
 
 @pytest.mark.parametrize("name", NOT_PASTING)
 def test_templates_that_read_a_content_otherwise_are_rendered_whole(name: str) -> None:
     source = NOT_PASTING[name]
     assert not pastes_contents_only(_tree(source))
+    assert not isinstance(getattr(compile_chat_template(source), "__self__", None), _Shapes)
     messages = [{"role": "user", "content": "  x  "}, {"role": "user", "content": "y"}]
     variables = {"messages": messages, "add_generation_prompt": True, "tools": None}
     render = compile_chat_template(source)
