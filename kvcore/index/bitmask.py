@@ -18,6 +18,13 @@ expiring one is O(1). Records that would break the order (a shorter TTL after a 
 one) go to a heap. Which records expire first does not change what an expiry drops
 (see :meth:`_expire_record`), so the two are simply drained in turn.
 
+A long prompt (at least ``_PREFIX_MIN`` keys) is looked up from the end of a beginning
+looked up before, when it starts with one (:class:`_Prefix`): where two lookups in a row
+with the same first key shared their first keys, the state of the walk at the end of
+what they shared is remembered until a key of it changes holders, so a new question
+after a 490-key system prompt reads 57 keys, not 547. Every change of a key's holders
+tests one set (``_watched``, the remembered keys) and, on a hit, forgets every beginning.
+
 A record holds a set of keys, and a call with the same replica and expiry as the last
 in-order record of that replica adds its keys to it. Callers round expiries up to a
 tick (``kvcore.policies.kv_scoring.SPECULATION_TICK_S``), so a busy proxy keeps one
@@ -62,11 +69,16 @@ class BitmaskResidencyIndex:
         self._open: dict[int, _Expiry] = {}  # replica -> its last in-order record
         self._hidden = 0  # replicas being cleared step by step: invisible to lookups
         self._clearing: dict[int, _Clearing] = {}
+        # prompt beginnings looked up before (see _Prefix), by their first key: for
+        # lookups not counting speculation, and for those counting it
+        self._prefixes: dict[int, _Prefix] = {}
+        self._spec_prefixes: dict[int, _Prefix] = {}
+        self._watched: set[int] = set()  # the keys of every valid _Prefix
 
     def add(self, replica: int, keys: Iterable[int]) -> None:
         bit = 1 << check_replica(replica)
         self._finish_clearing(replica)
-        masks, with_spec, added = self._masks, self._with_spec, 0
+        masks, with_spec, watched, added = self._masks, self._with_spec, self._watched, 0
         for key in keys:
             mask = masks.get(key, 0)
             if not mask & bit:
@@ -74,16 +86,20 @@ class BitmaskResidencyIndex:
                 added += 1
                 if with_spec and key in with_spec:
                     with_spec[key] |= bit
+                if watched and key in watched:
+                    self._forget_prefixes()  # (empties ``watched``)
         self._counts[replica] = self._counts.get(replica, 0) + added
 
     def remove(self, replica: int, keys: Iterable[int]) -> None:
         bit = 1 << check_replica(replica)
         self._finish_clearing(replica)
-        masks, with_spec, removed = self._masks, self._with_spec, 0
+        masks, with_spec, watched, removed = self._masks, self._with_spec, self._watched, 0
         for key in keys:
             mask = masks.get(key, 0)
             if mask & bit:
                 removed += 1
+                if watched and key in watched:
+                    self._forget_prefixes()
                 if mask == bit:
                     del masks[key]
                 else:
@@ -116,6 +132,7 @@ class BitmaskResidencyIndex:
             bit, list(self._masks), list(self._masks.values())
         )
         self._hidden |= bit
+        self._forget_prefixes()
         while self._clearing.get(replica) is job and self._step(job, chunk):
             yield job.position
         if self._clearing.get(replica) is job:  # else finished early by add/remove/clear
@@ -136,12 +153,15 @@ class BitmaskResidencyIndex:
         if until is None:
             until = self._spec_until[replica] = {}
         masks, spec, with_spec = self._masks, self._spec_mask, self._with_spec
+        watched = self._watched
         for key in keys:
             until[key] = expires_at
             speculative = spec.get(key, 0)
             if not speculative & bit:
                 speculative = spec[key] = speculative | bit
                 with_spec[key] = masks.get(key, 0) | speculative
+                if watched and key in watched:
+                    self._forget_prefixes()
         record = self._open.get(replica)
         if record is not None and record[0] == expires_at:
             record[3].update(keys)
@@ -181,7 +201,9 @@ class BitmaskResidencyIndex:
             with_spec = self._with_spec
         if len(keys) <= _GROUPS:
             return _short_runs(keys, self._masks, with_spec, self._hidden)
-        return _grouped_runs(keys, self._masks, with_spec, self._hidden)
+        if len(keys) < _PREFIX_MIN:
+            return _grouped_runs(keys, self._masks, with_spec, self._hidden)
+        return self._runs_after_prefix(keys, with_spec, now is not None)
 
     def key_count(self, replica: int | None = None) -> int:
         """Overall, keys only a replica being cleared step by step held still count."""
@@ -201,6 +223,55 @@ class BitmaskResidencyIndex:
         bit = 1 << check_replica(replica) & ~self._hidden
         return [key for key, mask in self._masks.items() if mask & bit] if bit else []
 
+    def _runs_after_prefix(
+        self, keys: Sequence[int], with_spec: dict[int, int], speculation: bool
+    ) -> dict[int, int]:
+        """:meth:`leading_runs` of a long prompt: only its keys after a remembered
+        beginning are looked up when it starts with one (see :class:`_Prefix`). A
+        beginning is remembered when two lookups in a row with the same first key share
+        at least ``_PREFIX_MIN`` keys."""
+        masks, hidden = self._masks, self._hidden
+        if not isinstance(keys, list):
+            keys = list(keys)
+        prefixes = self._spec_prefixes if speculation else self._prefixes
+        first = keys[0]
+        prefix = prefixes.get(first)
+        if prefix is not None and prefix.valid:
+            size = len(prefix.keys)
+            if len(keys) >= size and keys[:size] == prefix.keys:  # (identical keys: fast)
+                return prefix.runs_of(keys, masks, with_spec, hidden)
+            return _grouped_runs(keys, masks, with_spec, hidden)  # another beginning
+        runs = _grouped_runs(keys, masks, with_spec, hidden)
+        shared = _shared_length(prefix.keys, keys) if prefix is not None else 0
+        if shared >= _PREFIX_MIN:
+            self._watched.update(keys[:shared])
+            prefix = _Prefix.of(keys[:shared], runs)
+        else:  # a candidate: what the next lookup with this first key may share
+            prefix = _Prefix(list(keys), 0, {}, False)
+        prefixes.pop(first, None)
+        prefixes[first] = prefix  # the newest last
+        if len(prefixes) > _PREFIXES:
+            oldest = next(iter(prefixes))
+            if prefixes.pop(oldest).valid:
+                self._watch_valid_prefixes()
+        return runs
+
+    def _forget_prefixes(self) -> None:
+        """A watched key's holders changed, or which replicas are hidden: no remembered
+        beginning is valid any more (each stays a candidate for the next lookup)."""
+        for prefixes in (self._prefixes, self._spec_prefixes):
+            for prefix in prefixes.values():
+                prefix.valid = False
+        self._watched.clear()  # in place: loops hold it
+
+    def _watch_valid_prefixes(self) -> None:
+        watched = self._watched
+        watched.clear()
+        for prefixes in (self._prefixes, self._spec_prefixes):
+            for prefix in prefixes.values():
+                if prefix.valid:
+                    watched.update(prefix.keys)
+
     def _finish_clearing(self, replica: int) -> None:
         job = self._clearing.get(replica)
         if job is not None:
@@ -210,6 +281,7 @@ class BitmaskResidencyIndex:
     def _end_clearing(self, replica: int) -> None:
         job = self._clearing.pop(replica)
         self._hidden &= ~job.bit
+        self._forget_prefixes()
 
     def _expire_record(self, record: _Expiry) -> int:
         """Drops the record's keys not recorded again since. Most of a busy proxy's
@@ -235,6 +307,8 @@ class BitmaskResidencyIndex:
 
     def _step(self, job: _Clearing, budget: int) -> bool:
         changed, more = job.step(self._masks, budget)
+        if self._watched and not self._watched.isdisjoint(changed):
+            self._forget_prefixes()  # (the replica is hidden: its lookups see no change)
         if self._with_spec:
             for key in changed:
                 if key in self._with_spec:
@@ -242,6 +316,8 @@ class BitmaskResidencyIndex:
         return more
 
     def _drop_spec_bit(self, key: int, bit: int) -> None:
+        if self._watched and key in self._watched:
+            self._forget_prefixes()
         mask = self._spec_mask.get(key, 0) & ~bit
         if mask:
             self._spec_mask[key] = mask
@@ -258,6 +334,77 @@ class BitmaskResidencyIndex:
 
 
 _GROUPS = 8  # runs of equal masks walked one by one before the general pass takes over
+_PREFIX_MIN = 32  # keys a beginning must have to be remembered
+_PREFIXES = 32  # beginnings (and candidates) remembered per kind of lookup
+
+
+@dataclass(slots=True)
+class _Prefix:
+    """A prompt beginning and where the lookup of its keys ended: ``live``, the replicas
+    holding all of them, and ``runs``, the others' leading runs (in the order the walk
+    found them). Long prompts mostly start with one another's beginnings (a system
+    prompt, a conversation so far), and a proxy records each prompt it routes as
+    speculation, rewriting nothing of a beginning it recorded before; so a beginning's
+    holders rarely change between lookups, and a prompt starting with one is looked up
+    from its end (a 547-key prompt with a 490-key beginning: 57 keys, not 547).
+
+    ``valid`` while no key of it changed holders (the index forgets every beginning
+    when a key of one does, and when a replica is hidden or shown: ``_watched``). An
+    invalid one is a candidate: its keys are compared with the next lookup's."""
+
+    keys: list[int]
+    live: int
+    runs: dict[int, int]
+    valid: bool
+
+    @classmethod
+    def of(cls, keys: list[int], runs: dict[int, int]) -> _Prefix:
+        """The beginning ``keys`` of a prompt whose leading runs were ``runs``."""
+        size, live, ended = len(keys), 0, {}
+        for replica, end in runs.items():
+            if end >= size:
+                live |= 1 << replica
+            else:
+                ended[replica] = end
+        return cls(keys, live, ended, True)
+
+    def runs_of(
+        self, keys: list[int], masks: dict[int, int], with_spec: dict[int, int], hidden: int
+    ) -> dict[int, int]:
+        """The leading runs of ``keys``, which start with this beginning: those of the
+        replicas holding all of it read on from its end, in the walk's order (those
+        not holding the next key end there, lowest first, then the others)."""
+        runs = dict(self.runs)
+        live, size = self.live, len(self.keys)
+        if not live:
+            return runs
+        rest = keys[size:]  # read for the replicas still in the run only
+        unseen = hidden | ~live  # (as if hidden)
+        if len(rest) <= _GROUPS:
+            more = _short_runs(rest, masks, with_spec, unseen)
+        else:
+            more = _grouped_runs(rest, masks, with_spec, unseen)
+        for replica in _bits(live):
+            if replica not in more:
+                runs[replica] = size
+        for replica, end in more.items():
+            runs[replica] = size + end
+        return runs
+
+
+def _shared_length(a: list[int], b: list[int]) -> int:
+    """How many leading keys ``a`` and ``b`` share: halving, each half compared in C
+    (a comparison stops at the first difference)."""
+    low, high = 0, min(len(a), len(b))  # a[:low] == b[:low]; a[:high] differs, if not all
+    if a[:high] == b[:high]:
+        return high
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 def _grouped_runs(

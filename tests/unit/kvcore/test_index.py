@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tracemalloc
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -377,3 +378,82 @@ def test_a_short_prompts_runs_are_read_key_by_key_as_by_runs_of_equal_masks(
     short = bitmask._short_runs(keys, masks, with_spec, hidden)
     grouped = bitmask._grouped_runs(keys, masks, with_spec, hidden)
     assert list(short.items()) == list(grouped.items())
+
+
+FAR = 2**40  # keys built anew per prompt: equal to the index's, not the same objects
+LONG_PROMPT = st.tuples(  # (how much of one shared beginning, then keys of its own)
+    st.sampled_from([32, 33, 40, 48]), st.lists(st.integers(48, 60), max_size=10)
+)
+LOOK = st.tuples(  # a prompt looked up (and, as a proxy does, recorded for a replica)
+    LONG_PROMPT, st.sampled_from([None, 5.0, 15.0]), st.integers(-1, 3)
+)
+CHANGE = st.one_of(
+    st.tuples(  # a replica comes to hold a beginning, or loses its end
+        st.sampled_from(["hold", "drop"]), st.integers(0, 4), st.integers(0, 60), st.just(0)
+    ),
+    st.tuples(
+        st.sampled_from(["add", "remove", "spec", "clear", "expire", "step"]),
+        st.integers(0, 4),
+        st.lists(st.integers(0, 60), max_size=8),
+        st.integers(0, 20),
+    ),
+)
+PROXY_STEPS = st.lists(st.tuples(CHANGE, st.lists(LOOK, min_size=1, max_size=5)), max_size=25)
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps=PROXY_STEPS)
+def test_long_prompts_sharing_beginnings_are_looked_up_as_the_reference_says(
+    steps: list[tuple[tuple[str, int, int | list[int], int], list[tuple[Any, ...]]]],
+) -> None:
+    """The bitmask index looks a long prompt up from the end of a beginning it looked up
+    before (``_Prefix``): whatever changes between lookups (holders of the beginning's
+    keys, speculation recorded and expired, replicas cleared), every lookup agrees with
+    the reference, and finds the runs in the order a whole walk finds them."""
+    fast, oracle = BitmaskResidencyIndex(), ReferenceResidencyIndex()
+    for (op, replica, keys, when), looks in steps:
+        for impl in (fast, oracle):
+            if isinstance(keys, int):  # hold or drop
+                held = [FAR + k for k in range(keys)]
+                impl.add(replica, held) if op == "hold" else impl.remove(replica, held[-3:])
+            else:
+                _apply(impl, op, replica, [FAR + k for k in keys], when)
+        for (begun, tail), now, chosen in looks:
+            prompt = [FAR + k for k in [*range(begun), *tail]]
+            got = fast.leading_runs(prompt, now=now)
+            assert got == oracle.leading_runs(prompt, now=now)
+            spec = fast._with_spec if now is not None else {}
+            walked = bitmask._grouped_runs(prompt, fast._masks, spec, fast._hidden)
+            assert list(got.items()) == list(walked.items())
+            if chosen >= 0 and now is not None:
+                for impl in (fast, oracle):
+                    impl.add_speculative(chosen, prompt, expires_at=now + 2.0)
+
+
+def test_a_beginning_two_lookups_share_is_remembered_until_one_of_its_keys_changes() -> None:
+    index = BitmaskResidencyIndex()
+    system = [FAR + k for k in range(40)]
+    index.add(3, system)
+    first = index.leading_runs([*system, 1, 2], now=1.0)
+    second = index.leading_runs([*system, 5], now=1.0)  # shares the 40 keys
+    assert first == second == {3: 40}
+    remembered = index._spec_prefixes[system[0]]
+    assert remembered.valid and remembered.keys == system
+    assert index.leading_runs([*system, 6], now=1.0) == {3: 40}
+    index.add_speculative(5, system[:10], expires_at=2.0)  # a key of it changed holders
+    assert not remembered.valid
+    assert index.leading_runs([*system, 7], now=1.0) == {3: 40, 5: 10}
+    assert index.leading_runs([*system, 7], now=2.0) == {3: 40}  # expired
+
+
+def test_a_replica_hidden_by_a_step_by_step_clear_leaves_a_remembered_beginning() -> None:
+    index = BitmaskResidencyIndex()
+    index.add(3, [FAR - 1, FAR - 2])  # first in the index: the first step clears them only
+    system = [FAR + k for k in range(40)]
+    index.add(3, system)
+    index.add(4, system[:20])
+    for question in (1, 2, 3):
+        assert index.leading_runs([*system, question]) == {3: 40, 4: 20}
+    steps = index.clear_replica_steps(3, chunk=1)
+    next(steps)
+    assert index.leading_runs([*system, 4]) == {4: 20}
