@@ -1,4 +1,5 @@
-"""A CPU limit as Kubernetes sets one (``resources.limits.cpu``), for a router under test.
+"""A CPU limit as Kubernetes sets one (``resources.limits.cpu``), for a router under test;
+and CPUs kept from idling (:class:`Wakefulness`, ``bench.proxy --awake``).
 
 Kubernetes enforces a pod's CPU limit with a CFS quota: ``limits.cpu: 400m`` lets the
 pod's processes run 40 ms of every 100 ms period, then stalls them until the next one.
@@ -15,6 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,23 +48,10 @@ class CpuLimit:
     def create(cls, cores: float, name: str = "") -> CpuLimit:
         if not cores > 0:  # NaN too
             raise ValueError(f"a CPU limit must be above 0 cores, not {cores}")
-        hierarchy = _hierarchy()
-        path = hierarchy.home / (name or f"kvroute-bench-{os.getpid()}")
         quota = max(1000, round(cores * PERIOD_US))
-        try:
-            path.mkdir(exist_ok=True)
-            if hierarchy.version == 1:
-                (path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-                (path / "cpu.cfs_quota_us").write_text(str(quota))
-            else:  # the controller must be on for the home cgroup's children
-                if "cpu" not in (hierarchy.home / "cgroup.subtree_control").read_text().split():
-                    (hierarchy.home / "cgroup.subtree_control").write_text("+cpu")
-                (path / "cpu.max").write_text(f"{quota} {PERIOD_US}")
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                path.rmdir()
-            raise CpuLimitUnavailable(f"cannot make the cgroup {path}: {exc}") from None
-        return cls(path, hierarchy.home, quota / PERIOD_US)  # the cores as enforced
+        if_v1 = {"cpu.cfs_period_us": str(PERIOD_US), "cpu.cfs_quota_us": str(quota)}
+        path, home = _make(name, if_v1, {"cpu.max": f"{quota} {PERIOD_US}"})
+        return cls(path, home, quota / PERIOD_US)  # the cores as enforced
 
     @property
     def label(self) -> str:
@@ -86,6 +78,51 @@ class CpuLimit:
         """Remove the cgroup (its processes must have left or ended)."""
         with contextlib.suppress(OSError):
             self.path.rmdir()
+
+
+class IdleGroup:
+    """A cgroup whose processes run only when no other task wants their CPU
+    (``cpu.idle``): any task that wakes up there preempts them at once, whatever its
+    own group. (A ``SCHED_IDLE`` task alone is preempted at once only by tasks of its
+    own task group; with autogroups on, each session, such as each process the
+    supervisor starts, is a group of its own, and between groups the scheduler lets the
+    running one finish its slice, about 3 ms.)"""
+
+    def __init__(self, path: Path, home: Path) -> None:
+        self.path, self.home = path, home
+
+    @classmethod
+    def create(cls, name: str = "") -> IdleGroup:
+        path, home = _make(name or f"kvroute-bench-idle-{os.getpid()}", {"cpu.idle": "1"},
+                           {"cpu.idle": "1"})  # fmt: skip
+        return cls(path, home)
+
+    def confine(self, pid: int) -> int:
+        return _move(pid, self.path)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.path.rmdir()
+
+
+def _make(name: str, v1: dict[str, str], v2: dict[str, str]) -> tuple[Path, Path]:
+    """A new cgroup under this process's own CPU cgroup, with the files ``v1`` or ``v2``
+    (by the hierarchy's version) written; its path and the home cgroup's."""
+    hierarchy = _hierarchy()
+    path = hierarchy.home / (name or f"kvroute-bench-{os.getpid()}")
+    try:
+        path.mkdir(exist_ok=True)
+        control = hierarchy.home / "cgroup.subtree_control"
+        # on v2 the controller must be on for the home cgroup's children
+        if hierarchy.version == 2 and "cpu" not in control.read_text().split():
+            control.write_text("+cpu")
+        for file, value in (v1 if hierarchy.version == 1 else v2).items():
+            (path / file).write_text(value)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            path.rmdir()
+        raise CpuLimitUnavailable(f"cannot make the cgroup {path}: {exc}") from None
+    return path, hierarchy.home
 
 
 def _move(pid: int, cgroup: Path) -> int:
@@ -129,3 +166,105 @@ def _own_cgroups() -> dict[str, str]:
         for controller in controllers.split(",") if controllers else [""]:
             own[controller] = path
     return own
+
+
+# a busy loop that runs only when nothing else would (SCHED_IDLE), for at most the given
+# seconds; says when it runs
+_SPIN = (
+    "import os, sys, time\n"
+    "os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
+    "end = time.monotonic() + float(sys.argv[1])\n"
+    "print('spinning', flush=True)\n"
+    "while time.monotonic() < end:\n"
+    "    pass\n"
+)
+
+
+class Wakefulness:
+    """Busy loops in an :class:`IdleGroup` (and under ``SCHED_IDLE``), one pinned to
+    each of some CPUs, stopped (``SIGSTOP``) unless :meth:`keep_awake` was called last:
+    while they run, those CPUs never idle, and any router waking up there preempts its
+    loop at once (a nice-19 loop would not: continued after a stop, it kept the CPU for
+    its whole slice, about 3 ms). On a virtual machine whose idle CPUs halt without
+    polling first (:func:`idle_facts`), every wake-up of an idle CPU goes through the
+    host's scheduler; with the loops running it does not. Each loop ends by itself
+    after ``at_most_s`` seconds, whatever happens to the benchmark. Raises
+    :class:`CpuLimitUnavailable` where no cgroup can be made."""
+
+    def __init__(self, cpus: frozenset[int], *, at_most_s: float) -> None:
+        self.spinners: list[subprocess.Popen[bytes]] = []
+        self.awake = False
+        self.group = IdleGroup.create()  # CpuLimitUnavailable: no cgroup here
+        try:
+            for cpu in sorted(cpus):
+                spinner = subprocess.Popen(
+                    [sys.executable, "-c", _SPIN, str(at_most_s)], stdout=subprocess.PIPE
+                )
+                self.spinners.append(spinner)
+                os.sched_setaffinity(spinner.pid, {cpu})
+                self.group.confine(spinner.pid)
+                assert spinner.stdout is not None
+                if not spinner.stdout.readline().startswith(b"spinning"):
+                    raise RuntimeError(f"the busy loop for CPU {cpu} did not start")
+            self.awake = True
+            self.let_idle()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [spinner.pid for spinner in self.spinners]
+
+    def keep_awake(self) -> None:
+        """The loops run (returns once each has been continued)."""
+        self._signal(signal.SIGCONT, os.WCONTINUED, awake=True)
+
+    def let_idle(self) -> None:
+        """The loops stop (returns once each has stopped)."""
+        self._signal(signal.SIGSTOP, os.WUNTRACED, awake=False)
+
+    def _signal(self, sig: int, until: int, *, awake: bool) -> None:
+        if self.awake == awake:
+            return
+        for spinner in self.spinners:
+            if spinner.returncode is not None:
+                continue  # it ended by itself (``at_most_s``)
+            os.kill(spinner.pid, sig)
+            _, status = os.waitpid(spinner.pid, until)  # stopped or continued, or ended
+            if os.WIFEXITED(status) or os.WIFSIGNALED(status):
+                spinner.returncode = os.waitstatus_to_exitcode(status)  # (reaped here)
+        self.awake = awake
+
+    def close(self) -> None:
+        for spinner in self.spinners:
+            spinner.kill()
+            spinner.wait()
+            assert spinner.stdout is not None
+            spinner.stdout.close()
+        self.group.close()
+
+
+@contextlib.contextmanager
+def wakefulness(cpus: frozenset[int], *, at_most_s: float) -> Iterator[Wakefulness]:
+    """A :class:`Wakefulness` for ``cpus``, its loops killed on leaving."""
+    loops = Wakefulness(cpus, at_most_s=at_most_s)
+    try:
+        yield loops
+    finally:
+        loops.close()
+
+
+def idle_facts() -> str:
+    """How this machine's CPUs idle: the cpuidle driver and, for a KVM guest's
+    ``haltpoll`` driver, how long an idle CPU polls before halting (0: it halts at once,
+    and every wake-up goes through the host)."""
+    root = Path("/sys/devices/system/cpu/cpuidle")
+    try:
+        driver = (root / "current_driver").read_text().strip()
+    except OSError:
+        return "cpuidle: unknown"
+    poll = Path("/sys/module/haltpoll/parameters/guest_halt_poll_ns")
+    with contextlib.suppress(OSError):
+        driver += f", guest_halt_poll_ns={poll.read_text().strip()}"
+    return f"cpuidle: {driver}"

@@ -52,7 +52,13 @@ could not be checked (a router that did not run is reported with the reason):
 peer routers; ``--floors`` adds three bare pass-through proxies to one replica
 (``bench.passthrough``: a byte relay that parses nothing, uvicorn with a raw asyncio
 client, and kvroute-proxy's own HTTP server and client) to show what the hop and the
-stack alone cost; ``--router NAME=URL`` adds a
+stack alone cost; ``--awake`` runs as many latency rounds again, every other round, with
+the routers' CPU kept from idling (a busy loop under ``SCHED_IDLE``, stopped between those
+rounds, which a waking router preempts at once) and prints those figures beside the others, with no
+target: on a virtual machine whose idle CPUs halt without polling first (the ``CPUs``
+line prints how this one idles), each wake-up of the routers' CPU goes through the host,
+twice per proxied request;
+``--router NAME=URL`` adds a
 router started elsewhere (not pinned; or pass ``--replicas URL,URL`` to use replicas
 started elsewhere). Loopback only; every phase is bounded by its duration or request
 count.
@@ -79,7 +85,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.cpu_limit import CpuLimit, CpuLimitUnavailable
+from bench.cpu_limit import CpuLimit, CpuLimitUnavailable, Wakefulness, idle_facts
 from bench.enginesim_capacity import _read_response, _request, _run, start_sim
 from bench.micro.model_files import write_tiny_model
 from bench.micro.report import Figure
@@ -90,6 +96,7 @@ from bench.proxy_report import (
     Results,
     Row,
     all_met,
+    awake_rows,
     extra_rows,
     latency_rows,
     limited_rows,
@@ -98,7 +105,13 @@ from bench.proxy_report import (
     throughput_rows,
     write_json,
 )
-from bench.proxy_routers import CpuSplit, Routers, pin_tree, split_cpus, tree_cpu_seconds
+from bench.proxy_routers import (
+    CpuSplit,
+    Routers,
+    pin_tree,
+    split_cpus,
+    tree_cpu_seconds,
+)
 from dataplane.fleet_state import FleetState
 from dataplane.openai_request import parse_inference
 from dataplane.routing import Defaults, Router
@@ -125,6 +138,7 @@ REPLICA_BLOCKS = 1_048_576
 DECISIONS = 300  # timed per tokenizer: the p99 is the 4th slowest, not the slowest of a few
 DECISION_WARM_UP = 10  # decisions not counted
 TIGHT_TAILS = 100  # new-10% texts encoded back to back after the decisions, for comparison
+AWAKE_AT_MOST_S = 1800.0  # --awake's busy loops end by themselves after this, whatever happens
 
 
 @dataclass
@@ -134,6 +148,7 @@ class Target:
     pid: int | None = None  # a process whose CPU share is reported
     helpers: tuple[int, ...] = ()  # processes working for it on the other CPUs (reported)
     samples: list[float] = field(default_factory=list)
+    awake_samples: list[float] = field(default_factory=list)  # --awake's rounds
     failed: str = ""  # why it was dropped from the run
     replica: str = ""  # the one replica it sends to (the floors): its latency's baseline
 
@@ -173,16 +188,24 @@ class Connection:
         self.writer.close()
 
 
-async def latencies(targets: list[Target], rounds: int) -> None:
+async def latencies(targets: list[Target], rounds: int, loops: Wakefulness | None = None) -> None:
     """Each round sends one request to each target in turn, so drift hits all alike, in
     an order shuffled anew each round: the routers share a CPU, and a router's work after
     its answer (its bookkeeping) would otherwise always fall on the same next router's
-    request. A router that fails is dropped from the rounds with the reason (``failed``)."""
+    request. A router that fails is dropped from the rounds with the reason (``failed``).
+    With ``loops``, every other round runs with the routers' CPU kept awake (its
+    samples in ``awake_samples``): twice the rounds, each kind measured side by side."""
     connections = [await _connect(t) for t in targets]
     order = list(zip(targets, connections, strict=True))
     shuffle = random.Random(LATENCY_SEED).shuffle
     try:
-        for i in range(rounds + WARM_UP):
+        for i in range((rounds + WARM_UP) * (2 if loops else 1)):
+            awake = loops is not None and i % 2 == 1
+            if loops is not None:
+                if awake:
+                    loops.keep_awake()
+                else:
+                    loops.let_idle()
             body = {"model": MODEL, "prompt": f"Hello number {i % 50}", "max_tokens": 1}
             shuffle(order)
             for target, connection in order:
@@ -193,8 +216,8 @@ async def latencies(targets: list[Target], rounds: int) -> None:
                 elapsed = time.perf_counter() - start
                 if status != 200:
                     target.failed = f"answered {status or 'nothing'} in the latency phase"
-                elif i >= WARM_UP:
-                    target.samples.append(elapsed * 1000)
+                elif i >= WARM_UP * (2 if loops else 1):
+                    (target.awake_samples if awake else target.samples).append(elapsed * 1000)
     finally:
         for connection in connections:
             if connection is not None:
@@ -310,11 +333,24 @@ def direct_targets(replicas: list[str], targets: list[Target]) -> list[Target]:
     ]
 
 
-async def measure(args: argparse.Namespace, replicas: list[str], targets: list[Target]) -> Results:
-    """Latency interleaved over every target, then throughput: each target in turn,
-    ``--repeats`` times over, the median kept."""
+async def measure(
+    args: argparse.Namespace, replicas: list[str], targets: list[Target], split: CpuSplit | None
+) -> Results:
+    """Latency interleaved over every target (with ``--awake``, as many rounds again
+    with the routers' CPU kept from idling, alternating), then throughput: each target
+    in turn, ``--repeats`` times over, the median kept."""
     directs = direct_targets(replicas, targets)
-    await latencies([*directs, *targets], args.rounds)
+    loops = None
+    if args.awake and split is not None:
+        try:
+            loops = Wakefulness(split.routers, at_most_s=AWAKE_AT_MOST_S)
+        except CpuLimitUnavailable as exc:
+            print(f"--awake: no rounds kept awake, no idle cgroup here ({exc})", flush=True)
+    try:
+        await latencies([*directs, *targets], args.rounds, loops)
+    finally:
+        if loops is not None:
+            loops.close()
     by_url: dict[str, list[float]] = {}
     for direct in directs:
         if direct.failed:
@@ -323,13 +359,23 @@ async def measure(args: argparse.Namespace, replicas: list[str], targets: list[T
     each = {url: statistics.median(samples) for url, samples in by_url.items()}
     pooled = statistics.median([sample for samples in by_url.values() for sample in samples])
     results = Results(direct_ms=pooled, direct_each_ms=list(each.values()))
+    awake_each = {d.url: statistics.median(d.awake_samples) for d in directs if d.awake_samples}
+    if awake_each:
+        results.awake_direct_ms = statistics.median(
+            [sample for direct in directs for sample in direct.awake_samples]
+        )
     for target in targets:
         if target.failed:
             results.routers[target.name] = Measured(target.name, unavailable=target.failed)
         else:
             baseline = each[target.replica] if target.replica else pooled
             added = statistics.median(target.samples) - baseline
-            results.routers[target.name] = Measured(target.name, added_ms=added)
+            measured = results.routers[target.name] = Measured(target.name, added_ms=added)
+            if target.awake_samples and results.awake_direct_ms is not None:
+                awake_base = awake_each[target.replica] if target.replica else None
+                measured.awake_added_ms = statistics.median(target.awake_samples) - (
+                    awake_base if awake_base is not None else results.awake_direct_ms
+                )
     targets = [target for target in targets if not target.failed]
     pids = [t.pid for t in targets if t.pid is not None]
     if failed := await warm(replicas, args.concurrency):
@@ -608,6 +654,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--floors", action="store_true",
         help="also measure bare pass-through proxies (bench.passthrough) on the same stack",
     )  # fmt: skip
+    parser.add_argument(
+        "--awake", action="store_true",
+        help="as many latency rounds again, alternating, with the routers' CPU kept from "
+        "idling (a SCHED_IDLE busy loop): what the routers add without the machine's "
+        "wake-up of an idle CPU, printed beside (no target)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     unknown = [p for p in _peer_names(args) if p not in PEERS]
     if unknown:
@@ -651,13 +703,15 @@ def _load(load: tuple[float, float, float]) -> str:
 def _fleet_rows(results: Results, concurrency: int) -> list[Row]:
     rows = latency_rows(results) + throughput_rows(results, concurrency)
     rows += limited_rows(results, concurrency)
-    return rows + extra_rows(results, paired_names())
+    return rows + extra_rows(results, paired_names()) + awake_rows(results)
 
 
 async def with_fleet(args: argparse.Namespace, context: dict[str, Any]) -> Results:
     everything = os.sched_getaffinity(0)
     split = None if args.no_pin else split_cpus(everything)
     context["cpus"] = split.describe() if split else "not pinned"
+    context["cpuidle"] = idle_facts()
+    context["awake"] = bool(args.awake and split)
     if split is not None:
         os.sched_setaffinity(0, split.rest)  # everything started from here inherits it
     procs: list[subprocess.Popen[bytes]] = []
@@ -669,7 +723,7 @@ async def with_fleet(args: argparse.Namespace, context: dict[str, Any]) -> Resul
             proc.terminate()
             proc.wait(timeout=10)
         os.sched_setaffinity(0, everything)
-    print(f"CPUs: {context['cpus']}", flush=True)
+    print(f"CPUs: {context['cpus']}; {context['cpuidle']}", flush=True)
     return results
 
 
@@ -700,7 +754,7 @@ async def _measure_routers(
         for name, compiled in routers.compiled.items():
             print(f"{name}: request-path modules compiled {compiled}", flush=True)
         context["kvroute_compiled"] = dict(routers.compiled)
-        results = await measure(args, urls, targets)
+        results = await measure(args, urls, targets, split)
         await _check_strategy(routers, "kvroute kv_aware", "kv_aware")
     finally:
         await routers.aclose()

@@ -45,6 +45,7 @@ class Measured:
     limited_share: float | None = None
     limited_errors: int = 0
     limited_throttled: int = 0  # periods in which the limit stalled the router
+    awake_added_ms: float | None = None  # added_ms with its CPU kept from idling (--awake)
 
     @property
     def per_cpu_second(self) -> float | None:
@@ -86,6 +87,7 @@ class Results:
     routers: dict[str, Measured] = field(default_factory=dict)
     cpu_limit: str = ""  # the limited runs' limit, as a pod spec writes it ("400m")
     limit_unavailable: str = ""  # why there were no limited runs
+    awake_direct_ms: float | None = None  # direct_ms in the rounds kept awake (--awake)
 
     def get(self, name: str) -> Measured:
         return self.routers.get(name) or Measured(name, unavailable="not started")
@@ -216,6 +218,20 @@ def _throughput_row(measured: Measured, ceiling: float | None) -> Row:
     if measured.unavailable:
         notes.append(measured.unavailable)
     return Row(f"throughput, {measured.name}", measured.rps, "req/s", note="; ".join(notes))
+
+
+def awake_rows(results: Results) -> list[Row]:
+    """``--awake``: the rounds with the routers' CPU kept from idling, no targets."""
+    if results.awake_direct_ms is None:
+        return []
+    rows = [Row("with the routers' CPU kept from idling (--awake): direct to the replicas (p50)",
+                results.awake_direct_ms, "ms")]  # fmt: skip
+    rows += [
+        Row(f"  added latency p50 kept awake, {name}", measured.awake_added_ms, "ms")
+        for name, measured in results.routers.items()
+        if measured.awake_added_ms is not None
+    ]
+    return rows
 
 
 def extra_rows(results: Results, known: Iterable[str]) -> list[Row]:

@@ -9,22 +9,46 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from bench.proxy import QUESTIONS, Target, direct_targets, parse_args, short_prompt, warm
+from bench.proxy import (
+    QUESTIONS,
+    WARM_UP,
+    Target,
+    direct_targets,
+    latencies,
+    parse_args,
+    short_prompt,
+    warm,
+)
 from bench.proxy_report import (
     Measured,
     Results,
     Row,
     all_met,
+    awake_rows,
     latency_rows,
     limited_rows,
     throughput_rows,
     write_json,
 )
 from bench.proxy_routers import descendants, pin_tree, split_cpus, tree_cpu_seconds
+
+OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}"
+
+
+async def _requests(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+    """The body of each request a client sends on one connection, until it hangs up."""
+    while True:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError:
+            return
+        length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+        yield await reader.readexactly(length)
 
 
 def _results(**routers: Measured) -> Results:
@@ -215,16 +239,9 @@ def test_warming_sends_every_throughput_prompt_once_to_every_replica() -> None:
     async def main() -> int:
         async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             port = writer.get_extra_info("sockname")[1]
-            while True:
-                try:
-                    head = await reader.readuntil(b"\r\n\r\n")
-                except asyncio.IncompleteReadError:
-                    break
-                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
-                seen.setdefault(port, []).append(
-                    json.loads(await reader.readexactly(length))["prompt"]
-                )
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+            async for body in _requests(reader):
+                seen.setdefault(port, []).append(json.loads(body)["prompt"])
+                writer.write(OK)
             writer.close()
 
         servers = [await asyncio.start_server(serve, "127.0.0.1", 0) for _ in range(2)]
@@ -239,3 +256,56 @@ def test_warming_sends_every_throughput_prompt_once_to_every_replica() -> None:
     prompts = {short_prompt(client, i) for client in range(4) for i in range(QUESTIONS)}
     assert len(seen) == 2
     assert all(sorted(sent) == sorted(prompts) for sent in seen.values())
+
+
+class _Loops:
+    """Stands in for ``Wakefulness``: says whether its CPUs would be kept awake."""
+
+    def __init__(self) -> None:
+        self.awake = False
+
+    def keep_awake(self) -> None:
+        self.awake = True
+
+    def let_idle(self) -> None:
+        self.awake = False
+
+
+def test_awake_rounds_alternate_with_idle_ones_and_are_kept_apart() -> None:
+    loops = _Loops()
+    answered_awake: list[bool] = []
+
+    async def main() -> Target:
+        served = asyncio.Event()
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            async for _ in _requests(reader):
+                answered_awake.append(loops.awake)
+                writer.write(OK)
+            writer.close()
+            await writer.wait_closed()
+            served.set()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        target = Target("router", f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        try:
+            await latencies([target], 20, loops)  # type: ignore[arg-type]
+            await asyncio.wait_for(served.wait(), 10)  # the client hung up: all answered
+        finally:
+            server.close()
+            await server.wait_closed()
+        return target
+
+    target = asyncio.run(main())
+    assert len(target.samples) == len(target.awake_samples) == 20
+    assert answered_awake == [False, True] * (20 + WARM_UP)
+
+
+def test_awake_figures_are_printed_beside_without_targets() -> None:
+    results = _results(a=Measured("kvroute round_robin", added_ms=0.35, awake_added_ms=0.2))
+    assert awake_rows(results) == []  # no --awake rounds: nothing printed
+    results.awake_direct_ms = 0.28
+    rows = awake_rows(results)
+    assert [row.value for row in rows] == [0.28, 0.2]
+    assert "kept awake" in rows[1].name and "kvroute round_robin" in rows[1].name
+    assert all(row.target is None for row in rows)  # they decide nothing
