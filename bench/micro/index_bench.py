@@ -13,24 +13,41 @@ from kvcore.index import BitmaskResidencyIndex
 REPLICAS = 64
 PROMPT_KEYS = 512
 RESIDENT_KEYS = 1_000_000
+FIRSTS = 200  # prompts differing in their first key: each looked up once per round
+FROM_BEGINNING = "read from its remembered beginning"
 
 
 def _lookup_figures() -> list[Figure]:
+    """A prompt looked up for the first time (each lookup another of ``FIRSTS`` prompts
+    that differ in their first key only, so the index has no beginning of theirs to
+    start from), and one starting with a beginning looked up before (the same prompt)."""
     rng = random.Random(3)
     index = BitmaskResidencyIndex()
     prompt = [rng.getrandbits(64) for _ in range(PROMPT_KEYS)]
+    firsts = [rng.getrandbits(64) for _ in range(FIRSTS)]
     for replica in range(REPLICAS):
         run = PROMPT_KEYS if replica % 4 == 0 else rng.randrange(PROMPT_KEYS)
         index.add(replica, prompt[:run])
+        if run:
+            index.add(replica, firsts)
     index.add(0, (rng.getrandbits(64) for _ in range(100_000)))
-    full = median_us(lambda: index.leading_runs(prompt), repeat=200)
+    prompts = [[first, *prompt[1:]] for first in firsts]
+    turn = iter(range(1 << 30))
+
+    def first_time(now: float | None = None) -> None:
+        index.leading_runs(prompts[next(turn) % FIRSTS], now=now)
+
+    full = median_us(first_time, repeat=FIRSTS)
+    remembered = median_us(lambda: index.leading_runs(prompt), repeat=200)
     index.add_speculative(5, prompt, expires_at=1e9)
-    speculative = median_us(lambda: index.leading_runs(prompt, now=1.0), repeat=200)
+    index.add_speculative(5, firsts, expires_at=1e9)
+    speculative = median_us(lambda: first_time(1.0), repeat=FIRSTS)
     miss = [rng.getrandbits(64) for _ in range(PROMPT_KEYS)]
     cold = median_us(lambda: index.leading_runs(miss), repeat=200)
     return [
         Figure(f"leading_runs, {PROMPT_KEYS} keys x {REPLICAS} replicas (median)", full, "us", 100),
         Figure("  same, with speculative entries", speculative, "us", 100),
+        Figure(f"  same, looked up before: {FROM_BEGINNING}", remembered, "us"),
         Figure("  same, first key held nowhere", cold, "us"),
     ]
 
