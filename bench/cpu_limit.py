@@ -19,7 +19,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,14 +87,14 @@ class IdleGroup:
     supervisor starts, is a group of its own, and between groups the scheduler lets the
     running one finish its slice, about 3 ms.)"""
 
-    def __init__(self, path: Path, home: Path) -> None:
-        self.path, self.home = path, home
+    def __init__(self, path: Path) -> None:
+        self.path = path
 
     @classmethod
     def create(cls, name: str = "") -> IdleGroup:
-        path, home = _make(name or f"kvroute-bench-idle-{os.getpid()}", {"cpu.idle": "1"},
-                           {"cpu.idle": "1"})  # fmt: skip
-        return cls(path, home)
+        idle = {"cpu.idle": "1"}  # the same file in v1 and v2
+        path, _ = _make(name or f"kvroute-bench-idle-{os.getpid()}", idle, idle)
+        return cls(path)
 
     def confine(self, pid: int) -> int:
         return _move(pid, self.path)
@@ -206,7 +205,7 @@ class Wakefulness:
                 assert spinner.stdout is not None
                 if not spinner.stdout.readline().startswith(b"spinning"):
                     raise RuntimeError(f"the busy loop for CPU {cpu} did not start")
-            self.awake = True
+            self.awake = True  # (they run: stop them)
             self.let_idle()
         except BaseException:
             self.close()
@@ -244,15 +243,11 @@ class Wakefulness:
             spinner.stdout.close()
         self.group.close()
 
+    def __enter__(self) -> Wakefulness:
+        return self
 
-@contextlib.contextmanager
-def wakefulness(cpus: frozenset[int], *, at_most_s: float) -> Iterator[Wakefulness]:
-    """A :class:`Wakefulness` for ``cpus``, its loops killed on leaving."""
-    loops = Wakefulness(cpus, at_most_s=at_most_s)
-    try:
-        yield loops
-    finally:
-        loops.close()
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def idle_facts() -> str:

@@ -105,13 +105,7 @@ from bench.proxy_report import (
     throughput_rows,
     write_json,
 )
-from bench.proxy_routers import (
-    CpuSplit,
-    Routers,
-    pin_tree,
-    split_cpus,
-    tree_cpu_seconds,
-)
+from bench.proxy_routers import CpuSplit, Routers, pin_tree, split_cpus, tree_cpu_seconds
 from dataplane.fleet_state import FleetState
 from dataplane.openai_request import parse_inference
 from dataplane.routing import Defaults, Router
@@ -351,31 +345,22 @@ async def measure(
     finally:
         if loops is not None:
             loops.close()
-    by_url: dict[str, list[float]] = {}
     for direct in directs:
         if direct.failed:
             raise SystemExit(f"the replica {direct.url} {direct.failed}")
-        by_url.setdefault(direct.url, []).extend(direct.samples)
-    each = {url: statistics.median(samples) for url, samples in by_url.items()}
-    pooled = statistics.median([sample for samples in by_url.values() for sample in samples])
-    results = Results(direct_ms=pooled, direct_each_ms=list(each.values()))
-    awake_each = {d.url: statistics.median(d.awake_samples) for d in directs if d.awake_samples}
-    if awake_each:
-        results.awake_direct_ms = statistics.median(
-            [sample for direct in directs for sample in direct.awake_samples]
-        )
+    idle = _Baselines([(d.url, d.samples) for d in directs])
+    awake = _Baselines([(d.url, d.awake_samples) for d in directs])
+    results = Results(direct_ms=idle.pooled, direct_each_ms=list(idle.each.values()))
+    results.awake_direct_ms = awake.pooled
     for target in targets:
         if target.failed:
             results.routers[target.name] = Measured(target.name, unavailable=target.failed)
         else:
-            baseline = each[target.replica] if target.replica else pooled
-            added = statistics.median(target.samples) - baseline
-            measured = results.routers[target.name] = Measured(target.name, added_ms=added)
-            if target.awake_samples and results.awake_direct_ms is not None:
-                awake_base = awake_each[target.replica] if target.replica else None
-                measured.awake_added_ms = statistics.median(target.awake_samples) - (
-                    awake_base if awake_base is not None else results.awake_direct_ms
-                )
+            results.routers[target.name] = Measured(
+                target.name,
+                added_ms=idle.added(target, target.samples),
+                awake_added_ms=awake.added(target, target.awake_samples),
+            )
     targets = [target for target in targets if not target.failed]
     pids = [t.pid for t in targets if t.pid is not None]
     if failed := await warm(replicas, args.concurrency):
@@ -401,6 +386,26 @@ async def measure(
         if fleet:
             measured.helpers_share = statistics.median(run.helpers_share for run in samples)
     return results
+
+
+class _Baselines:
+    """The replicas' direct p50s in one kind of round: each replica's and pooled (None
+    when there were no such rounds)."""
+
+    def __init__(self, samples: list[tuple[str, list[float]]]) -> None:
+        by_url: dict[str, list[float]] = {}
+        for url, taken in samples:
+            by_url.setdefault(url, []).extend(taken)
+        self.each = {url: statistics.median(got) for url, got in by_url.items() if got}
+        pooled = [sample for got in by_url.values() for sample in got]
+        self.pooled = statistics.median(pooled) if pooled else None
+
+    def added(self, target: Target, samples: list[float]) -> float | None:
+        """``target``'s p50 over its baseline: its one replica's, else the pooled one."""
+        baseline = self.each.get(target.replica) if target.replica else self.pooled
+        if not samples or baseline is None:
+            return None
+        return statistics.median(samples) - baseline
 
 
 async def _limited(args: argparse.Namespace, targets: list[Target], results: Results) -> None:

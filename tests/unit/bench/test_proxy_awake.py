@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from bench.cpu_limit import CpuLimitUnavailable, Wakefulness, idle_facts, wakefulness
+from bench.cpu_limit import CpuLimitUnavailable, Wakefulness, idle_facts
 
 
 @contextmanager
 def _loops(at_most_s: float) -> Iterator[Wakefulness]:
     try:
-        with wakefulness(frozenset({min(os.sched_getaffinity(0))}), at_most_s=at_most_s) as loops:
+        with Wakefulness(frozenset({min(os.sched_getaffinity(0))}), at_most_s=at_most_s) as loops:
             yield loops
     except CpuLimitUnavailable as exc:
         pytest.skip(f"no cgroup can be made on this machine: {exc}")
