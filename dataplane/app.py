@@ -126,6 +126,8 @@ class ProxyApp:
             if kind is not None and request.method == "POST":  # the hot path: few coroutines
                 api_key = self._authenticate(request.headers)
                 inference = parse_inference(request.body, kind)
+                if not inference.model:
+                    inference.model = self._default_model()
                 if self.tracing is None:
                     await self._routed(request, reply, inference, api_key, None)
                 else:
@@ -340,7 +342,7 @@ class ProxyApp:
     async def _forward(self, request: Request, response: _Responder) -> None:
         """Any other /v1/* route: to the least-loaded replica serving the model."""
         self._authenticate(request.headers)
-        model = _model_of(request)
+        model = _model_of(request) or self._default_model()
         ordinal = self.router.least_loaded(model)
         endpoint = self.dispatcher.fleet.endpoint(ordinal) if ordinal is not None else None
         if endpoint is None:
@@ -358,6 +360,21 @@ class ProxyApp:
         finally:
             opened.close()
         response.end()
+
+    def _default_model(self) -> str:
+        """The model of a request that names none (no ``model``, null or empty): vLLM
+        and SGLang then run the model they serve, so the proxy routes it to the fleet's
+        only model and forwards the body as it came; 400 where that is ambiguous."""
+        models = self.fleet.base_models()
+        if len(models) == 1:
+            return models[0]
+        if models:
+            served = ", ".join(models)
+            raise BadRequest(f"'model' is required: this proxy serves {served}.", "model")
+        if self.fleet.canonical_model("") is not None:
+            return ""  # static replicas whose models are not known yet: they take any
+        raise BadRequest("'model' is required: no replica has said which model it serves.",
+                         "model")  # fmt: skip
 
     def _ready(self) -> dict[str, Any]:
         models = self.fleet.served_models()
@@ -404,15 +421,14 @@ def _card(name: str) -> dict[str, Any]:
 
 
 def _model_of(request: Request) -> str:
+    """The model a request other than inference names in its body or query; "" none."""
     if request.body:
         with contextlib.suppress(BadRequest):
             model = decode_object(request.body).get("model")
             if isinstance(model, str) and model:
                 return model
     values = parse_qs(request.query).get("model")
-    if values:
-        return str(values[0])
-    raise BadRequest("'model' is required to route this request.", "model")
+    return str(values[0]) if values else ""
 
 
 class _Responder:

@@ -168,6 +168,7 @@ class FleetState:
         self._views: dict[str, FleetView] = {}
         self._canonical: dict[str, str] = {}
         self._block_sizes: dict[str, int] = {}  # canonical model -> announced router block size
+        self._base_models: list[str] = []  # the replicas' own models (not aliases), sorted
         self._index = BitmaskResidencyIndex()
         self._ledger = InflightLedger()
         self._books = PrefillBooks(clock, prefill_step_s)
@@ -429,6 +430,7 @@ class FleetState:
                 if info.block_size:
                     block_sizes.setdefault(info.model, Counter())[info.block_size] += 1
         self._canonical = canonical
+        self._base_models = sorted({r.info.model for r in self._records.values()} - {""})
         self._block_sizes = {m: sizes.most_common(1)[0][0] for m, sizes in block_sizes.items()}
         self._dirty.clear()
         self._reloaded.clear()
@@ -549,6 +551,11 @@ class FleetState:
         name the model: keys computed with another size never match."""
         canonical = self.canonical_model(name)
         return None if canonical is None else self._block_sizes.get(canonical)
+
+    def base_models(self) -> list[str]:
+        """The replicas' own models (each replica's first name; not its other served
+        names, aliases or adapters), sorted: what a request naming no model may be for."""
+        return self._base_models
 
     def served_models(self) -> list[str]:
         """Every name routable replicas answer to, sorted (``GET /v1/models``)."""

@@ -2,11 +2,12 @@
 
 The proxy forwards the client's body as it came (re-encoding it only when it must add
 ``stream_options.include_usage`` or ``cache_salt``), so this module checks only what
-routing reads: the body is a JSON object, ``model`` is a string, chat ``messages`` are a
-non-empty list of objects with a string ``role``, a completion ``prompt`` is a string, a
-list of token ids, or a list of those, and the streaming and tenant fields have their
-types. Anything else is the engine's to judge. Every problem is a :class:`BadRequest`
-naming the field, in OpenAI's error shape.
+routing reads: the body is a JSON object, ``model`` is a string (or absent or null, as
+the engines accept it: ``model`` is then ``""``), chat ``messages`` are a non-empty list
+of objects with a string ``role``, a completion ``prompt`` is a string, a list of token
+ids, or a list of those, and the streaming and tenant fields have their types. Anything
+else is the engine's to judge. Every problem is a :class:`BadRequest` naming the field,
+in OpenAI's error shape.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class InferenceRequest:
     kind: Kind
     raw: bytes
     body: dict[str, Any]
-    model: str
+    model: str  # "": the body names none (see dataplane.app: the fleet's only model)
     stream: bool
     # stream_options.include_usage as the client gave it: True; False (false, null, or no
     # stream_options); None: stream_options without it, which the engines read apart
@@ -124,8 +125,10 @@ def parse_inference(raw: bytes, kind: Kind) -> InferenceRequest:
     """``raw`` checked as a ``kind`` request; :class:`BadRequest` says what is wrong."""
     body = decode_object(raw)
     model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("'model' is required and must be a non-empty string.", "model")
+    if model is None:
+        model = ""  # as vLLM and SGLang take it: the model they serve
+    elif not isinstance(model, str):
+        raise BadRequest("'model' must be a string.", "model")
     if kind == "chat":
         _check_messages(body.get("messages"))
     else:

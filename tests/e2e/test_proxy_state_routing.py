@@ -41,10 +41,14 @@ def sims() -> Iterator[list[SimProcess]]:
         yield [stack.enter_context(SimProcess(*args)) for _ in range(2)]
 
 
-def routing_state(sims: list[SimProcess], workload: dict[str, Any], capacity: int = 64) -> Any:
+def routing_state(
+    sims: list[SimProcess], workload: dict[str, Any], capacity: int = 64, models: Any = None
+) -> Any:
+    """The fleet of ``sims``, each serving ``MODEL`` unless ``models`` names theirs."""
     replicas = []
     for ordinal, sim in enumerate(sims):
-        info = replica(ordinal, model=MODEL, capacity=capacity)
+        model = MODEL if models is None else models[ordinal]
+        info = replica(ordinal, model=model, capacity=capacity)
         info.base_url = sim.url
         replicas.append(info)
     rules = {"rules": [], "default_workload": workload["name"]}
@@ -86,12 +90,15 @@ async def proxy(
 
 
 async def chat(
-    url: str, key: str | None, question: str, **extra: str
+    url: str, key: str | None, question: str, *, model: str | None = MODEL, **extra: str
 ) -> tuple[int, dict[str, str], Any]:
+    """A chat through the proxy (``model`` None: the body names no model)."""
     headers = {"authorization": f"Bearer {key}"} if key else {}
     headers.update(extra)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
-    body = {"model": MODEL, "messages": messages, "max_tokens": 2}
+    body: dict[str, Any] = {"messages": messages, "max_tokens": 2}
+    if model is not None:
+        body["model"] = model
     async with (
         aiohttp.ClientSession() as session,
         session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as resp,
@@ -118,6 +125,24 @@ async def test_bearer_keys_are_required_and_tenants_never_share_cached_blocks(
         _, _, other = await chat(url, "beta-secret", "And prefix caching?")
     assert cached(first) == 0 and cached(again) > 400
     assert cached(other) == 0  # same prompt, other tenant: the engine did not share it
+
+
+async def test_a_request_naming_no_model_is_for_the_only_model_and_refused_behind_two(
+    sims: list[SimProcess],
+) -> None:
+    workload = {"name": "default", "strategy": "kv_aware"}
+    async with proxy(routing_state(sims, workload)) as (url, _):
+        status, headers, answer = await chat(url, "alpha-secret", "Which model?", model=None)
+        blocks = answer["usage"]["prompt_tokens"] // 16  # keyed with the model's tokenizer
+        assert status == 200 and answer["model"] == MODEL
+        assert headers["x-kvroute-prefix-blocks"].endswith(f"/{blocks}")
+    two = routing_state(sims, workload, models=[MODEL, "other-model"])
+    async with proxy(two) as (url, _):
+        status, _, answer = await chat(url, "alpha-secret", "Which model?", model=None)
+        assert status == 400 and answer["error"]["param"] == "model"
+        assert f"serves other-model, {MODEL}" in answer["error"]["message"]
+        status, _, answer = await chat(url, "alpha-secret", "Which model?")
+        assert status == 200 and answer["model"] == MODEL
 
 
 async def test_a_saturated_replica_overflows_to_the_other(sims: list[SimProcess]) -> None:
