@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from mypy_extensions import mypyc_attr
 
@@ -150,7 +151,7 @@ class Pending:
         except (ConnectionFailed, ResponseBroken, TimeoutError) as exc:
             raise Retriable(f"cannot reach {self._url}: {_describe(exc)}", _reason(exc)) from exc
         try:
-            return await _first_bytes(response, self._started)
+            return await _first_bytes(response, self._started, self._url)
         except BaseException:
             response.close()
             raise
@@ -160,7 +161,7 @@ class Pending:
         self._sending.close()
 
 
-async def _first_bytes(response: Response, started: float) -> Opened:
+async def _first_bytes(response: Response, started: float, url: str) -> Opened:
     if response.status in RETRY_STATUSES:
         raise Retriable(f"replica answered {response.status}", f"status_{response.status}")
     content_type = response.header(b"content-type") or b""
@@ -174,8 +175,27 @@ async def _first_bytes(response: Response, started: float) -> Opened:
     if streaming and not first:
         raise Retriable("replica ended the stream before any event", "disconnect")
     headers = [(k, v) for k, v in response.headers if k not in _NOT_RELAYED]
+    if response.header(b"location") is not None:
+        headers = _off_the_replica(headers, url)
     ttfb = time.perf_counter() - started
     return Opened(response, response.status, headers, first, streaming, ttfb)
+
+
+def _off_the_replica(headers: list[tuple[bytes, bytes]], url: str) -> list[tuple[bytes, bytes]]:
+    """``headers`` with a ``Location`` on the replica itself made a path, which the client
+    resolves against the proxy's address. (vLLM's FastAPI redirects a path with a
+    trailing slash too many or too few to the route's own, built from the ``Host`` the
+    proxy sent: the replica's address, which the client must never be sent to.)"""
+    parts = urlsplit(url)
+    origin = f"{parts.scheme}://{parts.netloc}".encode("latin-1")
+    relayed = []
+    for name, value in headers:
+        if name == b"location" and value.startswith(origin):
+            rest = value[len(origin) :]
+            if not rest or rest[:1] in (b"/", b"?"):
+                value = rest if rest[:1] == b"/" else b"/" + rest
+        relayed.append((name, value))
+    return relayed
 
 
 def _reason(exc: BaseException) -> str:

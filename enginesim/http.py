@@ -19,11 +19,12 @@ of requests a second on a small machine (see ``bench/enginesim_capacity.py``). R
 | GET POST DELETE | ``/sim/faults`` | fault injection (``faults.py``), loopback clients only |
 | GET | ``/sim/state`` | cached block ids and load, loopback clients only |
 
-Every error is answered in OpenAI's shape (``protocol.py``); an unexpected exception in a
-handler is logged and answered 500 without touching the engine's state. With
-``--event-format sglang`` the two inference routes answer by SGLang's rules instead
-(``sglang_serving.py``, ``sglang_api.py``: its ids, ``n`` and batches, usage, stream
-order and error shape).
+A route's path with a trailing slash too many or too few is redirected (307) to the
+route's own URL, as the engines' FastAPI apps do. Every error is answered in OpenAI's
+shape (``protocol.py``); an unexpected exception in a handler is logged and answered 500
+without touching the engine's state. With ``--event-format sglang`` the two inference
+routes answer by SGLang's rules instead (``sglang_serving.py``, ``sglang_api.py``: its
+ids, ``n`` and batches, usage, stream order and error shape).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import msgspec
 
@@ -60,6 +62,7 @@ THREAD_TOKENIZE_CHARS = 8192
 VERSION = "kvroute-sim 0.1.0"
 JSON = b"application/json"
 _encode = msgspec.json.encode
+_URL_SAFE = ":/%#?=@[]!$&'()*+,;"  # what Starlette's RedirectResponse leaves unquoted
 _LOOPBACK = ("127.", "::1", "::ffff:127.")
 
 Scope = dict[str, Any]
@@ -90,6 +93,7 @@ class Response:
     body: bytes
     content_type: bytes = JSON
     after: Callable[[], None] | None = None
+    location: bytes | None = None  # a redirect: no body, no content type
 
 
 @dataclass
@@ -100,6 +104,30 @@ class EventStream:
 
 Result = Response | EventStream
 Handler = Callable[[Request], Awaitable[Result]]
+
+
+def _redirect(url: bytes) -> Handler:
+    """Starlette's answer (both engines' servers are FastAPI apps) to a path that is a
+    route's but for a trailing slash, whatever the method: 307 to the route's own."""
+
+    async def redirect(_: Request) -> Result:
+        return Response(307, b"", location=url)
+
+    return redirect
+
+
+def _url(scope: Scope, path: str) -> bytes:
+    """The request's URL with ``path`` as Starlette builds a redirect's: the scheme, the
+    ``Host`` header (else the server's address), the path, the query, quoted whole."""
+    host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), None)
+    if host is None:
+        server_host, port = scope.get("server") or ("127.0.0.1", 80)
+        host = server_host if port == 80 else f"{server_host}:{port}"
+    url = f"{scope.get('scheme', 'http')}://{host}{path}"
+    query = scope.get("query_string", b"")
+    if query:
+        url += "?" + query.decode("latin-1")
+    return quote(url, safe=_URL_SAFE).encode("latin-1")
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
@@ -178,7 +206,11 @@ class SimApp:
     def _route(self, scope: Scope) -> Handler:
         methods = self.routes.get(scope["path"])
         if methods is None:
-            raise p.NotFound(f"No route {scope['path']}")
+            path = scope["path"]
+            other = path[:-1] if path.endswith("/") else path + "/"
+            if path != "/" and other in self.routes:
+                return _redirect(_url(scope, other))
+            raise p.NotFound(f"No route {path}")
         handler = methods.get(scope["method"])
         if handler is None:
             raise p.MethodNotAllowed(f"{scope['method']} is not allowed on {scope['path']}")
@@ -639,10 +671,13 @@ async def _read_body(receive: Receive) -> bytes:
 
 
 async def _send_response(response: Response, send: Send) -> None:
-    headers = [
-        (b"content-type", response.content_type),
-        (b"content-length", str(len(response.body)).encode()),
-    ]
+    if response.location is not None:
+        headers = [(b"content-length", b"0"), (b"location", response.location)]
+    else:
+        headers = [
+            (b"content-type", response.content_type),
+            (b"content-length", str(len(response.body)).encode()),
+        ]
     await send({"type": "http.response.start", "status": response.status, "headers": headers})
     await send({"type": "http.response.body", "body": response.body})
     if response.after is not None:

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.e2e.proxyproc import http_request
 from tests.unit.enginesim.simproc import SimProcess
 
 pytestmark = pytest.mark.e2e
@@ -243,6 +244,24 @@ def test_prompt_longer_than_max_model_len_is_400(sim: SimProcess) -> None:
 
 def test_wrong_method_is_405(sim: SimProcess) -> None:
     assert sim.call("GET", "/v1/completions")[0] == 405
+
+
+def test_a_path_off_by_a_trailing_slash_is_redirected_as_fastapi_redirects_it(
+    sim: SimProcess,
+) -> None:
+    """vLLM's and SGLang's FastAPI apps answer a route's path with a trailing slash too
+    many (or too few), whatever the method, with a 307 to the route's own URL, built from
+    the Host header the client sent."""
+    for path, target in (
+        ("/v1/completions/", "/v1/completions"),
+        ("/v1/models/", "/v1/models"),
+        ("/health/?probe=a%20b&x=1", "/health?probe=a%20b&x=1"),
+    ):
+        status, headers, body = http_request(sim.url + path, {"prompt": "x"},
+                                             headers={"host": "engine.example:8000"})  # fmt: skip
+        assert (status, body) == (307, b"")
+        assert headers["location"] == f"http://engine.example:8000{target}"
+    assert sim.call("POST", "/v1/nothing/")[0] == 404
 
 
 def test_peer_router_probes(sim: SimProcess) -> None:

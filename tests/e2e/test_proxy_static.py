@@ -468,6 +468,57 @@ def test_the_openai_client_lists_and_retrieves_the_served_models(fleet: Any) -> 
     assert status == 405 and "use GET" in json.loads(answer)["error"]["message"]
 
 
+def test_a_replicas_redirect_to_itself_sends_the_client_back_to_the_proxy(fleet: Any) -> None:
+    """A path with a trailing slash gets the engine's 307 to the route's own URL, built
+    from the Host header the proxy sent (the replica's): the client is sent to that path on
+    the proxy, never to the replica's address."""
+    _, proxy = fleet
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+    status, headers, _ = proxy.request("/v1/completions/?trace=1", body)
+    assert status == 307 and headers["location"] == "/v1/completions?trace=1"
+    status, _, answer = proxy.request(headers["location"], body)
+    assert status == 200 and json.loads(answer)["choices"][0]["text"]
+
+
+class _Redirecting(http.server.BaseHTTPRequestHandler):
+    """A replica answering every request with a 307 to the request's ``x-to`` header,
+    with ``{me}`` replaced by its own URL."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["content-length"]))
+        me = f"http://{self.headers['host']}"
+        self.send_response(307)
+        self.send_header("location", self.headers["x-to"].replace("{me}", me))
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_a_redirect_elsewhere_is_passed_on_as_the_replica_gave_it() -> None:
+    replica = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Redirecting)
+    replica.daemon_threads = True
+    threading.Thread(target=replica.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{replica.server_address[1]}"
+    body = {"model": MODEL, "prompt": "Where?", "max_tokens": 1}
+    try:
+        with ProxyProcess(f"--static-replicas={url}", "--static-strategy=round_robin") as proxy:
+            located = {
+                to: proxy.request("/v1/completions", body, headers={"x-to": to})[1]["location"]
+                for to in ("{me}/v1/other", "{me}", "{me}0/v1/other", "https://sso.example/login")
+            }
+    finally:
+        replica.shutdown()
+        replica.server_close()
+    assert located == {
+        "{me}/v1/other": "/v1/other",
+        "{me}": "/",
+        "{me}0/v1/other": f"{url}0/v1/other",  # another port: not the replica
+        "https://sso.example/login": "https://sso.example/login",
+    }
+
+
 def test_health_answers_where_the_engines_probes_look(fleet: Any) -> None:
     _, proxy = fleet  # /health is vLLM's and SGLang's: probes pointed at them keep working
     assert proxy.request("/health", method="GET")[0] == 200
