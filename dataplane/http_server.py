@@ -35,6 +35,7 @@ import socket
 from collections import deque
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
+from typing import Any
 
 import httptools
 
@@ -362,9 +363,9 @@ _INTERNAL = ApiError("internal error in the proxy").encode()
 def _split_url(url: bytes) -> tuple[str, str]:
     """Path and query of an origin-form (``/p?q``) or absolute-form target."""
     if not url.startswith(b"/"):
-        parsed = httptools.parse_url(url)
-        path = parsed.path or b"/"
-        query = parsed.query or b""
+        parsed: Any = httptools.parse_url(url)  # Any: its stub says bytes, it may be None
+        path: bytes = parsed.path or b"/"
+        query: bytes = parsed.query or b""
         return path.decode("latin-1"), query.decode("latin-1")
     path, _, query = url.partition(b"?")
     return path.decode("latin-1"), query.decode("latin-1")

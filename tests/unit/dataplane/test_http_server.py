@@ -174,6 +174,23 @@ async def test_one_connection_serves_request_after_request() -> None:
 
 
 @on_both_loops
+async def test_an_absolute_form_target_is_served_as_its_path_and_query() -> None:
+    """HTTP/1.1 servers must accept ``POST http://host/path`` (RFC 9112, 3.2.2), as
+    the engines' uvicorn does."""
+    async with serving(Echo()) as (_, connect):
+        client = await connect()
+        for target, path, query in (
+            ("http://t:8000/v1/x?n=1", "/v1/x", "n=1"),
+            ("http://t:8000/v1/x", "/v1/x", ""),
+            ("http://t:8000", "/", ""),
+        ):
+            await client.send(post(target, b"{}"))
+            answer = await client.answer()
+            assert answer.status == 200
+            assert (body_of(answer)["path"], body_of(answer)["query"]) == (path, query)
+
+
+@on_both_loops
 async def test_a_chunked_request_body_reaches_the_handler_whole() -> None:
     async with serving(Echo()) as (_, connect):
         client = await connect()
