@@ -67,7 +67,8 @@ class Prepared:
 
     workload: Workload
     policy: Policy
-    model: str  # the name the client asked for (what the view is keyed by)
+    model: str  # the name the client asked for, or the model it stands for (behind SGLang
+    # replicas of one model, a name nobody serves): what the fleet's view is keyed by
     key_model: str  # the canonical model id in block-key roots
     block_size: int
     namespace: str
@@ -117,6 +118,7 @@ class _ModelRoute:
     """What a requested model name resolves to while the fleet's generation lasts."""
 
     generation: int
+    name: str  # the name routed by (the fleet's views are keyed by it)
     key_model: str | None  # the canonical model id (None: nobody serves the name)
     spec: str  # the tokenizer spec
     block_size: int
@@ -186,11 +188,13 @@ class Router:
     def _resolve(self, name: str) -> _ModelRoute:
         fleet, defaults = self.fleet, self.defaults
         generation = fleet.generation  # read first: a change after it is seen next time
+        if fleet.canonical_model(name) is None:
+            name = fleet.any_name_model() or name  # behind SGLang, any name: its model
         entry = fleet.model_entry(name)
         spec = entry.tokenizer if entry is not None and entry.tokenizer else defaults.tokenizer
         block_size = entry.block_size if entry is not None and entry.block_size else None
         block_size = block_size or fleet.block_size(name) or defaults.block_size
-        return _ModelRoute(generation, fleet.canonical_model(name), spec, block_size)
+        return _ModelRoute(generation, name, fleet.canonical_model(name), spec, block_size)
 
     def prepare(
         self,
@@ -224,7 +228,7 @@ class Router:
         prepared = Prepared(
             workload=workload,
             policy=policy,
-            model=request.model,
+            model=route.name,
             key_model=key_model,
             block_size=block_size,
             namespace=namespace,
@@ -304,11 +308,11 @@ class Router:
 
     def least_loaded(self, model: str) -> int | None:
         """The least-loaded replica serving ``model`` (routes other than inference)."""
-        key_model = self.fleet.canonical_model(model)
-        if key_model is None:
+        route = self._model(model)
+        if route.key_model is None:
             return None
-        ctx = RouteContext(workload=self._forward_workload, model=key_model)
-        return self._least_load.select(ctx, self.fleet.view(model)).ordinal
+        ctx = RouteContext(workload=self._forward_workload, model=route.key_model)
+        return self._least_load.select(ctx, self.fleet.view(route.name)).ordinal
 
     def classify(
         self,

@@ -161,6 +161,32 @@ def test_behind_sglang_continuous_usage_arrives_as_sglang_sends_it(options: dict
     assert len(direct) == (4 if options.get("include_usage") else 3)
 
 
+def test_behind_sglang_any_model_name_is_served_as_sglangs_own_server_serves_it() -> None:
+    """SGLang checks no model name (its examples send ``"default"``), where vLLM answers
+    404: behind SGLang replicas of one model the proxy routes any name to that model,
+    keyed as it (a prompt lands where the model's own name sent it, and hits its
+    cache), and the answer names what the client sent, as SGLang's does."""
+    with ExitStack() as stack:
+        sims = [stack.enter_context(SimProcess(*SIM_ARGS, "--event-format=sglang"))
+                for _ in range(2)]  # fmt: skip
+        urls = ",".join(sim.url for sim in sims)
+        proxy = stack.enter_context(ProxyProcess(f"--static-replicas={urls}", "--debug-headers"))
+        assert json.loads(proxy.request("/v1/models", method="GET")[2])["data"]  # read at start
+        replicas, cached = set(), []
+        for name, question in ((MODEL, "Where?"), ("default", "Here?"), ("gpt-4o", "There?")):
+            messages = [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": question},
+            ]
+            body = {"model": name, "max_tokens": 2, "messages": messages}
+            status, headers, answer = proxy.request("/v1/chat/completions", body)
+            assert status == 200 and json.loads(answer)["model"] == name
+            replicas.add(headers["x-kvroute-replica"])
+            cached.append(json.loads(answer)["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert len(replicas) == 1
+    assert cached[1] > 400 and cached[2] >= cached[1]
+
+
 def test_a_batch_with_two_samples_each_arrives_intact_and_answers_as_the_replica(
     fleet: Any,
 ) -> None:

@@ -13,6 +13,7 @@ from dataplane import fleet_state
 from dataplane.errors import SnapshotNeeded
 from dataplane.fleet_state import FleetState
 from kvcore.keys import block_keys
+from kvcore.pb import events_pb2
 from kvcore.policies import RouteContext, create_policy
 from kvcore.workload import KvAwareWorkload, RequestInfo, parse_workload
 from tests.unit.dataplane.state_messages import (
@@ -201,6 +202,33 @@ def test_model_registry_names_resolve_to_the_canonical_model() -> None:
         assert state.model_entry(name) == entry
     assert state.canonical_model("unknown") is None
     assert state.models() == {"llama": entry}
+
+
+def sglang(info: Any) -> Any:
+    info.engine_kind = events_pb2.ENGINE_KIND_SGLANG
+    return info
+
+
+def test_a_request_naming_no_model_or_any_name_goes_where_the_engines_would_take_it() -> None:
+    """No model: the fleet's one base model (its replicas' own names, not aliases).
+    Any name: the same, only where every replica is SGLang, which checks no name."""
+    fleets = {
+        "one vLLM model": [replica(0, served=["alias"]), replica(1)],
+        "one SGLang model": [sglang(replica(0)), sglang(replica(1))],
+        "SGLang beside vLLM": [sglang(replica(0)), replica(1)],
+        "two SGLang models": [sglang(replica(0)), sglang(replica(1, model="other"))],
+    }
+    seen = {}
+    for name, replicas in fleets.items():
+        state = fleet()
+        apply_all(state, snapshot(1, 1, replicas))
+        seen[name] = (state.base_models(), state.any_name_model())
+    assert seen == {
+        "one vLLM model": ([MODEL], None),
+        "one SGLang model": ([MODEL], MODEL),
+        "SGLang beside vLLM": ([MODEL], None),
+        "two SGLang models": ([MODEL, "other"], None),
+    }
 
 
 def test_the_router_block_size_comes_from_the_replicas_announcements() -> None:
