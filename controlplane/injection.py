@@ -10,6 +10,9 @@ For a pod labelled ``kvroute.io/inject: "true"`` this module answers with a JSON
   ``--kv-events-config {"enable_kv_cache_events":true,"publisher":"zmq",...}``, SGLang
   gets ``--kv-events-config {"publisher":"zmq",...}`` (its publisher defaults to
   ``null``) and ``--enable-metrics`` (the sidecar reads load from ``/metrics``);
+- turns the engine's report of cached tokens on (``usage.prompt_tokens_details``, which
+  the proxies compare with their predictions): vLLM's ``--enable-prompt-tokens-details``,
+  SGLang's ``--enable-cache-report``;
 - marks the pod ``kvroute.io/injected: "true"``.
 
 A pod that already has the sidecar is returned unchanged (idempotent), every other pod
@@ -59,6 +62,7 @@ DEFAULT_EVENTS_PORT = 5557
 DEFAULT_REPLAY_PORT = 5558
 KV_EVENTS_FLAG = "--kv-events-config"
 SGLANG_METRICS_FLAG = "--enable-metrics"
+CACHE_REPORT_FLAGS = {"vllm": "--enable-prompt-tokens-details", "sglang": "--enable-cache-report"}
 MODEL_FLAGS = ("--served-model-name", "--model", "--model-path")
 SHELLS = ("sh", "bash", "/bin/sh", "/bin/bash")
 
@@ -316,6 +320,9 @@ def _missing_flags(argv: list[str], engine: EngineSpec) -> list[str]:
         missing += [KV_EVENTS_FLAG, json.dumps(events_config(engine), separators=(",", ":"))]
     if engine.kind == "sglang" and not has_flag(argv, SGLANG_METRICS_FLAG):
         missing.append(SGLANG_METRICS_FLAG)
+    report = CACHE_REPORT_FLAGS.get(engine.kind)
+    if report is not None and not has_flag(argv, report):
+        missing.append(report)
     return missing
 
 

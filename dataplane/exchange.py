@@ -39,6 +39,7 @@ from dataplane.upstream import Opened, Retriable, Upstream
 from kvcore.policies import Decision
 
 log = logging.getLogger("dataplane")
+REPORTING_REMEMBERED = 4096  # replicas known to report cached tokens, kept before starting over
 
 
 class Reporter(Protocol):
@@ -150,6 +151,7 @@ class Dispatcher:
         self.budget = budget
         self.reporter = reporter
         self._clock = clock
+        self._reporting: set[str] = set()  # replicas seen reporting cached tokens
 
     async def send(
         self, exchange: Exchange, path: str, body: bytes, headers: Sequence[tuple[str, str]]
@@ -259,10 +261,28 @@ class Dispatcher:
             return
         self._fidelity(exchange, attempt, workload)
 
+    def _measured(self, usage: Usage | None, replica: str) -> int | None:
+        """The cached tokens an answer's usage reports; ``None``: unknown. vLLM reports
+        them only when started with ``--enable-prompt-tokens-details``, and then only
+        when some were cached (it tests the count's truth: 0 reads as no details at all),
+        so a final usage without details from a replica seen reporting them means 0, and
+        from any other replica, unknown. (SGLang with ``--enable-cache-report`` reports
+        0 too.)"""
+        if usage is None:
+            return None
+        cached = usage.cached_tokens
+        if cached is not None:
+            if replica not in self._reporting:
+                if len(self._reporting) >= REPORTING_REMEMBERED:
+                    self._reporting.clear()  # replicas come and go: start over
+                self._reporting.add(replica)
+            return cached
+        return 0 if usage.final and replica in self._reporting else None
+
     def _fidelity(self, exchange: Exchange, attempt: Attempt, workload: str) -> None:
         usage = exchange.usage
         request = exchange.request
-        measured = None if usage is None else usage.cached_tokens
+        measured = self._measured(usage, attempt.endpoint.replica_id)
         if request.fans_out and (not request.stream or attempt.endpoint.engine_kind == "sglang"):
             # vLLM: a whole answer to a batch or to n > 1 reports the cached tokens of its
             # last engine request (another prompt's, or a later sample's that hit the first

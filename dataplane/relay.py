@@ -43,10 +43,13 @@ _NO_USAGE = (b'"usage":null', b'"usage": null')  # SGLang's every chunk but the 
 
 @dataclass(slots=True)
 class Usage:
-    """What the engine reported for one request (None: it did not say)."""
+    """What the engine reported for one request (None: it did not say). ``final``: the
+    request's whole usage (a whole answer's, or a stream's usage chunk), not a chunk's so
+    far (``continuous_usage_stats``), which never carries cached tokens from vLLM."""
 
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    final: bool = True
 
 
 def usage_of(body: bytes) -> Usage | None:
@@ -62,12 +65,13 @@ def _decode(data: bytes) -> _Envelope | None:
         return None  # passed on as the engine sent it
 
 
-def _usage(envelope: _Envelope) -> Usage | None:
+def _usage(envelope: _Envelope, final: bool = True) -> Usage | None:
     usage = envelope.usage
     if usage is None:
         return None
     details = usage.prompt_tokens_details
-    return Usage(usage.prompt_tokens, None if details is None else details.cached_tokens)
+    cached = None if details is None else details.cached_tokens
+    return Usage(usage.prompt_tokens, cached, final)
 
 
 class SseRelay:
@@ -104,8 +108,9 @@ class SseRelay:
         if _USAGE in event and event.startswith(_DATA):
             envelope = _decode(event[len(_DATA) :])
             if envelope is not None and envelope.usage is not None:
-                self.usage = _usage(envelope)
-                if self.strip_usage and _empty(envelope.choices):
+                usage_only = _empty(envelope.choices)
+                self.usage = _usage(envelope, final=usage_only)
+                if self.strip_usage and usage_only:
                     return b""
         return event + _EVENT_END
 

@@ -374,11 +374,15 @@ def check_messages(messages: Sequence[dict[str, Any]]) -> None:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """vLLM's ``UsageInfo`` as ``--enable-prompt-tokens-details`` fills it: the details
+    only when some tokens were cached (vLLM tests the count's truth), else null (and left
+    out of a stream's usage chunk, dumped without nulls: :func:`usage_chunk`)."""
+    details = {"cached_tokens": cached_tokens} if cached_tokens else None
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": details,
     }
 
 
@@ -450,7 +454,8 @@ def chat_chunk(
 
 
 def usage_chunk(rid: str, model: str, obj: str, use: dict[str, Any]) -> dict[str, Any]:
-    return _envelope(rid, obj, model, [], use)
+    """A stream's usage chunk, dumped as vLLM dumps it: without null fields."""
+    return _envelope(rid, obj, model, [], {k: v for k, v in use.items() if v is not None})
 
 
 def _envelope(

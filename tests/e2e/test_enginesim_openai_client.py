@@ -132,8 +132,7 @@ def test_a_streamed_batch_ends_each_choice_once_and_reports_the_first_outputs_ca
     assert chunks[-1].choices == [] and usage is not None
     assert (usage.prompt_tokens, usage.completion_tokens) == (64, 12)
     # streamed, vLLM reports the first output's count: the first prompt's first sample, cold
-    assert usage.prompt_tokens_details is not None
-    assert usage.prompt_tokens_details.cached_tokens == 0
+    assert usage.prompt_tokens_details is None  # vLLM reports no details for 0 cached
 
 
 def test_chat_with_two_samples_shares_the_prompt(client: openai.OpenAI) -> None:

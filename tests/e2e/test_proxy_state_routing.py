@@ -25,7 +25,7 @@ from dataplane.service import ProxyService
 from dataplane.settings import ProxySettings
 from kvcore.pb import routing_pb2
 from tests.unit.dataplane.state_messages import config, load, model_entry, replica, snapshot
-from tests.unit.enginesim.simproc import SimProcess
+from tests.unit.enginesim.simproc import SimProcess, cached_tokens
 
 pytestmark = pytest.mark.e2e
 
@@ -107,7 +107,7 @@ async def chat(
 
 
 def cached(answer: Any) -> int:
-    return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+    return cached_tokens(answer["usage"])
 
 
 async def test_bearer_keys_are_required_and_tenants_never_share_cached_blocks(

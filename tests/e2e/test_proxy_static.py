@@ -30,7 +30,7 @@ from bench.micro.model_files import write_tiny_model
 from tests.e2e.openai_answers import openai_answers
 from tests.e2e.proxyproc import ProxyProcess
 from tests.request_bodies import request_bodies
-from tests.unit.enginesim.simproc import SimProcess
+from tests.unit.enginesim.simproc import SimProcess, cached_tokens
 
 pytestmark = pytest.mark.e2e
 
@@ -182,7 +182,7 @@ def test_behind_sglang_any_model_name_is_served_as_sglangs_own_server_serves_it(
             status, headers, answer = proxy.request("/v1/chat/completions", body)
             assert status == 200 and json.loads(answer)["model"] == name
             replicas.add(headers["x-kvroute-replica"])
-            cached.append(json.loads(answer)["usage"]["prompt_tokens_details"]["cached_tokens"])
+            cached.append(cached_tokens(json.loads(answer)["usage"]))
     assert len(replicas) == 1
     assert cached[1] > 400 and cached[2] >= cached[1]
 
@@ -249,6 +249,32 @@ def test_a_batch_or_n_samples_counts_the_first_prompts_cached_tokens_or_none(
     assert after_stream["prompt_tokens"] - after_whole["prompt_tokens"] == len(first)
 
 
+def test_a_miss_counts_as_measured_once_the_replica_is_seen_reporting_cached_tokens() -> None:
+    """vLLM reports cached tokens only when some were cached (``--enable-prompt-tokens-
+    details`` tests the count's truth), and not at all without that flag: an answer
+    without them is unknown until its replica has reported some, then a miss, 0 cached,
+    whole or streamed (the usage chunk the proxy asked for and took off again)."""
+    with (
+        SimProcess(*SIM_ARGS) as sim,
+        ProxyProcess(f"--static-replicas={sim.url}") as proxy,
+    ):
+        prompt = list(range(27_000, 27_064))
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+        counted = [_fidelity_totals(proxy)]
+        for sent in (body, body, {**body, "prompt": prompt[::-1]}):
+            assert proxy.request("/v1/completions", sent)[0] == 200
+            counted.append(_fidelity_totals(proxy))
+        cold = {**body, "prompt": prompt[1:], "stream": True}
+        assert [e for e in _events(proxy.url, cold) if e != "[DONE]" and e.get("usage")] == []
+        counted.append(_fidelity_totals(proxy))
+    requests = [c["measured_requests"] - counted[0]["measured_requests"] for c in counted[1:]]
+    tokens = [
+        c["measured_cached_tokens"] - counted[0]["measured_cached_tokens"] for c in counted[1:]
+    ]
+    assert requests == [0, 1, 2, 3]  # the first unknown: this replica had reported none yet
+    assert tokens == [0, 48, 48, 48]  # then a hit and two misses
+
+
 def test_behind_sglang_no_answer_to_a_batch_or_n_samples_counts_as_measured() -> None:
     """SGLang runs each prompt of a batch or of n > 1 once as a warm-up, then the samples,
     and sums the samples' cached tokens: whole or streamed, no measure of the prompt as
@@ -308,7 +334,7 @@ def test_prompts_sharing_a_system_prompt_land_together_and_hit_its_cache(fleet: 
         status, headers, answer = proxy.request("/v1/chat/completions", body)
         assert status == 200
         replicas.add(headers["x-kvroute-replica"])
-        cached.append(json.loads(answer)["usage"]["prompt_tokens_details"]["cached_tokens"])
+        cached.append(cached_tokens(json.loads(answer)["usage"]))
     assert len(replicas) == 1
     assert cached[1] > 400 and cached[2] >= cached[1]
 

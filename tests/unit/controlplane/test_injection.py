@@ -51,6 +51,7 @@ def test_vllm_pod_gets_the_sidecar_and_kv_events() -> None:
         "8000",
         "--kv-events-config",
         EVENTS,
+        "--enable-prompt-tokens-details",  # what the proxies compare their predictions with
     ]
     assert sidecar["name"] == "kvroute-sidecar"
     assert sidecar["image"] == "kvroute/sidecar:test"
@@ -81,7 +82,7 @@ def test_sglang_pod_gets_its_own_events_config_and_metrics() -> None:
         "endpoint": "tcp://*:5557",
         "replay_endpoint": "tcp://*:5558",
     }
-    assert "--enable-metrics" in engine["args"]
+    assert "--enable-metrics" in engine["args"] and "--enable-cache-report" in engine["args"]
     env = env_of(sidecar)
     assert env["KVROUTE_ENGINE_KIND"] == "sglang"
     assert env["KVROUTE_MODEL"] == "Qwen/Qwen2.5-7B"  # from --model-path
@@ -93,7 +94,10 @@ def test_sglang_pod_gets_its_own_events_config_and_metrics() -> None:
 def test_an_existing_events_config_is_kept_and_its_ports_followed() -> None:
     pod = vllm_pod()
     given = '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:6000"}'
-    pod["spec"]["containers"][0]["args"] += [f"--kv-events-config={given}"]
+    pod["spec"]["containers"][0]["args"] += [
+        f"--kv-events-config={given}",
+        "--enable-prompt-tokens-details",
+    ]
     _, patched = admit(pod)
     engine, sidecar = patched["spec"]["containers"]
     assert engine["args"] == pod["spec"]["containers"][0]["args"]
@@ -117,7 +121,7 @@ def test_annotations_choose_container_ports_and_block_size() -> None:
     _, patched = admit(pod)
     assert patched["spec"]["containers"][0] == helper
     engine = patched["spec"]["containers"][1]
-    assert json.loads(engine["args"][-1])["endpoint"] == "tcp://*:7001"
+    assert json.loads(engine["args"][-2])["endpoint"] == "tcp://*:7001"
     env = env_of(patched["spec"]["containers"][2])
     assert env["KVROUTE_ENGINE_URL"] == "http://127.0.0.1:9000"
     assert env["KVROUTE_REPLAY_ENDPOINT"] == "tcp://127.0.0.1:7002"
@@ -142,7 +146,7 @@ def test_vllm_serve_positional_model_and_no_args_field() -> None:
     }
     _, patched = admit(pod)
     engine, sidecar = patched["spec"]["containers"]
-    assert engine["args"] == ["--kv-events-config", EVENTS]
+    assert engine["args"] == ["--kv-events-config", EVENTS, "--enable-prompt-tokens-details"]
     assert env_of(sidecar)["KVROUTE_MODEL"] == "Qwen/Qwen3-8B"
 
 

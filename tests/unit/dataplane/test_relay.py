@@ -66,3 +66,18 @@ def test_sglang_chunks_with_null_usage_pass_untouched_and_its_usage_chunk_is_rea
     assert r.usage is not None and (r.usage.prompt_tokens, r.usage.cached_tokens) == (40, 32)
     kept, k = relay([stream], strip=False)
     assert kept == stream and k.usage is not None and k.usage.cached_tokens == 32
+
+
+def test_only_a_whole_answers_or_a_usage_chunks_usage_is_the_requests_final_one() -> None:
+    """A chunk's usage so far (``continuous_usage_stats``) never says what was cached:
+    only the usage chunk (no choices) or a whole answer's usage is final."""
+    running = (
+        b'data: {"id":"c","choices":[{"index":0,"text":" x"}],'
+        b'"usage":{"prompt_tokens":40,"completion_tokens":1}}\n\n'
+    )
+    _, so_far = relay([running * 2 + DONE], strip=False)
+    _, ended = relay([running * 2 + USAGE + DONE], strip=True)
+    assert so_far.usage is not None and not so_far.usage.final
+    assert ended.usage is not None and ended.usage.final and ended.usage.cached_tokens == 32
+    whole = usage_of(b'{"choices":[],"usage":{"prompt_tokens":9,"prompt_tokens_details":null}}')
+    assert whole is not None and whole.final and whole.cached_tokens is None

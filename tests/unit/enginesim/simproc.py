@@ -211,3 +211,10 @@ class EventClient:
                 batches.append((int.from_bytes(seq, "big"), payload))
         finally:
             dealer.close(linger=0)
+
+
+def cached_tokens(usage: dict[str, Any]) -> int:
+    """A usage's cached tokens as vLLM reports them (with --enable-prompt-tokens-details):
+    its details are null (absent from a stream's usage chunk) when nothing was cached."""
+    details = usage.get("prompt_tokens_details")
+    return 0 if details is None else int(details["cached_tokens"])
