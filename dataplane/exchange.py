@@ -263,11 +263,10 @@ class Dispatcher:
 
     def _measured(self, usage: Usage | None, replica: str) -> int | None:
         """The cached tokens an answer's usage reports; ``None``: unknown. vLLM reports
-        them only when started with ``--enable-prompt-tokens-details``, and then only
-        when some were cached (it tests the count's truth: 0 reads as no details at all),
-        so a final usage without details from a replica seen reporting them means 0, and
-        from any other replica, unknown. (SGLang with ``--enable-cache-report`` reports
-        0 too.)"""
+        them only when started with ``--enable-prompt-tokens-details`` (SGLang: with
+        ``--enable-cache-report``), and then only when some were cached (0 reads as no
+        details at all), so a final usage without details from a replica seen reporting
+        them means 0, and from any other replica, unknown."""
         if usage is None:
             return None
         cached = usage.cached_tokens

@@ -22,8 +22,9 @@ them in SGLang mode. Facts, with where they were read (``python/sglang/srt/``):
 - **usage** (``entrypoints/openai/usage_processor.py``): ``prompt_tokens`` sums the first
   sample of each prompt (``range(0, len(ret), n)``, or ``index % n == 0`` streamed);
   ``completion_tokens`` sums every choice; ``prompt_tokens_details.cached_tokens`` sums
-  the first sample of each prompt, reported with ``--enable-cache-report`` (the simulator
-  always reports it, as that flag would); ``reasoning_tokens`` 0 is always there, and
+  the first sample of each prompt, reported with ``--enable-cache-report`` and only when
+  not 0 (``UsageProcessor._details_if_cached``: null otherwise; the simulator reports as
+  that flag makes SGLang report); ``reasoning_tokens`` 0 is always there, and
   ``completion_tokens_details`` is null. So ``n = 0`` fails a whole answer with
   ``range()``'s ValueError, and ``n < 0`` counts no prompt tokens; streamed, ``n = 0``
   fails the usage chunk with ZeroDivisionError ("integer modulo by zero": Python 3.12's
@@ -280,7 +281,7 @@ def usage_info(prompt: int, completion: int, cached: int | None) -> dict[str, An
         "prompt_tokens": prompt,
         "total_tokens": prompt + completion,
         "completion_tokens": completion,
-        "prompt_tokens_details": None if cached is None else {"cached_tokens": cached},
+        "prompt_tokens_details": {"cached_tokens": cached} if cached else None,  # None or 0
         "reasoning_tokens": 0,
         "completion_tokens_details": None,
     }
