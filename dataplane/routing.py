@@ -24,8 +24,10 @@ engine sees, since the sidecar keys the engine's blocks under it):
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 import threading
+from array import array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -47,6 +49,7 @@ from kvcore.workload import (
 from kvcore.workload.classify import WORKLOAD_HEADER
 
 ROOTS_REMEMBERED = 4096  # (model, tenant) roots kept before the memo starts over
+log = logging.getLogger("dataplane")
 MODELS_REMEMBERED = 1024  # requested model names resolved, kept before the memo starts over
 
 
@@ -168,6 +171,7 @@ class Router:
         self._policies: dict[str, Policy] = {}
         self._roots: dict[tuple[str, str], int] = {}
         self._models: dict[str, _ModelRoute] = {}
+        self._refusing: set[str] = set()  # models whose tokenizer refused a prompt
         self._forward_workload = parse_workload({"name": "forward", "strategy": "least_load"})
         self._least_load = create_policy(self._forward_workload, rng=self._rng)
 
@@ -390,9 +394,20 @@ class Router:
         except InvalidRequest as invalid:  # one name per type: see dataplane/native.py
             raise BadRequest(f"The prompt cannot be routed: {invalid}", invalid.field) from None
         except TokenizerError as refused:
-            raise BadRequest(
-                f"The prompt cannot be tokenized: {refused}", _prompt_field(request)
-            ) from None
+            # the engine judges it: its template may take what this tokenizer's refuses
+            # (a multimodal part, a role), and where it refuses too, the client gets the
+            # engine's own words. Routed without keys, so predicting nothing.
+            self._warn_once(request.model, refused)
+            return Encoded(array("I"))
+
+    def _warn_once(self, model: str, refused: TokenizerError) -> None:
+        if model not in self._refusing and len(self._refusing) < MODELS_REMEMBERED:
+            self._refusing.add(model)
+            log.warning(
+                "the tokenizer of model %s refused a prompt (%s): such requests go to a "
+                "replica without their prompt's keys, and the engine judges them (this is "
+                "said once per model)", model, refused,
+            )  # fmt: skip
 
     def _predicted(
         self, prepared: Prepared, decision: Decision, view: _RunsOnce, now: float
@@ -433,7 +448,3 @@ def _cached(run: int, prompt_tokens: int, block_size: int) -> int:
     """The tokens an engine reports cached for a prompt whose first ``run`` blocks it
     holds: capped as vLLM caps a hit, at least the prompt's last token is computed."""
     return min(run, max(prompt_tokens - 1, 0) // block_size) * block_size
-
-
-def _prompt_field(request: InferenceRequest) -> str:
-    return "messages" if request.kind == "chat" else "prompt"

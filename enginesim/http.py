@@ -421,7 +421,9 @@ class SimApp:
             raise p.BadRequest(str(exc)) from exc
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.settings.model:
+        """404 for a model name not served; none, null or empty is the served model's
+        (vLLM's ``_is_model_supported`` tests the name's truth)."""
+        if model and model != self.settings.model:
             raise p.NotFound(f"The model `{model}` does not exist.", "model")
 
     # -- engine-side routes ----------------------------------------------------------------

@@ -247,6 +247,15 @@ def test_prompt_longer_than_max_model_len_is_400(sim: SimProcess) -> None:
     assert "maximum context length is 8192 tokens" in answer["error"]["message"]
 
 
+@pytest.mark.parametrize("named", [{}, {"model": None}, {"model": ""}])
+def test_a_request_naming_no_model_is_for_the_served_one(
+    sim: SimProcess, named: dict[str, str | None]
+) -> None:
+    answer = sim.post("/v1/completions", {"prompt": "Whose?", "max_tokens": 1, **named})
+    assert answer["model"] == "sim-model"
+    assert sim.call("POST", "/v1/completions", {"prompt": "Whose?", "model": "x"})[0] == 404
+
+
 def test_wrong_method_is_405(sim: SimProcess) -> None:
     assert sim.call("GET", "/v1/completions")[0] == 405
 

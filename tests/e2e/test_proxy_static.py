@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench.micro.model_files import write_tiny_model
+from bench.micro.model_files import write_config, write_tiny_model
 from tests.e2e.openai_answers import openai_answers
 from tests.e2e.proxyproc import ProxyProcess
 from tests.request_bodies import request_bodies
@@ -441,6 +441,44 @@ def test_a_replica_with_another_tokenizer_is_flagged_in_readyz_and_metrics(
         assert list(flagged) == [MODEL]
         _, _, metrics = proxy.request("/metrics", method="GET")
         assert f'kvroute_proxy_tokenizer_mismatch{{model="{MODEL}"}} 1.0' in metrics.decode()
+
+
+# Qwen's way: any role; a content pasted as it is (a list of parts cannot be)
+ANY_ROLE_CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_a_prompt_the_proxys_tokenizer_refuses_is_the_engines_to_judge(tmp_path: Path) -> None:
+    """The proxy's tokenizer (here the built-in one, whose template takes neither a
+    ``developer`` message nor an image part) is not the engine's to overrule: such a
+    request is routed without its prompt's keys and answered by the engine, as directly."""
+    model_dir = write_tiny_model(tmp_path / "bpe")
+    write_config(model_dir, chat_template=ANY_ROLE_CHATML, eos_token="<|im_end|>")
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    chats = [
+        [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}],
+    ]
+    with (
+        SimProcess(*SIM_ARGS, f"--tokenizer={model_dir}") as sim,
+        ProxyProcess(f"--static-replicas={sim.url}", "--debug-headers") as proxy,
+    ):
+        statuses = []
+        for messages in chats:
+            body = {"model": MODEL, "messages": messages, "max_tokens": 2}
+            status, headers, answer = proxy.request("/v1/chat/completions", body)
+            direct = sim.call("POST", "/v1/chat/completions", body)
+            mine, theirs = json.loads(answer), direct[1]  # the answer, or the engine's error
+            assert status == direct[0]
+            assert mine.get("choices", mine.get("error")) == theirs.get(
+                "choices", theirs.get("error")
+            )
+            assert headers["x-kvroute-prefix-blocks"] == "0/0"  # routed on no keys
+            statuses.append(status)
+    assert statuses == [200, 400]  # the engine's template takes the role, not the image
 
 
 def _readyz(proxy: ProxyProcess) -> dict[str, Any]:
