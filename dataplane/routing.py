@@ -48,8 +48,8 @@ from kvcore.workload import (
 )
 from kvcore.workload.classify import WORKLOAD_HEADER
 
-ROOTS_REMEMBERED = 4096  # (model, tenant) roots kept before the memo starts over
 log = logging.getLogger("dataplane")
+ROOTS_REMEMBERED = 4096  # (model, tenant) roots kept before the memo starts over
 MODELS_REMEMBERED = 1024  # requested model names resolved, kept before the memo starts over
 
 

@@ -42,6 +42,7 @@ class Choices:
     handles: list[RequestHandle]
     n: int = 1
     answer_ids: list[str] | None = None  # SGLang mode: the ids a client named them by
+    reports_cached: bool = True  # false: usage tells no cached tokens (``--no-cache-report``)
     first_cached: int | None = field(default=None, init=False)
 
     @property
@@ -74,7 +75,7 @@ class Choices:
             completions += len(handle.req.output)
             if k % self.n == 0:  # each prompt once
                 prompts += len(handle.req.prompt)
-        return p.usage(prompts, completions, cached)
+        return p.usage(prompts, completions, cached if self.reports_cached else 0)
 
     def final_usage(self) -> dict[str, Any]:
         """``usage`` of a whole answer: the last engine request's cached tokens."""

@@ -331,7 +331,7 @@ class SimApp:
             handles = await self.engine.submit_all(reqs, stream=body.stream)
         except RequestRejected as exc:
             raise p.BadRequest(str(exc)) from exc
-        return Choices(rid, handles, n)
+        return Choices(rid, handles, n, reports_cached=not self.settings.no_cache_report)
 
     async def _completion_chunks(
         self, choices: Choices, usage: p.UsageAsked

@@ -51,6 +51,12 @@ class SimSettings(BaseSettings):
     decode_base_ms: float = Field(10.0, ge=0, description="decode step cost at batch 0")
     decode_per_seq_ms: float = Field(0.2, ge=0, description="decode step cost per running seq")
     log_level: str = Field("warning", description="log level of the server")
+    no_cache_report: bool = Field(
+        False,
+        description="report no cached tokens in usage, as vLLM without "
+        "--enable-prompt-tokens-details and SGLang without --enable-cache-report answer "
+        "(their defaults); without it, as with those flags",
+    )
     request_header_overrides: bool = Field(
         False,
         description="SGLang mode: a chat's x-override-rid header names it, as "

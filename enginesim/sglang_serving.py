@@ -132,10 +132,11 @@ class SglangServing:
         ]
         handles = await engine.submit_all(reqs, stream=body.stream)
         names = rids.names
+        reports = not app.settings.no_cache_report
         if names is None:
-            return Choices(reqs[0].request_id, handles, max(n, 1))
+            return Choices(reqs[0].request_id, handles, max(n, 1), reports_cached=reports)
         self.rids.hold(rids.held, handles)
-        return Choices(names[0], handles, max(n, 1), names)
+        return Choices(names[0], handles, max(n, 1), names, reports_cached=reports)
 
 
 def _model(body: p._Sampling) -> str:

@@ -275,6 +275,26 @@ def test_a_miss_counts_as_measured_once_the_replica_is_seen_reporting_cached_tok
     assert tokens == [0, 48, 48, 48]  # then a hit and two misses
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_an_engine_that_reports_no_cached_tokens_has_none_counted_as_measured(engine: str) -> None:
+    """Started without its report of cached tokens (the engines' default), an engine's
+    answers say nothing of them, hits included: the proxy counts none of its answers as
+    measured rather than take the silence for misses."""
+    with (
+        SimProcess(*SIM_ARGS, f"--event-format={engine}", "--no-cache-report") as sim,
+        ProxyProcess(f"--static-replicas={sim.url}") as proxy,
+    ):
+        before = _fidelity_totals(proxy)
+        body = {"model": MODEL, "prompt": list(range(28_000, 28_064)), "max_tokens": 1}
+        answers = [json.loads(proxy.request("/v1/completions", body)[2]) for _ in range(2)]
+        after = _fidelity_totals(proxy)
+        assert sim.metric(f"{engine}:prefix_cache_hits_total" if engine == "vllm"
+                          else "sglang:cached_tokens_total") == 48  # fmt: skip
+    assert [a["usage"]["prompt_tokens_details"] for a in answers] == [None, None]
+    assert after["measured_requests"] == before["measured_requests"]
+    assert after["prompt_tokens"] - before["prompt_tokens"] == 128
+
+
 def test_behind_sglang_no_answer_to_a_batch_or_n_samples_counts_as_measured() -> None:
     """SGLang runs each prompt of a batch or of n > 1 once as a warm-up, then the samples,
     and sums the samples' cached tokens: whole or streamed, no measure of the prompt as
