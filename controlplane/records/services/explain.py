@@ -56,7 +56,7 @@ class Explainer:
         spec = self._model(model_name)
         chosen = self._classify(path, model_name, workload, headers)
         tokenizer = await self._tokenizer(spec.tokenizer)
-        tokens = await self._tokens(body, tokenizer)
+        tokens, refused = await self._tokens(body, tokenizer)
         keys = block_keys(
             tokens,
             model=spec.canonical,
@@ -75,7 +75,7 @@ class Explainer:
         decision = create_policy(chosen, rng=random.Random(0)).select(
             ctx, self.fleet.state_view(spec.pool)
         )
-        return {
+        explained = {
             "workload": chosen.name,
             "model": spec.canonical,
             "pool": spec.pool,
@@ -85,6 +85,12 @@ class Explainer:
             "blocks": len(keys),
             "decision": decision.to_dict(),
         }
+        if refused:
+            explained["note"] = (
+                f"the model's tokenizer refuses this prompt ({refused}): the proxy routes "
+                "it without keys, and the engine judges it"
+            )
+        return explained
 
     def _model(self, requested: str) -> ModelSpec:
         for spec in self.store.models().values():
@@ -132,14 +138,19 @@ class Explainer:
             self._tokenizers[spec] = tokenizer
         return tokenizer
 
-    async def _tokens(self, body: Mapping[str, Any], tokenizer: Tokenizer) -> list[int]:
+    async def _tokens(self, body: Mapping[str, Any], tokenizer: Tokenizer) -> tuple[list[int], str]:
+        """The prompt's token ids, and why the tokenizer refused it ("" when it did not):
+        a prompt it refuses (its chat template's refusal of a role or an image part) is
+        routed by the proxy without keys, for the engine to judge."""
         try:
             if _size(body) > 4096:
-                return await asyncio.to_thread(prompt_token_ids, body, tokenizer)
-            return prompt_token_ids(body, tokenizer)
+                return await asyncio.to_thread(prompt_token_ids, body, tokenizer), ""
+            return prompt_token_ids(body, tokenizer), ""
         except InvalidRequest as exc:
             raise InvalidInput(f"body.request.{exc.field}", str(exc)) from None
-        except (TokenizerError, TypeError, ValueError) as exc:
+        except TokenizerError as exc:
+            return [], str(exc)
+        except (TypeError, ValueError) as exc:
             raise InvalidInput("body.request", str(exc)) from None
 
 

@@ -275,6 +275,11 @@ async def test_replicas_drain_residency_and_explain(make_records: RecordsFactory
             "POST", "/v1/route/explain", json={"request": {"model": "sim"}}
         )
         assert status == 422 and "messages" in json.dumps(body["detail"])
+        # a prompt the model's tokenizer refuses is routed, as the proxy routes it: no keys
+        developer = {"model": "sim", "messages": [{"role": "developer", "content": "Hi"}]}
+        status, body, _ = await admin.call("POST", "/v1/route/explain", json={"request": developer})
+        assert status == 200 and (body["prompt_tokens"], body["blocks"]) == (0, 0)
+        assert "refuses this prompt" in body["note"] and body["decision"]["replica_id"]
         status, body, _ = await admin.call(
             "POST", "/v1/route/explain", json={"request": request, "workload": "nope"}
         )
