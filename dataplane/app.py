@@ -123,6 +123,8 @@ class ProxyApp:
             reply = _Responder(response, request_id, self.cors.answer_headers(request.headers))
         try:
             kind = INFERENCE.get(request.path)
+            if kind is None and "%" in request.path:  # as the engines' servers decode it
+                kind = INFERENCE.get(unquote(request.path))
             if kind is not None and request.method == "POST":  # the hot path: few coroutines
                 api_key = self._authenticate(request.headers)
                 inference = parse_inference(request.body, kind)

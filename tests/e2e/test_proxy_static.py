@@ -606,6 +606,16 @@ class _Redirecting(http.server.BaseHTTPRequestHandler):
         pass
 
 
+def test_a_percent_encoded_inference_path_is_routed_as_the_engine_reads_it(fleet: Any) -> None:
+    """The engines' servers decode a path's percent escapes: so does the proxy to know an
+    inference route (the replica gets the path as the client wrote it)."""
+    _, proxy = fleet
+    body = {"model": MODEL, "prompt": "Encoded?", "max_tokens": 1}
+    status, headers, answer = proxy.request("/v1/%63ompletions", body)
+    assert status == 200 and json.loads(answer)["choices"][0]["text"]
+    assert "x-kvroute-prefix-blocks" in headers  # routed, not merely forwarded
+
+
 def test_a_redirect_elsewhere_is_passed_on_as_the_replica_gave_it() -> None:
     replica = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Redirecting)
     replica.daemon_threads = True
