@@ -169,7 +169,6 @@ class FleetState:
         self._canonical: dict[str, str] = {}
         self._block_sizes: dict[str, int] = {}  # canonical model -> announced router block size
         self._base_models: list[str] = []  # the replicas' own models (not aliases), sorted
-        self._any_name: str | None = None  # see any_name_model
         self._index = BitmaskResidencyIndex()
         self._ledger = InflightLedger()
         self._books = PrefillBooks(clock, prefill_step_s)
@@ -432,9 +431,6 @@ class FleetState:
                     block_sizes.setdefault(info.model, Counter())[info.block_size] += 1
         self._canonical = canonical
         self._base_models = sorted({r.info.model for r in self._records.values()} - {""})
-        kinds = {r.info.engine_kind for r in self._records.values() if r.info.model}
-        one = self._base_models[0] if len(self._base_models) == 1 else None
-        self._any_name = one if kinds == {events_pb2.ENGINE_KIND_SGLANG} else None
         self._block_sizes = {m: sizes.most_common(1)[0][0] for m, sizes in block_sizes.items()}
         self._dirty.clear()
         self._reloaded.clear()
@@ -565,8 +561,12 @@ class FleetState:
         """The model a name no replica serves is for, where the engines take any name:
         SGLang checks no model name (clients often send ``"default"``), so behind SGLang
         replicas of one model every name is theirs; ``None`` for any other fleet (vLLM
-        answers 404 for a name it does not serve, and so does the proxy)."""
-        return self._any_name
+        answers 404 for a name it does not serve, and so does the proxy). Read once per
+        name and fleet generation (``Router`` keeps what a name resolves to)."""
+        if len(self._base_models) != 1:
+            return None
+        kinds = {r.info.engine_kind for r in self._records.values() if r.info.model}
+        return self._base_models[0] if kinds == {events_pb2.ENGINE_KIND_SGLANG} else None
 
     def served_models(self) -> list[str]:
         """Every name routable replicas answer to, sorted (``GET /v1/models``)."""

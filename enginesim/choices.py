@@ -75,7 +75,12 @@ class Choices:
             completions += len(handle.req.output)
             if k % self.n == 0:  # each prompt once
                 prompts += len(handle.req.prompt)
-        return p.usage(prompts, completions, cached if self.reports_cached else 0)
+        return p.usage(prompts, completions, self.reported(cached))
+
+    def reported(self, cached: int) -> int:
+        """The cached tokens a usage tells: ``cached``, or 0 (no details) when the
+        engine reports none."""
+        return cached if self.reports_cached else 0
 
     def final_usage(self) -> dict[str, Any]:
         """``usage`` of a whole answer: the last engine request's cached tokens."""

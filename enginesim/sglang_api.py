@@ -270,7 +270,7 @@ def usage(choices: Choices, n: int, *, streamed: bool) -> dict[str, Any]:
         firsts = handles[::n] if n > 0 else []
     prompt = sum(len(h.req.prompt) for h in firsts)
     completion = sum(len(h.req.output) for h in handles)
-    cached = sum(h.req.num_cached_tokens for h in firsts) if choices.reports_cached else 0
+    cached = choices.reported(sum(h.req.num_cached_tokens for h in firsts))
     return usage_info(prompt, completion, cached)
 
 
@@ -433,7 +433,7 @@ async def chat_chunks(
             chunk = _chunk(rid, obj, model, [_chat_choice(k, {"content": piece})])
             sent[k] += 1
             if asked.continuous:  # a msgspec struct's usage: left out when null
-                cached = req.num_cached_tokens if choices.reports_cached else 0
+                cached = choices.reported(req.num_cached_tokens)
                 chunk["usage"] = usage_info(len(req.prompt), sent[k], cached)
             yield _sse(chunk)
         if last:
