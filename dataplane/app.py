@@ -160,11 +160,14 @@ class ProxyApp:
         elif path.startswith("/v1/"):
             await self._forward(request, response)
         elif path in ("/healthz", "/health"):  # /health: the engines' own, for their probes
+            _allow(method, "GET", path)
             response.json({"status": "ok"})
         elif path == "/readyz":
+            _allow(method, "GET", path)
             detail = self._ready()
             response.json(detail, 200 if detail["ready"] else 503)
         elif path == "/metrics":
+            _allow(method, "GET", path)
             response.send(200, self.metrics.render(), METRICS_CONTENT_TYPE)
         else:
             raise NotFound(f"No route {path}.")
@@ -415,7 +418,10 @@ def _span_attributes(exchange: Exchange) -> dict[str, Any]:
 
 def _allow(method: str, allowed: str, path: str) -> None:
     if method != allowed and not (method == "HEAD" and allowed == "GET"):  # as Starlette
-        raise MethodNotAllowed(f"{method} is not allowed on {path}; use {allowed}.")
+        raise MethodNotAllowed(
+            f"{method} is not allowed on {path}; use {allowed}.",
+            headers=((b"allow", b"GET, HEAD" if allowed == "GET" else allowed.encode()),),
+        )
 
 
 def _card(name: str) -> dict[str, Any]:

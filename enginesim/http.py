@@ -35,8 +35,9 @@ import itertools
 import json
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 from urllib.parse import quote
 
@@ -93,7 +94,7 @@ class Response:
     body: bytes
     content_type: bytes = JSON
     after: Callable[[], None] | None = None
-    location: bytes | None = None  # a redirect: no body, no content type
+    headers: tuple[tuple[bytes, bytes], ...] = ()  # before content-length, as Starlette's
 
 
 @dataclass
@@ -111,9 +112,24 @@ def _redirect(url: bytes) -> Handler:
     route's but for a trailing slash, whatever the method: 307 to the route's own."""
 
     async def redirect(_: Request) -> Result:
-        return Response(307, b"", location=url)
+        return Response(307, b"", content_type=b"", headers=((b"location", url),))
 
     return redirect
+
+
+def _refusal(status: HTTPStatus, allow: Sequence[str] = ()) -> Handler:
+    """FastAPI's own answer to a path no route serves (404) or a method its route does
+    not take (405, with ``allow``): both engines register their error handlers for
+    FastAPI's ``HTTPException``, which Starlette's router does not raise, so these reach
+    FastAPI's default handler, ``{"detail": <the status phrase>}``. A ``HEAD`` is a 405
+    too: FastAPI's routes, unlike Starlette's, do not add it to a ``GET``."""
+    body = _encode({"detail": status.phrase})
+    headers = ((b"allow", ", ".join(allow).encode()),) if allow else ()
+
+    async def refuse(_: Request) -> Result:
+        return Response(status, body, headers=headers)
+
+    return refuse
 
 
 def _url(scope: Scope, path: str) -> bytes:
@@ -210,10 +226,10 @@ class SimApp:
             other = path[:-1] if path.endswith("/") else path + "/"
             if path != "/" and other in self.routes:
                 return _redirect(_url(scope, other))
-            raise p.NotFound(f"No route {path}")
+            return _refusal(HTTPStatus.NOT_FOUND)
         handler = methods.get(scope["method"])
         if handler is None:
-            raise p.MethodNotAllowed(f"{scope['method']} is not allowed on {scope['path']}")
+            return _refusal(HTTPStatus.METHOD_NOT_ALLOWED, list(methods))
         return handler
 
     async def _stream(self, stream: EventStream, receive: Receive, send: Send) -> None:
@@ -443,7 +459,7 @@ class SimApp:
         return json_response({"object": "list", "data": [card]})
 
     async def health(self, request: Request) -> Result:
-        return Response(200, b"", b"text/plain")
+        return Response(200, b"", content_type=b"")  # vLLM's and SGLang's: no content type
 
     async def version(self, request: Request) -> Result:
         return json_response({"version": VERSION})
@@ -505,7 +521,7 @@ class SimApp:
     async def reset_prefix_cache(self, request: Request) -> Result:
         if not self.engine.reset_prefix_cache():
             raise p.Conflict("Failed to reset the prefix cache: some blocks are still in use.")
-        return Response(200, b"", b"text/plain")
+        return Response(200, b"", content_type=b"")  # vLLM's and SGLang's: no content type
 
     async def metrics(self, request: Request) -> Result:
         body = self.engine.metrics.render(self.engine.load())
@@ -673,13 +689,9 @@ async def _read_body(receive: Receive) -> bytes:
 
 
 async def _send_response(response: Response, send: Send) -> None:
-    if response.location is not None:
-        headers = [(b"content-length", b"0"), (b"location", response.location)]
-    else:
-        headers = [
-            (b"content-type", response.content_type),
-            (b"content-length", str(len(response.body)).encode()),
-        ]
+    headers = [*response.headers, (b"content-length", str(len(response.body)).encode())]
+    if response.content_type:
+        headers.append((b"content-type", response.content_type))
     await send({"type": "http.response.start", "status": response.status, "headers": headers})
     await send({"type": "http.response.body", "body": response.body})
     if response.after is not None:

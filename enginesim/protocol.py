@@ -11,8 +11,7 @@ with vLLM's status codes::
      │    ├── RequestValidatorError  a vLLM request validator's (worded as pydantic's)
      │    └── EngineInputError       token id out of the vocabulary (an event in a stream)
      ├── Forbidden           403  admin route from a non-loopback client
-     ├── NotFound            404  unknown model or route
-     ├── MethodNotAllowed    405
+     ├── NotFound            404  unknown model (an unknown route is FastAPI's own 404)
      ├── Conflict            409  /reset_prefix_cache while blocks are in use
      ├── PayloadTooLarge     413
      └── InjectedFailure     500  a fault asked for (``/sim/faults``) or an engine restart
@@ -120,10 +119,6 @@ class Forbidden(ApiError):
 
 class NotFound(ApiError):
     status, error_type = 404, "NotFoundError"
-
-
-class MethodNotAllowed(ApiError):
-    status, error_type = 405, "MethodNotAllowed"
 
 
 class Conflict(ApiError):

@@ -3,6 +3,7 @@ metrics, bad input, and the faults a sidecar's tests rely on."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 
@@ -228,8 +229,6 @@ def test_a_batch_with_one_prompt_too_long_is_refused_whole(sim: SimProcess) -> N
         ("/v1/chat/completions", b'{"messages": [{"content": "x"}]}', 400, "role"),
         ("/v1/chat/completions", b'{"messages": "hi"}', 400, "Invalid request"),
         ("/tokenize", b"{}", 400, "prompt or messages"),
-        ("/nowhere", b"{}", 404, "No route"),
-        ("/v1/tokenize", b'{"prompt": "x"}', 404, "No route"),  # vLLM's is /tokenize alone
     ],
 )
 def test_bad_input_gets_openai_errors(sim: SimProcess, path, raw, status, needle) -> None:
@@ -256,8 +255,25 @@ def test_a_request_naming_no_model_is_for_the_served_one(
     assert sim.call("POST", "/v1/completions", {"prompt": "Whose?", "model": "x"})[0] == 404
 
 
-def test_wrong_method_is_405(sim: SimProcess) -> None:
-    assert sim.call("GET", "/v1/completions")[0] == 405
+def test_unknown_routes_and_methods_get_fastapis_own_answers(sim: SimProcess) -> None:
+    """The engines' error handlers are registered for FastAPI's ``HTTPException``, which
+    Starlette's router does not raise: an unknown path or a method its route does not take
+    gets FastAPI's default ``{"detail": ...}``, not OpenAI's shape, and a 405 says what
+    the route allows (FastAPI's routes do not add ``HEAD`` to a ``GET``)."""
+    for method, path, status, detail, allow in (
+        ("POST", "/nowhere", 404, "Not Found", None),
+        ("POST", "/v1/tokenize", 404, "Not Found", None),  # vLLM's is /tokenize alone
+        ("GET", "/v1/completions", 405, "Method Not Allowed", "POST"),
+        ("POST", "/v1/models", 405, "Method Not Allowed", "GET"),
+        ("DELETE", "/health", 405, "Method Not Allowed", "GET"),
+    ):
+        code, headers, body = http_request(sim.url + path, method=method)
+        assert (code, json.loads(body)) == (status, {"detail": detail}), (method, path)
+        assert headers.get("allow") == allow
+    code, headers, body = http_request(sim.url + "/v1/models", method="HEAD")
+    assert (code, headers["allow"]) == (405, "GET")
+    code, headers, body = http_request(sim.url + "/health", method="GET")
+    assert (code, body, "content-type" in headers) == (200, b"", False)  # as the engines'
 
 
 def test_a_path_off_by_a_trailing_slash_is_redirected_as_fastapi_redirects_it(

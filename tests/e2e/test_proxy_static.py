@@ -572,10 +572,30 @@ def test_the_openai_client_lists_and_retrieves_the_served_models(fleet: Any) -> 
     error = missing.value.body
     assert isinstance(error, dict) and error["code"] == "model_not_found"
     assert "`org/no-such-model` does not exist" in error["message"]
-    status, headers, answer = proxy.request("/v1/models", method="HEAD")  # as the engines
+    status, headers, answer = proxy.request("/v1/models", method="HEAD")  # as HTTP asks
     assert status == 200 and answer == b"" and int(headers["content-length"]) > 0
-    status, _, answer = proxy.request(f"/v1/models/{MODEL}", method="DELETE")
+    status, headers, answer = proxy.request(f"/v1/models/{MODEL}", method="DELETE")
     assert status == 405 and "use GET" in json.loads(answer)["error"]["message"]
+    assert headers["allow"] == "GET, HEAD"
+
+
+def test_a_method_a_route_does_not_take_is_405_saying_what_it_allows(fleet: Any) -> None:
+    """As HTTP asks of a 405 (RFC 9110: an ``Allow`` header), on the proxy's own routes
+    too: a load balancer's probe sent with the wrong method learns it, not a 200."""
+    _, proxy = fleet
+    for method, path, allow in (
+        ("GET", "/v1/chat/completions", "POST"),
+        ("PUT", "/v1/completions", "POST"),
+        ("POST", "/v1/models", "GET, HEAD"),
+        ("DELETE", "/health", "GET, HEAD"),
+        ("POST", "/healthz", "GET, HEAD"),
+        ("PUT", "/readyz", "GET, HEAD"),
+        ("POST", "/metrics", "GET, HEAD"),
+    ):
+        status, headers, answer = proxy.request(path, {}, method=method)
+        assert (status, headers.get("allow")) == (405, allow), (method, path)
+        assert json.loads(answer)["error"]["type"] == "invalid_request_error"
+    assert proxy.request("/healthz", method="HEAD")[0] == 200
 
 
 def test_a_replicas_redirect_to_itself_sends_the_client_back_to_the_proxy(fleet: Any) -> None:
