@@ -28,7 +28,7 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, unquote
@@ -104,6 +104,7 @@ class ProxyApp:
         metrics: ProxyMetrics,
         readiness: Callable[[], dict[str, Any]] | None = None,
         tracing: Tracing | None = None,
+        scrape: Callable[[], Awaitable[bytes]] | None = None,
     ) -> None:
         self.options = options
         self.fleet = fleet
@@ -112,6 +113,7 @@ class ProxyApp:
         self.metrics = metrics
         self.readiness = readiness
         self.tracing = tracing
+        self.scrape = scrape  # the whole proxy's metrics, where it has several workers
         self.cors = Cors(options.cors_allowed_origins) if options.cors_allowed_origins else None
         self._ids = RequestIds()
 
@@ -168,7 +170,8 @@ class ProxyApp:
             response.json(detail, 200 if detail["ready"] else 503)
         elif path == "/metrics":
             _allow(method, "GET", path)
-            response.send(200, self.metrics.render(), METRICS_CONTENT_TYPE)
+            body = self.metrics.render() if self.scrape is None else await self.scrape()
+            response.send(200, body, METRICS_CONTENT_TYPE)
         else:
             raise NotFound(f"No route {path}.")
 

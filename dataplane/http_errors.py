@@ -15,7 +15,8 @@ responses; nothing below it builds an error body by hand::
         ├── HeadersTooLarge         431 (the request line and headers)
         ├── StreamBroken            502: the replica broke off a stream already started
                                     (sent as a last SSE error event: the status is out)
-        └── NoReplica               503 with Retry-After: no replica can take the request
+        └── ServiceUnavailable      503
+            └── NoReplica           503 with Retry-After: no replica can take the request
 """
 
 from __future__ import annotations
@@ -88,8 +89,12 @@ class StreamBroken(ApiError):
     status, error_type = 502, "upstream_error"
 
 
-class NoReplica(ApiError):
+class ServiceUnavailable(ApiError):
     status, error_type = 503, "service_unavailable"
+
+
+class NoReplica(ServiceUnavailable):
+    """No replica can take the request: ``Retry-After`` says when to try again."""
 
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(

@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 from collections.abc import Sequence
 from typing import Any, Literal, NoReturn, get_args, get_origin
 
@@ -27,6 +28,7 @@ from dataplane import native
 from dataplane.http_server import HttpServer
 from dataplane.service import ProxyService
 from dataplane.settings import LIST_FIELDS, ProxySettings
+from dataplane.worker_metrics import WorkerGroup
 from kvcore.gc_tuning import tune_gc
 from kvcore.jsonlog import configure_logging
 
@@ -116,9 +118,12 @@ def ready_line(sock: socket.socket) -> str:
     return f"{READY_PREFIX} http={url} compiled={len(native.compiled())}/{len(native.MODULES)}"
 
 
-async def serve(settings: ProxySettings, sock: socket.socket, on_ready: Any) -> None:
-    """One worker: build the service, serve ``sock`` until SIGTERM/SIGINT."""
-    service = ProxyService(settings)
+async def serve(
+    settings: ProxySettings, sock: socket.socket, on_ready: Any, group: WorkerGroup | None = None
+) -> None:
+    """One worker (of ``group``, if several): build the service, serve ``sock`` until
+    SIGTERM/SIGINT."""
+    service = ProxyService(settings, group=group)
     await service.start()
     sock.listen(4096)
     server = HttpServer(
@@ -138,34 +143,41 @@ async def serve(settings: ProxySettings, sock: socket.socket, on_ready: Any) -> 
         sock.close()
 
 
-def run_worker(settings: ProxySettings, sock: socket.socket, on_ready: Any) -> None:
+def run_worker(
+    settings: ProxySettings, sock: socket.socket, on_ready: Any, group: WorkerGroup | None = None
+) -> None:
     tune_gc()  # fewer young collections on the hot path
-    uvloop.run(serve(settings, sock, on_ready))
+    uvloop.run(serve(settings, sock, on_ready, group))
 
 
 def run_workers(settings: ProxySettings) -> int:
-    """Fork ``settings.workers`` processes on one port; print one ready line for all."""
+    """Fork ``settings.workers`` processes on one port; print one ready line for all. The
+    workers find each other (for one ``/metrics``) in a directory removed after them."""
     placeholder = bind(settings.host, settings.port, reuse_port=True)
     line = ready_line(placeholder)
     port = placeholder.getsockname()[1]
     read_end, write_end = os.pipe()
-    children = [_fork_worker(settings, port, write_end, read_end) for _ in range(settings.workers)]
-    os.close(write_end)
-    stop = _forward_signals(children)
-    ready = b""
-    while len(ready) < settings.workers:
-        piece = os.read(read_end, settings.workers)
-        if not piece:
-            break
-        ready += piece
-    os.close(read_end)
-    placeholder.close()
-    if len(ready) == settings.workers and not stop:
-        print(line, flush=True)
-    return _wait(children)
+    with tempfile.TemporaryDirectory(prefix="kvroute-proxy-") as directory:
+        groups = [WorkerGroup(directory, i, settings.workers) for i in range(settings.workers)]
+        children = [_fork_worker(settings, port, write_end, read_end, g) for g in groups]
+        os.close(write_end)
+        stop = _forward_signals(children)
+        ready = b""
+        while len(ready) < settings.workers:
+            piece = os.read(read_end, settings.workers)
+            if not piece:
+                break
+            ready += piece
+        os.close(read_end)
+        placeholder.close()
+        if len(ready) == settings.workers and not stop:
+            print(line, flush=True)
+        return _wait(children)
 
 
-def _fork_worker(settings: ProxySettings, port: int, write_end: int, read_end: int) -> int:
+def _fork_worker(
+    settings: ProxySettings, port: int, write_end: int, read_end: int, group: WorkerGroup
+) -> int:
     pid = os.fork()
     if pid:
         return pid
@@ -173,7 +185,7 @@ def _fork_worker(settings: ProxySettings, port: int, write_end: int, read_end: i
     status = 0
     try:
         sock = bind(settings.host, port, reuse_port=True)
-        run_worker(settings, sock, lambda: os.write(write_end, b"1"))
+        run_worker(settings, sock, lambda: os.write(write_end, b"1"), group)
     except BaseException as exc:
         if not isinstance(exc, KeyboardInterrupt | SystemExit):
             log.exception("worker failed")

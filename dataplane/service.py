@@ -32,6 +32,7 @@ from dataplane.state_client import StateClient
 from dataplane.tokenizer_probe import TokenizerProbe
 from dataplane.tracing import Tracing
 from dataplane.upstream import Upstream
+from dataplane.worker_metrics import Siblings, WorkerGroup
 from kvcore.workload import RoutingConfig, parse_workload
 
 log = logging.getLogger("dataplane")
@@ -47,7 +48,12 @@ def static_routing(settings: ProxySettings) -> RoutingConfig:
 class ProxyService:
     """Everything one worker process serves with."""
 
-    def __init__(self, settings: ProxySettings, span_exporter: SpanExporter | None = None) -> None:
+    def __init__(
+        self,
+        settings: ProxySettings,
+        span_exporter: SpanExporter | None = None,
+        group: WorkerGroup | None = None,
+    ) -> None:
         self.settings = settings
         self.tracing = Tracing(span_exporter) if settings.tracing else None
         if settings.static:
@@ -60,6 +66,7 @@ class ProxyService:
             )
         self.state_client = None if settings.static else StateClient(settings, self.fleet)
         self.metrics = ProxyMetrics()
+        self.siblings = None if group is None else Siblings(group, self.metrics.registry)
         self.router = Router(
             self.fleet,
             Defaults(settings.tokenizer, settings.block_size, settings.tenant_header),
@@ -99,12 +106,15 @@ class ProxyService:
             self.metrics,
             self._readiness,
             self.tracing,
+            None if self.siblings is None else self.siblings.render,
         )
         self.metrics.watch(self._state_age, self._open_breakers, self.probe.mismatches)
         self.metrics.in_flight.set_function(self.fleet.inflight_total)
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
+        if self.siblings is not None:
+            await self.siblings.start()
         await self.upstream.start()
         await asyncio.to_thread(self.router.tokenizers.load, self.settings.tokenizer)
         if self.state_client is not None:
@@ -130,6 +140,8 @@ class ProxyService:
         await self.upstream.aclose()
         if self.tracing is not None:
             self.tracing.shutdown()
+        if self.siblings is not None:
+            await self.siblings.aclose()
 
     # -- static mode ---------------------------------------------------------------
 

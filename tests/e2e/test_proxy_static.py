@@ -505,12 +505,22 @@ def _readyz(proxy: ProxyProcess) -> dict[str, Any]:
     return dict(json.loads(proxy.request("/readyz", method="GET")[2]))
 
 
-def test_workers_share_one_port_and_stop_together(fleet: Any) -> None:
+def test_workers_share_one_port_scrape_as_one_and_stop_together(fleet: Any) -> None:
+    """Each request and each scrape on a connection of its own, which the kernel hands
+    to either worker: every scrape counts every worker's requests (a scrape of one worker
+    alone would read as a counter reset to Prometheus)."""
     sims, _ = fleet
     with ProxyProcess(f"--static-replicas={sims[0].url}", "--workers=2") as proxy:
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": 1}
         statuses = [proxy.request("/v1/completions", body)[0] for _ in range(20)]
         assert statuses == [200] * 20
+        series = (
+            f'{{outcome="ok",replica="{sims[0].url.removeprefix("http://")}",workload="default"}}'
+        )
+        for _ in range(8):
+            status, _, text = proxy.request("/metrics", method="GET")
+            assert status == 200
+            assert f"kvroute_proxy_requests_total{series} 20.0\n" in text.decode()
         assert proxy.proc is not None
         proxy.proc.send_signal(signal.SIGTERM)
         assert proxy.proc.wait(timeout=15) == 0
