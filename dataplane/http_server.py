@@ -20,6 +20,8 @@ serves only what the proxy needs:
 - a client that disconnects cancels its request's handler at once (``connection_lost``),
   which closes the upstream connection: the engine aborts the request;
 - ``Upgrade`` is ignored (the answer is HTTP/1.1, as RFC 9110 allows);
+- every answer has a ``date`` (RFC 9110's, formatted once a second), first after the
+  status line as uvicorn and hyper write it;
 - a malformed request (a parser error, a head over ``MAX_HEAD_BYTES``) gets a 4xx in
   OpenAI's error shape and the connection closes.
 
@@ -32,8 +34,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from email.utils import formatdate
 from http import HTTPStatus
 from typing import Any
 
@@ -140,9 +144,29 @@ class Response:
         return self.closes
 
 
+class _Clock:
+    """Every answer's ``date`` header line (RFC 9110 asks an origin server for one; the
+    engines' servers send one, which the proxy replaces with its own), formatted once a
+    second."""
+
+    def __init__(self) -> None:
+        self.second = -1
+        self.line = b""
+
+    def date_line(self) -> bytes:
+        now = int(time.time())
+        if now != self.second:
+            self.second = now
+            self.line = b"date: %b\r\n" % formatdate(now, usegmt=True).encode()
+        return self.line
+
+
+_CLOCK = _Clock()
+
+
 def _head(status: int, headers: list[tuple[bytes, bytes]], extra: bytes) -> bytes:
     line = _STATUS_LINES.get(status) or b"HTTP/1.1 %d Unknown\r\n" % status
-    parts = [line]
+    parts = [line, _CLOCK.date_line()]
     for name, value in headers:
         parts += (name, b": ", value, b"\r\n")
     parts += (extra, b"\r\n")

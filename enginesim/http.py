@@ -62,6 +62,7 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 THREAD_TOKENIZE_CHARS = 8192
 VERSION = "kvroute-sim 0.1.0"
 JSON = b"application/json"
+EVENT_STREAM = b"text/event-stream; charset=utf-8"  # Starlette adds the charset to text/*
 _encode = msgspec.json.encode
 _URL_SAFE = ":/%#?=@[]!$&'()*+,;"  # what Starlette's RedirectResponse leaves unquoted
 _LOOPBACK = ("127.", "::1", "::ffff:127.")
@@ -233,7 +234,7 @@ class SimApp:
         return handler
 
     async def _stream(self, stream: EventStream, receive: Receive, send: Send) -> None:
-        headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+        headers = [(b"content-type", EVENT_STREAM)]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         watcher = asyncio.create_task(self._watch_disconnect(stream.choices, receive))
         try:

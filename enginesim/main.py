@@ -85,9 +85,7 @@ async def serve(settings: SimSettings) -> None:
         timeout_keep_alive=30,
         backlog=2048,
         proxy_headers=False,
-        server_header=False,
-        date_header=False,
-    )
+    )  # uvicorn's ``date`` and ``server`` headers on, as the engines' servers send them
     try:
         await _Server(config, ready).serve(sockets=[sock])
     finally:

@@ -255,6 +255,23 @@ def test_a_request_naming_no_model_is_for_the_served_one(
     assert sim.call("POST", "/v1/completions", {"prompt": "Whose?", "model": "x"})[0] == 404
 
 
+def test_response_heads_are_the_engines_servers_own(sim: SimProcess) -> None:
+    """uvicorn's ``date`` and ``server`` on every answer; a stream's content type with the
+    charset Starlette adds to any ``text/*`` (and no header vLLM and SGLang do not send)."""
+    body = {"prompt": "Heads", "max_tokens": 2}
+    status, headers, _ = http_request(sim.url + "/v1/completions", body)
+    assert (status, headers["content-type"], headers["server"]) == (
+        200,
+        "application/json",
+        "uvicorn",
+    )
+    assert headers["date"].endswith(" GMT")
+    status, headers, answer = http_request(sim.url + "/v1/completions", {**body, "stream": True})
+    assert (status, headers["content-type"]) == (200, "text/event-stream; charset=utf-8")
+    assert headers["transfer-encoding"] == "chunked" and "cache-control" not in headers
+    assert answer.endswith(b"data: [DONE]\n\n")
+
+
 def test_unknown_routes_and_methods_get_fastapis_own_answers(sim: SimProcess) -> None:
     """The engines' error handlers are registered for FastAPI's ``HTTPException``, which
     Starlette's router does not raise: an unknown path or a method its route does not take

@@ -11,9 +11,11 @@ import asyncio
 import contextlib
 import json
 import socket
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 import httptools
@@ -171,6 +173,23 @@ async def test_one_connection_serves_request_after_request() -> None:
             assert body_of(answer) == {"method": "POST", "path": "/v1/x", "query": f"n={i}",
                                        "body": f'{{"i": {i}}}', "agent": None}  # fmt: skip
             assert "connection" not in answer.headers
+
+
+@on_both_loops
+async def test_every_answer_is_dated_as_http_asks() -> None:
+    """A whole answer, a stream and a refusal each carry RFC 9110's ``date``: now, in
+    the IMF-fixdate form."""
+    async with serving(Echo()) as (_, connect):
+        client = await connect()
+        await client.send(post("/v1/x", b"{}"))
+        await client.send(post("/stream?1", b""))
+        await client.send(post("/v1/x", b"x" * (LIMIT + 1)))
+        for status in (200, 200, 413):
+            answer = await client.answer()
+            assert answer.status == status
+            dated = parsedate_to_datetime(answer.headers["date"])
+            assert answer.headers["date"].endswith(" GMT") and dated.tzinfo is not None
+            assert abs(dated.timestamp() - time.time()) < 5
 
 
 @on_both_loops
