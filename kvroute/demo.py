@@ -9,9 +9,11 @@ requests, shuffled the same way, through the proxy in each phase.
 
 Every figure shown comes from outside the router: hit rates from the engines' own
 ``/metrics`` counters (and the ``cached_tokens`` they report in each response), time to
-first token from this client's clock. A live table shows per-replica requests in flight
-(the engines' running + waiting), hit rate and TTFT while a phase runs; at the end a
-side-by-side comparison is printed and the two TTFT distributions are plotted to a PNG.
+first token from this client's clock. The router's own prediction (the proxy's fidelity
+counters) is shown beside the engines' figures, never in their place. A live table shows
+per-replica requests in flight (the engines' running + waiting), hit rate and TTFT while
+a phase runs; at the end a side-by-side comparison is printed and the two TTFT
+distributions are plotted to a PNG.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
+from dataplane.metrics import PREFIX
 from sidecar.load_metrics import EngineLoad, parse_engine_load
 
 PHASES = ("round_robin", "kv_aware")
@@ -111,12 +115,22 @@ class PhaseResult:
     by_replica: dict[str, int] = field(default_factory=dict)
     engine_queries: int = 0  # the engines' own prefix-cache counters over the phase
     engine_hits: int = 0
+    # the proxy's own counters over the phase: prompt tokens routed, cached tokens predicted
+    router_prompt_tokens: float = 0.0
+    router_predicted_tokens: float = 0.0
     wall_s: float = 0.0
     answers: list[Answer] = field(default_factory=list)
 
     @property
     def engine_hit_rate(self) -> float:
         return self.engine_hits / self.engine_queries if self.engine_queries else 0.0
+
+    @property
+    def predicted_hit_rate(self) -> float | None:
+        """The share of prompt tokens the router expected cached (None: it did not say)."""
+        if not self.router_prompt_tokens:
+            return None
+        return self.router_predicted_tokens / self.router_prompt_tokens
 
     def ttft(self, q: float) -> float:
         if not self.ttft_s:
@@ -132,6 +146,7 @@ class PhaseResult:
             "errors": self.errors,
             "engine_hit_rate": round(self.engine_hit_rate, 4),
             "reported_cached_share": round(self.cached_tokens / max(self.prompt_tokens, 1), 4),
+            "router_predicted_share": _rounded(self.predicted_hit_rate),
             "ttft_p50_s": round(self.ttft(0.5), 4),
             "ttft_p90_s": round(self.ttft(0.9), 4),
             "ttft_mean_s": round(statistics.fmean(self.ttft_s), 4) if done else None,
@@ -164,6 +179,27 @@ class EngineWatch:
                 async with self.session.post(f"{url}{path}") as response:
                     if response.status < 300:
                         break
+
+
+async def router_belief(session: aiohttp.ClientSession, proxy: str) -> tuple[float, float]:
+    """The proxy's own fidelity counters, summed over workloads and replicas: prompt
+    tokens routed and the cached tokens it predicted for them."""
+    async with session.get(f"{proxy}/metrics") as response:
+        text = await response.text()
+    sums = {_ROUTED: 0.0, _PREDICTED: 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in sums:
+                sums[sample.name] += sample.value
+    return sums[_ROUTED], sums[_PREDICTED]
+
+
+_ROUTED = PREFIX + "prompt_tokens_total"
+_PREDICTED = PREFIX + "predicted_cached_tokens_total"
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
 
 
 class AdminClient:
@@ -331,6 +367,7 @@ async def _phase(
     await admin.set_strategy(strategy)
     await watch.reset_caches()
     baseline = dict(await watch.scrape())
+    routed, predicted = await router_belief(session, proxy)
     result = PhaseResult(strategy)
     progress = Progress(
         TextColumn(f"[bold]{strategy:>12}"), BarColumn(), MofNCompleteColumn(), console=console
@@ -359,6 +396,9 @@ async def _phase(
     result.engine_hits = sum(
         final[u].prefix_cache_hits - baseline[u].prefix_cache_hits for u in watch.engines
     )
+    routed_after, predicted_after = await router_belief(session, proxy)
+    result.router_prompt_tokens = routed_after - routed
+    result.router_predicted_tokens = predicted_after - predicted
     return result
 
 
@@ -373,6 +413,7 @@ def comparison_table(results: list[PhaseResult]) -> Table:
             "cached tokens reported in responses",
             lambda r: f"{r.cached_tokens / max(r.prompt_tokens, 1):.1%}",
         ),
+        ("cached tokens predicted (the router's counters)", _predicted),
         ("TTFT p50 (client clock)", lambda r: f"{r.ttft(0.5) * 1e3:.0f} ms"),
         ("TTFT p90 (client clock)", lambda r: f"{r.ttft(0.9) * 1e3:.0f} ms"),
         ("requests completed / errors", lambda r: f"{len(r.ttft_s)} / {r.errors}"),
@@ -381,6 +422,11 @@ def comparison_table(results: list[PhaseResult]) -> Table:
     for label, render in rows:
         table.add_row(label, *(render(r) for r in results))
     return table
+
+
+def _predicted(result: PhaseResult) -> str:
+    rate = result.predicted_hit_rate
+    return "-" if rate is None else f"{rate:.1%}"
 
 
 def write_report(results: list[PhaseResult], out_dir: Path) -> None:
