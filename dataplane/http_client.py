@@ -8,6 +8,8 @@ of it: keep-alive connections per replica, one request at a time per connection,
 as bytes, and a response read as its parts arrive (status and headers, then each body
 piece, de-chunked by httptools).
 
+An ``https://`` URL is spoken to over TLS (port 443 unless given), its certificate
+checked against the pool's ``ssl_context`` (the system's trust store unless given).
 Connections are reused last-in first-out; one the replica closed while idle is dropped.
 A request on a reused connection that breaks before any response byte is sent again once
 on a new connection (the replica may have closed it just as it was reused). Errors::
@@ -26,6 +28,7 @@ oldest wait still pending.
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections import deque
 from collections.abc import Sequence
 from urllib.parse import urlsplit
@@ -250,12 +253,20 @@ class Response:
 class ConnectionPool:
     """Keep-alive connections to every replica, by ``host:port``."""
 
-    def __init__(self, connect_timeout_s: float, read_timeout_s: float, max_idle: int = 64):
+    def __init__(
+        self,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+        max_idle: int = 64,
+        ssl_context: ssl.SSLContext | None = None,
+    ):
         self.connect_timeout_s = connect_timeout_s
         self.deadlines = ReadDeadlines(read_timeout_s)  # every wait's read deadline
         self.max_idle = max_idle
+        self.ssl_context = ssl_context  # for https:// peers (None: the system's trust)
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._targets: dict[str, tuple[tuple[str, int], str]] = {}
+        self._tls_peers: set[tuple[str, int]] = set()  # peers named by https:// URLs
 
     def put(self, connection: _Connection) -> None:
         idle = self._idle.setdefault(connection.peer, [])
@@ -296,10 +307,11 @@ class ConnectionPool:
         the proxy sends to few distinct URLs)."""
         parts = urlsplit(url)
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        target = (
-            (parts.hostname or "", parts.port or 80),
-            f" {path} HTTP/1.1\r\nhost: {parts.netloc}\r\n",
-        )
+        tls = parts.scheme == "https"
+        peer = (parts.hostname or "", parts.port or (443 if tls else 80))
+        if tls:
+            self._tls_peers.add(peer)
+        target = (peer, f" {path} HTTP/1.1\r\nhost: {parts.netloc}\r\n")
         if len(self._targets) >= MAX_TARGETS:
             self._targets.clear()
         self._targets[url] = target
@@ -315,9 +327,16 @@ class ConnectionPool:
 
     async def _connect(self, host: str, port: int) -> _Connection:
         loop = asyncio.get_running_loop()
+        tls: ssl.SSLContext | None = None
+        if (host, port) in self._tls_peers:
+            if self.ssl_context is None:
+                self.ssl_context = ssl.create_default_context()
+            tls = self.ssl_context
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                _, connection = await loop.create_connection(_Connection, host, port)
+                _, connection = await loop.create_connection(
+                    _Connection, host, port, ssl=tls, server_hostname=host if tls else None
+                )
         except TimeoutError:
             raise ConnectionFailed(f"connecting to {host}:{port} timed out") from None
         except OSError as exc:

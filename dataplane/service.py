@@ -72,13 +72,19 @@ class ProxyService:
             Defaults(settings.tokenizer, settings.block_size, settings.tenant_header),
             random.Random(),
         )
+        self.replica_tls = settings.replica_ssl_context()  # for https:// replicas
         self.probe = TokenizerProbe(
-            self.fleet, settings.tokenizer, load=self.router.tokenizers.load
+            self.fleet,
+            settings.tokenizer,
+            load=self.router.tokenizers.load,
+            ssl_context=self.replica_tls,
         )
         self.reporter = (
             None if settings.static else Reporter(settings, health=self.probe.model_health)
         )
-        self.upstream = Upstream(settings.connect_timeout_s, settings.upstream_timeout_s)
+        self.upstream = Upstream(
+            settings.connect_timeout_s, settings.upstream_timeout_s, self.replica_tls
+        )
         self.breakers = CircuitBreakers(settings.breaker_failures, settings.breaker_open_s)
         self.dispatcher = Dispatcher(
             self.fleet,
@@ -153,7 +159,8 @@ class ProxyService:
     async def _discover_static(self) -> None:
         """Ask every static replica what it serves (``/v1/models``)."""
         timeout = aiohttp.ClientTimeout(total=self.settings.connect_timeout_s + 2)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        connector = aiohttp.TCPConnector(ssl=self.replica_tls)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             for endpoint in self.fleet.endpoints():
                 names, kind = await _served_names(session, endpoint.base_url)
                 if names:

@@ -17,6 +17,7 @@ The proxy routes from one of two sources:
 from __future__ import annotations
 
 import os
+import ssl
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
@@ -83,6 +84,11 @@ class ProxySettings(BaseSettings):
         default=None,
         description="CA bundle (PEM) that signed the control plane's gRPC certificate; "
         "given: TLS trusting only it.",
+    )
+    replica_tls_ca: FilePath | None = Field(
+        default=None,
+        description="CA bundle (PEM) that signed the certificates of replicas named by "
+        "https:// URLs (default: the system's roots).",
     )
     state_max_age_s: float = Field(
         default=30.0,
@@ -236,6 +242,11 @@ class ProxySettings(BaseSettings):
     def static(self) -> bool:
         """Whether the proxy routes without a control plane."""
         return bool(self.static_replicas)
+
+    def replica_ssl_context(self) -> ssl.SSLContext:
+        """What checks the certificates of replicas named by ``https://`` URLs."""
+        ca = self.replica_tls_ca
+        return ssl.create_default_context(cafile=None if ca is None else str(ca))
 
     def resolved_proxy_id(self) -> str:
         """``proxy_id``, or host name and process id (each worker its own)."""

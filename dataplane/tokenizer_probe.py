@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -69,8 +70,10 @@ class TokenizerProbe:
         load: Callable[[str], Tokenizer] = load_tokenizer,
         retry_s: float = 30.0,
         timeout_s: float = 5.0,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.state = state
+        self._ssl = ssl_context  # for replicas named by https:// URLs
         self._default_tokenizer = default_tokenizer
         self._load = load
         self._retry_s = retry_s
@@ -140,7 +143,8 @@ class TokenizerProbe:
         """Probe every pair not yet probed with its current tokenizer spec, and pairs
         whose engine could not be asked before; forget replicas that left."""
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
+            connector = aiohttp.TCPConnector(ssl=self._ssl or True)
+            self._session = aiohttp.ClientSession(timeout=self._timeout, connector=connector)
         targets = self._targets()
         for key in set(self.results) - set(targets):
             del self.results[key]

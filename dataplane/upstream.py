@@ -18,6 +18,7 @@ before it awaits :meth:`Pending.opened`. Errors::
 
 from __future__ import annotations
 
+import ssl
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -110,8 +111,13 @@ class Opened:
 class Upstream:
     """Keep-alive connections to every replica (``http_client.ConnectionPool``)."""
 
-    def __init__(self, connect_timeout_s: float, read_timeout_s: float) -> None:
-        self.pool = ConnectionPool(connect_timeout_s, read_timeout_s)
+    def __init__(
+        self,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        self.pool = ConnectionPool(connect_timeout_s, read_timeout_s, ssl_context=ssl_context)
 
     async def start(self) -> None:
         """Nothing to open ahead: connections are made on first use."""

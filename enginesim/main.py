@@ -6,7 +6,8 @@ launchers and tests wait for::
 
     kvroute-sim ready http=http://127.0.0.1:8100 events=tcp://127.0.0.1:5557 replay=tcp://127.0.0.1:5558
 
-and serves until SIGINT/SIGTERM. Exit status 2 means the settings, the tokenizer or an
+(``http=https://...`` when it serves HTTPS: ``--ssl-keyfile`` and ``--ssl-certfile``, as
+vLLM's) and serves until SIGINT/SIGTERM. Exit status 2 means the settings, the tokenizer or an
 address was refused, with the reason on stderr.
 """
 
@@ -71,8 +72,10 @@ async def serve(settings: SimSettings) -> None:
         raise StartupError(f"cannot bind the KV event sockets: {exc}") from exc
     host, port = sock.getsockname()[:2]
     http_host = f"[{host}]" if ":" in host else host
+    tls = settings.ssl_certfile is not None
+    scheme = "https" if tls else "http"
     ready = (
-        f"{READY_PREFIX} http=http://{http_host}:{port} events={engine.publisher.endpoint} "
+        f"{READY_PREFIX} http={scheme}://{http_host}:{port} events={engine.publisher.endpoint} "
         f"replay={engine.publisher.replay_endpoint or 'off'} format={settings.event_format}"
     )
     config = uvicorn.Config(
@@ -85,6 +88,8 @@ async def serve(settings: SimSettings) -> None:
         timeout_keep_alive=30,
         backlog=2048,
         proxy_headers=False,
+        ssl_keyfile=str(settings.ssl_keyfile) if tls else None,
+        ssl_certfile=str(settings.ssl_certfile) if tls else None,
     )  # uvicorn's ``date`` and ``server`` headers on, as the engines' servers send them
     try:
         await _Server(config, ready).serve(sockets=[sock])

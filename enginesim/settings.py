@@ -12,7 +12,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any, Literal, get_args, get_origin
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, FilePath, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from enginesim.errors import SettingsError
@@ -62,6 +62,18 @@ class SimSettings(BaseSettings):
         description="SGLang mode: a chat's x-override-rid header names it, as "
         "SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=1 makes SGLang do",
     )
+    ssl_keyfile: FilePath | None = Field(
+        None, description="serve HTTPS with this private key (PEM), as vLLM's and SGLang's flag"
+    )
+    ssl_certfile: FilePath | None = Field(
+        None, description="serve HTTPS with this certificate (PEM), as vLLM's and SGLang's flag"
+    )
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> SimSettings:
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("ssl_keyfile and ssl_certfile go together")
+        return self
 
     @model_validator(mode="after")
     def _check_lengths(self) -> SimSettings:

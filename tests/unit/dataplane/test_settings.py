@@ -49,6 +49,7 @@ def test_environment_is_read_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> N
         (["--static-replicas", "ftp://x"], "is not an http:// or https:// base URL"),
         (["--pools", "a.b", "--controlplane", "cp:1"], "--pools"),
         (["--workers", "0", *STATIC], "--workers"),
+        (["--replica-tls-ca", "/no/such/ca.pem", *STATIC], "--replica-tls-ca"),
         (["--auth", *STATIC], "--auth needs keys from a control plane"),
         (["--static-strategy", "kv_aware", *STATIC], "invalid choice"),
         (["--no-such-flag", *STATIC], "unrecognized arguments"),
