@@ -204,6 +204,8 @@ class SimApp:
             client = scope.get("client") or ("", 0)
             body = await _read_body(receive)
             request = Request(scope["method"], scope["path"], body, client[0], scope["headers"])
+            if request.path in _JSON_BODY_PATHS and handler is self._served(request):
+                _check_json_media(request, self.sglang is not None)
             result = await handler(request)
         except p.ApiError as exc:
             result = json_response(self._error_body(scope["path"], exc), exc.status)
@@ -216,9 +218,14 @@ class SimApp:
             await _send_response(result, send)
 
     def _error_body(self, path: str, exc: p.ApiError) -> dict[str, Any]:
-        if self.sglang is not None and path in _INFERENCE_PATHS:
+        refused = isinstance(exc, p.MediaTypeRefused)  # SGLang's validation handler's, anywhere
+        if self.sglang is not None and (path in _INFERENCE_PATHS or refused):
             return sg.error_body(exc)
         return exc.body()
+
+    def _served(self, request: Request) -> Handler | None:
+        """The route's own handler of the request's method, if it has one."""
+        return self.routes.get(request.path, {}).get(request.method)
 
     def _route(self, scope: Scope) -> Handler:
         methods = self.routes.get(scope["path"])
@@ -609,6 +616,21 @@ class SimApp:
 
 
 _INFERENCE_PATHS = ("/v1/completions", "/v1/chat/completions")
+# the routes both engines guard with their ``validate_json_request`` dependency
+_JSON_BODY_PATHS = frozenset({*_INFERENCE_PATHS, "/tokenize", "/v1/tokenize"})
+
+
+def _check_json_media(request: Request, sglang: bool) -> None:
+    """:class:`~enginesim.protocol.MediaTypeRefused` unless the body is declared JSON."""
+    content_type = request.header(b"content-type")
+    if p.declares_json(content_type):
+        return
+    if content_type is None:  # FastAPI parses an undeclared body as JSON first
+        try:
+            msgspec.json.decode(request.body)
+        except (msgspec.DecodeError, RecursionError):
+            return  # the route's own parse error answers it
+    raise p.MediaTypeRefused(sglang)
 
 
 async def _events(*events: bytes) -> AsyncIterator[bytes]:

@@ -9,6 +9,7 @@ with vLLM's status codes::
     ApiError                 base: status + OpenAI error type
      ├── BadRequest          400  malformed JSON, missing or invalid field, prompt too long
      │    ├── RequestValidatorError  a vLLM request validator's (worded as pydantic's)
+     │    ├── MediaTypeRefused       a body not declared application/json
      │    └── EngineInputError       token id out of the vocabulary (an event in a stream)
      ├── Forbidden           403  admin route from a non-loopback client
      ├── NotFound            404  unknown model (an unknown route is FastAPI's own 404)
@@ -105,6 +106,33 @@ class RequestValidatorError(BadRequest):
 
 
 _MAX_ERROR_CHARS = 1000  # vLLM's bound on one reported validation error
+
+
+class MediaTypeRefused(BadRequest):
+    """A body not declared ``application/json`` (its media type, before any ``;``, lower
+    cased) on a route both engines guard with their ``validate_json_request`` dependency,
+    which raises a ``RequestValidationError``: vLLM's handler words its one error as
+    "1 validation error:" and the reason; SGLang's (its error a dict naming the header)
+    as ``str()`` of the exception then of its errors, as FastAPI 0.165 writes them. A body
+    sent with no content type at all is parsed as JSON first, so it is refused so only
+    when it is JSON (else its parse error stands)."""
+
+    error_type = "Bad Request"
+
+    def __init__(self, sglang: bool) -> None:
+        if not sglang:
+            super().__init__(f"1 validation error:\n  {MEDIA_TYPE_REASON}")
+            return
+        error = {"loc": ["header", "content-type"], "msg": MEDIA_TYPE_REASON, "type": "value_error"}
+        super().__init__(f"1 validation error:\n  {error} {[error]}", sglang_type="Bad Request")
+
+
+MEDIA_TYPE_REASON = "Unsupported Media Type: Only 'application/json' is allowed"
+
+
+def declares_json(content_type: str | None) -> bool:
+    """Whether a ``content-type`` is what ``validate_json_request`` lets through."""
+    return (content_type or "").lower().split(";", 1)[0] == "application/json"
 
 
 class EngineInputError(BadRequest):

@@ -3,9 +3,12 @@ metrics, bad input, and the faults a sidecar's tests rely on."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
+import urllib.parse
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -270,6 +273,39 @@ def test_response_heads_are_the_engines_servers_own(sim: SimProcess) -> None:
     assert (status, headers["content-type"]) == (200, "text/event-stream; charset=utf-8")
     assert headers["transfer-encoding"] == "chunked" and "cache-control" not in headers
     assert answer.endswith(b"data: [DONE]\n\n")
+
+
+def post_declared(url: str, body: bytes, content_type: str | None) -> tuple[int, Any]:
+    """``(status, JSON answer)`` of a POST whose ``content-type`` is exactly
+    ``content_type``, or absent (urllib would declare a form)."""
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.netloc, timeout=30)
+    try:
+        headers = {"content-type": content_type} if content_type else {}
+        connection.request("POST", parts.path, body, headers)
+        answer = connection.getresponse()
+        return answer.status, json.loads(answer.read())
+    finally:
+        connection.close()
+
+
+def test_a_body_not_declared_json_is_refused_as_vllm_refuses_it(sim: SimProcess) -> None:
+    """vLLM's ``validate_json_request``: the body's media type must be application/json
+    (any parameters, any case); one sent with none is parsed as JSON first."""
+    body = json.dumps({"prompt": "Declared?", "max_tokens": 1}).encode()
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
+        for path in ("/v1/completions", "/tokenize"):
+            code, answer = post_declared(sim.url + path, body, content_type)
+            error = answer["error"]
+            assert (code, error["type"], error["param"]) == (400, "Bad Request", None)
+            assert error["message"] == (
+                "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed"
+            )
+    declared = post_declared(sim.url + "/v1/completions", body, "Application/JSON; charset=utf-8")
+    assert declared[0] == 200
+    code, answer = post_declared(sim.url + "/v1/completions", b"{", None)
+    assert code == 400 and "Unsupported Media Type" not in answer["error"]["message"]
+    assert http_request(sim.url + "/v1/completions", method="GET")[0] == 405
 
 
 def test_unknown_routes_and_methods_get_fastapis_own_answers(sim: SimProcess) -> None:

@@ -12,12 +12,14 @@ from collections.abc import Iterator
 
 import openai
 import pytest
+from fastapi.exceptions import RequestValidationError
 
 from tests.unit.enginesim.simproc import SimProcess
 
 pytestmark = pytest.mark.e2e
 
 MODEL = "sim-model"
+JSON = {"content-type": "application/json"}
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
 
 
@@ -440,7 +442,7 @@ def test_a_rid_in_flight_is_refused_until_its_request_ends(sim: SimProcess) -> N
     try:
         host, port = sim.url.removeprefix("http://").split(":")
         conn = http.client.HTTPConnection(host, int(port), timeout=30)
-        conn.request("POST", "/v1/completions", json.dumps(body))
+        conn.request("POST", "/v1/completions", json.dumps(body), JSON)
         running = conn.getresponse()
         assert running.status == 200 and running.readline().startswith(b"data: ")
         code, answer = sim.call("POST", "/v1/completions", {**body, "stream": False})
@@ -453,3 +455,32 @@ def test_a_rid_in_flight_is_refused_until_its_request_ends(sim: SimProcess) -> N
     conn.close()
     again = sim.post("/v1/completions", {**body, "stream": False, "max_tokens": 1})
     assert again["id"] == "busy"
+
+
+def test_a_body_not_declared_json_is_refused_in_sglangs_shape(sim: SimProcess) -> None:
+    """SGLang's ``validate_json_request`` error names the header; its validation handler
+    answers with ``str()`` of the exception and of its errors, in its own error shape."""
+    host = sim.url.removeprefix("http://")
+    body = json.dumps({"model": MODEL, "prompt": "Declared?", "max_tokens": 1})
+    error = {
+        "loc": ["header", "content-type"],
+        "msg": "Unsupported Media Type: Only 'application/json' is allowed",
+        "type": "value_error",
+    }
+    exc = RequestValidationError(errors=[error])
+    for path in ("/v1/completions", "/v1/tokenize"):
+        connection = http.client.HTTPConnection(host, timeout=30)
+        try:
+            connection.request("POST", path, body, {"content-type": "text/plain"})
+            answer = connection.getresponse()
+            status, refused = answer.status, json.loads(answer.read())
+        finally:
+            connection.close()
+        assert status == 400
+        assert refused == {
+            "object": "error",
+            "message": f"{exc} {exc.errors()}",  # as FastAPI itself writes them
+            "type": "Bad Request",
+            "param": None,
+            "code": 400,
+        }

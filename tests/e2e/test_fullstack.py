@@ -39,6 +39,7 @@ from tests.unit.enginesim.simproc import SimProcess, cached_tokens
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
 MODEL, BPE_MODEL = "sim-model", "bpe-model"
+JSON = {"content-type": "application/json"}
 SYSTEM = "You are a careful assistant who answers every question in one short line. " * 60
 OPENAI_SYSTEM = "Answer the way a ship's log would. " * 20  # cached apart from SYSTEM
 SIM_ARGS = ("--instant", "--max-model-len=8192")
@@ -136,7 +137,7 @@ def hold_streams(sim: SimProcess, count: int) -> list[http.client.HTTPConnection
     for i in range(count):
         connection = http.client.HTTPConnection(address.hostname, address.port, timeout=30)
         body = {"model": MODEL, "prompt": f"Keep busy {i}", "max_tokens": 400, "stream": True}
-        connection.request("POST", "/v1/completions", json.dumps(body))
+        connection.request("POST", "/v1/completions", json.dumps(body), JSON)
         assert connection.getresponse().readline().startswith(b"data: ")
         held.append(connection)
     return held

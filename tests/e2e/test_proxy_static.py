@@ -35,6 +35,7 @@ from tests.unit.enginesim.simproc import SimProcess, cached_tokens
 pytestmark = pytest.mark.e2e
 
 MODEL = "sim-model"
+JSON = {"content-type": "application/json"}
 SYSTEM = "You are a careful assistant who answers every question in one short line. " * 40
 SIM_ARGS = ("--instant", f"--model={MODEL}", "--max-model-len=4096", "--replay-endpoint=")
 
@@ -334,11 +335,11 @@ def _fidelity_totals(proxy: ProxyProcess) -> dict[str, float]:
 
 
 def _post(url: str, body: dict[str, Any]) -> urllib.request.Request:
-    return urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode())
+    return urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(), JSON)
 
 
 def _events(url: str, body: dict[str, Any]) -> list[Any]:
-    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode())
+    request = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(), JSON)
     with urllib.request.urlopen(request, timeout=30) as resp:
         text = resp.read().decode()
     events = [part[6:] for part in text.split("\n\n") if part.startswith("data: ")]
@@ -432,7 +433,7 @@ def test_a_client_that_goes_away_stops_the_engine_at_once() -> None:
     ):
         sim.post("/sim/faults", {"delay_ms": 20})  # 50 tokens a second
         body = {"model": MODEL, "prompt": "Tell me a story", "max_tokens": 2000, "stream": True}
-        request = urllib.request.Request(f"{proxy.url}/v1/completions", json.dumps(body).encode())
+        request = _post(proxy.url, body)
         with urllib.request.urlopen(request, timeout=30) as resp:
             assert resp.readline().startswith(b"data: ")
             assert _running(sim) == 1
@@ -745,7 +746,7 @@ def test_a_replica_dying_mid_stream_ends_the_stream_with_an_error_event() -> Non
     ):
         sim.post("/sim/faults", {"delay_ms": 20})
         body = {"model": MODEL, "prompt": "Tell me a story", "max_tokens": 2000, "stream": True}
-        request = urllib.request.Request(f"{proxy.url}/v1/completions", json.dumps(body).encode())
+        request = _post(proxy.url, body)
         with urllib.request.urlopen(request, timeout=30) as resp:
             assert resp.readline().startswith(b"data: {")
             sim.call("POST", "/sim/faults", {"crash": True})

@@ -130,8 +130,9 @@ class SimProcess:
 
     def stream(self, path: str, body: Any, headers: dict[str, str] | None = None) -> list[Any]:
         """The parsed ``data:`` events of an SSE response (``[DONE]`` kept as a string)."""
+        headers = {"content-type": "application/json", **(headers or {})}
         request = urllib.request.Request(
-            self.url + path, data=json.dumps(body).encode(), headers=headers or {}, method="POST"
+            self.url + path, data=json.dumps(body).encode(), headers=headers, method="POST"
         )
         with urllib.request.urlopen(request, timeout=30) as resp:
             text = resp.read().decode()
