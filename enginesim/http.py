@@ -35,6 +35,8 @@ import itertools
 import json
 import logging
 import os
+import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -145,6 +147,24 @@ def _url(scope: Scope, path: str) -> bytes:
     if query:
         url += "?" + query.decode("latin-1")
     return quote(url, safe=_URL_SAFE).encode("latin-1")
+
+
+def _model_permission(now: int) -> dict[str, Any]:
+    """vLLM's ``ModelPermission()`` as its defaults make it."""
+    return {
+        "id": f"modelperm-{uuid.uuid4().hex}",
+        "object": "model_permission",
+        "created": now,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
@@ -453,17 +473,22 @@ class SimApp:
     # -- engine-side routes ----------------------------------------------------------------
 
     async def models(self, request: Request) -> Result:
-        card = {
+        """The engines' ``ModelCard`` (vLLM's ``entrypoints/openai/engine/protocol.py``,
+        SGLang's ``entrypoints/openai/protocol.py``), made when asked; vLLM's with one
+        default ``ModelPermission`` (``show_available_models``)."""
+        now = int(time.time())
+        card: dict[str, Any] = {
             "id": self.settings.model,
             "object": "model",
-            "created": 0,
-            # what tells the engines apart: ModelCard.owned_by in vLLM's
-            # entrypoints/openai/engine/protocol.py and SGLang's entrypoints/openai/protocol.py
+            "created": now,
+            # what tells the engines apart
             "owned_by": "vllm" if self.sglang is None else "sglang",
             "root": self.settings.model,
             "parent": None,
             "max_model_len": self.settings.model_len,
         }
+        if self.sglang is None:
+            card["permission"] = [_model_permission(now)]
         return json_response({"object": "list", "data": [card]})
 
     async def health(self, request: Request) -> Result:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import time
 import urllib.parse
 from collections.abc import Iterator
 from typing import Any
@@ -306,6 +307,21 @@ def test_a_body_not_declared_json_is_refused_as_vllm_refuses_it(sim: SimProcess)
     code, answer = post_declared(sim.url + "/v1/completions", b"{", None)
     assert code == 400 and "Unsupported Media Type" not in answer["error"]["message"]
     assert http_request(sim.url + "/v1/completions", method="GET")[0] == 405
+
+
+def test_the_model_list_is_vllms_model_cards(sim: SimProcess) -> None:
+    """vLLM's ``show_available_models``: each card made when asked, with one default
+    ``ModelPermission``, fields in its models' order."""
+    before = int(time.time())
+    card = sim.call("GET", "/v1/models")[1]["data"][0]
+    assert list(card) == ["id", "object", "created", "owned_by", "root", "parent",
+                          "max_model_len", "permission"]  # fmt: skip
+    assert (card["owned_by"], card["parent"]) == ("vllm", None)
+    assert before <= card["created"] <= time.time()
+    [permission] = card["permission"]
+    assert re.fullmatch(r"modelperm-[0-9a-f]{32}", permission["id"])
+    assert permission["object"] == "model_permission" and permission["organization"] == "*"
+    assert (permission["allow_sampling"], permission["allow_fine_tuning"]) == (True, False)
 
 
 def test_unknown_routes_and_methods_get_fastapis_own_answers(sim: SimProcess) -> None:

@@ -484,3 +484,11 @@ def test_a_body_not_declared_json_is_refused_in_sglangs_shape(sim: SimProcess) -
             "param": None,
             "code": 400,
         }
+
+
+def test_the_model_list_is_sglangs_model_cards(sim: SimProcess) -> None:
+    """SGLang's ``ModelCard``: no permission list, owned by ``sglang``."""
+    card = sim.call("GET", "/v1/models")[1]["data"][0]
+    assert list(card) == ["id", "object", "created", "owned_by", "root", "parent", "max_model_len"]
+    assert (card["id"], card["owned_by"], card["max_model_len"]) == (MODEL, "sglang", 4096)
+    assert card["created"] > 1_700_000_000
