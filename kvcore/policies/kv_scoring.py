@@ -151,6 +151,13 @@ class KvScoringPolicy:
         """A strategy's own choice for a prompt no candidate holds; ``None``: by score."""
         return None
 
+    def rebalance(
+        self, ctx: RouteContext, fleet: Iterable[ReplicaState], chosen: ReplicaState
+    ) -> tuple[ReplicaState, str]:
+        """The replica that takes a request the scores gave to ``chosen``, and why if it
+        is another (a strategy's guard against one replica taking all; none here)."""
+        return chosen, ""
+
     def nonholders(
         self, board: ReplicaBoard, pool: Pool, runs: dict[int, int], floor: float
     ) -> list[ReplicaState]:
@@ -178,6 +185,7 @@ class KvScoringPolicy:
         if cold and not self.places_cold_prompts:
             return self._fall_back(ctx, state)
         found = candidates(ctx, state, runs, queue_saturation)
+        note = ""
         chosen = self.without_hit(ctx, state, found, runs)
         scores = self.scores(ctx, found.holders, runs) if found.holders else {}
         usable = found.holders
@@ -186,12 +194,16 @@ class KvScoringPolicy:
             if usable is not found.holders:
                 scores = self.scores(ctx, usable, runs)
             chosen = best(usable, scores, self._rng) if usable else None
+            if chosen is not None:
+                chosen, balance = self.rebalance(ctx, state.replicas(), chosen)
+                note = balance
 
         def rows(replicas: list[ReplicaState]) -> list[ReplicaReason]:
             table = scores if replicas is usable else self.scores(ctx, replicas, runs)
             return [self._row(ctx, r, runs.get(r.ordinal, 0), table) for r in replicas]
 
-        note = cold_note(self.name, found.note) if cold else ""
+        if cold:
+            note = cold_note(self.name, found.note)
         speculative = self._speculate(ctx, chosen)
         return decision(self.name, found, chosen, rows, note=note, speculative=speculative)
 

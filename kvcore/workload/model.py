@@ -148,6 +148,15 @@ class KvAwareWorkload(_KvSettings):
         "cache_threshold): a short prefix every request shares, such as a system prompt, "
         "is cheap to replicate and would otherwise pull every request to its first holder.",
     )
+    max_imbalance: int | None = Field(
+        64,
+        ge=1,
+        description="When the replica the score chose has more than this many requests "
+        "(running, waiting and sent since its last report) beyond the least busy usable "
+        "replica, that one takes the request instead (SGLang's balance_abs_threshold): a "
+        "prefix that makes most of every prompt, such as a long system prompt, would "
+        "otherwise keep all traffic on its first holder until it saturates. null: off.",
+    )
 
 
 class KvCostWorkload(_KvSettings):

@@ -49,20 +49,64 @@ def _select(
 
 
 def test_kv_aware_scores_with_the_briefs_formula() -> None:
+    """The score alone (no imbalance guard: 128 requests against none would trip it)."""
     replicas = [ReplicaState(0, "warm", running=128), ReplicaState(1, "cold")]
     view = _view(replicas, {0: 8})
-    decision = _select(KvAwareWorkload(locality_weight=0.5), view)
+    decision = _select(KvAwareWorkload(locality_weight=0.5, max_imbalance=None), view)
     rows = {r.replica_id: r for r in decision.reasons}
     assert rows["warm"].hit == 1.0 and rows["warm"].load == 0.5
     assert rows["warm"].score == pytest.approx(0.5 * 1.0 + 0.5 * 0.5)
     assert rows["cold"].score == pytest.approx(0.5)
     assert decision.replica_id == "warm"
-    assert _select(KvAwareWorkload(locality_weight=0.2), view).replica_id == "cold"
+    cold = _select(KvAwareWorkload(locality_weight=0.2, max_imbalance=None), view)
+    assert cold.replica_id == "cold"
+
+
+def test_kv_aware_sends_a_request_away_from_a_holder_too_far_ahead_of_the_rest() -> None:
+    """SGLang's balance_abs_threshold: the holder of the whole prompt with 65 requests
+    more than an idle replica loses the request to it, which is then speculated to hold
+    the prompt too; 64 more is still within bounds."""
+    keys = context(KvAwareWorkload(), PROMPT).block_keys
+    for running, chosen in ((65, "idle"), (64, "holder")):
+        replicas = [ReplicaState(0, "holder", running=running), ReplicaState(1, "idle")]
+        for view in (_view(replicas, {0: 8}), WholeFleetView(_view(replicas, {0: 8}))):
+            decision = _select(KvAwareWorkload(), view)
+            assert decision.replica_id == chosen
+            if chosen == "idle":
+                assert decision.note == (
+                    "imbalance: holder had 65 requests, idle 0 (max_imbalance 64)"
+                )
+                assert decision.speculative is not None
+                assert decision.speculative.replica == 1
+                assert list(decision.speculative.keys) == list(keys)
+
+
+def test_one_prefix_shared_by_every_prompt_spreads_instead_of_herding() -> None:
+    """A burst of 200 prompts that are mostly one system prompt, held by one replica of
+    two: without the guard every request stays on its holder (in flight there, unreported
+    to the engine's load yet); with it the other replica takes one, holds the prefix from
+    then on, and the loads share the rest."""
+
+    def burst(workload: KvAwareWorkload) -> Counter[str]:
+        policy = create_policy(workload, rng=random.Random(7))
+        sent: Counter[str] = Counter()
+        for _ in range(200):
+            in_flight = [ReplicaState(i, f"r{i}", unreported=sent[f"r{i}"]) for i in (0, 1)]
+            view = _view(in_flight, {0: 8, 1: 8} if sent["r1"] else {0: 8})  # as speculated
+            decision = policy.select(context(workload, PROMPT), view)
+            assert decision.replica_id is not None
+            sent[decision.replica_id] += 1
+        return sent
+
+    assert burst(KvAwareWorkload(max_imbalance=None)) == Counter({"r0": 200})
+    spread = burst(KvAwareWorkload())
+    assert spread["r1"] >= 90 and spread["r0"] >= 90
 
 
 def test_a_decision_summarises_itself_for_a_debug_header() -> None:
     replicas = [ReplicaState(0, "warm", running=128), ReplicaState(1, "cold")]
-    decision = _select(KvAwareWorkload(locality_weight=0.5), _view(replicas, {0: 8}))
+    workload = KvAwareWorkload(locality_weight=0.5, max_imbalance=None)
+    decision = _select(workload, _view(replicas, {0: 8}))
     assert decision.summary() == (
         "replica=warm; strategy=kv_aware; hit=1.000; load=0.500; score=0.750"
     )

@@ -233,7 +233,9 @@ def _both(workload: Any, states: list[ReplicaState], held: dict[int, int]) -> De
 def test_a_replica_holding_nothing_still_wins_or_ties_with_the_best_holder() -> None:
     """kv_aware, alpha 0.5: the holder of half the prompt at load 0.5 scores 0.5, as does
     an idle replica holding nothing; a hair more load on the holder loses it the tie."""
-    workload = parse_workload({"strategy": "kv_aware", "locality_weight": 0.5})
+    workload = parse_workload(  # the score alone: no imbalance guard
+        {"strategy": "kv_aware", "locality_weight": 0.5, "max_imbalance": None}
+    )
     tied = [ReplicaState(0, "holder", running=128), ReplicaState(1, "idle", running=0)]
     assert _both(workload, tied, {0: 8}).replica_id == "idle"  # equal score: lower load
     busier = [ReplicaState(0, "holder", running=129), ReplicaState(1, "idle", running=1)]
