@@ -56,6 +56,15 @@ def _shared_prefix(inputs: Inputs) -> Workload:
     return SharedPrefix(prompts_per_group=max(per_group, 1), rate=30.0, seed=inputs.seed)
 
 
+def _one_system_prompt(inputs: Inputs) -> Workload:
+    if inputs.quick:
+        return SharedPrefix(groups=1, prompts_per_group=160, rate=24.0, seed=inputs.seed)
+    count = inputs.requests or 1024
+    return SharedPrefix(
+        groups=1, prompts_per_group=count, rate=24.0, seed=inputs.seed, name="one_system_prompt"
+    )
+
+
 def _shared_prefix_llmd(inputs: Inputs) -> Workload:
     groups, per_group = (30, 5) if inputs.quick else (150, 5)
     return SharedPrefix(
@@ -168,6 +177,22 @@ SCENARIOS: dict[str, Scenario] = {
             _shared_prefix,
             policies=("round_robin", "least_load", "kv_aware", "kv_cost", "sglang:cache_aware"),
             goals=("hit_vs_oracle", "ahead_of_sglang", "kv_beats_rr"),
+        ),
+        Scenario(
+            "one_system_prompt",
+            "one app: every request is one 2,048-token system prompt and its own 128-token "
+            "question (256 out), 24/s onto 8 replicas of 4,096 blocks and 256 seats, so a "
+            "replica takes far more than max_imbalance requests before its queue saturates",
+            SimConfig(replicas=8, shape=_shape(4096, max_num_seqs=256)),
+            _one_system_prompt,
+            policies=(
+                "round_robin",
+                "least_load",
+                "kv_aware",
+                "kv_aware:max_imbalance=1000000",  # the brief's score alone
+                "kv_cost",
+                "sglang:cache_aware",
+            ),
         ),
         Scenario(
             "no_reuse",
