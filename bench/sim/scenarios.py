@@ -189,6 +189,7 @@ SCENARIOS: dict[str, Scenario] = {
                 "round_robin",
                 "least_load",
                 "kv_aware",
+                "kv_aware:max_imbalance=16",  # tighter than the default 64
                 "kv_aware:max_imbalance=1000000",  # the brief's score alone
                 "kv_cost",
                 "sglang:cache_aware",
