@@ -141,9 +141,9 @@ class KvAwarePolicy(KvScoringPolicy):
                 usable = sorted([*holders, *rivals], key=_ordinal)
                 scores = self.scores(ctx, usable, runs)
                 values = [scores[r.ordinal] for r in usable]
-        chosen = best_of(usable, values, self._rng)
-        chosen, note = self.rebalance(ctx, board.snapshot(), chosen)
-        reasons = self._reasons(ctx, board.snapshot(), chosen, runs)
+        fleet = board.snapshot()
+        chosen, note = self.rebalance(ctx, fleet, best_of(usable, values, self._rng))
+        reasons = self._reasons(ctx, fleet, chosen, runs)
         return Decision(chosen, self.name, reasons, note, self._speculate(ctx, chosen))
 
     def rebalance(

@@ -195,8 +195,7 @@ class KvScoringPolicy:
                 scores = self.scores(ctx, usable, runs)
             chosen = best(usable, scores, self._rng) if usable else None
             if chosen is not None:
-                chosen, balance = self.rebalance(ctx, state.replicas(), chosen)
-                note = balance
+                chosen, note = self.rebalance(ctx, state.replicas(), chosen)
 
         def rows(replicas: list[ReplicaState]) -> list[ReplicaReason]:
             table = scores if replicas is usable else self.scores(ctx, replicas, runs)
