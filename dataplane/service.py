@@ -159,7 +159,7 @@ class ProxyService:
     async def _discover_static(self) -> None:
         """Ask every static replica what it serves (``/v1/models``)."""
         timeout = aiohttp.ClientTimeout(total=self.settings.connect_timeout_s + 2)
-        connector = aiohttp.TCPConnector(ssl=self.replica_tls)
+        connector = aiohttp.TCPConnector(ssl=self.replica_tls or True)
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             for endpoint in self.fleet.endpoints():
                 names, kind = await _served_names(session, endpoint.base_url)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import ssl
+from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
@@ -207,6 +208,16 @@ class ProxySettings(BaseSettings):
         except InvalidName as exc:
             raise ValueError(str(exc)) from None
 
+    @field_validator("replica_tls_ca")
+    @classmethod
+    def _ca_bundle(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            try:
+                ssl.create_default_context(cafile=str(value))
+            except ssl.SSLError as exc:
+                raise ValueError(f"not a PEM CA bundle: {exc.reason or exc}") from None
+        return value
+
     @field_validator("static_replicas")
     @classmethod
     def _base_urls(cls, value: list[str]) -> list[str]:
@@ -243,10 +254,12 @@ class ProxySettings(BaseSettings):
         """Whether the proxy routes without a control plane."""
         return bool(self.static_replicas)
 
-    def replica_ssl_context(self) -> ssl.SSLContext:
-        """What checks the certificates of replicas named by ``https://`` URLs."""
+    def replica_ssl_context(self) -> ssl.SSLContext | None:
+        """What checks the certificates of replicas named by ``https://`` URLs: one
+        trusting ``replica_tls_ca``, or ``None`` for the system's roots (loading them
+        takes some 30 ms, so the clients do it only once an https:// replica appears)."""
         ca = self.replica_tls_ca
-        return ssl.create_default_context(cafile=None if ca is None else str(ca))
+        return None if ca is None else ssl.create_default_context(cafile=str(ca))
 
     def resolved_proxy_id(self) -> str:
         """``proxy_id``, or host name and process id (each worker its own)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dataplane.main import SettingsRefused, build_parser, load_settings, main
@@ -65,3 +67,10 @@ def test_a_bad_flag_is_one_line_on_stderr_and_exit_2(capsys: pytest.CaptureFixtu
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert err.startswith("kvroute-proxy: --port: ")
+
+
+def test_a_replica_ca_that_is_no_pem_bundle_is_refused_at_start(tmp_path: Path) -> None:
+    junk = tmp_path / "ca.pem"
+    junk.write_text("not a certificate")
+    with pytest.raises(SettingsRefused, match=r"--replica-tls-ca.*not a PEM CA bundle"):
+        load_settings(["--replica-tls-ca", str(junk), *STATIC])
