@@ -48,8 +48,9 @@ class ProxySettings(BaseSettings):
     )
     proxy_id: str = Field(
         default="",
-        max_length=128,
-        description="This proxy's id in Watch and Report ('' = host name and process id).",
+        max_length=125,
+        description="This proxy's id in Watch and Report ('' = host name and process id; "
+        "with --workers N, worker k is ID/k).",
     )
     # -- where the routing state comes from -------------------------------------------
     controlplane: CommaList = Field(
@@ -264,3 +265,12 @@ class ProxySettings(BaseSettings):
     def resolved_proxy_id(self) -> str:
         """``proxy_id``, or host name and process id (each worker its own)."""
         return self.proxy_id or f"{os.uname().nodename}-{os.getpid()}"
+
+    def for_worker(self, index: int) -> ProxySettings:
+        """The settings worker ``index`` of ``--workers`` runs with: a ``proxy_id`` of
+        its own (``ID/index``), so that the reports stored by the control plane say which
+        worker counted them (rows are unique by proxy id and report time: two workers'
+        reports stamped alike under one id would be stored as one)."""
+        if not self.proxy_id:
+            return self  # host name and process id differ already
+        return self.model_copy(update={"proxy_id": f"{self.proxy_id}/{index}"})

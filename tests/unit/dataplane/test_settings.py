@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,7 @@ def test_environment_is_read_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> N
         (["--static-replicas", "ftp://x"], "is not an http:// or https:// base URL"),
         (["--pools", "a.b", "--controlplane", "cp:1"], "--pools"),
         (["--workers", "0", *STATIC], "--workers"),
+        (["--proxy-id", "p" * 126, *STATIC], "--proxy-id"),  # room for a worker's /63
         (["--replica-tls-ca", "/no/such/ca.pem", *STATIC], "--replica-tls-ca"),
         (["--auth", *STATIC], "--auth needs keys from a control plane"),
         (["--static-strategy", "kv_aware", *STATIC], "invalid choice"),
@@ -74,3 +76,15 @@ def test_a_replica_ca_that_is_no_pem_bundle_is_refused_at_start(tmp_path: Path) 
     junk.write_text("not a certificate")
     with pytest.raises(SettingsRefused, match=r"--replica-tls-ca.*not a PEM CA bundle"):
         load_settings(["--replica-tls-ca", str(junk), *STATIC])
+
+
+def test_each_worker_reports_under_an_id_of_its_own() -> None:
+    named = load_settings(["--proxy-id", "edge-a", "--workers", "3", *STATIC])
+    assert [named.for_worker(i).resolved_proxy_id() for i in range(3)] == [
+        "edge-a/0",
+        "edge-a/1",
+        "edge-a/2",
+    ]
+    assert named.resolved_proxy_id() == "edge-a"  # the parent's own settings unchanged
+    unnamed = load_settings(["--workers", "2", *STATIC])
+    assert unnamed.for_worker(1).resolved_proxy_id().endswith(f"-{os.getpid()}")
