@@ -185,9 +185,7 @@ def _fork_worker(
     status = 0
     try:
         sock = bind(settings.host, port, reuse_port=True)
-        run_worker(
-            settings.for_worker(group.index), sock, lambda: os.write(write_end, b"1"), group
-        )
+        run_worker(settings.for_worker(group.index), sock, lambda: os.write(write_end, b"1"), group)
     except BaseException as exc:
         if not isinstance(exc, KeyboardInterrupt | SystemExit):
             log.exception("worker failed")

@@ -6,10 +6,10 @@ of requests a second on a small machine (see ``bench/enginesim_capacity.py``). R
 | method | path | what |
 |---|---|---|
 | POST | ``/v1/completions``, ``/v1/chat/completions`` | OpenAI API, SSE when ``stream`` |
-| GET | ``/v1/models`` | the one served model |
+| GET | ``/v1/models`` | the one served model (SGLang mode: also ``/v1/models/{model}``) |
 | GET | ``/health``, ``/ping`` | 200 while serving |
 | POST | ``/tokenize`` (SGLang mode: also ``/v1/tokenize``) | ``{prompt}`` or ``{messages}`` → ids |
-| POST | ``/reset_prefix_cache``, ``/flush_cache`` | drop the cache; 409 while in use |
+| POST | ``/reset_prefix_cache`` (SGLang: ``/flush_cache``, GET too) | drop the cache if idle |
 | GET | ``/metrics`` | Prometheus, engine names (``metrics.py``) |
 | GET | ``/server_info``, ``/model_info`` (and ``/get_`` aliases) | SGLang router probes |
 | GET | ``/get_load``, ``/load`` | queue load (SGLang, vLLM) |
@@ -195,7 +195,6 @@ class SimApp:
             "/ping": {"GET": self.health},
             "/tokenize": {"POST": self.tokenize},
             "/reset_prefix_cache": {"POST": self.reset_prefix_cache},
-            "/flush_cache": {"POST": self.reset_prefix_cache},
             "/metrics": {"GET": self.metrics},
             "/server_info": info,
             "/get_server_info": info,
@@ -212,6 +211,8 @@ class SimApp:
         }
         if self.sglang is not None:  # SGLang serves both paths with one handler
             table["/v1/tokenize"] = table["/tokenize"]
+            del table["/reset_prefix_cache"]  # vLLM's name; SGLang's is /flush_cache
+            table["/flush_cache"] = {"GET": self.flush_cache, "POST": self.flush_cache}
         self.routes.update(table)
 
     # -- ASGI ----------------------------------------------------------------------------
@@ -249,6 +250,8 @@ class SimApp:
 
     def _route(self, scope: Scope) -> Handler:
         methods = self.routes.get(scope["path"])
+        if methods is None and self.sglang is not None and scope["path"].startswith(_MODEL_PATH):
+            methods = {"GET": self.retrieve_model}  # SGLang's /v1/models/{model:path}
         if methods is None:
             path = scope["path"]
             other = path[:-1] if path.endswith("/") else path + "/"
@@ -476,7 +479,9 @@ class SimApp:
         """The engines' ``ModelCard`` (vLLM's ``entrypoints/openai/engine/protocol.py``,
         SGLang's ``entrypoints/openai/protocol.py``), made when asked; vLLM's with one
         default ``ModelPermission`` (``show_available_models``)."""
-        now = int(time.time())
+        return json_response({"object": "list", "data": [self._model_card(int(time.time()))]})
+
+    def _model_card(self, now: int) -> dict[str, Any]:
         card: dict[str, Any] = {
             "id": self.settings.model,
             "object": "model",
@@ -489,7 +494,15 @@ class SimApp:
         }
         if self.sglang is None:
             card["permission"] = [_model_permission(now)]
-        return json_response({"object": "list", "data": [card]})
+        return card
+
+    async def retrieve_model(self, request: Request) -> Result:
+        """SGLang's ``GET /v1/models/{model:path}``: the card of the served model, or its
+        404 (the path's rest, decoded, is the name; ``/v1/models/`` asks for '')."""
+        model = request.path[len(_MODEL_PATH) :]
+        if model != self.settings.model:
+            return json_response(sg.model_not_found(model), 404)
+        return json_response(self._model_card(int(time.time())))
 
     async def health(self, request: Request) -> Result:
         return Response(200, b"", content_type=b"")  # vLLM's and SGLang's: no content type
@@ -555,6 +568,12 @@ class SimApp:
         if not self.engine.reset_prefix_cache():
             raise p.Conflict("Failed to reset the prefix cache: some blocks are still in use.")
         return Response(200, b"", content_type=b"")  # vLLM's and SGLang's: no content type
+
+    async def flush_cache(self, request: Request) -> Result:
+        """SGLang's ``/flush_cache`` (GET or POST): its one plain text, no content type,
+        400 instead of 200 when requests are running or waiting (nothing flushed)."""
+        status = 200 if self.engine.reset_prefix_cache() else 400
+        return Response(status, sg.FLUSH_CACHE_TEXT, content_type=b"")
 
     async def metrics(self, request: Request) -> Result:
         body = self.engine.metrics.render(self.engine.load())
@@ -641,6 +660,7 @@ class SimApp:
 
 
 _INFERENCE_PATHS = ("/v1/completions", "/v1/chat/completions")
+_MODEL_PATH = "/v1/models/"
 # the routes both engines guard with their ``validate_json_request`` dependency
 _JSON_BODY_PATHS = frozenset({*_INFERENCE_PATHS, "/tokenize", "/v1/tokenize"})
 

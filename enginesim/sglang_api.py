@@ -235,6 +235,26 @@ def stream_usage(body: p._Sampling) -> p.UsageAsked:
 # -- errors ---------------------------------------------------------------------------
 
 
+FLUSH_CACHE_TEXT = (
+    b"Cache flushed.\nPlease check backend logs for more details. "
+    b"(When there are running or waiting requests, the operation will not be performed.)\n"
+)
+"""``/flush_cache``'s answer, whether or not it flushed (its status says which)."""
+
+
+def model_not_found(model: str) -> dict[str, Any]:
+    """``GET /v1/models/{model}``'s 404 body for a model this server does not serve."""
+    message = f"The model '{model}' does not exist"
+    return {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
+
+
 def error_body(exc: p.ApiError) -> dict[str, Any]:
     return {
         "object": "error",

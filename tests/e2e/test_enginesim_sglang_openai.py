@@ -5,6 +5,7 @@ vLLM's refusals."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import re
@@ -434,25 +435,36 @@ def test_a_rid_sglang_cannot_take_is_refused_with_its_error(sim: SimProcess) -> 
         assert (code, answer["type"], answer["message"]) == (status, error_type, message)
 
 
+@contextlib.contextmanager
+def streaming(sim: SimProcess, body: dict[str, object]) -> Iterator[None]:
+    """While inside, ``body``'s stream runs (its first event read, the rest slowed by a
+    fault); on leaving, the fault is lifted and the stream read to its end."""
+    sim.post("/sim/faults", {"delay_ms": 100})
+    host, port = sim.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body), JSON)
+        running = conn.getresponse()
+        assert running.status == 200 and running.readline().startswith(b"data: ")
+        try:
+            yield
+        finally:
+            sim.call("DELETE", "/sim/faults")
+        assert running.read().endswith(b"data: [DONE]\n\n")
+    finally:
+        sim.call("DELETE", "/sim/faults")
+        conn.close()
+
+
 def test_a_rid_in_flight_is_refused_until_its_request_ends(sim: SimProcess) -> None:
     """SGLang keeps a rid taken while its request runs ("Duplicate request ID detected"),
     and free again once it ended: the simulator's own engine ids never collide."""
     body = {"prompt": fresh(6_000, 8), "max_tokens": 40, "stream": True, "rid": "busy"}
-    sim.post("/sim/faults", {"delay_ms": 100})
-    try:
-        host, port = sim.url.removeprefix("http://").split(":")
-        conn = http.client.HTTPConnection(host, int(port), timeout=30)
-        conn.request("POST", "/v1/completions", json.dumps(body), JSON)
-        running = conn.getresponse()
-        assert running.status == 200 and running.readline().startswith(b"data: ")
+    with streaming(sim, body):
         code, answer = sim.call("POST", "/v1/completions", {**body, "stream": False})
         assert (code, answer["type"], answer["message"]) == (
             400, "BadRequestError", "Duplicate request ID detected: busy",
         )  # fmt: skip
-    finally:
-        sim.call("DELETE", "/sim/faults")
-    assert running.read().endswith(b"data: [DONE]\n\n")
-    conn.close()
     again = sim.post("/v1/completions", {**body, "stream": False, "max_tokens": 1})
     assert again["id"] == "busy"
 
@@ -492,3 +504,60 @@ def test_the_model_list_is_sglangs_model_cards(sim: SimProcess) -> None:
     assert list(card) == ["id", "object", "created", "owned_by", "root", "parent", "max_model_len"]
     assert (card["id"], card["owned_by"], card["max_model_len"]) == (MODEL, "sglang", 4096)
     assert card["created"] > 1_700_000_000
+
+
+def raw_call(sim: SimProcess, method: str, path: str) -> tuple[int, dict[str, str], bytes]:
+    host = sim.url.removeprefix("http://")
+    connection = http.client.HTTPConnection(host, timeout=30)
+    try:
+        connection.request(method, path)
+        answer = connection.getresponse()
+        return answer.status, {k.lower(): v for k, v in answer.getheaders()}, answer.read()
+    finally:
+        connection.close()
+
+
+def test_flush_cache_is_sglangs_on_get_and_post_and_refused_while_a_request_runs(
+    sim: SimProcess,
+) -> None:
+    """SGLang's ``/flush_cache``: GET or POST, one plain text without a content type,
+    400 with the same text when requests are running (and nothing flushed); vLLM's
+    ``/reset_prefix_cache`` is not SGLang's."""
+    text = (
+        b"Cache flushed.\nPlease check backend logs for more details. "
+        b"(When there are running or waiting requests, the operation will not be performed.)\n"
+    )
+    for method in ("GET", "POST"):
+        sim.post("/v1/completions", {"prompt": fresh(7_000, 64), "max_tokens": 1})
+        assert sim.call("GET", "/sim/state")[1]["cached_block_hashes"]
+        status, headers, body = raw_call(sim, method, "/flush_cache")
+        assert (status, body, "content-type" in headers) == (200, text, False)
+        assert sim.call("GET", "/sim/state")[1]["cached_block_hashes"] == []
+    with streaming(sim, {"prompt": fresh(7_100, 8), "max_tokens": 40, "stream": True}):
+        status, _, refused = raw_call(sim, "POST", "/flush_cache")
+        assert (status, refused) == (400, text)
+    assert sim.call("POST", "/reset_prefix_cache")[0] == 404
+
+
+def test_one_models_card_is_served_as_sglang_serves_it(
+    sim: SimProcess, client: openai.OpenAI
+) -> None:
+    """SGLang's ``GET /v1/models/{model:path}``: the listed card, or its 404 naming the
+    model (the rest of the path, slashes and all; ``/v1/models/`` asks for '')."""
+    assert client.models.retrieve(MODEL).owned_by == "sglang"
+    status, card = sim.call("GET", f"/v1/models/{MODEL}")
+    listed = sim.call("GET", "/v1/models")[1]["data"][0]
+    assert status == 200 and {**card, "created": 0} == {**listed, "created": 0}
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("other-model")
+    assert missing.value.body == {
+        "message": "The model 'other-model' does not exist",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
+    for path, name in (("/v1/models/org/model", "org/model"), ("/v1/models/", "")):
+        status, answer = sim.call("GET", path)
+        assert (status, answer["error"]["message"]) == (404, f"The model '{name}' does not exist")
+    status, headers, _ = raw_call(sim, "POST", f"/v1/models/{MODEL}")
+    assert (status, headers["allow"]) == (405, "GET")
