@@ -14,9 +14,11 @@ serves only what the proxy needs:
   ``Expect: 100-continue`` is answered before the body is read;
 - pipelined requests answered in order, one at a time (reading pauses while
   ``MAX_PIPELINED`` wait);
-- a response with a body is one write (head and body together); a stream is chunked,
-  and :meth:`Response.write` waits while the client's socket buffer is full
-  (``pause_writing``), so a slow client holds the upstream back instead of filling memory;
+- a response with a body is one write (head and body together); a stream is chunked
+  (to an HTTP/1.0 request, which cannot take chunks (RFC 9112), its bytes as they come,
+  ended by closing the connection), and :meth:`Response.write` waits while the client's
+  socket buffer is full (``pause_writing``), so a slow client holds the upstream back
+  instead of filling memory;
 - a client that disconnects cancels its request's handler at once (``connection_lost``),
   which closes the upstream connection: the engine aborts the request;
 - ``Upgrade`` is ignored (the answer is HTTP/1.1, as RFC 9110 allows);
@@ -60,7 +62,7 @@ _JSON = b"application/json"
 class Request:
     """One parsed request; ``headers`` by lower-case name (a repeated header: the last)."""
 
-    __slots__ = ("body", "headers", "keep_alive", "method", "path", "query")
+    __slots__ = ("body", "headers", "http_1_0", "keep_alive", "method", "path", "query")
 
     def __init__(
         self, method: str, path: str, query: str, headers: dict[str, str], body: bytes
@@ -71,6 +73,7 @@ class Request:
         self.headers = headers
         self.body = body
         self.keep_alive = True
+        self.http_1_0 = False
 
 
 Handler = Callable[[Request, "Response"], Awaitable[None]]
@@ -80,12 +83,21 @@ class Response:
     """How a handler answers: :meth:`send` a whole body, or :meth:`start`, then
     :meth:`write` each piece (chunked) and :meth:`end`. Header names are lower-case bytes."""
 
-    __slots__ = ("_connection", "_head", "_head_only", "closes", "finished", "started")
+    __slots__ = (
+        "_connection",
+        "_head",
+        "_head_only",
+        "_unchunked",
+        "closes",
+        "finished",
+        "started",
+    )
 
     def __init__(self, connection: _Connection, request: Request) -> None:
         self._connection = connection
         self.closes = not request.keep_alive  # the connection closes after it
         self._head_only = request.method == "HEAD"
+        self._unchunked = request.http_1_0  # a stream to it: plain bytes, then close
         self._head = b""  # a stream's head, sent with its first piece
         self.started = False
         self.finished = False
@@ -99,8 +111,14 @@ class Response:
         self.finished = True
 
     def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        """Begin a streamed (chunked) response; nothing is written before the first piece."""
+        """Begin a streamed (chunked) response; nothing is written before the first piece.
+        To an HTTP/1.0 request the pieces go unframed and the connection's close ends
+        them."""
         self._begin()
+        if self._unchunked:
+            self.closes = True
+            self._head = _head(status, headers, _CLOSE)
+            return
         extra = _CHUNKED + _CLOSE if self._must_close() else _CHUNKED
         self._head = _head(status, headers, extra)
 
@@ -114,7 +132,7 @@ class Response:
         (then :meth:`drain` before the next piece)."""
         if not data or self._head_only:
             return False
-        piece = b"%x\r\n%b\r\n" % (len(data), data)
+        piece = data if self._unchunked else b"%x\r\n%b\r\n" % (len(data), data)
         if self._head:
             piece, self._head = self._head + piece, b""
         connection = self._connection
@@ -127,9 +145,12 @@ class Response:
 
     def end(self, last: bytes = b"") -> None:
         """The end of a started stream, after ``last`` (written without waiting)."""
-        tail = b"" if self._head_only else _LAST_CHUNK
-        if last and not self._head_only:
-            tail = b"%x\r\n%b\r\n" % (len(last), last) + tail
+        if self._head_only:
+            tail = b""
+        elif self._unchunked:
+            tail = last
+        else:
+            tail = b"%x\r\n%b\r\n" % (len(last), last) + _LAST_CHUNK if last else _LAST_CHUNK
         self._connection.write(self._head + tail)
         self._head = b""
         self.finished = True
@@ -296,6 +317,7 @@ class _Connection(asyncio.Protocol):
         method = self.parser.get_method().decode("ascii")
         request = Request(method, path, query, self._headers, body)
         request.keep_alive = self.parser.should_keep_alive()
+        request.http_1_0 = self.parser.get_http_version() == "1.0"
         self._served += 1
         self._enqueue(request)
 

@@ -336,6 +336,21 @@ async def test_a_stream_arrives_chunk_by_chunk_and_the_connection_is_kept() -> N
 
 
 @on_both_loops
+async def test_a_stream_to_http_1_0_comes_unchunked_and_ends_with_the_connection() -> None:
+    """HTTP/1.0 has no chunked coding (RFC 9112 forbids sending it one): the pieces
+    come as they are, and the server's close ends the body, keep-alive asked or not."""
+    async with serving(Echo()) as (_, connect):
+        for extra in (b"", b"connection: keep-alive\r\n"):
+            client = await connect()
+            await client.send(b"GET /stream?3 HTTP/1.0\r\n" + extra + b"\r\n")
+            raw = await asyncio.wait_for(client.reader.read(), 10)  # up to the close
+            head, _, body = raw.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200 ")
+            assert b"transfer-encoding" not in head and b"connection: close" in head
+            assert body == b"".join(b"data: %d %s\n\n" % (i, b"x" * 65536) for i in range(3))
+
+
+@on_both_loops
 async def test_a_slow_reader_holds_the_stream_back() -> None:
     echo = Echo()
     pieces = 512  # 32 MiB: far more than the socket buffers hold
