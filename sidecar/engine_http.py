@@ -16,6 +16,7 @@ Discovery, when no ``--kv-events-endpoint`` is given:
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -109,14 +110,21 @@ def sglang_capacity(body: Any) -> tuple[int, int]:
 
 
 class EngineHttp:
-    def __init__(self, base_url: str, *, timeout_s: float) -> None:
+    """The engine's HTTP server; an ``https://`` one checked against ``ssl_context`` (or
+    the system's roots when it is ``None``)."""
+
+    def __init__(
+        self, base_url: str, *, timeout_s: float, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._ssl: ssl.SSLContext | bool = True if ssl_context is None else ssl_context
         self._session: aiohttp.ClientSession | None = None
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
+            connector = aiohttp.TCPConnector(ssl=self._ssl)
+            self._session = aiohttp.ClientSession(timeout=self._timeout, connector=connector)
         return self._session
 
     async def close(self) -> None:

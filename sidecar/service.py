@@ -80,7 +80,11 @@ class SidecarService:
             outbox=self.outbox,
             new_epoch=self._next_epoch,
         )
-        self.engine = EngineHttp(settings.engine_url, timeout_s=settings.scrape_timeout_s)
+        self.engine = EngineHttp(
+            settings.engine_url,
+            timeout_s=settings.scrape_timeout_s,
+            ssl_context=settings.engine_ssl_context(),
+        )
         self.engine_status = EngineStatus()
         self.link = NatsLink(
             settings.nats_url,

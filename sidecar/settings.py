@@ -9,13 +9,16 @@ not a ZMQ address stops the sidecar before it connects anywhere.
 
 from __future__ import annotations
 
+import ssl
+from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, FilePath, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from kvcore.keys import DEFAULT_BLOCK_SIZE
 from kvcore.subjects import InvalidName, check_name
+from kvcore.tls import ca_context
 
 _ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
@@ -27,6 +30,11 @@ class SidecarSettings(BaseSettings):
         default="http://127.0.0.1:8000", description="Base URL of the engine's HTTP server."
     )
     engine_kind: Literal["vllm", "sglang"] = Field(default="vllm", description="Engine family.")
+    engine_tls_ca: FilePath | None = Field(
+        default=None,
+        description="CA bundle (PEM) that signed an https:// engine's certificate "
+        "(default: the system's roots).",
+    )
     kv_events_endpoint: str | None = Field(
         default=None,
         description="ZMQ address of the engine's KV events, comma-separated per data-parallel "
@@ -83,6 +91,13 @@ class SidecarSettings(BaseSettings):
         default="INFO", description="Log level."
     )
 
+    @field_validator("engine_tls_ca")
+    @classmethod
+    def _ca_bundle(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            ca_context(value)
+        return value
+
     @field_validator("replica_id", "pool")
     @classmethod
     def _subject_token(cls, value: str) -> str:
@@ -122,3 +137,9 @@ class SidecarSettings(BaseSettings):
         if not value.strip():
             raise ValueError("model must not be empty")
         return value
+
+    def engine_ssl_context(self) -> ssl.SSLContext | None:
+        """What checks an ``https://`` engine's certificate: one trusting
+        ``engine_tls_ca``, or ``None`` for the system's roots."""
+        ca = self.engine_tls_ca
+        return None if ca is None else ca_context(ca)

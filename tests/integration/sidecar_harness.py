@@ -182,6 +182,7 @@ class SimProcess:
     block_size: int = 16
     num_blocks: int = 4096
     ports: tuple[int, int, int] | None = None  # fixed ports, to restart in place
+    extra: tuple[str, ...] = ()  # more flags
     http_url: str = ""
     events: str = ""
     replay: str = ""
@@ -206,6 +207,7 @@ class SimProcess:
             f"tcp://127.0.0.1:{replay}",
             "--event-format",
             self.event_format,
+            *self.extra,
         ]
 
     async def start(self) -> SimProcess:

@@ -17,6 +17,7 @@ import pytest
 
 from kvcore.keys import block_keys
 from kvroute.servers import NatsServer, free_port
+from tests.integration.controlplane_harness import server_certificate
 from tests.integration.sidecar_harness import (
     PromptBook,
     SimProcess,
@@ -412,3 +413,31 @@ def watcher_port_nats() -> AsyncIterator[NatsServer]:
     server = NatsServer()
     yield server  # type: ignore[misc]
     server.stop()
+
+
+async def test_an_https_engine_is_scraped_over_tls_trusting_only_the_given_ca(
+    nats_server: NatsServer, watcher: Watcher, tmp_path: Path
+) -> None:
+    """An engine serving HTTPS (``--ssl-keyfile``/``--ssl-certfile``): with
+    ``--engine-tls-ca`` the sidecar reads its load over TLS and announces the https://
+    URL proxies will call; with the system's roots alone the test CA's certificate is
+    refused, and the sidecar says the engine is down rather than read it in plain HTTP."""
+    ca, cert, key = server_certificate(tmp_path, "127.0.0.1", "localhost")
+    ca_path = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_path))
+    sim = await SimProcess("vllm", extra=(f"--ssl-keyfile={key}", f"--ssl-certfile={cert}")).start()
+    try:
+        assert sim.http_url.startswith("https://127.0.0.1:")
+        async with running_sidecar(settings_for(sim, nats_server.url, watcher)):
+            await wait_until(lambda: len(watcher.loads) >= 3)
+            assert not any(load.engine_up for load in watcher.loads)
+        watcher.loads.clear()
+        trusting = settings_for(sim, nats_server.url, watcher, engine_tls_ca=ca_path)
+        async with running_sidecar(trusting) as service:
+            await wait_until(lambda: any(load.engine_up for load in watcher.loads))
+            assert service.engine_status.load is not None
+            assert service.engine_status.load.capacity_blocks == sim.num_blocks
+            await wait_until(lambda: bool(watcher.announces))
+            assert watcher.announces[-1].base_url == sim.http_url
+    finally:
+        await sim.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -18,7 +19,7 @@ from sidecar.engine_http import (
 )
 from sidecar.errors import EngineUnavailable
 from sidecar.load_metrics import EngineLoad, parse_engine_load
-from sidecar.main import load_settings
+from sidecar.main import load_settings, main
 from sidecar.nats_link import redacted
 
 VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -206,3 +207,13 @@ def test_json_logs_carry_extra_fields() -> None:
 )
 def test_nats_urls_are_logged_without_credentials(url: str, shown: str) -> None:
     assert redacted(url) == shown
+
+
+def test_an_engine_ca_that_is_no_pem_bundle_is_refused_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    junk = tmp_path / "ca.pem"
+    junk.write_text("not a certificate")
+    assert main(["--replica-id", "r", "--model", "m", "--engine-tls-ca", str(junk)]) == 2
+    err = capsys.readouterr().err
+    assert "engine_tls_ca" in err and "not a PEM CA bundle" in err
