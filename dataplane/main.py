@@ -36,8 +36,6 @@ log = logging.getLogger("dataplane")
 READY_PREFIX = "kvroute-proxy ready"
 
 PROG = "kvroute-proxy"
-KEEP_ALIVE_S = 75.0  # an idle client connection is closed after this
-GRACE_S = 30.0  # on SIGTERM, requests in progress get this long to finish
 
 
 class SettingsRefused(Exception):
@@ -127,7 +125,7 @@ async def serve(
     await service.start()
     sock.listen(4096)
     server = HttpServer(
-        service.app, max_body_bytes=settings.max_body_bytes, keep_alive_s=KEEP_ALIVE_S
+        service.app, max_body_bytes=settings.max_body_bytes, keep_alive_s=settings.keep_alive_s
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -138,7 +136,7 @@ async def serve(
         on_ready()
         await stop.wait()
     finally:
-        await server.aclose(GRACE_S)
+        await server.aclose(settings.shutdown_grace_s)
         await service.aclose()
         sock.close()
 

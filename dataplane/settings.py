@@ -158,6 +158,21 @@ class ProxySettings(BaseSettings):
     retry_after_s: int = Field(
         default=1, ge=0, le=3600, description="Retry-After of a 503 when no replica can serve."
     )
+    keep_alive_s: float = Field(
+        default=75.0,
+        gt=0,
+        le=86400,
+        description="An idle client connection is closed after this; keep it above the load "
+        "balancer's own idle timeout (AWS ALB 60 s, Google Cloud's 600 s), or the balancer "
+        "may send a request on a connection the proxy is closing.",
+    )
+    shutdown_grace_s: float = Field(
+        default=30.0,
+        ge=0,
+        le=86400,
+        description="On SIGTERM, how long requests in progress (streams too) may go on before "
+        "their connections close; keep the pod's terminationGracePeriodSeconds above it.",
+    )
     # -- clients ----------------------------------------------------------------------
     auth: bool = Field(
         default=False,

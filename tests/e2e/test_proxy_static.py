@@ -9,6 +9,7 @@ engine's work. (A replica killed under load is shown on the whole fleet, in
 
 from __future__ import annotations
 
+import http.client
 import http.server
 import json
 import signal
@@ -525,6 +526,46 @@ def test_workers_share_one_port_scrape_as_one_and_stop_together(fleet: Any) -> N
         assert proxy.proc is not None
         proxy.proc.send_signal(signal.SIGTERM)
         assert proxy.proc.wait(timeout=15) == 0
+
+
+def test_sigterm_lets_a_stream_finish_within_the_grace_and_cuts_it_after() -> None:
+    """On SIGTERM the proxy takes no new connection and lets a stream in progress go on
+    for ``--shutdown-grace-s``: a 100-token stream (about a second of modelled decode)
+    ends whole with a 10 s grace, and is cut with 0.2 s; either way the proxy exits 0."""
+    body = {"model": MODEL, "prompt": "Keep talking", "max_tokens": 100, "stream": True}
+    with SimProcess(f"--model={MODEL}", "--time-scale=1", "--replay-endpoint=") as sim:
+        for grace, whole in (("10", True), ("0.2", False)):
+            args = (f"--static-replicas={sim.url}", f"--shutdown-grace-s={grace}")
+            with ProxyProcess(*args) as proxy:
+                assert proxy.proc is not None
+                host, port = proxy.url.removeprefix("http://").split(":")
+                conn = http.client.HTTPConnection(host, int(port), timeout=30)
+                conn.request("POST", "/v1/completions", json.dumps(body), JSON)
+                stream = conn.getresponse()
+                assert stream.status == 200 and stream.readline().startswith(b"data: ")
+                proxy.proc.send_signal(signal.SIGTERM)
+                try:
+                    rest = stream.read()
+                except http.client.IncompleteRead as cut:
+                    rest = cut.partial
+                conn.close()
+                assert rest.endswith(b"data: [DONE]\n\n") is whole
+                assert proxy.proc.wait(timeout=15) == 0
+
+
+def test_an_idle_client_connection_is_closed_after_keep_alive_s(fleet: Any) -> None:
+    sims, _ = fleet
+    with ProxyProcess(f"--static-replicas={sims[0].url}", "--keep-alive-s=0.3") as proxy:
+        host, port = proxy.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            conn.sendall(b"GET /healthz HTTP/1.1\r\nhost: p\r\n\r\n")
+            answer = conn.recv(4096)
+            while answer and not answer.endswith(b'{"status":"ok"}'):
+                more = conn.recv(4096)
+                assert more, answer
+                answer += more
+            assert answer.startswith(b"HTTP/1.1 200 ")
+            assert conn.recv(4096) == b""  # closed by the proxy once idle (10 s at most)
 
 
 def test_other_v1_routes_reach_a_replica_and_request_ids_are_kept(fleet: Any) -> None:

@@ -252,6 +252,21 @@ def test_the_proxies_sit_behind_an_l4_service_without_session_affinity(directory
     }
 
 
+@pytest.mark.parametrize("directory", overlays(), ids=ids(overlays()))
+def test_a_proxy_pod_stopping_lets_its_streams_finish_before_kubernetes_kills_it(
+    directory: Path,
+) -> None:
+    """The pod's grace covers the preStop sleep (leaving the load balancer) plus the
+    proxy's own ``--shutdown-grace-s``: otherwise SIGKILL cuts streams the proxy meant to
+    let finish."""
+    pod = pod_of(find(render(directory), "Deployment", "kvroute-proxy"))
+    (proxy,) = [c for c in containers(pod) if c["name"] == "proxy"]
+    args = dict(a[2:].split("=", 1) for a in proxy["args"] if a.startswith("--") and "=" in a)
+    pre_stop = proxy["lifecycle"]["preStop"]["sleep"]["seconds"]
+    grace = float(args.get("shutdown-grace-s", 30.0))
+    assert pod["spec"]["terminationGracePeriodSeconds"] > pre_stop + grace
+
+
 def secrets_named(pod: dict[str, Any]) -> set[tuple[str, bool]]:
     """(Secret name, optional) of every Secret a pod reads."""
     named = set()
