@@ -28,7 +28,6 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from dataplane.cors import check_origin
 from kvcore.keys import DEFAULT_BLOCK_SIZE
 from kvcore.subjects import InvalidName, check_name
-from kvcore.tls import ca_context
 
 CommaList = Annotated[list[str], NoDecode]
 LIST_FIELDS = frozenset({"controlplane", "pools", "static_replicas", "cors_allowed_origins"})
@@ -229,7 +228,10 @@ class ProxySettings(BaseSettings):
     @classmethod
     def _ca_bundle(cls, value: Path | None) -> Path | None:
         if value is not None:
-            ca_context(value)
+            try:
+                ssl.create_default_context(cafile=str(value))
+            except ssl.SSLError as exc:
+                raise ValueError(f"not a PEM CA bundle: {exc.reason or exc}") from None
         return value
 
     @field_validator("static_replicas")
@@ -273,7 +275,7 @@ class ProxySettings(BaseSettings):
         trusting ``replica_tls_ca``, or ``None`` for the system's roots (loading them
         takes some 30 ms, so the clients do it only once an https:// replica appears)."""
         ca = self.replica_tls_ca
-        return None if ca is None else ca_context(ca)
+        return None if ca is None else ssl.create_default_context(cafile=str(ca))
 
     def resolved_proxy_id(self) -> str:
         """``proxy_id``, or host name and process id (each worker its own)."""

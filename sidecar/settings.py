@@ -18,7 +18,6 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from kvcore.keys import DEFAULT_BLOCK_SIZE
 from kvcore.subjects import InvalidName, check_name
-from kvcore.tls import ca_context
 
 _ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
@@ -95,7 +94,10 @@ class SidecarSettings(BaseSettings):
     @classmethod
     def _ca_bundle(cls, value: Path | None) -> Path | None:
         if value is not None:
-            ca_context(value)
+            try:
+                ssl.create_default_context(cafile=str(value))
+            except ssl.SSLError as exc:
+                raise ValueError(f"not a PEM CA bundle: {exc.reason or exc}") from None
         return value
 
     @field_validator("replica_id", "pool")
@@ -142,4 +144,4 @@ class SidecarSettings(BaseSettings):
         """What checks an ``https://`` engine's certificate: one trusting
         ``engine_tls_ca``, or ``None`` for the system's roots."""
         ca = self.engine_tls_ca
-        return None if ca is None else ca_context(ca)
+        return None if ca is None else ssl.create_default_context(cafile=str(ca))
