@@ -36,8 +36,8 @@ class WorkloadBase(_Settings):
         0.9,
         gt=0,
         le=1,
-        description="A replica whose load (0-1) is at or above this is skipped (hashing "
-        "strategies pass the key on along the ring), unless every replica is.",
+        description="A replica whose load (1: every seat taken) is at or above this is "
+        "skipped (hashing strategies pass the key on along the ring), unless every replica is.",
     )
     max_inflight_per_replica: int = Field(
         256,

@@ -14,7 +14,32 @@ def test_unreported_requests_raise_load_even_when_kv_usage_dominates() -> None:
     assert reported.load == 0.6
     busier = ReplicaState(0, "r0", running=10, kv_usage=0.6, capacity=64, unreported=8)
     assert busier.load == 0.6 + 8 / 64
-    assert ReplicaState(0, "r0", kv_usage=0.95, capacity=64, unreported=8).load == 1.0
+    assert ReplicaState(0, "r0", kv_usage=0.95, capacity=64, unreported=8).load == 0.95 + 8 / 64
+
+
+def test_an_overloaded_fleet_is_still_ranked_by_queue_depth() -> None:
+    """Every replica over its seats (an overloaded fleet): the one with the shorter queue
+    takes the request, under least_load, and under kv_aware between two replicas that
+    hold the prompt alike (with load capped at 1 they tied, and chance decided)."""
+    index = BitmaskResidencyIndex()
+    keys = (11, 12, 13, 14)
+    for ordinal in (0, 1):
+        index.add(ordinal, list(keys))
+    for strategy in ("least_load", "kv_aware"):
+        workload = parse_workload({"strategy": strategy})
+        chosen = set()
+        for seed in range(20):
+            policy = create_policy(workload, rng=random.Random(seed))
+            view = StaticStateView(
+                (
+                    ReplicaState(0, "r0", running=64, waiting=40, capacity=64),
+                    ReplicaState(1, "r1", running=64, waiting=8, capacity=64),
+                ),
+                index,
+            )
+            ctx = RouteContext(workload, "m", block_keys=keys)
+            chosen.add(policy.select(ctx, view).ordinal)
+        assert chosen == {1}, strategy
 
 
 def test_least_load_spreads_a_burst_sent_between_two_load_reports() -> None:
