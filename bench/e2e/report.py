@@ -77,7 +77,8 @@ def goals(config: E2EConfig, results: list[ContenderResult]) -> list[Goal]:
         found.append(Goal(text, "not run", None))
     else:
         drop = 1 - scaled.engine_hit_rate / ours.engine_hit_rate if ours.engine_hit_rate else 1
-        found.append(Goal(text, f"{drop:+.1%} relative", drop <= 0.05))
+        change = "the same" if drop == 0 else f"{abs(drop):.1%} {'lower' if drop > 0 else 'higher'}"
+        found.append(Goal(text, change, drop <= 0.05))
     return found
 
 
