@@ -15,6 +15,10 @@ For a pod labelled ``kvroute.io/inject: "true"`` this module answers with a JSON
   SGLang's ``--enable-cache-report``;
 - marks the pod ``kvroute.io/injected: "true"``.
 
+The sidecar reads the engine on loopback and announces it to the proxies at the pod's
+IP (``KVROUTE_ADVERTISE_HOST`` from the downward API's ``status.podIP``): the engine's
+loopback address means nothing to a proxy in another pod.
+
 A pod that already has the sidecar is returned unchanged (idempotent), every other pod
 is left alone, and nothing here raises: a review that cannot be read is answered
 ``allowed: true`` with no patch and a warning, because the webhook runs with
@@ -395,10 +399,17 @@ def sidecar_env(engine: EngineSpec, config: InjectionConfig) -> list[Json]:
         "KVROUTE_PORT": str(config.sidecar_port),
     }
     env: list[Json] = [
-        {"name": "KVROUTE_REPLICA_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+        {"name": "KVROUTE_REPLICA_ID", "valueFrom": _field("metadata.name")},
+        # the sidecar calls the engine on loopback; the proxies, in other pods, at the pod's IP
+        {"name": "KVROUTE_ADVERTISE_HOST", "valueFrom": _field("status.podIP")},
     ]
     env += [{"name": name, "value": value} for name, value in values.items() if value]
     return env
+
+
+def _field(path: str) -> Json:
+    """A downward-API value of the pod."""
+    return {"fieldRef": {"fieldPath": path}}
 
 
 def _annotation_op(metadata: Json) -> Json:

@@ -292,7 +292,7 @@ class SidecarService:
         return events_pb2.ReplicaAnnounce(
             replica_id=s.replica_id,
             pool=s.pool,
-            base_url=s.engine_url,
+            base_url=s.advertised_url(),
             model=s.model,
             served_names=[s.model, *s.served_names],
             engine_kind=ENGINE_KIND_PB[s.engine_kind],

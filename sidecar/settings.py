@@ -12,6 +12,7 @@ from __future__ import annotations
 import ssl
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import Field, FilePath, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -27,6 +28,13 @@ class SidecarSettings(BaseSettings):
 
     engine_url: str = Field(
         default="http://127.0.0.1:8000", description="Base URL of the engine's HTTP server."
+    )
+    advertise_host: str = Field(
+        default="",
+        pattern=r"^[A-Za-z0-9.:_-]{0,253}$",
+        description="Host or IP the proxies reach the engine at, in place of --engine-url's "
+        "own (which the sidecar itself calls, often on loopback); '' = --engine-url as it "
+        "is. An injected sidecar takes its pod's IP (downward API).",
     )
     engine_kind: Literal["vllm", "sglang"] = Field(default="vllm", description="Engine family.")
     engine_tls_ca: FilePath | None = Field(
@@ -145,3 +153,15 @@ class SidecarSettings(BaseSettings):
         ``engine_tls_ca``, or ``None`` for the system's roots."""
         ca = self.engine_tls_ca
         return None if ca is None else ssl.create_default_context(cafile=str(ca))
+
+    def advertised_url(self) -> str:
+        """The engine's base URL as announced to the control plane and the proxies:
+        ``engine_url`` with ``advertise_host`` in place of its host, when given."""
+        if not self.advertise_host:
+            return self.engine_url
+        parts = urlsplit(self.engine_url)
+        host = self.advertise_host
+        if ":" in host:  # an IPv6 address
+            host = f"[{host}]"
+        netloc = host if parts.port is None else f"{host}:{parts.port}"
+        return urlunsplit(parts._replace(netloc=netloc))

@@ -4,7 +4,7 @@ arguments and environment the rendered manifests give it, on loopback.
 Only what a cluster would resolve is rewritten: Service names become the test's NATS,
 etcd, PostgreSQL and control-plane addresses, 0.0.0.0 becomes 127.0.0.1, fixed ports
 become free ones, mounted files become the files webhook-certs.sh writes, and the
-downward API's pod names are filled in (and the simulator runs ``--instant``, for
+downward API's pod names and IPs are filled in (and the simulator runs ``--instant``, for
 speed; the certificate also names 127.0.0.1, which the proxies dial here instead of the
 Service). The control plane then answers the API server's
 AdmissionReview for the simulated engine's pod over TLS, the patched pod's sidecar runs
@@ -43,6 +43,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 BIN = Path(sys.executable).parent
 KIND = KUBERNETES / "overlays" / "kind"
 SERVICE_NAME = "kvroute-controlplane.kvroute.svc"  # what the API server dials and checks
+POD_IP = "127.0.0.1"  # every pod's address here: the other processes reach it on loopback
 IN_CLUSTER_ADDRESS = re.compile(r"kvroute-[a-z0-9-]+(\.[a-z0-9.-]+)?:\d+")
 
 
@@ -80,6 +81,8 @@ def environment(container: dict[str, Any], pod_name: str, secrets: dict[str, str
             env[entry["name"]] = str(entry["value"])
         elif source.get("fieldRef", {}).get("fieldPath") == "metadata.name":
             env[entry["name"]] = pod_name
+        elif source.get("fieldRef", {}).get("fieldPath") == "status.podIP":
+            env[entry["name"]] = POD_IP
         else:
             env[entry["name"]] = secrets[source["secretKeyRef"]["key"]]
     return env

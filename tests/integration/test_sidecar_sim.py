@@ -441,3 +441,16 @@ async def test_an_https_engine_is_scraped_over_tls_trusting_only_the_given_ca(
             assert watcher.announces[-1].base_url == sim.http_url
     finally:
         await sim.stop()
+
+
+@pytest.mark.parametrize("sim", [("vllm", 16, 4096)], indirect=True, ids=["vllm"])
+async def test_the_announced_url_is_the_advertised_host_with_the_engines_port(
+    nats_server: NatsServer, watcher: Watcher, sim: SimProcess
+) -> None:
+    """As in a pod: the sidecar reads the engine on loopback and announces it to the
+    control plane (and so to every proxy) at the pod's address."""
+    port = sim.http_url.rsplit(":", 1)[1]
+    settings = settings_for(sim, nats_server.url, watcher, advertise_host="10.20.30.40")
+    async with running_sidecar(settings) as service:
+        await wait_until(lambda: bool(watcher.announces) and service.engine_status.up)
+        assert watcher.announces[-1].base_url == f"http://10.20.30.40:{port}"

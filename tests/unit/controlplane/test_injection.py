@@ -57,6 +57,8 @@ def test_vllm_pod_gets_the_sidecar_and_kv_events() -> None:
     assert sidecar["image"] == "kvroute/sidecar:test"
     assert env_of(sidecar) == {
         "KVROUTE_REPLICA_ID": {"fieldRef": {"fieldPath": "metadata.name"}},
+        # what the proxies, in other pods, call: the pod's IP, not the sidecar's loopback
+        "KVROUTE_ADVERTISE_HOST": {"fieldRef": {"fieldPath": "status.podIP"}},
         "KVROUTE_ENGINE_URL": "http://127.0.0.1:8000",
         "KVROUTE_ENGINE_KIND": "vllm",
         "KVROUTE_KV_EVENTS_ENDPOINT": "tcp://127.0.0.1:5557",

@@ -217,3 +217,27 @@ def test_an_engine_ca_that_is_no_pem_bundle_is_refused_at_start(
     assert main(["--replica-id", "r", "--model", "m", "--engine-tls-ca", str(junk)]) == 2
     err = capsys.readouterr().err
     assert "engine_tls_ca" in err and "not a PEM CA bundle" in err
+
+
+@pytest.mark.parametrize(
+    ("engine_url", "host", "announced"),
+    [
+        ("http://127.0.0.1:8000", "", "http://127.0.0.1:8000"),
+        ("http://127.0.0.1:8000", "10.1.2.3", "http://10.1.2.3:8000"),
+        ("http://127.0.0.1:8000/", "fd00::5", "http://[fd00::5]:8000/"),
+        ("https://localhost", "engine-0.engines.svc", "https://engine-0.engines.svc"),
+    ],
+)
+def test_the_engine_is_announced_at_the_advertised_host(
+    engine_url: str, host: str, announced: str
+) -> None:
+    """The sidecar calls its engine where it can (loopback, in a pod); proxies elsewhere
+    must be told the pod's address, with the engine's scheme, port and path."""
+    argv = ["--replica-id", "r", "--model", "m", "--engine-url", engine_url]
+    settings = load_settings([*argv, "--advertise-host", host] if host else argv)
+    assert settings.advertised_url() == announced
+
+
+def test_an_advertised_host_that_is_no_host_is_refused() -> None:
+    with pytest.raises(ValidationError, match="advertise_host"):
+        load_settings(["--replica-id", "r", "--model", "m", "--advertise-host", "a/b"])
