@@ -3,7 +3,7 @@
 | method | path | what |
 |---|---|---|
 | POST | ``/v1/chat/completions``, ``/v1/completions`` | routed (``exchange.py``), SSE relayed |
-| GET | ``/v1/models`` | the union of what routable replicas serve |
+| GET | ``/v1/models`` | the union of what routable replicas serve, as the engines list it |
 | any | other ``/v1/*`` | to the least-loaded replica of the body's or query's ``model`` |
 | GET | ``/healthz`` | 200 while the process serves |
 | GET | ``/readyz`` | 200 when some replica is routable and the state is usable; details as JSON |
@@ -51,6 +51,7 @@ from dataplane.http_errors import (
 from dataplane.http_server import Request, Response
 from dataplane.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from dataplane.metrics import ProxyMetrics
+from dataplane.model_cards import ModelCards, own_card
 from dataplane.openai_request import InferenceRequest, Kind, decode_object, parse_inference
 from dataplane.relay import SseRelay, usage_of
 from dataplane.routing import Prepared, Router
@@ -105,6 +106,7 @@ class ProxyApp:
         readiness: Callable[[], dict[str, Any]] | None = None,
         tracing: Tracing | None = None,
         scrape: Callable[[], Awaitable[bytes]] | None = None,
+        cards: ModelCards | None = None,
     ) -> None:
         self.options = options
         self.fleet = fleet
@@ -114,6 +116,7 @@ class ProxyApp:
         self.readiness = readiness
         self.tracing = tracing
         self.scrape = scrape  # the whole proxy's metrics, where it has several workers
+        self.cards = cards  # the engines' model cards (else the proxy's own)
         self.cors = Cors(options.cors_allowed_origins) if options.cors_allowed_origins else None
         self._ids = RequestIds()
 
@@ -154,11 +157,11 @@ class ProxyApp:
         elif path == "/v1/models":
             _allow(method, "GET", path)
             self._authenticate(request.headers)
-            response.json(self._models())
+            response.json(await self._models())
         elif path.startswith(MODEL_PATH):  # the OpenAI client's models.retrieve()
             _allow(method, "GET", path)
             self._authenticate(request.headers)
-            response.json(self._model(unquote(path[len(MODEL_PATH) :])))
+            response.json(await self._model(unquote(path[len(MODEL_PATH) :])))
         elif path.startswith("/v1/"):
             await self._forward(request, response)
         elif path in ("/healthz", "/health"):  # /health: the engines' own, for their probes
@@ -334,10 +337,12 @@ class ProxyApp:
 
     # -- other routes ----------------------------------------------------------------
 
-    def _models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [_card(name) for name in self.fleet.served_models()]}
+    async def _models(self) -> dict[str, Any]:
+        names = self.fleet.served_models()
+        cards = await self._cards(names)
+        return {"object": "list", "data": [cards[name] for name in names]}
 
-    def _model(self, name: str) -> dict[str, Any]:
+    async def _model(self, name: str) -> dict[str, Any]:
         """One model of :meth:`_models`, or OpenAI's 404 for a model no replica serves."""
         if name not in self.fleet.served_models():
             raise NotFound(
@@ -345,7 +350,18 @@ class ProxyApp:
                 "model",
                 "model_not_found",
             )
-        return _card(name)
+        return (await self._cards([name]))[name]
+
+    async def _cards(self, names: list[str]) -> dict[str, dict[str, Any]]:
+        """A card per name: its least-loaded replica's (``model_cards.py``)."""
+        asked: dict[str, str] = {}
+        for name in names:
+            ordinal = self.router.least_loaded(name)
+            endpoint = self.fleet.endpoint(ordinal) if ordinal is not None else None
+            if endpoint is not None:
+                asked[name] = endpoint.base_url
+        found = await self.cards.cards(asked) if self.cards is not None else {}
+        return {name: found.get(name) or own_card(name) for name in names}
 
     async def _forward(self, request: Request, response: _Responder) -> None:
         """Any other /v1/* route: to the least-loaded replica serving the model."""
@@ -425,10 +441,6 @@ def _allow(method: str, allowed: str, path: str) -> None:
             f"{method} is not allowed on {path}; use {allowed}.",
             headers=((b"allow", b"GET, HEAD" if allowed == "GET" else allowed.encode()),),
         )
-
-
-def _card(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "kvroute"}
 
 
 def _model_of(request: Request) -> str:

@@ -17,7 +17,6 @@ import time
 from typing import Any
 
 import aiohttp
-import msgspec
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from dataplane.app import AppOptions, ProxyApp
@@ -25,6 +24,7 @@ from dataplane.breaker import CircuitBreakers, RetryBudget
 from dataplane.exchange import Dispatcher, Policies
 from dataplane.fleet_state import FleetState
 from dataplane.metrics import ProxyMetrics
+from dataplane.model_cards import ModelCards, cards_of
 from dataplane.reporter import Reporter
 from dataplane.routing import Defaults, Router
 from dataplane.settings import ProxySettings
@@ -113,6 +113,7 @@ class ProxyService:
             self._readiness,
             self.tracing,
             None if self.siblings is None else self.siblings.render,
+            ModelCards(self.upstream),
         )
         self.metrics.watch(self._state_age, self._open_breakers, self.probe.mismatches)
         self.metrics.in_flight.set_function(self.fleet.inflight_total)
@@ -195,14 +196,12 @@ async def _served_names(session: aiohttp.ClientSession, base_url: str) -> tuple[
         async with session.get(base_url + "/v1/models") as response:
             if response.status != 200:
                 return [], ""
-            body = msgspec.json.decode(await response.read())
-    except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError, RecursionError) as exc:
+            cards = cards_of(await response.read())
+    except (aiohttp.ClientError, TimeoutError) as exc:
         log.warning("static replica unreachable", extra={"url": base_url, "error": str(exc)})
         return [], ""
-    cards = body.get("data") if isinstance(body, dict) else None
-    if not isinstance(cards, list):
+    if cards is None:
         return [], ""
-    cards = [c for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str)]
     owners = {c.get("owned_by") for c in cards}
     kind = owners.pop() if len(owners) == 1 else ""
     return [c["id"] for c in cards], kind if kind in ("vllm", "sglang") else ""

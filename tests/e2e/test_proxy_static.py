@@ -173,7 +173,8 @@ def test_behind_sglang_any_model_name_is_served_as_sglangs_own_server_serves_it(
                 for _ in range(2)]  # fmt: skip
         urls = ",".join(sim.url for sim in sims)
         proxy = stack.enter_context(ProxyProcess(f"--static-replicas={urls}", "--debug-headers"))
-        assert json.loads(proxy.request("/v1/models", method="GET")[2])["data"]  # read at start
+        (card,) = json.loads(proxy.request("/v1/models", method="GET")[2])["data"]
+        assert (card["id"], card["owned_by"], card["max_model_len"]) == (MODEL, "sglang", 4096)
         replicas, cached = set(), []
         for name, question in ((MODEL, "Where?"), ("default", "Here?"), ("gpt-4o", "There?")):
             messages = [
@@ -612,15 +613,26 @@ def test_a_browser_page_on_an_allowed_origin_can_call_the_proxy(fleet: Any) -> N
 
 
 def test_the_openai_client_lists_and_retrieves_the_served_models(fleet: Any) -> None:
-    _, proxy = fleet
+    """As the engines list them: a card's ``max_model_len``, ``root`` and ``owned_by``
+    are the engine's (chat front-ends size their context by ``max_model_len``)."""
+    sims, proxy = fleet
     client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="none", max_retries=0)
+    direct = openai.OpenAI(base_url=f"{sims[0].url}/v1", api_key="none", max_retries=0)
     try:
         assert [model.id for model in client.models.list()] == [MODEL]
-        assert client.models.retrieve(MODEL).id == MODEL
+        engines = direct.models.list().data[0].model_dump()
+        for card in (client.models.list().data[0], client.models.retrieve(MODEL)):
+            listed = card.model_dump()
+            assert list(listed) == list(engines)  # every field, in the engine's order
+            assert {k: v for k, v in listed.items() if k not in ("created", "permission")} == {
+                k: v for k, v in engines.items() if k not in ("created", "permission")
+            }
+        assert (engines["owned_by"], engines["max_model_len"]) == ("vllm", 4096)
         with pytest.raises(openai.NotFoundError) as missing:
             client.models.retrieve("org/no-such-model")
     finally:
         client.close()
+        direct.close()
     error = missing.value.body
     assert isinstance(error, dict) and error["code"] == "model_not_found"
     assert "`org/no-such-model` does not exist" in error["message"]
