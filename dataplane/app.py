@@ -3,6 +3,7 @@
 | method | path | what |
 |---|---|---|
 | POST | ``/v1/chat/completions``, ``/v1/completions`` | routed (``exchange.py``), SSE relayed |
+| POST | ``/generate`` | SGLang's own route, routed as a completion of ``text`` or ``input_ids`` |
 | GET | ``/v1/models`` | the union of what routable replicas serve, as the engines list it |
 | any | other ``/v1/*`` | to the least-loaded replica of the body's or query's ``model`` |
 | GET | ``/healthz`` | 200 while the process serves |
@@ -53,7 +54,7 @@ from dataplane.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from dataplane.metrics import ProxyMetrics
 from dataplane.model_cards import ModelCards, own_card
 from dataplane.openai_request import InferenceRequest, Kind, decode_object, parse_inference
-from dataplane.relay import SseRelay, usage_of
+from dataplane.relay import GenerateRelay, SseRelay, generate_usage_of, usage_of
 from dataplane.routing import Prepared, Router
 from dataplane.tracing import Tracing, describe, traceparent_of
 from kvcore.pb import routing_pb2
@@ -62,7 +63,11 @@ log = logging.getLogger("dataplane")
 
 JSON = b"application/json"
 MODEL_PATH = "/v1/models/"  # + a model's id (which may hold slashes)
-INFERENCE: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+INFERENCE: dict[str, Kind] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completion",
+    "/generate": "generate",  # SGLang's own
+}
 THREAD_PROMPT_CHARS = 256 * 1024  # longer prompts are tokenized off the event loop
 _DROP_UPSTREAM = frozenset(
     {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te",
@@ -268,12 +273,19 @@ class ProxyApp:
                                 opened.first)  # fmt: skip
             # the client has its answer: the rest is bookkeeping
             self.dispatcher.answered(attempt)
-            exchange.usage = usage_of(opened.first)
+            if exchange.request.kind == "generate":
+                exchange.usage = generate_usage_of(opened.first)
+            else:
+                exchange.usage = usage_of(opened.first)
             opened.release()
             return
         request = exchange.request
-        strip = request.stream and not request.wants_usage(attempt.endpoint.engine_kind)
-        relay = SseRelay(strip_usage=strip)
+        relay: SseRelay | GenerateRelay
+        if request.kind == "generate":
+            relay = GenerateRelay()
+        else:
+            strip = request.stream and not request.wants_usage(attempt.endpoint.engine_kind)
+            relay = SseRelay(strip_usage=strip)
         try:
             response.start(opened.status, opened.headers + extra)
             full = response.put(relay.feed(opened.first))

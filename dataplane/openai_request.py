@@ -5,9 +5,11 @@ The proxy forwards the client's body as it came (re-encoding it only when it mus
 routing reads: the body is a JSON object, ``model`` is a string (or absent or null, as
 the engines accept it: ``model`` is then ``""``), chat ``messages`` are a non-empty list
 of objects with a string ``role``, a completion ``prompt`` is a string, a list of token
-ids, or a list of those, and the streaming and tenant fields have their types. Anything
-else is the engine's to judge. Every problem is a :class:`BadRequest` naming the field,
-in OpenAI's error shape.
+ids, or a list of those, SGLang's native ``/generate`` has one of ``text`` and
+``input_ids`` of those shapes (its body is always forwarded as it came: SGLang's
+``/generate`` takes no ``stream_options`` and no ``cache_salt``), and the streaming and
+tenant fields have their types. Anything else is the engine's to judge. Every problem
+is a :class:`BadRequest` naming the field, in OpenAI's error shape.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from typing import Any, Literal
 import msgspec
 
 from dataplane.http_errors import BadRequest
+from kvcore.request import generate_prompt
 
-Kind = Literal["chat", "completion"]
+Kind = Literal["chat", "completion", "generate"]
 _decode = msgspec.json.decode
 _MAX_TOKEN_ID = 2**32
 
@@ -64,8 +67,8 @@ class InferenceRequest:
         client asked for no usage but for ``continuous_usage_stats``: vLLM honours that
         only with ``include_usage`` on, and would then put usage in every chunk, which
         the client would see (SGLang puts it there either way, as the client asked)."""
-        if not self.stream or self.usage_asked is True:
-            return False
+        if not self.stream or self.usage_asked is True or self.kind == "generate":
+            return False  # /generate: every event carries its meta_info
         return not (self.usage_asked is False and self.continuous_usage)
 
     def wants_usage(self, engine_kind: str) -> bool:
@@ -82,24 +85,23 @@ class InferenceRequest:
         return self.body["messages"]  # type: ignore[no-any-return]
 
     @property
-    def first_prompt(self) -> str | list[int]:
-        """The prompt routing keys on (the first of a batch)."""
-        prompt = self.body["prompt"]
-        if _is_batch_form(prompt):
-            return prompt[0]  # type: ignore[no-any-return]
-        return prompt  # type: ignore[no-any-return]
-
-    @property
     def is_batch(self) -> bool:
         """A completion with more than one prompt (the engine runs one request each)."""
-        prompt = self.body.get("prompt")
+        if self.kind == "generate":
+            prompt = generate_prompt(self.body)[1]
+        else:
+            prompt = self.body.get("prompt")
         return isinstance(prompt, list) and len(prompt) > 1 and _is_batch_form(prompt)
 
     @property
     def fans_out(self) -> bool:
         """Whether the engine serves this as several requests: a batch of prompts, or
-        ``n`` > 1 samples (vLLM runs each sample as a request of its own)."""
+        ``n`` > 1 samples (vLLM runs each sample as a request of its own; ``/generate``
+        asks for them in ``sampling_params``)."""
         n = self.body.get("n")
+        if self.kind == "generate":
+            sampling = self.body.get("sampling_params")
+            n = sampling.get("n") if isinstance(sampling, dict) else None
         return self.is_batch or (isinstance(n, int) and n > 1)
 
     def text_field(self, name: str) -> str | None:
@@ -109,7 +111,7 @@ class InferenceRequest:
 
     def upstream_body(self, *, include_usage: bool, cache_salt: str | None) -> bytes:
         """The body to send upstream: the client's bytes unless a field must change."""
-        if not include_usage and cache_salt is None:
+        if (not include_usage and cache_salt is None) or self.kind == "generate":
             return self.raw
         body = dict(self.body)
         if include_usage:
@@ -131,8 +133,10 @@ def parse_inference(raw: bytes, kind: Kind) -> InferenceRequest:
         raise BadRequest("'model' must be a string.", "model")
     if kind == "chat":
         _check_messages(body.get("messages"))
+    elif kind == "completion":
+        _check_prompt(body.get("prompt"), "prompt")
     else:
-        _check_prompt(body.get("prompt"))
+        _check_generate(body)
     _check_types(body)
     stream = body.get("stream") is True
     options = body.get("stream_options")
@@ -177,19 +181,44 @@ def _check_messages(messages: object) -> None:
             raise BadRequest(f"messages[{index}].content must be a string or an array.", "messages")
 
 
-def _check_prompt(prompt: object) -> None:
-    if isinstance(prompt, str):
+def _check_prompt(prompt: object, field: str) -> None:
+    if _is_prompt(prompt):
         return
+    raise BadRequest(
+        f"'{field}' is required: a string, an array of strings, an array of token ids, "
+        "or an array of those.",
+        field,
+    )
+
+
+def _is_prompt(prompt: object) -> bool:
+    if isinstance(prompt, str):
+        return True
     if isinstance(prompt, list) and prompt:
         if all(isinstance(item, str) for item in prompt):
-            return
-        if _token_ids(prompt) or all(_token_ids(item) for item in prompt):
-            return
-    raise BadRequest(
-        "'prompt' is required: a string, an array of strings, an array of token ids, "
-        "or an array of those.",
-        "prompt",
-    )
+            return True
+        return _token_ids(prompt) or all(_token_ids(item) for item in prompt)
+    return False
+
+
+def _check_generate(body: dict[str, Any]) -> None:
+    """``/generate``: its prompt in ``input_ids`` (token ids, or a batch of them) or in
+    ``text`` (a string, or a batch of strings)."""
+    field, prompt = generate_prompt(body)  # both given: the engine's to refuse
+    if prompt is None:
+        raise BadRequest("'text' or 'input_ids' is required.", "text")
+    if field == "text" and not (
+        isinstance(prompt, str)
+        or (isinstance(prompt, list) and _is_prompt(prompt) and isinstance(prompt[0], str))
+    ):
+        raise BadRequest("'text' must be a string or an array of strings.", "text")
+    if field == "input_ids" and not (
+        _token_ids(prompt)
+        or (isinstance(prompt, list) and bool(prompt) and all(_token_ids(item) for item in prompt))
+    ):
+        raise BadRequest(
+            "'input_ids' must be an array of token ids or an array of those.", "input_ids"
+        )
 
 
 def _token_ids(value: object) -> bool:

@@ -11,6 +11,11 @@ asked and its cached tokens go unmeasured: ``InferenceRequest.adds_usage``.) Eve
 forwarded as soon as they are complete (the engines write one whole event per write, so
 in practice as each chunk arrives); only a partial trailing event is held back until its
 end arrives.
+
+SGLang's native ``/generate`` reports its tokens in every answer's ``meta_info``
+(``prompt_tokens``, ``cached_tokens``; a batch answers a list, the first its routed
+prompt's), a stream's in each event (the last one whole): :func:`generate_usage_of` and
+:class:`GenerateRelay`, which forwards every byte as it comes and reads the last event.
 """
 
 from __future__ import annotations
@@ -35,6 +40,18 @@ class _Envelope(msgspec.Struct):
 
 
 _envelope = msgspec.json.Decoder(_Envelope)
+
+
+class _MetaInfo(msgspec.Struct):
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
+class _Generated(msgspec.Struct):
+    meta_info: _MetaInfo | None = None
+
+
+_generated = msgspec.json.Decoder(_Generated | list[_Generated])
 _EVENT_END = b"\n\n"
 _DATA = b"data:"
 _USAGE = b'"usage"'
@@ -56,6 +73,21 @@ def usage_of(body: bytes) -> Usage | None:
     """The usage of a JSON response body, or None when it has none or is not JSON."""
     envelope = _decode(body)
     return None if envelope is None else _usage(envelope)
+
+
+def generate_usage_of(body: bytes) -> Usage | None:
+    """The tokens a ``/generate`` answer (or one streamed event) reports in its
+    ``meta_info``; a batch's first answer's. None when it has none or is not JSON."""
+    try:
+        answer = _generated.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
+    if isinstance(answer, list):
+        if not answer:
+            return None
+        answer = answer[0]
+    meta = answer.meta_info
+    return None if meta is None else Usage(meta.prompt_tokens, meta.cached_tokens)
 
 
 def _decode(data: bytes) -> _Envelope | None:
@@ -123,3 +155,34 @@ def _only_null_usage(events: bytes) -> bool:
 
 def _empty(choices: msgspec.Raw) -> bool:
     return bytes(choices).strip() == b"[]"
+
+
+class GenerateRelay:
+    """One ``/generate`` stream on its way to the client: every byte forwarded as it
+    came, the last ``data:`` event before ``[DONE]`` kept for its ``meta_info``."""
+
+    __slots__ = ("_last", "_pending")
+
+    def __init__(self) -> None:
+        self._pending = b""  # the bytes after the last whole event
+        self._last = b""  # the last whole event's data
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._pending + chunk if self._pending else chunk
+        end = data.rfind(_EVENT_END)
+        if end < 0:
+            self._pending = data
+            return chunk
+        self._pending = data[end + len(_EVENT_END) :]
+        for event in reversed(data[:end].split(_EVENT_END)):
+            if event.startswith(_DATA) and event[len(_DATA) :].strip() != b"[DONE]":
+                self._last = event[len(_DATA) :]
+                break
+        return chunk
+
+    def flush(self) -> bytes:
+        return b""  # everything was forwarded as it came
+
+    @property
+    def usage(self) -> Usage | None:
+        return generate_usage_of(self._last) if self._last else None

@@ -269,7 +269,7 @@ class Router:
         with contextlib.suppress(TokenizerError):
             prepared.later = tuple(
                 keyed(prompt, cache, root=root, block_size=size)
-                for prompt in later_prompts(request.body)
+                for prompt in later_prompts(request.body, request.kind)
             )
 
     def later_uncached(self, prepared: Prepared, ordinal: int, now: float) -> int:

@@ -6,8 +6,12 @@ decision than the one the proxy makes: both call this module. Token ids follow v
 chat request's ``messages`` are rendered with the model's chat template
 (``add_generation_prompt`` true unless the body says otherwise, ``tools`` passed to the
 template) and encoded without special tokens; a completion's ``prompt`` text is encoded
-with them; a ``prompt`` of token ids is taken as is. A batch of prompts is routed by its
-first; :func:`later_prompts` reads the others (what the proxy's prefill books count).
+with them; a ``prompt`` of token ids is taken as is. SGLang's native ``/generate``
+(``kind="generate"``) carries its prompt in ``input_ids`` (token ids, taken as is) or else
+``text`` (encoded with special tokens, as SGLang's tokenizer manager encodes it and as
+its completions route does, so the two share cache blocks). A batch of prompts is routed
+by its first; :func:`later_prompts` reads the others (what the proxy's prefill books
+count).
 Errors are :class:`InvalidRequest` (a ``ValueError``) naming the field, and the
 tokenizer's :class:`~kvcore.tokenize.TokenizerError` for a chat its template refuses.
 """
@@ -23,7 +27,7 @@ from kvcore.tokenize import Encoded, PrefixTokenCache, Tokenizer
 from kvcore.workload import SessionAffinityWorkload, Workload
 
 MAX_TOKEN_ID = 2**32
-Kind = Literal["chat", "completion"]
+Kind = Literal["chat", "completion", "generate"]
 
 
 class InvalidRequest(ValueError):
@@ -51,9 +55,21 @@ def prompt_input(
         if "messages" not in body:
             raise InvalidRequest("messages", "a chat request needs 'messages'")
         return _chat_text(body, tokenizer)
+    if kind == "generate":
+        field, prompt = generate_prompt(body)
+        return _completion_input(prompt, field)
     if "prompt" in body:
         return _completion_input(body["prompt"])
     raise InvalidRequest("messages", "a request needs 'messages' (chat) or 'prompt'")
+
+
+def generate_prompt(body: Mapping[str, Any]) -> tuple[str, Any]:
+    """The field holding a ``/generate`` request's prompt, and its value: ``input_ids``
+    unless absent or null (SGLang reads them first), else ``text``."""
+    ids = body.get("input_ids")
+    if ids is not None:
+        return "input_ids", ids
+    return "text", body.get("text")
 
 
 def prompt_token_ids(
@@ -76,7 +92,12 @@ def prompt_keys(
 ) -> Encoded:
     """The token ids of ``body`` and their block keys chained from ``root``, through
     ``cache`` (only what no recent prompt began with is tokenized and hashed)."""
-    text = body.get("prompt") if kind == "completion" else None
+    if kind == "completion":
+        text = body.get("prompt")
+    elif kind == "generate" and body.get("input_ids") is None:
+        text = body.get("text")
+    else:
+        text = None
     if isinstance(text, str):  # the usual completion, without building its PromptText
         return cache.encode_keyed(text, add_special_tokens=True, root=root, block_size=block_size)
     return keyed(prompt_input(body, cache.tokenizer, kind), cache, root=root, block_size=block_size)
@@ -97,11 +118,13 @@ def keyed(
     )
 
 
-def later_prompts(body: Mapping[str, Any]) -> list[PromptText | list[int]]:
-    """A completion batch's prompts after the first (routing's subject), each as the engine
-    encodes it; [] for anything but a batch. An element that is no prompt is left out:
-    the engine refuses the whole batch for it."""
-    batch = body.get("prompt")
+def later_prompts(
+    body: Mapping[str, Any], kind: Kind = "completion"
+) -> list[PromptText | list[int]]:
+    """A completion batch's (or ``/generate`` batch's) prompts after the first (routing's
+    subject), each as the engine encodes it; [] for anything but a batch. An element that
+    is no prompt is left out: the engine refuses the whole batch for it."""
+    batch = generate_prompt(body)[1] if kind == "generate" else body.get("prompt")
     if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[0], str | list):
         return []
     prompts: list[PromptText | list[int]] = []
@@ -127,14 +150,14 @@ def _chat_text(body: Mapping[str, Any], tokenizer: Tokenizer) -> PromptText:
     return PromptText(text, add_special_tokens=False)
 
 
-def _completion_input(prompt: Any) -> PromptText | list[int]:
+def _completion_input(prompt: Any, field: str = "prompt") -> PromptText | list[int]:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch: routed by its first prompt
     if isinstance(prompt, str):
         return PromptText(prompt, add_special_tokens=True)
     if isinstance(prompt, list) and prompt and _are_token_ids(prompt):
         return list(prompt)
-    raise InvalidRequest("prompt", "must be a string, token ids, or a batch (a list) of either")
+    raise InvalidRequest(field, "must be a string, token ids, or a batch (a list) of either")
 
 
 def _are_token_ids(values: Sequence[Any]) -> bool:

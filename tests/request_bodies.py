@@ -13,8 +13,22 @@ JSON_VALUES = st.recursive(
     | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )  # fmt: skip
-FIELDS = ["model", "messages", "prompt", "stream", "stream_options", "max_tokens",
-          "cache_salt", "prompt_cache_key", "tools", "user", "n"]  # fmt: skip
+FIELDS = [
+    "model",
+    "messages",
+    "prompt",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "cache_salt",
+    "prompt_cache_key",
+    "tools",
+    "user",
+    "n",
+    "text",
+    "input_ids",
+    "sampling_params",
+]  # fmt: skip (the last three: /generate's)
 
 
 def request_bodies(model: str) -> st.SearchStrategy[dict[str, Any]]:

@@ -17,7 +17,7 @@ from bench.proxy_path import MODEL, PROMPTS, MemoryTransport, _MemoryReplicas, _
 from dataplane.http_server import HttpServer
 from tests.request_bodies import request_bodies
 
-PATHS = ["/v1/chat/completions", "/v1/completions"]
+PATHS = ["/v1/chat/completions", "/v1/completions", "/generate"]
 
 
 async def _answers(requests: list[tuple[str, dict[str, Any]]]) -> list[bytes]:
