@@ -6,6 +6,7 @@ of requests a second on a small machine (see ``bench/enginesim_capacity.py``). R
 | method | path | what |
 |---|---|---|
 | POST | ``/v1/completions``, ``/v1/chat/completions`` | OpenAI API, SSE when ``stream`` |
+| POST PUT | ``/generate`` (SGLang mode only) | SGLang's native API (``sglang_generate.py``) |
 | GET | ``/v1/models`` | the one served model (SGLang mode: also ``/v1/models/{model}``) |
 | GET | ``/health``, ``/ping`` | 200 while serving |
 | POST | ``/tokenize`` (SGLang mode: also ``/v1/tokenize``) | ``{prompt}`` or ``{messages}`` → ids |
@@ -24,7 +25,8 @@ route's own URL, as the engines' FastAPI apps do. Every error is answered in Ope
 shape (``protocol.py``); an unexpected exception in a handler is logged and answered 500
 without touching the engine's state. With ``--event-format sglang`` the two inference
 routes answer by SGLang's rules instead (``sglang_serving.py``, ``sglang_api.py``: its
-ids, ``n`` and batches, usage, stream order and error shape).
+ids, ``n`` and batches, usage, stream order and error shape), and SGLang's native
+``/generate`` is served too (``sglang_generate.py``).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from enginesim.faults import CRASH_EXIT_CODE, FaultUpdate
 from enginesim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from enginesim.scheduler import SimRequest
 from enginesim.settings import SimSettings
+from enginesim.sglang_generate import GenerateAnswer, NativeGenerate
 from enginesim.sglang_serving import Answer, SglangServing
 from enginesim.tokens import PromptTokenizer
 from kvcore.tokenize import TokenizerError
@@ -181,6 +184,7 @@ class SimApp:
         self.engine = engine
         self.tokenizer = tokenizer
         self.sglang = SglangServing(self) if settings.event_format == "sglang" else None
+        self.native = NativeGenerate(self.sglang) if self.sglang is not None else None
         self._engine_ids = itertools.count()  # what keeps engine request ids unique
         self.routes: dict[str, dict[str, Handler]] = {}
         self._register()
@@ -213,6 +217,7 @@ class SimApp:
             table["/v1/tokenize"] = table["/tokenize"]
             del table["/reset_prefix_cache"]  # vLLM's name; SGLang's is /flush_cache
             table["/flush_cache"] = {"GET": self.flush_cache, "POST": self.flush_cache}
+            table["/generate"] = {"POST": self.generate, "PUT": self.generate}
         self.routes.update(table)
 
     # -- ASGI ----------------------------------------------------------------------------
@@ -430,6 +435,11 @@ class SimApp:
                 totals = choices.stream_usage()
                 yield sse(p.usage_chunk(rid, model, "chat.completion.chunk", totals))
         yield b"data: [DONE]\n\n"
+
+    async def generate(self, request: Request) -> Result:
+        """SGLang's native ``/generate`` (registered in SGLang mode only)."""
+        assert self.native is not None
+        return _result(await self.native.generate(request.body))
 
     # -- prompts ---------------------------------------------------------------------------
 
@@ -683,8 +693,8 @@ async def _events(*events: bytes) -> AsyncIterator[bytes]:
         yield event
 
 
-def _result(answer: Answer) -> Result:
-    if isinstance(answer, dict):
+def _result(answer: Answer | GenerateAnswer) -> Result:
+    if isinstance(answer, dict | list):
         return json_response(answer)
     return EventStream(*answer)
 

@@ -4,12 +4,14 @@ order, its engine requests for ``n`` and batches, and its answers (``sglang_api.
 The HTTP app (``http.py``) decodes the body and hands it here; prompts are tokenized by
 the app's own helpers, so both modes read prompts and chat templates alike. What SGLang
 does, and where that was read, is in ``sglang_api``'s docstring, and for the ids a
-client names its requests by, in ``sglang_rids``'s.
+client names its requests by, in ``sglang_rids``'s. SGLang's native ``/generate``
+(``sglang_generate``) runs its engine requests through :meth:`SglangServing.start` too.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from enginesim import protocol as p
@@ -24,6 +26,23 @@ if TYPE_CHECKING:
 
 Answer = dict[str, Any] | tuple[AsyncIterator[bytes], Choices]
 """A whole answer's body, or a stream's chunks and the requests they come from."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """What SGLang's engine requests of one request take from its body, whichever route
+    it came by (an OpenAI route's body, or ``/generate``'s ``sampling_params``)."""
+
+    max_tokens: int | None  # ``max_new_tokens``; None: bounded by the context only
+    temperature: float | None
+    stream: bool
+    salt: str | None  # ``cache_salt``; SGLang takes "" for none
+    model: str | None = None  # an OpenAI request's model name, which may name a LoRA adapter
+
+    @classmethod
+    def of(cls, body: p._Sampling) -> Sampling:
+        salt = body.cache_salt or None
+        return cls(body.max_tokens, body.temperature, body.stream, salt, body.model)
 
 
 class SglangServing:
@@ -42,7 +61,8 @@ class SglangServing:
         batch, ids = isinstance(body, p.CompletionBatchRequest), isinstance(given[0], list)
         n = body.n
         rids = sr.plan(given_rid, len(prompts), n, batch=batch)
-        choices = await self._start(rids, prompts, body, n, batch=batch, ids_given=ids)
+        ask = Sampling.of(body)
+        choices = await self.start(rids, prompts, ask, n, batch=batch, ids_given=ids)
         model, text_of = _model(body), self.app.tokenizer.text_of
         if body.stream:
             return sg.completion_chunks(choices, n, model, text_of, usage), choices
@@ -61,18 +81,19 @@ class SglangServing:
         if override_rid is not None and self.app.settings.request_header_overrides:
             given_rid = override_rid  # ``apply_header_overrides``, on the request built
         body.max_tokens = body.max_completion_tokens or body.max_tokens  # SGLang's preference
-        choices = await self._start(sr.plan(given_rid, 1, n, batch=False), [prompt], body, n)
+        rids = sr.plan(given_rid, 1, n, batch=False)
+        choices = await self.start(rids, [prompt], Sampling.of(body), n)
         model, text_of = _model(body), self.app.tokenizer.text_of
         if body.stream:
             return sg.chat_chunks(choices, n, model, text_of, usage), choices
         await choices.until_done()
         return sg.chat_body(choices, n, model, text_of)
 
-    async def _start(
+    async def start(
         self,
         rids: sr.Rids,
         prompts: list[list[int]],
-        body: p._Sampling,
+        ask: Sampling,
         n: int,
         *,
         batch: bool = False,
@@ -82,8 +103,8 @@ class SglangServing:
         then the LoRA check, then the engine requests; the rids given back if it fails."""
         self.rids.reserve(rids.held)
         try:
-            sg.check_lora(body.model, self.app.settings.model)
-            return await self._submit(rids, prompts, body, n, batch=batch, ids_given=ids_given)
+            sg.check_lora(ask.model, self.app.settings.model)
+            return await self._submit(rids, prompts, ask, n, batch=batch, ids_given=ids_given)
         except BaseException:
             self.rids.release(rids.held)
             raise
@@ -92,7 +113,7 @@ class SglangServing:
         self,
         rids: sr.Rids,
         prompts: list[list[int]],
-        body: p._Sampling,
+        ask: Sampling,
         n: int,
         *,
         batch: bool,
@@ -108,17 +129,17 @@ class SglangServing:
         context = app.settings.model_len
         try:
             for prompt in prompts:
-                sg.check_length(len(prompt), body.max_tokens, context)
+                sg.check_length(len(prompt), ask.max_tokens, context)
                 if ids_given:
                     sg.check_token_ids(prompt)
-                sg.check_temperature(body.temperature)
-                sg.check_max_new_tokens(body.max_tokens)
-                engine.check(len(prompt), _max_tokens(body, len(prompt), context))
+                sg.check_temperature(ask.temperature)
+                sg.check_max_new_tokens(ask.max_tokens)
+                engine.check(len(prompt), _max_tokens(ask, len(prompt), context))
         except RequestRejected as exc:
             raise p.BadRequest(str(exc), sglang_type="BadRequestError") from exc
         if engine.faults.should_fail():
             raise p.InjectedFailure("Injected failure (kvroute-sim fault).")
-        salt = body.cache_salt or None  # SGLang takes "" for none
+        salt = ask.salt
         if n > 1:
             for prompt in prompts:  # ``_handle_batch_request``: cache the common prefix
                 warm = SimRequest(sg.request_id(), prompt, 0, salt)
@@ -126,11 +147,11 @@ class SglangServing:
                 await Choices(warm.request_id, [handle]).until_done()
             self.rids.release(rids.held)  # the samples are named anew
         reqs = [
-            SimRequest(sg.request_id(), prompt, _max_tokens(body, len(prompt), context), salt)
+            SimRequest(sg.request_id(), prompt, _max_tokens(ask, len(prompt), context), salt)
             for prompt in prompts
             for _ in range(max(n, 1))
         ]
-        handles = await engine.submit_all(reqs, stream=body.stream)
+        handles = await engine.submit_all(reqs, stream=ask.stream)
         names = rids.names
         reports = not app.settings.no_cache_report
         if names is None:
@@ -145,9 +166,10 @@ def _model(body: p._Sampling) -> str:
     return body.model if body.model is not None else sg.DEFAULT_MODEL_NAME
 
 
-def _max_tokens(body: p._Sampling, prompt_len: int, context: int) -> int:
-    """The output of one SGLang request: ``max_tokens``, or without it (a chat) the
-    simulator's default bounded by the context, as SGLang bounds it."""
-    if body.max_tokens is not None:
-        return body.max_tokens
+def _max_tokens(ask: Sampling, prompt_len: int, context: int) -> int:
+    """The output of one SGLang request: ``max_tokens``, or without it (a chat, or a
+    ``/generate`` whose ``max_new_tokens`` is null) the simulator's default bounded by
+    the context, as SGLang bounds it."""
+    if ask.max_tokens is not None:
+        return ask.max_tokens
     return max(1, min(p.DEFAULT_MAX_TOKENS, context - prompt_len))
