@@ -5,10 +5,10 @@ The proxy forwards the client's body as it came (re-encoding it only when it mus
 routing reads: the body is a JSON object, ``model`` is a string (or absent or null, as
 the engines accept it: ``model`` is then ``""``), chat ``messages`` are a non-empty list
 of objects with a string ``role``, a completion ``prompt`` is a string, a list of token
-ids, or a list of those, SGLang's native ``/generate`` has one of ``text`` and
-``input_ids`` of those shapes (its body is always forwarded as it came: SGLang's
-``/generate`` takes no ``stream_options`` and no ``cache_salt``), and the streaming and
-tenant fields have their types. Anything else is the engine's to judge. Every problem
+ids, or a list of those, SGLang's native ``/generate`` has ``text`` or ``input_ids`` of
+those shapes (never given ``stream_options``: its every answer carries its tokens in
+``meta_info``; a tenant's ``cache_salt`` it takes as the other routes do), and the
+streaming and tenant fields have their types. Anything else is the engine's to judge. Every problem
 is a :class:`BadRequest` naming the field, in OpenAI's error shape.
 """
 
@@ -111,7 +111,9 @@ class InferenceRequest:
 
     def upstream_body(self, *, include_usage: bool, cache_salt: str | None) -> bytes:
         """The body to send upstream: the client's bytes unless a field must change."""
-        if (not include_usage and cache_salt is None) or self.kind == "generate":
+        if self.kind == "generate":
+            include_usage = False  # every event carries its meta_info
+        if not include_usage and cache_salt is None:
             return self.raw
         body = dict(self.body)
         if include_usage:

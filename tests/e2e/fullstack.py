@@ -42,14 +42,24 @@ def wait_for(check: Callable[[], bool], what: str, deadline_s: float = 30.0) -> 
 
 
 class FullStack:
-    """``with FullStack(engines, run_dir, env):`` the fleet in front of ``engines``.
+    """``with FullStack(engines, run_dir, env):`` the fleet in front of ``engines`` (their
+    ``engine_kind``: ``vllm`` or ``sglang``, as ``kvroute up --engine-kind`` takes it).
 
     ``env`` is given to every child the fleet starts (``KVROUTE_<FLAG>`` settings)."""
 
-    def __init__(self, engines: list[SimProcess], run_dir: Path, env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        engines: list[SimProcess],
+        run_dir: Path,
+        env: dict[str, str],
+        engine_kind: str = "vllm",
+    ) -> None:
         self.engines = engines
         self.options = UpOptions(
-            engines=tuple(sim.url for sim in engines), port=free_port(), data_dir=run_dir
+            engines=tuple(sim.url for sim in engines),
+            port=free_port(),
+            data_dir=run_dir,
+            engine_kind=engine_kind,
         )
         self.env = env
         self.loop = asyncio.new_event_loop()
