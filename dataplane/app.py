@@ -3,7 +3,7 @@
 | method | path | what |
 |---|---|---|
 | POST | ``/v1/chat/completions``, ``/v1/completions`` | routed (``exchange.py``), SSE relayed |
-| POST | ``/generate`` | SGLang's own route, routed as a completion of ``text`` or ``input_ids`` |
+| POST, PUT | ``/generate`` | SGLang's own, routed as a completion of ``text`` or ``input_ids`` |
 | GET | ``/v1/models`` | the union of what routable replicas serve, as the engines list it |
 | any | other ``/v1/*`` | to the least-loaded replica of the body's or query's ``model`` |
 | GET | ``/healthz`` | 200 while the process serves |
@@ -135,7 +135,8 @@ class ProxyApp:
             kind = INFERENCE.get(request.path)
             if kind is None and "%" in request.path:  # as the engines' servers decode it
                 kind = INFERENCE.get(unquote(request.path))
-            if kind is not None and request.method == "POST":  # the hot path: few coroutines
+            # the hot path: few coroutines
+            if kind is not None and (request.method == "POST" or _put_generate(request, kind)):
                 api_key = self._authenticate(request.headers)
                 inference = parse_inference(request.body, kind)
                 if not inference.model:
@@ -158,7 +159,7 @@ class ProxyApp:
         if self.cors is not None and self.cors.is_preflight(method, request.headers):
             response.preflight(self.cors.preflight(request.headers))
         elif path in INFERENCE:
-            _allow(method, "POST", path)
+            _allow(method, "POST, PUT" if INFERENCE[path] == "generate" else "POST", path)
         elif path == "/v1/models":
             _allow(method, "GET", path)
             self._authenticate(request.headers)
@@ -445,6 +446,11 @@ def _span_attributes(exchange: Exchange) -> dict[str, Any]:
         values["kvroute.cached_tokens.predicted"] = attempt.predicted
         values["http.response.status_code"] = attempt.opened.status
     return values
+
+
+def _put_generate(request: Request, kind: Kind) -> bool:
+    """SGLang's ``/generate`` takes PUT as POST (sent on as POST: SGLang takes both)."""
+    return kind == "generate" and request.method == "PUT"
 
 
 def _allow(method: str, allowed: str, path: str) -> None:

@@ -135,6 +135,17 @@ def test_a_cached_prefix_draws_text_and_input_ids_as_the_engine_reports_them(
     )
 
 
+def test_put_is_taken_as_sglang_takes_it_and_other_methods_told_which_are(
+    stack: FullStack,
+) -> None:
+    body = {"text": "Roll out one step: ", "sampling_params": {"max_new_tokens": 3}}
+    status, _, answer = stack.request("/generate", body, method="PUT")
+    assert status == 200 and len(json.loads(answer)["output_ids"]) == 3
+    status, headers, answer = stack.request("/generate", method="GET")
+    assert (status, headers["allow"]) == (405, "POST, PUT")
+    assert "use POST, PUT" in json.loads(answer)["error"]["message"]
+
+
 def test_a_body_without_a_prompt_is_refused_in_openais_shape(stack: FullStack) -> None:
     status, _, answer = stack.request("/generate", {"sampling_params": {"max_new_tokens": 2}})
     assert status == 400
