@@ -6,6 +6,7 @@
 | POST, PUT | ``/generate`` | SGLang's own, routed as a completion of ``text`` or ``input_ids`` |
 | GET | ``/v1/models`` | the union of what routable replicas serve, as the engines list it |
 | any | other ``/v1/*`` | to the least-loaded replica of the body's or query's ``model`` |
+| any | ``ENGINE_ROUTES`` | the engines' own routes outside ``/v1`` (``/tokenize``...), the same |
 | GET | ``/healthz`` | 200 while the process serves |
 | GET | ``/readyz`` | 200 when some replica is routable and the state is usable; details as JSON |
 | GET | ``/metrics`` | Prometheus (``metrics.py``) |
@@ -63,6 +64,12 @@ log = logging.getLogger("dataplane")
 
 JSON = b"application/json"
 MODEL_PATH = "/v1/models/"  # + a model's id (which may hold slashes)
+# vLLM's and SGLang's routes outside /v1 that answer about a model or run one (not their
+# admin routes, such as a cache reset, which would act on one replica of many)
+ENGINE_ROUTES = frozenset(
+    {"/tokenize", "/detokenize", "/version", "/pooling", "/classify", "/score", "/rerank",
+     "/v2/rerank", "/encode", "/get_model_info", "/model_info"}
+)  # fmt: skip
 INFERENCE: dict[str, Kind] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completion",
@@ -168,7 +175,7 @@ class ProxyApp:
             _allow(method, "GET", path)
             self._authenticate(request.headers)
             response.json(await self._model(unquote(path[len(MODEL_PATH) :])))
-        elif path.startswith("/v1/"):
+        elif path.startswith("/v1/") or path in ENGINE_ROUTES:
             await self._forward(request, response)
         elif path in ("/healthz", "/health"):  # /health: the engines' own, for their probes
             _allow(method, "GET", path)
@@ -377,7 +384,8 @@ class ProxyApp:
         return {name: found.get(name) or own_card(name) for name in names}
 
     async def _forward(self, request: Request, response: _Responder) -> None:
-        """Any other /v1/* route: to the least-loaded replica serving the model."""
+        """Any other /v1/* route, or an engine's own route: to the least-loaded replica
+        serving the model."""
         self._authenticate(request.headers)
         model = _model_of(request) or self._default_model()
         ordinal = self.router.least_loaded(model)

@@ -612,6 +612,23 @@ def test_a_browser_page_on_an_allowed_origin_can_call_the_proxy(fleet: Any) -> N
         assert status == 200 and "access-control-allow-origin" not in headers
 
 
+def test_the_engines_own_routes_outside_v1_answer_as_the_engine_does(fleet: Any) -> None:
+    """A client that counts tokens with vLLM's ``/tokenize`` (or asks ``/version``) gets
+    the engine's answer through the proxy; an engine's admin route, which would act on
+    one replica of many, is not forwarded."""
+    sims, proxy = fleet
+    body = {"model": MODEL, "prompt": "How many tokens is this?"}
+    status, _, answer = proxy.request("/tokenize", body)
+    assert status == 200
+    assert json.loads(answer) == sims[0].call("POST", "/tokenize", body)[1]
+    status, _, answer = proxy.request("/version", method="GET")
+    assert status == 200 and json.loads(answer) == sims[0].call("GET", "/version")[1]
+    status, _, answer = proxy.request("/reset_prefix_cache", {})
+    assert (
+        status == 404 and "No route /reset_prefix_cache" in json.loads(answer)["error"]["message"]
+    )
+
+
 def test_the_openai_client_lists_and_retrieves_the_served_models(fleet: Any) -> None:
     """As the engines list them: a card's ``max_model_len``, ``root`` and ``owned_by``
     are the engine's (chat front-ends size their context by ``max_model_len``)."""
