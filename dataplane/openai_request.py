@@ -8,8 +8,8 @@ of objects with a string ``role``, a completion ``prompt`` is a string, a list o
 ids, or a list of those, SGLang's native ``/generate`` has ``text`` or ``input_ids`` of
 those shapes (never given ``stream_options``: its every answer carries its tokens in
 ``meta_info``; a tenant's ``cache_salt`` it takes as the other routes do), and the
-streaming and tenant fields have their types. Anything else is the engine's to judge. Every problem
-is a :class:`BadRequest` naming the field, in OpenAI's error shape.
+streaming and tenant fields have their types. Anything else is the engine's to judge.
+Every problem is a :class:`BadRequest` naming the field, in OpenAI's error shape.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any, Literal
 import msgspec
 
 from dataplane.http_errors import BadRequest
-from kvcore.request import generate_prompt
+from kvcore.request import prompt_field
 
 Kind = Literal["chat", "completion", "generate"]
 _decode = msgspec.json.decode
@@ -87,10 +87,7 @@ class InferenceRequest:
     @property
     def is_batch(self) -> bool:
         """A completion with more than one prompt (the engine runs one request each)."""
-        if self.kind == "generate":
-            prompt = generate_prompt(self.body)[1]
-        else:
-            prompt = self.body.get("prompt")
+        prompt = prompt_field(self.body, self.kind)[1] if self.kind != "chat" else None
         return isinstance(prompt, list) and len(prompt) > 1 and _is_batch_form(prompt)
 
     @property
@@ -111,8 +108,6 @@ class InferenceRequest:
 
     def upstream_body(self, *, include_usage: bool, cache_salt: str | None) -> bytes:
         """The body to send upstream: the client's bytes unless a field must change."""
-        if self.kind == "generate":
-            include_usage = False  # every event carries its meta_info
         if not include_usage and cache_salt is None:
             return self.raw
         body = dict(self.body)
@@ -136,7 +131,7 @@ def parse_inference(raw: bytes, kind: Kind) -> InferenceRequest:
     if kind == "chat":
         _check_messages(body.get("messages"))
     elif kind == "completion":
-        _check_prompt(body.get("prompt"), "prompt")
+        _check_prompt(body.get("prompt"))
     else:
         _check_generate(body)
     _check_types(body)
@@ -183,44 +178,42 @@ def _check_messages(messages: object) -> None:
             raise BadRequest(f"messages[{index}].content must be a string or an array.", "messages")
 
 
-def _check_prompt(prompt: object, field: str) -> None:
-    if _is_prompt(prompt):
+def _check_prompt(prompt: object) -> None:
+    if _texts(prompt) or _id_lists(prompt):
         return
     raise BadRequest(
-        f"'{field}' is required: a string, an array of strings, an array of token ids, "
+        "'prompt' is required: a string, an array of strings, an array of token ids, "
         "or an array of those.",
-        field,
+        "prompt",
     )
-
-
-def _is_prompt(prompt: object) -> bool:
-    if isinstance(prompt, str):
-        return True
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(item, str) for item in prompt):
-            return True
-        return _token_ids(prompt) or all(_token_ids(item) for item in prompt)
-    return False
 
 
 def _check_generate(body: dict[str, Any]) -> None:
     """``/generate``: its prompt in ``input_ids`` (token ids, or a batch of them) or in
-    ``text`` (a string, or a batch of strings)."""
-    field, prompt = generate_prompt(body)  # both given: the engine's to refuse
+    ``text`` (a string, or a batch of strings); both given, the engine's to refuse."""
+    field, prompt = prompt_field(body, "generate")
     if prompt is None:
         raise BadRequest("'text' or 'input_ids' is required.", "text")
-    if field == "text" and not (
-        isinstance(prompt, str)
-        or (isinstance(prompt, list) and _is_prompt(prompt) and isinstance(prompt[0], str))
-    ):
+    if field == "text" and not _texts(prompt):
         raise BadRequest("'text' must be a string or an array of strings.", "text")
-    if field == "input_ids" and not (
-        _token_ids(prompt)
-        or (isinstance(prompt, list) and bool(prompt) and all(_token_ids(item) for item in prompt))
-    ):
+    if field == "input_ids" and not _id_lists(prompt):
         raise BadRequest(
             "'input_ids' must be an array of token ids or an array of those.", "input_ids"
         )
+
+
+def _texts(value: object) -> bool:
+    """A string, or a non-empty list of strings."""
+    if isinstance(value, str):
+        return True
+    return isinstance(value, list) and bool(value) and all(isinstance(v, str) for v in value)
+
+
+def _id_lists(value: object) -> bool:
+    """Token ids, or a non-empty list of them."""
+    return _token_ids(value) or (
+        isinstance(value, list) and bool(value) and all(_token_ids(v) for v in value)
+    )
 
 
 def _token_ids(value: object) -> bool:

@@ -56,20 +56,23 @@ def prompt_input(
             raise InvalidRequest("messages", "a chat request needs 'messages'")
         return _chat_text(body, tokenizer)
     if kind == "generate":
-        field, prompt = generate_prompt(body)
+        field, prompt = prompt_field(body, kind)
         return _completion_input(prompt, field)
     if "prompt" in body:
         return _completion_input(body["prompt"])
     raise InvalidRequest("messages", "a request needs 'messages' (chat) or 'prompt'")
 
 
-def generate_prompt(body: Mapping[str, Any]) -> tuple[str, Any]:
-    """The field holding a ``/generate`` request's prompt, and its value: ``input_ids``
-    unless absent or null (SGLang reads them first), else ``text``."""
-    ids = body.get("input_ids")
-    if ids is not None:
-        return "input_ids", ids
-    return "text", body.get("text")
+def prompt_field(body: Mapping[str, Any], kind: Kind) -> tuple[str, Any]:
+    """The field holding a completion's or ``/generate`` request's prompt (or batch of
+    them), and its value (None when absent): a completion's ``prompt``; ``/generate``'s
+    ``input_ids`` unless absent or null (SGLang reads them first), else its ``text``."""
+    if kind == "generate":
+        ids = body.get("input_ids")
+        if ids is not None:
+            return "input_ids", ids
+        return "text", body.get("text")
+    return "prompt", body.get("prompt")
 
 
 def prompt_token_ids(
@@ -92,12 +95,7 @@ def prompt_keys(
 ) -> Encoded:
     """The token ids of ``body`` and their block keys chained from ``root``, through
     ``cache`` (only what no recent prompt began with is tokenized and hashed)."""
-    if kind == "completion":
-        text = body.get("prompt")
-    elif kind == "generate" and body.get("input_ids") is None:
-        text = body.get("text")
-    else:
-        text = None
+    text = None if kind in (None, "chat") else prompt_field(body, kind)[1]
     if isinstance(text, str):  # the usual completion, without building its PromptText
         return cache.encode_keyed(text, add_special_tokens=True, root=root, block_size=block_size)
     return keyed(prompt_input(body, cache.tokenizer, kind), cache, root=root, block_size=block_size)
@@ -124,7 +122,7 @@ def later_prompts(
     """A completion batch's (or ``/generate`` batch's) prompts after the first (routing's
     subject), each as the engine encodes it; [] for anything but a batch. An element that
     is no prompt is left out: the engine refuses the whole batch for it."""
-    batch = generate_prompt(body)[1] if kind == "generate" else body.get("prompt")
+    batch = prompt_field(body, kind)[1]
     if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[0], str | list):
         return []
     prompts: list[PromptText | list[int]] = []

@@ -48,9 +48,9 @@ def test_a_generate_body_is_never_asked_for_usage_but_takes_a_tenants_salt() -> 
     body = {"text": "Hi", "stream": True, "sampling_params": {"n": 2}}
     request = _generate(body)
     assert request.stream and not request.adds_usage
-    assert request.upstream_body(include_usage=True, cache_salt=None) == request.raw
-    salted = json.loads(request.upstream_body(include_usage=True, cache_salt="tenant"))
-    assert salted == {**body, "cache_salt": "tenant"}  # SGLang's /generate reads it
+    assert request.upstream_body(include_usage=request.adds_usage, cache_salt=None) == request.raw
+    salted = json.loads(request.upstream_body(include_usage=request.adds_usage, cache_salt="t2"))
+    assert salted == {**body, "cache_salt": "t2"}  # SGLang's /generate reads it
     assert request.fans_out and not request.is_batch  # n samples, from sampling_params
     assert _generate({"input_ids": [[1, 2], [3]]}).is_batch
     assert not _generate({"input_ids": [1, 2, 3]}).fans_out
