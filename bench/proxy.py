@@ -48,10 +48,15 @@ could not be checked (a router that did not run is reported with the reason):
    (thread time) is printed beside its wall time: on a machine shared with other work the
    wall time includes waiting for a core, the CPU time does not.
 
-``--quick`` is a short run (fewer rounds, one throughput run each); ``--peers`` picks the
-peer routers; ``--floors`` adds three bare pass-through proxies to one replica
-(``bench.passthrough``: a byte relay that parses nothing, uvicorn with a raw asyncio
-client, and kvroute-proxy's own HTTP server and client) to show what the hop and the
+Every run also times, in the latency rounds, a byte relay to one replica pinned like the
+routers (``bench.passthrough``'s relay: a thread per connection copying bytes, no HTTP),
+printed with the direct latency: what one more hop on loopback costs on this machine
+before a proxy does any work: the floor under every router's figure (no target; the
+added latency follows the machine's phase, and this shows that phase's floor in the same
+run). ``--quick`` is a short run (fewer rounds, one throughput run each); ``--peers``
+picks the peer routers; ``--floors`` adds two more bare pass-through proxies to one
+replica (uvicorn with a raw asyncio client, and kvroute-proxy's own HTTP server and
+client) and times all three in the throughput runs too, to show what the hop and the
 stack alone cost; ``--awake`` runs as many latency rounds again, every other round, with
 the routers' CPU kept from idling (a busy loop under ``SCHED_IDLE``, stopped between those
 rounds, which a waking router preempts at once) and prints those figures beside the others, with no
@@ -98,6 +103,7 @@ from bench.proxy_report import (
     all_met,
     awake_rows,
     extra_rows,
+    floor_name,
     latency_rows,
     limited_rows,
     paired_names,
@@ -145,6 +151,7 @@ class Target:
     awake_samples: list[float] = field(default_factory=list)  # --awake's rounds
     failed: str = ""  # why it was dropped from the run
     replica: str = ""  # the one replica it sends to (the floors): its latency's baseline
+    latency_only: bool = False  # left out of the throughput runs (the hop without --floors)
 
 
 # -- end to end -------------------------------------------------------------------------
@@ -363,6 +370,7 @@ async def measure(
             )
     targets = [target for target in targets if not target.failed]
     pids = [t.pid for t in targets if t.pid is not None]
+    targets = [target for target in targets if not target.latency_only]
     if failed := await warm(replicas, args.concurrency):
         raise SystemExit(f"the replicas failed {failed} requests while their caches were warmed")
     # kv_aware's sidecars, control plane, NATS and etcd handle the replicas' KV events
@@ -657,7 +665,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("bench-results/proxy/proxy.json"))
     parser.add_argument(
         "--floors", action="store_true",
-        help="also measure bare pass-through proxies (bench.passthrough) on the same stack",
+        help="also measure two bare pass-through proxies (bench.passthrough: uvicorn, and "
+        "kvroute-proxy's own server and client) and every floor's throughput",
     )  # fmt: skip
     parser.add_argument(
         "--awake", action="store_true",
@@ -775,13 +784,15 @@ def _floors(
     procs: list[subprocess.Popen[bytes]],
 ) -> list[Target]:
     targets = []
-    for server, name in FLOORS.items() if args.floors else ():
+    for server, label in FLOORS.items() if args.floors else [("relay", FLOORS["relay"])]:
         floor, floor_url = start_passthrough(urls[0], server)
         procs.append(floor)
         if split is not None:
             pin_tree(floor.pid, split.routers)
-        name = f"pass-through floor, {name} (one replica)"
-        targets.append(Target(name, floor_url, floor.pid, replica=urls[0]))
+        targets.append(
+            Target(floor_name(label), floor_url, floor.pid, replica=urls[0],
+                   latency_only=not args.floors)
+        )  # fmt: skip
     return targets
 
 

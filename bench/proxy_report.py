@@ -28,6 +28,15 @@ JUDGE = "sglang-router"  # the peer the targets name
 PEERS = ("sglang-router", "vllm-router")
 
 
+def floor_name(label: str) -> str:
+    """The name of a ``bench.passthrough`` floor, which sends to replica 0 only."""
+    return f"pass-through floor, {label} (one replica)"
+
+
+# the floor every run measures: what one more hop on loopback costs here, before any work
+HOP = floor_name("byte relay, no HTTP (the hop itself)")
+
+
 @dataclass
 class Measured:
     """One router's figures from one run (``unavailable``: why it did not run)."""
@@ -111,6 +120,12 @@ def latency_rows(results: Results) -> list[Row]:
         Row(f"  direct to replica {i} alone (p50)", ms, "ms")
         for i, ms in enumerate(results.direct_each_ms)
     ]
+    hop = results.routers.get(HOP)
+    if hop is not None:
+        rows.append(
+            Row("  added latency p50, the hop alone (a byte relay to replica 0, no HTTP: the "
+                "floor of any proxy here)", hop.added_ms, "ms", note=_why(hop))
+        )  # fmt: skip
     for ours, theirs in PAIRS:
         kvroute = results.get(f"kvroute {ours}")
         rows.append(
@@ -235,13 +250,19 @@ def awake_rows(results: Results) -> list[Row]:
 
 
 def extra_rows(results: Results, known: Iterable[str]) -> list[Row]:
-    """Routers outside the pairs (``--router NAME=URL``, pass-through floors)."""
+    """Routers outside the pairs (``--router NAME=URL``, pass-through floors): the hop's
+    latency is with the direct ones (:func:`latency_rows`), and its throughput only when
+    measured (``--floors``)."""
     rows = []
     for name, measured in results.routers.items():
         if name in known:
             continue
-        rows.append(Row(f"added latency p50, {name}", measured.added_ms, "ms", note=_why(measured)))
-        rows.append(_throughput_row(measured, results.direct_rps))
+        if name != HOP:
+            rows.append(
+                Row(f"added latency p50, {name}", measured.added_ms, "ms", note=_why(measured))
+            )
+        if name != HOP or measured.rps is not None or measured.unavailable:
+            rows.append(_throughput_row(measured, results.direct_rps))
     return rows
 
 

@@ -25,13 +25,16 @@ from bench.proxy import (
     warm,
 )
 from bench.proxy_report import (
+    HOP,
     Measured,
     Results,
     Row,
     all_met,
     awake_rows,
+    extra_rows,
     latency_rows,
     limited_rows,
+    paired_names,
     throughput_rows,
     write_json,
 )
@@ -309,3 +312,18 @@ def test_awake_figures_are_printed_beside_without_targets() -> None:
     assert [row.value for row in rows] == [0.28, 0.2]
     assert "kept awake" in rows[1].name and "kvroute round_robin" in rows[1].name
     assert all(row.target is None for row in rows)  # they decide nothing
+
+
+def test_the_hops_own_cost_is_printed_with_the_direct_latency_and_decides_nothing() -> None:
+    results = _everyone(kv_rps=1000.0, kv_ms=0.32)
+    results.direct_each_ms = [0.29, 0.31]
+    results.routers[HOP] = Measured(HOP, added_ms=0.31)  # a slow phase: the hop alone > 0.3
+    rows = latency_rows(results)
+    hop = rows[3]  # right after the pooled and each replica's direct latency
+    assert "the hop alone" in hop.name and hop.value == 0.31 and hop.target is None
+    assert _row(rows, "added latency p50, kvroute kv_aware").verdict == "MISSED"  # still judged
+    assert not all_met(rows)
+    # not repeated among the other routers, and no throughput row it was not timed for
+    assert extra_rows(results, paired_names()) == []
+    results.routers[HOP].rps = 9000.0  # --floors: its throughput too
+    assert [row.name for row in extra_rows(results, paired_names())] == [f"throughput, {HOP}"]
