@@ -54,6 +54,8 @@ def _scalar(raw: str) -> Any:
     lowered = raw.lower()
     if lowered in ("true", "false"):
         return lowered == "true"
+    if lowered == "null":  # a setting turned off, as a workload's JSON says it
+        return None
     for kind in (int, float):
         try:
             return kind(raw)

@@ -189,8 +189,9 @@ SCENARIOS: dict[str, Scenario] = {
                 "round_robin",
                 "least_load",
                 "kv_aware",
-                "kv_aware:max_imbalance=16",  # tighter than the default 64
-                "kv_aware:max_imbalance=1000000",  # the brief's score alone
+                "kv_aware:hot_prefix_gap=null",  # max_imbalance (64) alone
+                "kv_aware:hot_prefix_gap=null,max_imbalance=16",  # tighter than 64
+                "kv_aware:hot_prefix_gap=null,max_imbalance=1000000",  # the score alone
                 "kv_cost",
                 "sglang:cache_aware",
             ),

@@ -19,7 +19,7 @@ by them sent 4 of the first 6 groups of ``bench.e2e`` to one replica.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from math import ceil, inf
 from typing import ClassVar
@@ -152,7 +152,11 @@ class KvScoringPolicy:
         return None
 
     def rebalance(
-        self, ctx: RouteContext, fleet: Iterable[ReplicaState], chosen: ReplicaState
+        self,
+        ctx: RouteContext,
+        fleet: Sequence[ReplicaState],
+        chosen: ReplicaState,
+        runs: dict[int, int],
     ) -> tuple[ReplicaState, str]:
         """The replica that takes a request the scores gave to ``chosen``, and why if it
         is another (a strategy's guard against one replica taking all; none here)."""
@@ -195,7 +199,7 @@ class KvScoringPolicy:
                 scores = self.scores(ctx, usable, runs)
             chosen = best(usable, scores, self._rng) if usable else None
             if chosen is not None:
-                chosen, note = self.rebalance(ctx, state.replicas(), chosen)
+                chosen, note = self.rebalance(ctx, state.replicas(), chosen, runs)
 
         def rows(replicas: list[ReplicaState]) -> list[ReplicaReason]:
             table = scores if replicas is usable else self.scores(ctx, replicas, runs)

@@ -157,6 +157,17 @@ class KvAwareWorkload(_KvSettings):
         "prefix that makes most of every prompt, such as a long system prompt, would "
         "otherwise keep all traffic on its first holder until it saturates. null: off.",
     )
+    hot_prefix_gap: int | None = Field(
+        4,
+        ge=0,
+        description="When the prefix the chosen replica holds of the prompt is hot (its "
+        "share of this router's recent requests would fill at least two replicas' fair "
+        "share, such as one system prompt every request starts with) and the chosen "
+        "replica has more than this many requests beyond the least busy usable replica, "
+        "that one takes the request and holds the prefix from then on: a hot prefix is "
+        "cheap to replicate, and left to max_imbalance it keeps a few replicas busy while "
+        "the rest idle. null: off.",
+    )
 
 
 class KvCostWorkload(_KvSettings):

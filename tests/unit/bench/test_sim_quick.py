@@ -44,3 +44,19 @@ def test_bad_policy_spec_is_refused_by_name(tmp_path: Path, capsys) -> None:
     status = main(["bench", "sim", "--quick", "--out", str(tmp_path), "--policy", "nginx"])
     assert status == 2
     assert "unknown policy 'nginx'" in capsys.readouterr().err
+
+
+def test_one_system_prompt_is_spread_as_a_hot_prefix(tmp_path: Path, capsys) -> None:
+    """Every request starting with one system prompt: kv_aware spreads it (hot_prefix_gap,
+    on by default) instead of keeping most traffic on its first holders until
+    max_imbalance, at the same hit rate and with a lower mean time to first token."""
+    argv = ["bench", "sim", "--quick", "--no-plots", "--out", str(tmp_path)]
+    argv += ["--scenario", "one_system_prompt"]
+    argv += ["--policy", "kv_aware", "--policy", "kv_aware:hot_prefix_gap=null"]
+    assert main(argv) == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "report.json").read_text())
+    runs = {r["policy"]: r for r in report["scenarios"][0]["runs"]}
+    spread, kept = runs["kv_aware"], runs["kv_aware:hot_prefix_gap=null"]
+    assert spread["load_imbalance"] < 1.2 < kept["load_imbalance"]
+    assert spread["ttft_mean_s"] < 0.9 * kept["ttft_mean_s"]
+    assert abs(spread["hit_rate"] - kept["hit_rate"]) < 0.01

@@ -35,6 +35,7 @@ WORKLOAD = st.fixed_dictionaries(
         "fallback": st.sampled_from(["least_load", "least_load", "round_robin", "prefix_hash"]),
         "speculative_ttl_s": st.sampled_from([0.0, 2.0]),
         "max_imbalance": st.sampled_from([None, 1, 3, 64]),
+        "hot_prefix_gap": st.sampled_from([None, 0, 4]),
     }
 )
 PLACED = st.lists(  # (fleet position, blocks, expires after NOW?)

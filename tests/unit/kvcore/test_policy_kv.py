@@ -17,7 +17,7 @@ from kvcore.policies import (
     StaticStateView,
     create_policy,
 )
-from kvcore.policies.kv_aware import KvAwarePolicy
+from kvcore.policies.kv_aware import KvAwarePolicy, PrefixHeat
 from kvcore.policies.kv_cost import KvCostPolicy
 from kvcore.policies.kv_scoring import SPECULATION_TICK_S
 from kvcore.workload import KvAwareWorkload, KvCostWorkload, Workload
@@ -98,9 +98,10 @@ def test_one_prefix_shared_by_every_prompt_spreads_instead_of_herding() -> None:
             sent[decision.replica_id] += 1
         return sent
 
-    assert burst(KvAwareWorkload(max_imbalance=None)) == Counter({"r0": 200})
-    spread = burst(KvAwareWorkload())
-    assert spread["r1"] >= 90 and spread["r0"] >= 90
+    assert burst(KvAwareWorkload(max_imbalance=None, hot_prefix_gap=None)) == Counter({"r0": 200})
+    for guard in (KvAwareWorkload(hot_prefix_gap=None), KvAwareWorkload(max_imbalance=None)):
+        spread = burst(guard)  # either guard alone: max_imbalance, or the hot prefix's
+        assert spread["r1"] >= 90 and spread["r0"] >= 90
 
 
 def test_a_decision_summarises_itself_for_a_debug_header() -> None:
@@ -462,3 +463,82 @@ def test_kv_awares_turn_skips_a_replica_sent_more_than_a_prompt_beyond_the_least
         for i in range(6)
     }
     assert chosen == {"r0", "r2"}
+
+
+def _traffic(policy: Policy, workload: KvAwareWorkload, prompts: list[list[int]], n: int) -> None:
+    """``n`` requests through ``policy``, cycling over ``prompts``, each on an idle fleet
+    where replica 0 holds it (so that the router's recent traffic is theirs)."""
+    replicas = [ReplicaState(0, "holder"), ReplicaState(1, "idle")]
+    for i in range(n):
+        tokens = prompts[i % len(prompts)]
+        view = StaticStateView(replicas, residency_known=True)
+        view.index.add(0, context(workload, tokens).block_keys)
+        assert policy.select(context(workload, tokens, now=1.0 + i / 100), view).replica_id
+
+
+def _hot_choice(prompts: list[list[int]], warm_up: int, running: int) -> Decision:
+    """The decision for PROMPT (held by replica 0 of four, with ``running`` requests;
+    the other three idle) after ``warm_up`` requests cycling over ``prompts``."""
+    workload = KvAwareWorkload()
+    policy = create_policy(workload, rng=random.Random(3))
+    _traffic(policy, workload, prompts, warm_up)
+    replicas = [ReplicaState(0, "holder", running=running)]
+    replicas += [ReplicaState(i, f"idle{i}") for i in (1, 2, 3)]
+    return policy.select(
+        context(workload, PROMPT, now=1.0 + warm_up / 100), _view(replicas, {0: 8})
+    )
+
+
+def test_a_hot_prefix_goes_to_the_least_busy_replica_past_a_small_gap() -> None:
+    """One prefix drawing every request of a busy router would fill every replica's fair
+    share: its holder with more than hot_prefix_gap (4) requests beyond an idle replica
+    loses the request to it, which is speculated to hold the prompt from then on; 4
+    beyond is within the gap, and max_imbalance (64) alone would have kept both."""
+    moved = _hot_choice([PROMPT], warm_up=40, running=5)
+    assert moved.replica_id == "idle1"  # the least busy: fewest requests, then ordinal
+    assert moved.note == (
+        "hot prefix (100% of recent requests): holder had 5 requests, idle1 0 (hot_prefix_gap 4)"
+    )
+    assert moved.speculative is not None and moved.speculative.replica == 1
+    assert _hot_choice([PROMPT], warm_up=40, running=4).replica_id == "holder"
+
+
+def test_a_prefix_among_many_is_not_hot_nor_a_router_just_started() -> None:
+    """Eight prefixes sharing the traffic evenly are each an eighth of it, half of one
+    replica's fair share on four: the holder keeps it (a replica each would cost the
+    caches their room for the others); so does a router with too few requests behind it
+    to tell a hot prefix from chance."""
+    others = [[1000 * p + t for t in range(128)] for p in range(1, 8)]
+    assert _hot_choice([PROMPT, *others], warm_up=80, running=30).replica_id == "holder"
+    assert _hot_choice([PROMPT], warm_up=10, running=30).replica_id == "holder"
+    assert _hot_choice([PROMPT], warm_up=20, running=30).replica_id == "idle1"
+
+
+def test_prefix_heat_forgets_by_half_life_and_stays_bounded() -> None:
+    heat = PrefixHeat(half_life_s=10.0, keys=64)
+
+    def requests(key: int, start: float, seconds: int) -> None:  # ten a second
+        for i in range(seconds * 10):
+            assert heat.share(key, start + i / 10) <= 1.0
+            heat.routed(start + i / 10)
+
+    requests(1, 0.0, 100)  # key 1 draws every request for 100 s
+    assert heat.share(1, 100.0) == pytest.approx(1.0)
+    heat.routed(100.0)
+    requests(2, 100.1, 30)  # then key 2 alone for 30 s: three half-lives
+    assert heat.share(2, 130.1) == pytest.approx(7 / 8, abs=0.02)
+    assert heat.share(1, 130.1) == pytest.approx(1 / 8, abs=0.02)
+    for key in range(1000, 1500):  # many cold prefixes: memory stays bounded
+        heat.share(key, 130.2)
+    assert len(heat) <= 64
+    assert heat.share(2, 130.2) > 0.8  # the hot one was kept
+
+
+def test_a_router_with_a_request_or_so_a_second_finds_nothing_hot() -> None:
+    """Fewer than 16 requests (decayed) behind the router: one a second, with a 10 s
+    half-life, is about 15, and a share of so few tells nothing."""
+    heat = PrefixHeat(half_life_s=10.0)
+    for i in range(100):
+        heat.share(1, float(i))
+        heat.routed(float(i))
+    assert heat.share(1, 100.0) == 0.0
