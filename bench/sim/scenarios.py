@@ -193,6 +193,7 @@ SCENARIOS: dict[str, Scenario] = {
                 "kv_aware:hot_prefix_gap=null,max_imbalance=16",  # tighter than 64
                 "kv_aware:hot_prefix_gap=null,max_imbalance=1000000",  # the score alone
                 "kv_cost",
+                "kv_cost:hot_prefix_gap=4",  # off by default for kv_cost
                 "sglang:cache_aware",
             ),
         ),

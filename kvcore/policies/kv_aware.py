@@ -16,10 +16,10 @@ before every request stayed on three replicas of eight (``bench.sim``'s
 ``one_system_prompt``, 0.070 s mean TTFT against round-robin's 0.037 s). So a *hot*
 prefix moves sooner: when the prefix the chosen holder has of the prompt draws enough of
 this router's recent requests to fill ``HOT_REPLICAS`` replicas' fair share
-(:class:`PrefixHeat`), more than ``hot_prefix_gap`` requests beyond the least busy usable
-replica are enough (0.049 s there; a prefix that hot is cheap to replicate, as a
-replica pays its prefill once, where a prefix among many, as in the other scenarios,
-never counts as hot and stays where its cache is).
+(:class:`~kvcore.policies.kv_scoring.PrefixHeat`), more than ``hot_prefix_gap``
+requests beyond the least busy usable replica are enough (0.049 s there; a prefix that
+hot is cheap to replicate, as a replica pays its prefill once, where a prefix among
+many, as in the other scenarios, never counts as hot and stays where its cache is).
 
 When no candidate holds a counted hit (a new prompt, or one whose shared part is below
 ``min_hit``), the score is load alone, and load is only as fresh as the engines' last
@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from math import exp, inf, log
+from math import inf
 from operator import attrgetter
 from typing import ClassVar
 
@@ -58,13 +58,13 @@ from kvcore.policies.base import (
     ReplicaReason,
     ReplicaState,
     RouteContext,
-    SpeculativeRecord,
     StateView,
 )
 from kvcore.policies.board import ReplicaBoard
 from kvcore.policies.kv_scoring import (
     KvScoringPolicy,
     cold_note,
+    least_busy,
     queue_saturation,
     queue_screened,
     queue_usable,
@@ -74,66 +74,6 @@ from kvcore.policies.screening import ALL_SATURATED, NO_REPLICA, TIE, best_of, s
 from kvcore.workload import KvAwareWorkload
 
 _ordinal = attrgetter("ordinal")
-
-HOT_REPLICAS = 2.0  # a prefix is hot when its share of requests would fill this many replicas
-HOT_HALF_LIFE_S = 10.0  # how fast a prefix's share of the requests is forgotten
-HOT_MIN_REQUESTS = 16.0  # routed lately (decayed) before any share counts: less is noise
-HOT_KEYS = 4096  # prefixes remembered at most; the more requested half is kept beyond it
-
-
-class PrefixHeat:
-    """How much of a router's recent traffic each prefix draws: counts of requests that
-    decay by half every ``half_life_s``, of every request with block keys
-    (:meth:`routed`) and of each prefix, named by the block key its holder's leading
-    run ends at (:meth:`share`). Bounded: past ``keys`` prefixes, the less requested half
-    is forgotten (amortised O(log keys) a request)."""
-
-    __slots__ = ("_at", "_counts", "_keys", "_rate", "_total")
-
-    def __init__(self, half_life_s: float = HOT_HALF_LIFE_S, keys: int = HOT_KEYS) -> None:
-        self._rate = log(2) / half_life_s
-        self._keys = keys
-        self._total = 0.0
-        self._at = 0.0
-        self._counts: dict[int, tuple[float, float]] = {}  # key -> (count, as of when)
-
-    def _decayed(self, count: float, at: float, now: float) -> float:
-        return count * exp(-self._rate * max(now - at, 0.0))
-
-    def routed(self, now: float) -> None:
-        """One more request routed at ``now``."""
-        self._total = self._decayed(self._total, self._at, now) + 1.0
-        self._at = now
-
-    def share(self, key: int, now: float) -> float:
-        """Count a request drawn to the prefix ``key`` at ``now`` (not yet
-        :meth:`routed`) and return the prefix's share of the recent requests, this one
-        included; 0 while fewer than ``HOT_MIN_REQUESTS`` were routed lately."""
-        counts = self._counts
-        count, at = counts.get(key, (0.0, now))
-        count = self._decayed(count, at, now) + 1.0
-        counts[key] = (count, now)
-        if len(counts) > self._keys:
-            self._forget(now)
-        total = self._decayed(self._total, self._at, now) + 1.0
-        return count / total if total >= HOT_MIN_REQUESTS else 0.0
-
-    def _forget(self, now: float) -> None:
-        ranked = sorted(
-            self._counts.items(),
-            key=lambda item: self._decayed(item[1][0], item[1][1], now),
-            reverse=True,
-        )
-        self._counts = dict(ranked[: self._keys // 2])
-
-    def __len__(self) -> int:
-        return len(self._counts)
-
-
-def _busier(a: ReplicaState, b: ReplicaState) -> bool:
-    """Whether ``a`` is busier than ``b``: more requests, then more load, then a higher
-    ordinal (so the least busy is one replica, whatever the order read)."""
-    return (a.requests, a.load, a.ordinal) > (b.requests, b.load, b.ordinal)
 
 
 class KvAwarePolicy(KvScoringPolicy):
@@ -148,7 +88,6 @@ class KvAwarePolicy(KvScoringPolicy):
         self._last: int | None = None  # the replica of the last such turn
         self.places_cold_prompts = workload.fallback == "least_load"
         self._cold_notes = {note: cold_note(self.name, note) for note in ("", ALL_SATURATED)}
-        self._heat = PrefixHeat()
 
     def select(self, ctx: RouteContext, state: StateView) -> Decision:
         """:meth:`select_scored`'s decision, by a shortcut in the two usual cases (no
@@ -218,53 +157,22 @@ class KvAwarePolicy(KvScoringPolicy):
         chosen: ReplicaState,
         runs: dict[int, int],
     ) -> tuple[ReplicaState, str]:
-        """``chosen``, unless the least busy usable replica (fewest requests, then load,
-        then ordinal) takes the request instead: when ``chosen`` has more than
-        ``max_imbalance`` requests beyond it, or more than ``hot_prefix_gap`` while the
-        prefix ``chosen`` holds of this prompt is hot (:class:`PrefixHeat`: its share of
-        this router's recent requests would fill at least ``HOT_REPLICAS`` replicas' fair
-        share). The prompt is speculated there too, so the next requests see one more
-        holder and the loads decide between them. Free below both bounds."""
-        gap, limit = self.aware.hot_prefix_gap, self.aware.max_imbalance
-        held = runs.get(chosen.ordinal, 0)
-        hot = 0.0
-        if gap is not None and held:
-            hot = self._heat.share(ctx.block_keys[held - 1], ctx.now)
-            if hot * len(fleet) < HOT_REPLICAS or chosen.requests <= gap:
-                hot = 0.0  # not hot even if every replica were usable, or no gap to close
-        if not hot and (limit is None or chosen.requests <= limit):
-            return chosen, ""
-        least: ReplicaState | None = None
-        usable = 0
-        for replica in fleet:
-            if queue_usable(replica, ctx):
-                usable += 1
-                if least is None or _busier(least, replica):
-                    least = replica
-        if least is None:
-            return chosen, ""
-        beyond = chosen.requests - least.requests
-        if hot and hot * usable >= HOT_REPLICAS and gap is not None and beyond > gap:
-            return least, (
-                f"hot prefix ({hot:.0%} of recent requests): {chosen.replica_id} had "
-                f"{chosen.requests} requests, {least.replica_id} {least.requests} "
-                f"(hot_prefix_gap {gap})"
-            )
-        if limit is None or beyond <= limit:
+        """The hot prefix's move (:meth:`KvScoringPolicy.rebalance`), else ``chosen``
+        unless it has more than ``max_imbalance`` requests beyond the least busy usable
+        replica (fewest requests, then load, then ordinal), which then takes the request;
+        its prefix is speculated there too, so the next requests see two holders and
+        their loads decide. Free below ``max_imbalance`` requests."""
+        moved, note = super().rebalance(ctx, fleet, chosen, runs)
+        limit = self.aware.max_imbalance
+        if note or limit is None or chosen.requests <= limit:
+            return moved, note
+        least = least_busy(ctx, fleet)
+        if least is None or chosen.requests - least.requests <= limit:
             return chosen, ""
         return least, (
             f"imbalance: {chosen.replica_id} had {chosen.requests} requests, "
             f"{least.replica_id} {least.requests} (max_imbalance {limit})"
         )
-
-    def _speculate(
-        self, ctx: RouteContext, chosen: ReplicaState | None
-    ) -> SpeculativeRecord | None:
-        """Every decision with block keys ends here, on either path: counted for
-        :class:`PrefixHeat` (after :meth:`rebalance` read the shares)."""
-        if ctx.block_keys and self.aware.hot_prefix_gap is not None:
-            self._heat.routed(ctx.now)
-        return super()._speculate(ctx, chosen)
 
     def _best_nonholders(
         self, ctx: RouteContext, board: ReplicaBoard, runs: dict[int, int], floor: float

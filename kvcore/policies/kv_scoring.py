@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from math import ceil, inf
+from math import ceil, exp, inf, log
 from typing import ClassVar
 
 from kvcore.policies.base import (
@@ -123,6 +123,85 @@ def queue_screened(
     return saturated, ALL_SATURATED
 
 
+HOT_REPLICAS = 2.0  # a prefix is hot when its share of requests would fill this many replicas
+HOT_HALF_LIFE_S = 10.0  # how fast a prefix's share of the requests is forgotten
+HOT_MIN_REQUESTS = 16.0  # routed lately (decayed) before any share counts: less is noise
+HOT_KEYS = 4096  # prefixes remembered at most; the more requested half is kept beyond it
+
+
+class PrefixHeat:
+    """How much of a router's recent traffic each prefix draws: counts of requests that
+    decay by half every ``half_life_s``, of every request with block keys
+    (:meth:`routed`) and of each prefix, named by the block key its holder's leading
+    run ends at (:meth:`share`). Bounded: past ``keys`` prefixes, the less requested half
+    is forgotten (amortised O(log keys) a request)."""
+
+    __slots__ = ("_at", "_counts", "_keys", "_rate", "_total")
+
+    def __init__(self, half_life_s: float = HOT_HALF_LIFE_S, keys: int = HOT_KEYS) -> None:
+        self._rate = log(2) / half_life_s
+        self._keys = keys
+        self._total = 0.0
+        self._at = 0.0
+        self._counts: dict[int, tuple[float, float]] = {}  # key -> (count, as of when)
+
+    def _decayed(self, count: float, at: float, now: float) -> float:
+        return count * exp(-self._rate * max(now - at, 0.0))
+
+    def routed(self, now: float) -> None:
+        """One more request routed at ``now``."""
+        self._total = self._decayed(self._total, self._at, now) + 1.0
+        self._at = now
+
+    def share(self, key: int, now: float) -> float:
+        """Count a request drawn to the prefix ``key`` at ``now`` (not yet
+        :meth:`routed`) and return the prefix's share of the recent requests, this one
+        included; 0 while fewer than ``HOT_MIN_REQUESTS`` were routed lately."""
+        counts = self._counts
+        count, at = counts.get(key, (0.0, now))
+        count = self._decayed(count, at, now) + 1.0
+        counts[key] = (count, now)
+        if len(counts) > self._keys:
+            self._forget(now)
+        total = self._decayed(self._total, self._at, now) + 1.0
+        return count / total if total >= HOT_MIN_REQUESTS else 0.0
+
+    def _forget(self, now: float) -> None:
+        ranked = sorted(
+            self._counts.items(),
+            key=lambda item: self._decayed(item[1][0], item[1][1], now),
+            reverse=True,
+        )
+        self._counts = dict(ranked[: self._keys // 2])
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+
+def least_busy(ctx: RouteContext, fleet: Iterable[ReplicaState]) -> ReplicaState | None:
+    """The usable replica with the fewest requests, then the least load, then the lowest
+    ordinal (one replica, whatever the order read)."""
+    return _least_busy_of(ctx, fleet)[0]
+
+
+def _least_busy_of(
+    ctx: RouteContext, fleet: Iterable[ReplicaState]
+) -> tuple[ReplicaState | None, int]:
+    """:func:`least_busy`, and how many of ``fleet`` are usable."""
+    least: ReplicaState | None = None
+    usable = 0
+    for replica in fleet:
+        if queue_usable(replica, ctx):
+            usable += 1
+            if least is None or (least.requests, least.load, least.ordinal) > (
+                replica.requests,
+                replica.load,
+                replica.ordinal,
+            ):
+                least = replica
+    return least, usable
+
+
 class KvScoringPolicy:
     """Base of the level-3 strategies; subclasses define :meth:`score`."""
 
@@ -134,6 +213,7 @@ class KvScoringPolicy:
         self.workload = workload
         self._rng = rng
         self._fallback = fallback_policy(workload, rng)
+        self._heat = PrefixHeat()
 
     def scores(
         self, ctx: RouteContext, replicas: list[ReplicaState], runs: dict[int, int]
@@ -159,8 +239,27 @@ class KvScoringPolicy:
         runs: dict[int, int],
     ) -> tuple[ReplicaState, str]:
         """The replica that takes a request the scores gave to ``chosen``, and why if it
-        is another (a strategy's guard against one replica taking all; none here)."""
-        return chosen, ""
+        is another: the least busy usable replica (:func:`least_busy`) when the prefix
+        ``chosen`` holds of this prompt is hot (:class:`PrefixHeat`: its share of this
+        router's recent requests would fill at least ``HOT_REPLICAS`` replicas' fair
+        share) and ``chosen`` has more than ``hot_prefix_gap`` requests beyond it. The
+        prompt is speculated there too, so the next requests see one more holder and the
+        scores decide between them."""
+        gap = self.workload.hot_prefix_gap
+        held = runs.get(chosen.ordinal, 0)
+        if gap is None or not held:
+            return chosen, ""
+        hot = self._heat.share(ctx.block_keys[held - 1], ctx.now)
+        if hot * len(fleet) < HOT_REPLICAS or chosen.requests <= gap:
+            return chosen, ""  # not hot even were every replica usable, or no gap to close
+        least, usable = _least_busy_of(ctx, fleet)
+        if least is None or hot * usable < HOT_REPLICAS or chosen.requests - least.requests <= gap:
+            return chosen, ""
+        return least, (
+            f"hot prefix ({hot:.0%} of recent requests): {chosen.replica_id} had "
+            f"{chosen.requests} requests, {least.replica_id} {least.requests} "
+            f"(hot_prefix_gap {gap})"
+        )
 
     def nonholders(
         self, board: ReplicaBoard, pool: Pool, runs: dict[int, int], floor: float
@@ -235,6 +334,8 @@ class KvScoringPolicy:
     def _speculate(
         self, ctx: RouteContext, chosen: ReplicaState | None
     ) -> SpeculativeRecord | None:
+        if ctx.block_keys and self.workload.hot_prefix_gap is not None:
+            self._heat.routed(ctx.now)  # every decision with keys ends here, on any path
         ttl = self.workload.speculative_ttl_s
         if chosen is None or ttl <= 0 or not ctx.block_keys:
             return None

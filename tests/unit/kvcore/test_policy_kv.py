@@ -17,9 +17,9 @@ from kvcore.policies import (
     StaticStateView,
     create_policy,
 )
-from kvcore.policies.kv_aware import KvAwarePolicy, PrefixHeat
+from kvcore.policies.kv_aware import KvAwarePolicy
 from kvcore.policies.kv_cost import KvCostPolicy
-from kvcore.policies.kv_scoring import SPECULATION_TICK_S
+from kvcore.policies.kv_scoring import SPECULATION_TICK_S, PrefixHeat
 from kvcore.workload import KvAwareWorkload, KvCostWorkload, Workload
 from tests.unit.kvcore.policy_helpers import context, fleet
 from tests.unit.kvcore.test_preselect import WholeFleetView
@@ -465,7 +465,7 @@ def test_kv_awares_turn_skips_a_replica_sent_more_than_a_prompt_beyond_the_least
     assert chosen == {"r0", "r2"}
 
 
-def _traffic(policy: Policy, workload: KvAwareWorkload, prompts: list[list[int]], n: int) -> None:
+def _traffic(policy: Policy, workload: Workload, prompts: list[list[int]], n: int) -> None:
     """``n`` requests through ``policy``, cycling over ``prompts``, each on an idle fleet
     where replica 0 holds it (so that the router's recent traffic is theirs)."""
     replicas = [ReplicaState(0, "holder"), ReplicaState(1, "idle")]
@@ -476,10 +476,15 @@ def _traffic(policy: Policy, workload: KvAwareWorkload, prompts: list[list[int]]
         assert policy.select(context(workload, tokens, now=1.0 + i / 100), view).replica_id
 
 
-def _hot_choice(prompts: list[list[int]], warm_up: int, running: int) -> Decision:
+def _hot_choice(
+    prompts: list[list[int]],
+    warm_up: int,
+    running: int,
+    workload: KvAwareWorkload | KvCostWorkload | None = None,
+) -> Decision:
     """The decision for PROMPT (held by replica 0 of four, with ``running`` requests;
     the other three idle) after ``warm_up`` requests cycling over ``prompts``."""
-    workload = KvAwareWorkload()
+    workload = workload or KvAwareWorkload()
     policy = create_policy(workload, rng=random.Random(3))
     _traffic(policy, workload, prompts, warm_up)
     replicas = [ReplicaState(0, "holder", running=running)]
@@ -542,3 +547,12 @@ def test_a_router_with_a_request_or_so_a_second_finds_nothing_hot() -> None:
         heat.share(1, float(i))
         heat.routed(float(i))
     assert heat.share(1, 100.0) == 0.0
+
+
+def test_kv_cost_spreads_a_hot_prefix_only_when_asked() -> None:
+    """kv_cost ranks by queued prefill, which a cached prompt barely adds to: its holder
+    of a hot prefix keeps it (off by default: moving by requests cost kv_cost the Mooncake
+    trace's TTFT) unless the workload sets hot_prefix_gap."""
+    assert _hot_choice([PROMPT], 40, 30, KvCostWorkload()).replica_id == "holder"
+    moved = _hot_choice([PROMPT], 40, 30, KvCostWorkload(hot_prefix_gap=4))
+    assert moved.replica_id == "idle1" and moved.note.startswith("hot prefix (100% of")
