@@ -85,16 +85,25 @@ def test_kv_aware_spreads_new_prompts_on_stale_load() -> None:
 
 
 def test_kv_aware_still_follows_a_counted_hit() -> None:
-    # one prompt and nothing else: past 16 requests the hot-prefix rule would spread it
-    # (tests/unit/kvcore/test_policy_kv.py), which is not what this test is about
-    workload = parse_workload({"strategy": "kv_aware", "hot_prefix_gap": None})
-    policy = create_policy(workload, rng=random.Random(7))
-    index = BitmaskResidencyIndex()
-    index.add(2, [11, 12, 13])
-    view = StaticStateView(
-        (ReplicaState(i, f"r{i}", running=r, capacity=256) for i, r in enumerate((0, 0, 40))),
-        index,
-    )
-    for _ in range(20):
-        ctx = RouteContext(workload, "m", block_keys=(11, 12, 13, 14))
-        assert policy.select(ctx, view).ordinal == 2
+    """A holder of a counted hit takes the prompt though it runs 40 requests and the
+    others none: the new-prompt turn does not override a hit. With the defaults, the same
+    prompt sent again and again becomes hot past 16 requests, and the hot-prefix rule
+    then moves it to an idle replica (tests/unit/kvcore/test_policy_kv.py)."""
+    for gap in (None, 4):
+        workload = parse_workload({"strategy": "kv_aware", "hot_prefix_gap": gap})
+        policy = create_policy(workload, rng=random.Random(7))
+        index = BitmaskResidencyIndex()
+        index.add(2, [11, 12, 13])
+        view = StaticStateView(
+            (ReplicaState(i, f"r{i}", running=r, capacity=256) for i, r in enumerate((0, 0, 40))),
+            index,
+        )
+        chosen = []
+        for _ in range(20):
+            ctx = RouteContext(workload, "m", block_keys=(11, 12, 13, 14))
+            decision = policy.select(ctx, view)
+            chosen.append((decision.ordinal, decision.note.split(" (")[0]))
+        if gap is None:
+            assert chosen == [(2, "")] * 20
+        else:  # hot once 16 requests were routed: this is the 16th
+            assert chosen == [(2, "")] * 15 + [(0, "hot prefix")] * 5
