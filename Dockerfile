@@ -25,6 +25,7 @@ RUN apt-get update \
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY kvcore ./kvcore
+COPY kvruntime ./kvruntime
 COPY controlplane ./controlplane
 COPY sidecar ./sidecar
 COPY dataplane ./dataplane

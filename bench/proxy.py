@@ -115,9 +115,9 @@ from bench.proxy_routers import CpuSplit, Routers, pin_tree, split_cpus, tree_cp
 from dataplane.fleet_state import FleetState
 from dataplane.openai_request import parse_inference
 from dataplane.routing import Defaults, Router
-from kvcore.gc_tuning import tune_gc
 from kvcore.pb import events_pb2, routing_pb2
 from kvcore.tokenize import BuiltinTokenizer, HFTokenizer, Tokenizer
+from kvruntime.gc_tuning import tune_gc
 
 MODEL = "kvroute/sim-model"
 WARM_UP = 100  # latency rounds not counted

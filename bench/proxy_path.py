@@ -57,11 +57,11 @@ from dataplane.http_client import ConnectionPool, _Connection
 from dataplane.http_server import HttpServer, Request, Response
 from dataplane.service import ProxyService
 from dataplane.settings import ProxySettings
-from kvcore.gc_tuning import tune_gc
 from kvcore.keys import root_key
 from kvcore.pb import events_pb2, routing_pb2
 from kvcore.request import prompt_keys
 from kvcore.tokenize import PrefixTokenCache, load_tokenizer
+from kvruntime.gc_tuning import tune_gc
 
 MODEL = "kvroute/sim-model"
 CLIENTS = 32  # --prompt shared: bench.proxy's concurrency (one system line per client)

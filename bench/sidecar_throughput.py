@@ -38,8 +38,8 @@ import zmq
 
 from kvcore import subjects
 from kvcore.engine_events import BlockRemoved, BlockStored, EngineEvent
-from kvcore.gc_tuning import tune_gc
 from kvroute.servers import NatsServer, free_port
+from kvruntime.gc_tuning import tune_gc
 from sidecar.adapters import adapter_for
 from sidecar.adapters.encoders import encode_batch
 from sidecar.main import run_loop

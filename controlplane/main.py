@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import signal
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any, Literal, NoReturn, get_args, get_origin
 
@@ -24,7 +22,8 @@ from sqlalchemy.exc import ArgumentError
 from controlplane.records import Records
 from controlplane.service import ControlPlane, ServiceError
 from controlplane.settings import ENV_ONLY, ControlPlaneSettings
-from kvcore.gc_tuning import tune_gc
+from kvruntime.gc_tuning import tune_gc
+from kvruntime.jsonlog import configure_logging
 
 PROG = "kvroute-controlplane"
 log = logging.getLogger("controlplane")
@@ -118,26 +117,6 @@ async def serve(settings: ControlPlaneSettings) -> None:
         await stop.wait()
     finally:
         await service.aclose()
-
-
-class _JsonFormatter(logging.Formatter):
-    _SKIP = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message"}
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {
-            "ts": round(time.time(), 3),
-            "level": record.levelname,
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        entry.update({k: v for k, v in vars(record).items() if k not in self._SKIP})
-        return json.dumps(entry, default=str)
-
-
-def configure_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_JsonFormatter())
-    logging.basicConfig(level=level, handlers=[handler], force=True)
 
 
 def run_loop(settings: ControlPlaneSettings) -> None:

@@ -29,8 +29,8 @@ from dataplane.http_server import HttpServer
 from dataplane.service import ProxyService
 from dataplane.settings import LIST_FIELDS, ProxySettings
 from dataplane.worker_metrics import WorkerGroup
-from kvcore.gc_tuning import tune_gc
-from kvcore.jsonlog import configure_logging
+from kvruntime.gc_tuning import tune_gc
+from kvruntime.jsonlog import configure_logging
 
 log = logging.getLogger("dataplane")
 READY_PREFIX = "kvroute-proxy ready"

@@ -13,8 +13,8 @@ from typing import Any, Literal, get_args, get_origin
 from aiohttp import web
 from pydantic import ValidationError
 
-from kvcore.gc_tuning import tune_gc
-from kvcore.jsonlog import configure_logging
+from kvruntime.gc_tuning import tune_gc
+from kvruntime.jsonlog import configure_logging
 from sidecar.errors import SidecarError
 from sidecar.observability import create_app
 from sidecar.service import SidecarService

@@ -13,7 +13,7 @@ import asyncio
 import sys
 
 from bench.controlplane import inprocess, latency
-from kvcore.gc_tuning import tune_gc
+from kvruntime.gc_tuning import tune_gc
 
 Row = tuple[str, str, str, bool | None]  # figure, value, target, met (None: reported)
 

@@ -27,9 +27,9 @@ from bench.micro.model_files import write_tiny_model
 from bench.micro.report import Figure, median_us_each
 from dataplane.openai_request import InferenceRequest, parse_inference
 from dataplane.routing import Defaults, Router
-from kvcore.gc_tuning import tune_gc
 from kvcore.keys import block_keys, root_key
 from kvcore.tokenize import BuiltinTokenizer, HFTokenizer, PrefixTokenCache, Tokenizer
+from kvruntime.gc_tuning import tune_gc
 
 PROMPT_TOKENS = 8192
 SEEN_FRACTION = 0.9

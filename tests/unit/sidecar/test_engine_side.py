@@ -1,15 +1,12 @@
-"""The engine's HTTP side: load figures from /metrics, endpoint discovery, settings, logs."""
+"""The engine's HTTP side: load figures from /metrics, endpoint discovery, settings."""
 
 from __future__ import annotations
 
-import json
-import logging
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
-from kvcore.jsonlog import JsonFormatter
 from sidecar.engine_http import (
     EventEndpoints,
     configured_endpoints,
@@ -187,14 +184,6 @@ def test_a_bad_engine_kind_from_the_environment_is_refused(
     monkeypatch.setenv("KVROUTE_ENGINE_KIND", "tgi")
     with pytest.raises(ValidationError):
         load_settings(["--replica-id", "r", "--model", "m"])
-
-
-def test_json_logs_carry_extra_fields() -> None:
-    record = logging.makeLogRecord(
-        {"msg": "hello %s", "args": ("world",), "levelname": "INFO", "name": "sidecar", "epoch": 42}
-    )
-    line = json.loads(JsonFormatter().format(record))
-    assert (line["msg"], line["level"], line["epoch"]) == ("hello world", "INFO", 42)
 
 
 @pytest.mark.parametrize(
