@@ -125,7 +125,7 @@ def test_the_migrations_sit_beside_the_installed_packages() -> None:
 
 
 def test_the_image_compiles_the_proxys_request_path_and_ships_no_compiler() -> None:
-    """What the README's proxy figures measure: the request path compiled by mypyc
+    """What the proxy figures in docs/benchmarks.md measure: the request path compiled by mypyc
     (``setup.py`` with ``KVROUTE_NATIVE=1``), with mypy gone from the virtual environment
     once the wheel is built and the C compiler left in the build stage."""
     build = DOCKERFILE.stages["build"].instructions

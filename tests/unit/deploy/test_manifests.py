@@ -288,11 +288,11 @@ def test_every_secret_a_pod_needs_is_made_by_the_overlay_or_the_documented_steps
     docs = render(directory)
     made = {d["metadata"]["name"] for d in docs if d["kind"] == "Secret"}
     made |= {d["spec"]["secretName"] for d in docs if d["kind"] == "Certificate"}
-    readme = (KUBERNETES.parents[1] / "README.md").read_text()
+    steps = (KUBERNETES.parents[1] / "docs" / "kubernetes.md").read_text()
     documented = (
-        {"kvroute-controlplane"} if "secret generic kvroute-controlplane" in readme else set()
+        {"kvroute-controlplane"} if "secret generic kvroute-controlplane" in steps else set()
     )
-    if "deploy/kubernetes/webhook-certs.sh" in readme:
+    if "deploy/kubernetes/webhook-certs.sh" in steps:
         documented.add("kvroute-controlplane-tls")
     for workload in workloads(docs):
         for name, optional in secrets_named(pod_of(workload)):
