@@ -26,10 +26,11 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from controlplane.fleet import Fleet, FleetFull, ReplicaRecord
-from controlplane.nats_options import connect_options, redacted, subscriptions_live
+from controlplane.nats_options import connect_options
 from controlplane.settings import ControlPlaneSettings
 from kvcore import subjects
 from kvcore.pb import events_pb2
+from kvruntime.nats import redacted, subscriptions_live
 
 log = logging.getLogger(__name__)
 _RETRY_S = 0.25

@@ -22,8 +22,6 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Coroutine
-from typing import Any
 
 import aetcd
 from aetcd.leases import Lease
@@ -32,6 +30,7 @@ from controlplane.fleet import Fleet
 from controlplane.fleet_view import status_of
 from controlplane.settings import ControlPlaneSettings
 from kvcore.subjects import EtcdKeys, InvalidName
+from kvruntime.tasks import BackgroundTasks
 
 log = logging.getLogger(__name__)
 _RETRY_S = 0.5
@@ -45,10 +44,9 @@ class Leadership:
         self.keys = EtcdKeys(settings.etcd_prefix)
         self.leader = False
         self.leader_instance = ""  # the shard's leader as last seen ("" unknown)
-        self.terms = 0  # times this instance became leader
         self._leader_key = self.keys.shard_leader(settings.shard).encode()
         self._written: dict[str, bytes] = {}  # membership key -> value, this term
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = BackgroundTasks()
         self._lease: Lease | None = None
 
     def is_leader(self) -> bool:
@@ -56,15 +54,11 @@ class Leadership:
 
     async def start(self) -> None:
         revision = await self._load_drains()
-        self._spawn(self._watch_drains(revision + 1))
-        self._spawn(self._campaign())
+        self._tasks.spawn(self._watch_drains(revision + 1), name="drain-watch")
+        self._tasks.spawn(self._campaign(), name="campaign")
 
     async def aclose(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._tasks.aclose()
         if self.leader and self._lease is not None:  # hand over at once, not after the TTL
             with contextlib.suppress(aetcd.ClientError):
                 await self._lease.revoke()
@@ -111,7 +105,6 @@ class Leadership:
     async def _lead(self) -> None:
         assert self._lease is not None
         self.leader, self._written = True, {}
-        self.terms += 1
         log.info("leader", extra={"shard": self.settings.shard})
         period = self.settings.lease_ttl_s / 3
         while True:
@@ -195,8 +188,3 @@ class Leadership:
             log.warning("ignoring a malformed drain key")
             return
         self.fleet.set_draining(replica_id, draining)
-
-    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(coroutine)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)

@@ -10,7 +10,6 @@ on ``admin_host:admin_port``. :attr:`ControlPlane.ready_line` says where each li
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import socket
@@ -34,6 +33,7 @@ from controlplane.routing_server import RoutingStateService, start_server
 from controlplane.settings import ControlPlaneSettings
 from controlplane.webhook import injection_config, with_webhook
 from kvcore.pb import routing_pb2
+from kvruntime.tasks import BackgroundTasks
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class ControlPlane:
         self.admin_port = 0
         self._grpc: grpc.aio.Server | None = None
         self._uvicorn: uvicorn.Server | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks = BackgroundTasks()
         self.registry.register(
             FleetCollector(
                 self.fleet,
@@ -175,7 +175,7 @@ class ControlPlane:
             chunk_bytes=s.snapshot_chunk_bytes,
             shards=self._shards,
         )
-        self._tasks.append(asyncio.create_task(self.broadcaster.run()))
+        self._tasks.spawn(self.broadcaster.run(), name="broadcast")
         self.routing = RoutingStateService(self.broadcaster, self.records.reports, s.served_pools())
         try:
             self._grpc, self.grpc_port = await start_server(self.routing, s)
@@ -220,18 +220,14 @@ class ControlPlane:
         config.load()
         server.lifespan = config.lifespan_class(config)
         await server.startup(sockets=[sock])
-        self._tasks.append(asyncio.create_task(server.main_loop()))
+        self._tasks.spawn(server.main_loop(), name="admin-api")
 
     async def aclose(self) -> None:
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True
         if self._grpc is not None:
             await self._grpc.stop(grace=0.5)
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._tasks.aclose()
         if self._uvicorn is not None and self._uvicorn.started:
             await self._uvicorn.shutdown()
         await self.leadership.aclose()

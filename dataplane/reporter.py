@@ -19,7 +19,6 @@ to the next ``--controlplane`` address for the next flush.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -32,6 +31,7 @@ import grpc
 from dataplane.settings import ProxySettings
 from dataplane.state_client import CHANNEL_OPTIONS, channel_credentials
 from kvcore.pb import routing_pb2
+from kvruntime.tasks import BackgroundTasks
 
 log = logging.getLogger("dataplane.report")
 
@@ -78,7 +78,7 @@ class Reporter:
         self.sent = 0
         self.failures = 0
         self.last_error = ""
-        self._task: asyncio.Task[None] | None = None
+        self._tasks = BackgroundTasks()
 
     def record(
         self,
@@ -107,16 +107,12 @@ class Reporter:
     # -- lifecycle ------------------------------------------------------------------
 
     async def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="proxy-report")
+        if not self._tasks.running:
+            self._tasks.spawn(self._run(), name="proxy-report")
 
     async def aclose(self) -> None:
         """Stop, after one last attempt (bounded by the send timeout) to deliver."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._tasks.aclose()
         self.close_interval()
         await self.flush()
 

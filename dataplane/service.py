@@ -10,7 +10,6 @@ control plane through :class:`~dataplane.state_client.StateClient`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -34,6 +33,7 @@ from dataplane.tracing import Tracing
 from dataplane.upstream import Upstream
 from dataplane.worker_metrics import Siblings, WorkerGroup
 from kvcore.workload import RoutingConfig, parse_workload
+from kvruntime.tasks import BackgroundTasks
 
 log = logging.getLogger("dataplane")
 STATIC_REFRESH_S = 10.0
@@ -117,7 +117,7 @@ class ProxyService:
         )
         self.metrics.watch(self._state_age, self._open_breakers, self.probe.mismatches)
         self.metrics.in_flight.set_function(self.fleet.inflight_total)
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks = BackgroundTasks()
 
     async def start(self) -> None:
         if self.siblings is not None:
@@ -130,15 +130,11 @@ class ProxyService:
                 await self.reporter.start()
         else:
             await self._discover_static()
-            self._tasks.append(asyncio.create_task(self._refresh_static()))
+            self._tasks.spawn(self._refresh_static(), name="static-refresh")
         await self.probe.start()
 
     async def aclose(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._tasks.aclose()
         await self.probe.aclose()
         if self.reporter is not None:
             await self.reporter.aclose()

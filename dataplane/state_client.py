@@ -19,7 +19,6 @@ The RPC is bound by its full method name (no generated stubs: see docs/architect
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from dataplane.errors import SnapshotNeeded
 from dataplane.fleet_state import FleetState
 from dataplane.settings import ProxySettings
 from kvcore.pb import routing_pb2
+from kvruntime.tasks import BackgroundTasks
 
 log = logging.getLogger("dataplane.state")
 
@@ -91,7 +91,7 @@ class StateClient:
         self._idle_timeout_s = idle_timeout_s
         self._rng = rng or random.Random()
         self._next = self._rng.randrange(len(self._addresses))
-        self._task: asyncio.Task[None] | None = None
+        self._tasks = BackgroundTasks()
         self._applied = asyncio.Condition()
         self._ready = asyncio.Event()
         self.connected_to: str | None = None
@@ -101,15 +101,11 @@ class StateClient:
 
     async def start(self) -> None:
         """Start watching (returns at once; see :meth:`wait_ready`)."""
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="state-watch")
+        if not self._tasks.running:
+            self._tasks.spawn(self._run(), name="state-watch")
 
     async def aclose(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._tasks.aclose()
 
     @property
     def ready(self) -> bool:

@@ -30,6 +30,7 @@ import msgspec
 from dataplane.fleet_state import Endpoint, FleetState
 from kvcore.pb import routing_pb2
 from kvcore.tokenize import Tokenizer, TokenizerError, load_tokenizer
+from kvruntime.tasks import BackgroundTasks
 
 log = logging.getLogger("dataplane.probe")
 
@@ -83,19 +84,15 @@ class TokenizerProbe:
         self._wake = asyncio.Event()
         self._probed = asyncio.Condition()  # notified after every round
         self._session: aiohttp.ClientSession | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._tasks = BackgroundTasks()
         state.subscribe(self._wake.set)
 
     async def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="tokenizer-probe")
+        if not self._tasks.running:
+            self._tasks.spawn(self._run(), name="tokenizer-probe")
 
     async def aclose(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._tasks.aclose()
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -11,7 +11,6 @@ HTTP handlers only ``submit`` requests and await their ``RequestHandle``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from enginesim.publisher import EventPublisher, PublisherConfig
 from enginesim.scheduler import CoreLimits, EngineCore, SimRequest, StepOutput
 from enginesim.settings import SimSettings
 from enginesim.wire import make_format
+from kvruntime.tasks import BackgroundTasks
 
 log = logging.getLogger(__name__)
 THREAD_HASH_TOKENS = 4096
@@ -84,17 +84,14 @@ class Engine:
         self.faults = FaultInjector()
         self._handles: dict[SimRequest, RequestHandle] = {}
         self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._tasks = BackgroundTasks()
 
     async def start(self) -> None:
         self.publisher.start()
-        self._task = asyncio.create_task(self._run(), name="enginesim-steps")
+        self._tasks.spawn(self._run(), name="enginesim-steps")
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._tasks.aclose()
         self.publisher.close()
 
     # -- requests ------------------------------------------------------------------

@@ -14,28 +14,19 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import nats
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from kvruntime.nats import redacted, subscriptions_live
+
 log = logging.getLogger(__name__)
 
 Respond = Callable[[bytes], Awaitable[None]]
 RequestHandler = Callable[[bytes, Respond], Awaitable[None]]
 _RETRY_S = 0.25
-
-
-def redacted(url: str) -> str:
-    """``url`` without the password or token it may embed (``nats://user:secret@host``)."""
-    parts = urlsplit(url)
-    if parts.password is None and not (parts.username and "@" in parts.netloc):
-        return url
-    host = parts.hostname or ""
-    netloc = f"***@{host}:{parts.port}" if parts.port else f"***@{host}"
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 class NatsLink:
@@ -153,24 +144,3 @@ class NatsLink:
             await nc.drain()
         except (nats.errors.Error, OSError, TimeoutError):
             await nc.close()
-
-
-async def subscriptions_live(nc: Client, timeout_s: float = 5.0) -> bool:
-    """Wait until the server holds every subscription made so far on ``nc``; ``False``
-    if that could not be seen within ``timeout_s`` (a server that forbids publishing to
-    ``_INBOX.>``, say: the subscriptions then go live a moment later, as before).
-
-    nats-py's ``flush()`` writes its PING ahead of the SUBs still queued for its flusher
-    (2.16), so its PONG does not prove they reached the server, and a request sent
-    meanwhile from another connection finds no responder. A message to a fresh inbox of
-    ours, queued after them, does prove it: the server handles a connection's commands in
-    order.
-    """
-    probe = await nc.subscribe(nc.new_inbox(), max_msgs=1)
-    await nc.publish(probe.subject, b"")
-    try:
-        await probe.next_msg(timeout=timeout_s)
-    except nats.errors.TimeoutError:
-        await probe.unsubscribe()
-        return False
-    return True

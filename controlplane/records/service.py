@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -24,6 +23,7 @@ from controlplane.records.reports import ReportInbox
 from controlplane.records.services.alerts import AlertMonitor
 from controlplane.settings import ControlPlaneSettings
 from kvcore.subjects import EtcdKeys
+from kvruntime.tasks import BackgroundTasks
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class Records:
         self.alerts = AlertMonitor(settings, self.database.sessions, self.metrics)
         self.registry = registry
         self.app = self._build_app(tracer_provider)
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks = BackgroundTasks()
         self.started = False
 
     def _build_app(self, tracer_provider: TracerProvider | None) -> FastAPI:
@@ -77,12 +77,7 @@ class Records:
 
     async def aclose(self) -> None:
         self.started = False
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks.clear()
+        await self._tasks.aclose()
         await self.store.aclose()
         await self.alerts.aclose()
         await self.database.aclose()
@@ -91,7 +86,7 @@ class Records:
         return self.started and self.store.loaded and await self.database.ping()
 
     def _every(self, period_s: float, job: Callable[[], Awaitable[object]], name: str) -> None:
-        self._tasks.append(asyncio.create_task(self._leader_loop(period_s, job, name), name=name))
+        self._tasks.spawn(self._leader_loop(period_s, job, name), name=name)
 
     async def _leader_loop(
         self, period_s: float, job: Callable[[], Awaitable[object]], name: str

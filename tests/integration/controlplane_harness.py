@@ -25,9 +25,9 @@ import trustme
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from controlplane.nats_options import subscriptions_live
 from kvcore import subjects
 from kvcore.pb import events_pb2
+from kvruntime.nats import subscriptions_live
 
 SNAPSHOT_PART_KEYS = 1000
 

@@ -32,7 +32,7 @@ from kvcore.engine_events import normalize_hash
 from kvcore.keys import block_keys
 from kvcore.pb import events_pb2
 from kvroute.servers import free_port
-from sidecar.nats_link import subscriptions_live
+from kvruntime.nats import subscriptions_live
 from sidecar.service import SidecarService
 from sidecar.settings import SidecarSettings
 from tests.unit.sidecar.support import ResidencyMirror

@@ -10,7 +10,7 @@ import pytest
 from kvcore import subjects
 from kvcore.pb import events_pb2
 from kvroute.servers import NatsServer
-from sidecar.nats_link import subscriptions_live
+from kvruntime.nats import subscriptions_live
 
 pytestmark = pytest.mark.integration
 

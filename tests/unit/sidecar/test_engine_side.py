@@ -17,7 +17,6 @@ from sidecar.engine_http import (
 from sidecar.errors import EngineUnavailable
 from sidecar.load_metrics import EngineLoad, parse_engine_load
 from sidecar.main import load_settings, main
-from sidecar.nats_link import redacted
 
 VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -184,18 +183,6 @@ def test_a_bad_engine_kind_from_the_environment_is_refused(
     monkeypatch.setenv("KVROUTE_ENGINE_KIND", "tgi")
     with pytest.raises(ValidationError):
         load_settings(["--replica-id", "r", "--model", "m"])
-
-
-@pytest.mark.parametrize(
-    ("url", "shown"),
-    [
-        ("nats://127.0.0.1:4222", "nats://127.0.0.1:4222"),
-        ("nats://user:s3cret@nats.svc:4222", "nats://***@nats.svc:4222"),
-        ("nats://tok3n@nats.svc", "nats://***@nats.svc"),
-    ],
-)
-def test_nats_urls_are_logged_without_credentials(url: str, shown: str) -> None:
-    assert redacted(url) == shown
 
 
 def test_an_engine_ca_that_is_no_pem_bundle_is_refused_at_start(
