@@ -15,8 +15,12 @@ usage read and the counters of :meth:`Dispatcher.finish`) just after the answer 
 written to the client, each before anything else is awaited.
 
 Every request ends in :meth:`Dispatcher.finish`, whatever happened: the in-flight count
-is released, the fidelity counters (predicted vs engine-reported cached tokens) go to
-Prometheus and to the control-plane reporter, and the outcome is counted.
+is released, the outcome is counted, and for a request a replica answered whole the
+fidelity counters (prompt tokens, predicted and engine-reported cached tokens) go to
+Prometheus and to the control-plane reporter. A request refused (an engine's 4xx or
+5xx), broken off or cancelled counts none of them: its prediction would have no
+measurement beside it, and the predicted and measured hit rates, both over prompt
+tokens, would drift apart on errors alone. The reporter counts it as an error.
 """
 
 from __future__ import annotations
@@ -257,9 +261,11 @@ class Dispatcher:
         if exchange.outcome == "ok" and attempt.opened.status >= 400:
             exchange.outcome = "client_error" if attempt.opened.status < 500 else "upstream_error"
         self.metrics.count(workload, replica, exchange.outcome)
-        if exchange.outcome == "cancelled":
-            return
-        self._fidelity(exchange, attempt, workload)
+        if exchange.outcome == "ok":
+            self._fidelity(exchange, attempt, workload)
+        elif exchange.outcome != "cancelled" and self.reporter is not None:
+            # refused or broken off: an error, with no prompt served to compare
+            self.reporter.record(workload, attempt.endpoint.pool, replica, 0, 0, None, True)
 
     def _measured(self, usage: Usage | None, replica: str) -> int | None:
         """The cached tokens an answer's usage reports; ``None``: unknown. vLLM reports
@@ -299,7 +305,6 @@ class Dispatcher:
         replica = attempt.endpoint.replica_id
         self.metrics.fidelity(workload, replica, prompt, attempt.predicted, measured)
         if self.reporter is not None:
-            error = exchange.outcome != "ok"
             self.reporter.record(
-                workload, attempt.endpoint.pool, replica, prompt, attempt.predicted, measured, error
+                workload, attempt.endpoint.pool, replica, prompt, attempt.predicted, measured, False
             )

@@ -7,8 +7,8 @@ Names (prefix ``kvroute_proxy_``):
 |---|---|---|
 | ``requests_total`` | workload, replica, outcome | requests by how they ended (below) |
 | ``decision_seconds`` | strategy | classify + render + tokenize + key + score |
-| ``prompt_tokens_total`` | workload, replica | prompt tokens routed |
-| ``predicted_cached_tokens_total`` | workload, replica | cached tokens the router expected |
+| ``prompt_tokens_total`` | workload, replica | prompt tokens of requests answered whole (below) |
+| ``predicted_cached_tokens_total`` | workload, replica | cached tokens routing expected there |
 | ``measured_cached_tokens_total`` | workload, replica | cached tokens the engine reported |
 | ``measured_requests_total`` | workload, replica | responses that reported cached tokens |
 | ``upstream_ttfb_seconds`` | replica | request sent -> first body byte from the replica |
@@ -29,7 +29,8 @@ Outcomes: ``ok``, ``upstream_error`` (a 5xx or a broken stream), ``client_error`
 from the engine), ``no_replica``, ``cancelled`` (the client went away). Retry reasons:
 ``connect``, ``status_502``, ``status_503``, ``disconnect``, ``timeout`` (no byte for
 ``--upstream-timeout-s``). Only requests that reached a replica carry its id; requests
-refused before routing are counted with ``replica=""``.
+refused before routing are counted with ``replica=""``. The three token counters count
+the same requests, those that ended ``ok`` (:mod:`dataplane.exchange`).
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ class Reporter:
         error: bool,
     ) -> None:
         """Count one finished request (``measured_cached``: ``None`` when the response
-        did not report cached tokens)."""
+        did not report cached tokens; an ``error`` carries no tokens)."""
         row = self._counters.get((workload, pool, replica_id))
         if row is None:
             row = self._counters[(workload, pool, replica_id)] = [0, 0, 0, 0, 0, 0]

@@ -153,10 +153,12 @@ class Totals:
     @property
     def measured_hit_rate(self) -> float | None:
         """Engine-measured cached tokens over the prompt tokens of the measured requests
-        (estimated as the prompt tokens times the measured share of requests)."""
-        if not self.measured_requests or not self.requests or not self.prompt_tokens:
+        (estimated as the prompt tokens times the measured share of the answered
+        requests: an error carries no prompt tokens, ``dataplane.exchange``)."""
+        answered = self.requests - self.errors
+        if not self.measured_requests or answered <= 0 or not self.prompt_tokens:
             return None
-        measured_prompt = self.prompt_tokens * self.measured_requests / self.requests
+        measured_prompt = self.prompt_tokens * self.measured_requests / answered
         return min(1.0, self.measured_cached_tokens / measured_prompt)
 
     @property
