@@ -59,6 +59,7 @@ from dataplane.relay import GenerateRelay, SseRelay, generate_usage_of, usage_of
 from dataplane.routing import Prepared, Router
 from dataplane.tracing import Tracing, describe, traceparent_of
 from kvcore.pb import routing_pb2
+from kvcore.workload.classify import WORKLOAD_HEADER
 
 log = logging.getLogger("dataplane")
 
@@ -81,6 +82,12 @@ _DROP_UPSTREAM = frozenset(
      "upgrade", "accept-encoding", "proxy-authorization", "proxy-connection", "expect"}
 )  # fmt: skip
 _encode = msgspec.json.encode
+# request headers the proxy reads as one value: a second line of any is a 400 (the
+# server's own, host and framing, are always)
+SINGLE_HEADERS = frozenset(
+    {"x-request-id", WORKLOAD_HEADER, "traceparent", "tracestate", "origin",
+     "access-control-request-method"}
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +138,9 @@ class ProxyApp:
         self.cards = cards  # the engines' model cards (else the proxy's own)
         self.cors = Cors(options.cors_allowed_origins) if options.cors_allowed_origins else None
         self._ids = RequestIds()
+        tenant_header = router.defaults.tenant_header
+        # what the server refuses to see twice in one request, for this handler
+        self.single_headers = SINGLE_HEADERS | ({tenant_header} if tenant_header else set())
 
     async def __call__(self, request: Request, response: Response) -> None:
         request_id = request.headers.get("x-request-id") or self._ids.next()

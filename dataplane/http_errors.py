@@ -11,6 +11,7 @@ responses; nothing below it builds an error body by hand::
         ├── Unauthorized            401 authentication_error
         ├── NotFound                404 not_found_error (an unknown model, a route)
         ├── MethodNotAllowed        405
+        ├── RequestTimeout          408 (the request's head came too slowly)
         ├── PayloadTooLarge         413
         ├── HeadersTooLarge         431 (the request line and headers)
         ├── StreamBroken            502: the replica broke off a stream already started
@@ -75,6 +76,10 @@ class NotFound(ApiError):
 
 class MethodNotAllowed(ApiError):
     status, error_type = 405, "invalid_request_error"
+
+
+class RequestTimeout(ApiError):
+    status, error_type = 408, "invalid_request_error"
 
 
 class PayloadTooLarge(ApiError):

@@ -24,8 +24,23 @@ serves only what the proxy needs:
 - ``Upgrade`` is ignored (the answer is HTTP/1.1, as RFC 9110 allows);
 - every answer has a ``date`` (RFC 9110's, formatted once a second), first after the
   status line as uvicorn and hyper write it;
-- a malformed request (a parser error, a head over ``MAX_HEAD_BYTES``) gets a 4xx in
-  OpenAI's error shape and the connection closes.
+- a malformed request (a parser error, a head over ``MAX_HEAD_BYTES``, an HTTP/0.9
+  request line, a second ``host``, ``authorization``, ``content-length`` or
+  ``transfer-encoding`` line or of any header in ``single_headers``: RFC 9110/9112, and
+  a front proxy may have read the other value) gets a 4xx in OpenAI's error shape; any
+  other repeated header reaches the handler joined with ", " (RFC 9110, 5.3), never
+  collapsed to one value;
+- a refused request's answer is followed by a lingering close (as nginx's): the server
+  stops writing, reads on and discards for up to ``LINGER_S``, so a client still
+  sending a body (one over ``max_body_bytes``, sent chunked) finishes and reads its 413
+  instead of a reset;
+- a client that half-closes after sending (``printf ... | nc``) still gets every answer;
+- a request's head must arrive whole within ``header_timeout_s`` of its first byte (of
+  the connection, for its first request), else 408 and close, whatever keep-alive says:
+  a client dripping header bytes holds a connection no longer (nginx's
+  ``client_header_timeout``);
+- at most ``max_connections`` connections at once: one more is answered 503 with the
+  reason and closed (0: no cap).
 
 The handler is ``async def handler(request: Request, response: Response) -> None``; an
 exception it lets out is logged and answered 500 if nothing was sent yet.
@@ -45,12 +60,23 @@ from typing import Any
 
 import httptools
 
-from dataplane.http_errors import ApiError, BadRequest, HeadersTooLarge, PayloadTooLarge
+from dataplane.http_errors import (
+    ApiError,
+    BadRequest,
+    HeadersTooLarge,
+    PayloadTooLarge,
+    RequestTimeout,
+    ServiceUnavailable,
+)
 
 log = logging.getLogger("dataplane")
 
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers together
 MAX_PIPELINED = 8  # requests read ahead of the one being answered
+HEADER_TIMEOUT_S = 15.0
+LINGER_S = 5.0  # a refused client's bytes read and dropped for up to this, then close
+# headers the server reads itself: more than one line of any is refused (RFC 9112)
+SINGLE_HEADERS = frozenset({"host", "authorization", "content-length", "transfer-encoding"})
 _STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in HTTPStatus}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _CLOSE = b"connection: close\r\n"
@@ -60,7 +86,8 @@ _JSON = b"application/json"
 
 
 class Request:
-    """One parsed request; ``headers`` by lower-case name (a repeated header: the last)."""
+    """One parsed request; ``headers`` by lower-case name (a repeated header's values
+    joined with ", ")."""
 
     __slots__ = ("body", "headers", "http_1_0", "keep_alive", "method", "path", "query")
 
@@ -224,6 +251,10 @@ class _Connection(asyncio.Protocol):
         self._served = 0  # requests completed, for the idle check
         self._served_at_check = -1
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._in_head = False  # a request's head has begun and is not complete
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._linger_timer: asyncio.TimerHandle | None = None
+        self._client_done = False  # the client half-closed: answer what came, then close
         self._start_message()
 
     def _start_message(self) -> None:
@@ -241,14 +272,20 @@ class _Connection(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.server.connections.add(self)
+        server = self.server
+        if server.max_connections and len(server.connections) >= server.max_connections:
+            self._refuse(server.over_capacity())
+            return
+        server.connections.add(self)
         self._check_idle()
+        self._head_timer = self.loop.call_later(server.header_timeout_s, self._head_late)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.gone = True
         self.server.forget(self)
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
+        for timer in (self._idle_timer, self._head_timer, self._linger_timer):
+            if timer is not None:
+                timer.cancel()
         if self.task is not None:
             self.task.cancel()  # the handler stops; the upstream request is dropped
         if self._drained is not None and not self._drained.done():
@@ -267,6 +304,15 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             refusal = self._refusal or BadRequest(f"Malformed HTTP request: {exc}.")
             self._refuse(refusal)
+            return
+        if self._in_head and self._head_timer is None:  # a head split over reads
+            assert self.loop is not None
+            self._head_timer = self.loop.call_later(self.server.header_timeout_s, self._head_late)
+
+    def eof_received(self) -> bool:
+        """The client sends no more: answer the requests it sent, then close."""
+        self._client_done = True
+        return not (self._broken or self.idle())  # False: the transport closes now
 
     def pause_writing(self) -> None:
         self.paused = True
@@ -280,6 +326,7 @@ class _Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._start_message()
+        self._in_head = True
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -291,9 +338,27 @@ class _Connection(asyncio.Protocol):
         self._head_bytes += len(name) + len(value)
         if self._head_bytes > MAX_HEAD_BYTES:
             self._head_too_large()
-        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        key, text, headers = name.decode("latin-1").lower(), value.decode("latin-1"), self._headers
+        if key in headers:
+            text = self._repeated(key, headers[key], text)
+        headers[key] = text
+
+    def _repeated(self, name: str, before: str, value: str) -> str:
+        """A header's second line: refused if the server or handler reads it as one
+        value, else joined to the first (a cookie with "; ", RFC 9113's way)."""
+        if name in self.server.single_headers:
+            self._refusal = BadRequest(
+                f"The request has more than one {name} header; send it once.", name,
+                "repeated_header",
+            )  # fmt: skip
+            raise _Refused
+        return f"{before}{'; ' if name == 'cookie' else ', '}{value}"
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
         length = self._headers.get("content-length", "")
         limit = self.server.max_body_bytes
         if length.isdigit() and int(length) > limit:
@@ -315,9 +380,13 @@ class _Connection(asyncio.Protocol):
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         path, query = _split_url(self._url)
         method = self.parser.get_method().decode("ascii")
+        version = self.parser.get_http_version()
+        if version == "0.9":  # llhttp reads a request line without a version so
+            self._refusal = BadRequest("HTTP/0.9 requests are not served; use HTTP/1.1.")
+            raise _Refused
         request = Request(method, path, query, self._headers, body)
         request.keep_alive = self.parser.should_keep_alive()
-        request.http_1_0 = self.parser.get_http_version() == "1.0"
+        request.http_1_0 = version == "1.0"
         self._served += 1
         self._enqueue(request)
 
@@ -341,17 +410,34 @@ class _Connection(asyncio.Protocol):
         self._broken = True
         self._enqueue(exc)
 
+    def _head_late(self) -> None:
+        """The header deadline: a head begun and not complete gets 408; a connection
+        that sent nothing at all is closed."""
+        self._head_timer = None
+        if self._broken or self.gone:
+            return
+        if self._in_head:
+            limit = self.server.header_timeout_s
+            self._refuse(RequestTimeout(f"The request's headers took over {limit:g} s to arrive."))
+        elif self._served == 0 and self.idle():
+            self.close()
+
     def _next(self) -> None:
-        if self.gone or not self.waiting:
+        if self.gone:
+            return
+        if not self.waiting:
+            if self._client_done:
+                self.close()
             return
         item = self.waiting.popleft()
-        if not self._reading and len(self.waiting) < MAX_PIPELINED and not self._broken:
+        resume = not (self._reading or self._broken or self._client_done)
+        if resume and len(self.waiting) < MAX_PIPELINED:
             self._reading = True
             assert self.transport is not None
             self.transport.resume_reading()
         if isinstance(item, ApiError):  # a refused request: answer, then hang up
             self.write(_error_bytes(item))
-            self.close()
+            self._linger()
             return
         assert self.loop is not None  # requests come after connection_made
         self.task = self.loop.create_task(self._run(item))
@@ -388,6 +474,25 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 
+    def _linger(self) -> None:
+        """Close after a refusal without resetting a client still sending: write no
+        more (FIN after the answer), read and drop what comes (``_broken``) until the
+        client closes or ``LINGER_S``. Closing with its bytes unread would send a reset,
+        which may destroy the answer before the client reads it."""
+        transport = self.transport
+        if transport is None or transport.is_closing() or self._client_done:
+            self.close()
+            return
+        if not transport.can_write_eof():
+            self.close()
+            return
+        transport.write_eof()
+        if not self._reading:
+            self._reading = True
+            transport.resume_reading()
+        assert self.loop is not None
+        self._linger_timer = self.loop.call_later(LINGER_S, self.close)
+
     def idle(self) -> bool:
         return self.task is None and not self.waiting
 
@@ -420,10 +525,23 @@ def _split_url(url: bytes) -> tuple[str, str]:
 class HttpServer:
     """Serves ``handler`` on listening sockets until :meth:`aclose`."""
 
-    def __init__(self, handler: Handler, *, max_body_bytes: int, keep_alive_s: float = 75.0):
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        max_body_bytes: int,
+        keep_alive_s: float = 75.0,
+        header_timeout_s: float = HEADER_TIMEOUT_S,
+        max_connections: int = 0,
+        single_headers: frozenset[str] = frozenset(),
+    ) -> None:
         self.handler = handler
         self.max_body_bytes = max_body_bytes
         self.keep_alive_s = keep_alive_s
+        self.header_timeout_s = header_timeout_s
+        self.max_connections = max_connections
+        # the server's own and the handler's (``single_headers``): one line each
+        self.single_headers = SINGLE_HEADERS | single_headers
         self.connections: set[_Connection] = set()
         self.closing = False
         self._servers: list[asyncio.Server] = []
@@ -438,6 +556,15 @@ class HttpServer:
     def protocol(self) -> asyncio.Protocol:
         """A new connection's protocol (what the listening socket makes per client)."""
         return _Connection(self)
+
+    def over_capacity(self) -> ApiError:
+        """What a connection beyond ``max_connections`` is told."""
+        return ServiceUnavailable(
+            f"The proxy is serving its limit of {self.max_connections} connections; retry "
+            "shortly or on another proxy.",
+            code="too_many_connections",
+            headers=((b"retry-after", b"1"),),
+        )
 
     def forget(self, connection: _Connection) -> None:
         self.connections.discard(connection)

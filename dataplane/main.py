@@ -125,7 +125,12 @@ async def serve(
     await service.start()
     sock.listen(4096)
     server = HttpServer(
-        service.app, max_body_bytes=settings.max_body_bytes, keep_alive_s=settings.keep_alive_s
+        service.app,
+        max_body_bytes=settings.max_body_bytes,
+        keep_alive_s=settings.keep_alive_s,
+        header_timeout_s=settings.header_timeout_s,
+        max_connections=settings.max_connections,
+        single_headers=service.app.single_headers,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

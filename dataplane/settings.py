@@ -165,6 +165,22 @@ class ProxySettings(BaseSettings):
         "balancer's own idle timeout (AWS ALB 60 s, Google Cloud's 600 s), or the balancer "
         "may send a request on a connection the proxy is closing.",
     )
+    header_timeout_s: float = Field(
+        default=15.0,
+        gt=0,
+        le=3600,
+        description="A request's line and headers must arrive within this of its first byte "
+        "(of the connection, for its first request), else 408 and the connection closes: a "
+        "client dripping header bytes holds a connection no longer, whatever keep-alive says.",
+    )
+    max_connections: int = Field(
+        default=10000,
+        ge=0,
+        description="Client connections one proxy process (each of --workers) holds at once; "
+        "one more is answered 503 (code too_many_connections, Retry-After 1) and closed "
+        "(0: no cap). Keep it under the process's file-descriptor limit, less one upstream "
+        "connection per request in flight.",
+    )
     shutdown_grace_s: float = Field(
         default=30.0,
         ge=0,

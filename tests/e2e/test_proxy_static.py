@@ -569,6 +569,46 @@ def test_an_idle_client_connection_is_closed_after_keep_alive_s(fleet: Any) -> N
             assert conn.recv(4096) == b""  # closed by the proxy once idle (10 s at most)
 
 
+def _raw(conn: socket.socket, data: bytes) -> bytes:
+    """What the proxy answers ``data`` with, up to its close."""
+    conn.sendall(data)
+    answer = b""
+    while more := conn.recv(65536):
+        answer += more
+    return answer
+
+
+def test_the_proxys_flags_refuse_repeats_slow_heads_and_connections_over_the_cap(
+    fleet: Any,
+) -> None:
+    """A second line of a header the proxy reads (its tenant header, the request id,
+    authorization) is a 400; a head not whole within --header-timeout-s is a 408; a
+    connection over --max-connections a 503 saying why."""
+    sims, _ = fleet
+    flags = ("--tenant-header=x-tenant", "--header-timeout-s=0.5", "--max-connections=2")
+    with ProxyProcess(f"--static-replicas={sims[0].url}", *flags) as proxy:
+        address = proxy.url.removeprefix("http://").split(":")
+        host, port = address[0], int(address[1])
+        for name in ("x-tenant", "x-request-id", "authorization", "host"):
+            with socket.create_connection((host, port), timeout=10) as conn:
+                head = f"GET /v1/models HTTP/1.1\r\nhost: p\r\n{name}: a\r\n{name}: b\r\n\r\n"
+                answer = _raw(conn, head.encode())
+            assert answer.startswith(b"HTTP/1.1 400 "), (name, answer[:60])
+            assert b"more than one " + name.encode() in answer
+        with socket.create_connection((host, port), timeout=10) as conn:
+            started = time.monotonic()
+            answer = _raw(conn, b"GET /v1/models HTTP/1.1\r\nhost: p\r\n")
+            assert answer.startswith(b"HTTP/1.1 408 ") and time.monotonic() - started < 5
+        with ExitStack() as held:
+            for _ in range(2):
+                conn = held.enter_context(socket.create_connection((host, port), timeout=10))
+                conn.sendall(b"GET /healthz HTTP/1.1\r\nhost: p\r\n\r\n")
+                assert conn.recv(4096).startswith(b"HTTP/1.1 200 ")
+            with socket.create_connection((host, port), timeout=10) as conn:
+                answer = _raw(conn, b"GET /healthz HTTP/1.1\r\nhost: p\r\n\r\n")
+            assert answer.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in answer
+
+
 def test_other_v1_routes_reach_a_replica_and_request_ids_are_kept(fleet: Any) -> None:
     """A request's ``x-request-id``, kept or made up, is the one the replica names its
     answer after (``cmpl-`` or ``chatcmpl-`` and the header, as vLLM does)."""

@@ -133,12 +133,14 @@ class Echo:
 
 @asynccontextmanager
 async def serving(
-    handler: Any, keep_alive_s: float = 75.0
+    handler: Any, keep_alive_s: float = 75.0, **limits: Any
 ) -> AsyncIterator[tuple[HttpServer, Any]]:
+    """``handler`` served on a free port, with the server's ``limits`` (header
+    deadline, connection cap) if given; yields the server and a way to connect."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen()
-    server = HttpServer(handler, max_body_bytes=LIMIT, keep_alive_s=keep_alive_s)
+    server = HttpServer(handler, max_body_bytes=LIMIT, keep_alive_s=keep_alive_s, **limits)
     await server.start(sock)
     port = sock.getsockname()[1]
     clients: list[Client] = []
@@ -412,3 +414,149 @@ async def test_closing_the_server_lets_a_request_in_progress_finish() -> None:
         assert len(answer.body) > 64 * 65536 and echo.finished.is_set()
         assert answer.headers.get("connection") != "close"  # the head was out before
         assert await client.closed_by_server()
+
+
+# -- what an attacker or a careless client sends (issue 42 item 3, issue 46 item 4) ----
+
+
+@on_both_loops
+async def test_a_repeated_header_the_server_reads_is_refused_400() -> None:
+    """RFC 9112 asks a 400 for two ``host`` lines; two ``authorization`` (or framing)
+    values are an ambiguity a front proxy may have resolved the other way."""
+    async with serving(Echo()) as (_, connect):
+        for name, first, second in (
+            ("host", "a", "b"),
+            ("authorization", "Bearer one", "Bearer two"),
+            ("content-length", "2", "2"),
+            ("transfer-encoding", "chunked", "chunked"),
+            ("Authorization", "Bearer one", "Bearer one"),
+        ):
+            framing = "" if name.endswith(("length", "encoding")) else "content-length: 0\r\n"
+            head = f"POST /v1/x HTTP/1.1\r\n{framing}{name}: {first}\r\n{name}: {second}\r\n"
+            client = await connect()
+            await client.send(head.encode() + b"\r\n0\r\n\r\n")
+            answer = await client.answer()
+            assert answer.status == 400, name
+            assert name.lower() in body_of(answer)["error"]["message"].lower()
+            assert await client.closed_by_server()
+
+
+@on_both_loops
+async def test_a_header_the_handler_reads_is_refused_when_repeated() -> None:
+    async with serving(Echo()) as (server, connect):
+        server.single_headers |= {"x-tenant"}
+        client = await connect()
+        await client.send(post("/v1/x", b"{}", "x-tenant: a", "x-tenant: b"))
+        answer = await client.answer()
+        assert answer.status == 400 and "x-tenant" in body_of(answer)["error"]["message"]
+
+
+@on_both_loops
+async def test_other_repeated_headers_reach_the_handler_joined_not_collapsed() -> None:
+    async with serving(Echo()) as (_, connect):
+        client = await connect()
+        await client.send(post("/v1/x", b"{}", "user-agent: one", "user-agent: two"))
+        assert body_of(await client.answer())["agent"] == "one, two"
+
+
+@on_both_loops
+async def test_an_http_0_9_request_is_refused_not_served() -> None:
+    async with serving(Echo()) as (_, connect):
+        client = await connect()
+        await client.send(b"GET /v1/x\r\n\r\n")
+        raw = await asyncio.wait_for(client.reader.read(), 10)  # up to the close
+        assert raw.startswith(b"HTTP/1.1 400 "), raw[:40]
+        assert b"HTTP/0.9" in raw
+
+
+@on_both_loops
+async def test_three_pipelined_requests_then_the_clients_eof_get_three_answers() -> None:
+    """``printf 'GET..GET..GET..' | nc``: the client half-closes after sending; every
+    request it sent is still answered, in order, then the server closes."""
+    async with serving(Echo()) as (_, connect):
+        client = await connect()
+        await client.send(b"".join(post(f"/p{i}", b"%d" % i) for i in range(3)))
+        client.writer.write_eof()
+        paths = [body_of(await client.answer())["path"] for _ in range(3)]
+        assert paths == ["/p0", "/p1", "/p2"]
+        assert await client.closed_by_server()
+
+
+@on_both_loops
+async def test_a_body_over_the_limit_still_being_sent_gets_its_413_not_a_reset() -> None:
+    """A chunked upload (no declared length) of 2 MiB against a 4 KiB limit: the client
+    sends it all before it reads, as most clients do; the server answers 413 and reads
+    on (discarding) until the client is done, so the upload ends and the 413 is read."""
+    async with serving(Echo()) as (_, connect):
+        client = await connect()
+        head = b"POST /v1/x HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n"
+        piece = b"10000\r\n" + b"x" * 65536 + b"\r\n"
+        await client.send(head + piece * 32 + b"0\r\n\r\n")  # raises on a reset
+        answer = await client.answer()
+        assert answer.status == 413 and answer.headers["connection"] == "close"
+        assert await client.closed_by_server()
+
+
+@on_both_loops
+async def test_a_client_dripping_its_head_is_cut_at_the_header_deadline() -> None:
+    """One header byte every 20 ms keeps the connection busy forever without a deadline
+    of its own; keep-alive (75 s) does not cut it. The server answers 408 and closes."""
+    async with serving(Echo(), header_timeout_s=0.3) as (_, connect):
+        client = await connect()
+        started = time.monotonic()
+        await client.send(b"GET /v1/x HTTP/1.1\r\nhost: t\r\n")
+
+        async def drip() -> None:
+            with contextlib.suppress(OSError):
+                while True:
+                    await client.send(b"x")
+                    await asyncio.sleep(0.02)  # the client's pace, what is tested
+
+        dripping = asyncio.ensure_future(drip())
+        try:
+            raw = await asyncio.wait_for(client.reader.read(), 10)  # up to the close
+        finally:
+            dripping.cancel()
+        assert raw.startswith(b"HTTP/1.1 408 "), raw[:40]
+        assert 0.3 <= time.monotonic() - started < 3
+
+
+@on_both_loops
+async def test_a_connection_that_sends_nothing_is_closed_at_the_header_deadline() -> None:
+    async with serving(Echo(), header_timeout_s=0.2) as (_, connect):
+        client = await connect()
+        assert await asyncio.wait_for(client.reader.read(), 10) == b""
+
+
+@on_both_loops
+async def test_the_header_deadline_does_not_cut_a_request_being_served() -> None:
+    async with serving(Echo(), header_timeout_s=0.2) as (_, connect):
+        client = await connect()
+        await client.send(b"GET /stream?40 HTTP/1.1\r\nhost: t\r\n\r\n")
+        await asyncio.sleep(0.4)  # past the deadline, reading nothing: the stream waits
+        answer = await client.answer()
+        assert answer.status == 200 and len(answer.body) > 40 * 65536
+
+
+@on_both_loops
+async def test_connections_beyond_the_cap_are_refused_503_with_a_reason() -> None:
+    async with serving(Echo(), max_connections=2) as (_, connect):
+        held = [await connect() for _ in range(2)]
+        for client in held:  # both are open on the server's side
+            await client.send(post("/v1/x", b"{}"))
+            assert (await client.answer()).status == 200
+        extra = await connect()
+        await extra.send(post("/v1/x", b"{}"))
+        answer = await extra.answer()
+        assert answer.status == 503 and answer.headers["connection"] == "close"
+        assert "2 connections" in body_of(answer)["error"]["message"]
+        assert answer.headers["retry-after"] == "1"
+        held[0].writer.close()
+        assert await held[0].closed_by_server()
+        for _ in range(100):  # the server sees the close on its next turn
+            again = await connect()
+            await again.send(post("/v1/x", b"{}"))
+            if (await again.answer()).status == 200:
+                break
+        else:
+            raise AssertionError("a freed connection slot was never taken again")
