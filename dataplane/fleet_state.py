@@ -134,6 +134,12 @@ class FleetView:
         fleet = self._fleet
         return fleet._index.key_count() > 0 and not fleet.is_stale()
 
+    def inflight(self) -> int:
+        fleet = self._fleet
+        records, ledger = fleet._records, fleet._ledger
+        keys = (records[r.ordinal].ledger_key for r in self._board if r.ordinal in records)
+        return sum(ledger.inflight(key) for key in keys)
+
     def _replace(self, state: ReplicaState) -> None:
         if self._board.get(state.ordinal) is not None:
             self._board.put(state)

@@ -425,7 +425,16 @@ class _RunsOnce:
     """One decision's view of the fleet: the leading runs the policy looked up are the
     ones the prediction reads, without a second lookup."""
 
-    __slots__ = ("_keys", "_now", "_runs", "_view", "has_residency", "placed_blocks", "replicas")
+    __slots__ = (
+        "_keys",
+        "_now",
+        "_runs",
+        "_view",
+        "has_residency",
+        "inflight",
+        "placed_blocks",
+        "replicas",
+    )
 
     def __init__(self, view: FleetView) -> None:
         self._view = view
@@ -436,6 +445,7 @@ class _RunsOnce:
         self.replicas: Callable[[], Sequence[ReplicaState]] = view.replicas
         self.placed_blocks: Callable[..., int] = view.placed_blocks
         self.has_residency: Callable[[], bool] = view.has_residency
+        self.inflight: Callable[[], int] = view.inflight
 
     def leading_runs(self, keys: Sequence[int], *, now: float | None) -> dict[int, int]:
         if keys is not self._keys or now != self._now:

@@ -86,6 +86,9 @@ class _View:
     def has_residency(self) -> bool:
         return self._router.index.key_count() > 0
 
+    def inflight(self) -> int:
+        return self._router.inflight()
+
 
 class KvrouteRouter:
     """One kvroute proxy instance running a real ``kvcore`` policy."""
@@ -175,6 +178,10 @@ class KvrouteRouter:
         self._tickets[req.rid] = self._ledger.sent(ordinal, now)
         self.board.put(self._state(ordinal))
         return ordinal
+
+    def inflight(self) -> int:
+        """This router's requests in flight, to any replica."""
+        return self._ledger.total()
 
     def _count_prefill(self, req: Request, ordinal: int, now: float) -> None:
         """Book the prompt's tokens beyond the chosen replica's cached run (before this

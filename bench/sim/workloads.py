@@ -270,6 +270,8 @@ class MultiTurn:
     data: Path | None = None
     block_size: int = 16
     seed: int = 1
+    system_tokens: int = 0  # a system prompt every session starts with (one app's chats)
+    turns: int | None = None  # every session this many turns (cycling its own), not its own count
     name: str = "multi_turn"
     _rng: random.Random = field(init=False, repr=False)
     _space: KeySpace = field(init=False, repr=False)
@@ -291,8 +293,12 @@ class MultiTurn:
 
     def arrivals(self) -> Iterator[Request]:
         times = poisson_times(self.rate, self._rng)
+        bs, system = self.block_size, self.system_tokens
+        shared = chained(self.seed, 1 << 41, system // bs)
         for i, (conv, at) in enumerate(zip(self.conversations(), times, strict=False)):
-            session = _Session(f"s{i}", conv)
+            if self.turns is not None:
+                conv = Conversation([conv.turns[t % len(conv.turns)] for t in range(self.turns)])
+            session = _Session(f"s{i}", conv, system, list(shared))
             self._live[session.sid] = session
             request = self._turn(session, 0, at)
             if request is not None:

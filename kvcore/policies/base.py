@@ -110,6 +110,12 @@ class StateView(Protocol):
         start, where only this proxy's speculative entries may exist."""
         ...
 
+    def inflight(self) -> int:
+        """This router's requests in flight to these replicas. The engines' figures
+        (``running``, ``waiting``) count every router's, so the two compared say what
+        share of the fleet's traffic this router sees (one of several behind a balancer)."""
+        ...
+
 
 @dataclass(slots=True)
 class RouteContext:

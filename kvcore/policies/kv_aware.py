@@ -101,13 +101,13 @@ class KvAwarePolicy(KvScoringPolicy):
         if runs:
             fleet = state.replicas()
             if type(fleet) is ReplicaBoard:  # not isinstance: see ReplicaBoard
-                decided = self._by_hit(ctx, fleet, runs)
+                decided = self._by_hit(ctx, state, fleet, runs)
                 if decided is not None:
                     return decided
         return self.decide(ctx, state, runs)
 
     def _by_hit(
-        self, ctx: RouteContext, board: ReplicaBoard, runs: dict[int, int]
+        self, ctx: RouteContext, state: StateView, board: ReplicaBoard, runs: dict[int, int]
     ) -> Decision | None:
         """The scored decision among the usable holders and the best non-holders (as
         :mod:`~kvcore.policies.preselect` finds them), each replica screened once by
@@ -146,13 +146,15 @@ class KvAwarePolicy(KvScoringPolicy):
                 scores = self.scores(ctx, usable, runs)
                 values = [scores[r.ordinal] for r in usable]
         fleet = board.snapshot()
-        chosen, note = self.rebalance(ctx, fleet, best_of(usable, values, self._rng), runs)
+        chosen = best_of(usable, values, self._rng)
+        chosen, note = self.rebalance(ctx, state, fleet, chosen, runs)
         reasons = self._reasons(ctx, fleet, chosen, runs)
         return Decision(chosen, self.name, reasons, note, self._speculate(ctx, chosen))
 
     def rebalance(
         self,
         ctx: RouteContext,
+        state: StateView,
         fleet: Sequence[ReplicaState],
         chosen: ReplicaState,
         runs: dict[int, int],
@@ -162,7 +164,7 @@ class KvAwarePolicy(KvScoringPolicy):
         replica (fewest requests, then load, then ordinal), which then takes the request;
         its prefix is speculated there too, so the next requests see two holders and
         their loads decide. Free below ``max_imbalance`` requests."""
-        moved, note = super().rebalance(ctx, fleet, chosen, runs)
+        moved, note = super().rebalance(ctx, state, fleet, chosen, runs)
         limit = self.aware.max_imbalance
         if note or limit is None or chosen.requests <= limit:
             return moved, note

@@ -132,9 +132,9 @@ HOT_KEYS = 4096  # prefixes remembered at most; the more requested half is kept 
 class PrefixHeat:
     """How much of a router's recent traffic each prefix draws: counts of requests that
     decay by half every ``half_life_s``, of every request with block keys
-    (:meth:`routed`) and of each prefix, named by the block key its holder's leading
-    run ends at (:meth:`share`). Bounded: past ``keys`` prefixes, the less requested half
-    is forgotten (amortised O(log keys) a request)."""
+    (:meth:`routed`, :meth:`lately`) and of each prefix, named by the block key its
+    holder's leading run ends at (:meth:`share`). Bounded: past ``keys`` prefixes, the
+    less requested half is forgotten (amortised O(log keys) a request)."""
 
     __slots__ = ("_at", "_counts", "_keys", "_rate", "_total")
 
@@ -156,15 +156,18 @@ class PrefixHeat:
     def share(self, key: int, now: float) -> float:
         """Count a request drawn to the prefix ``key`` at ``now`` (not yet
         :meth:`routed`) and return the prefix's share of the recent requests, this one
-        included; 0 while fewer than ``HOT_MIN_REQUESTS`` were routed lately."""
+        included."""
         counts = self._counts
         count, at = counts.get(key, (0.0, now))
         count = self._decayed(count, at, now) + 1.0
         counts[key] = (count, now)
         if len(counts) > self._keys:
             self._forget(now)
-        total = self._decayed(self._total, self._at, now) + 1.0
-        return count / total if total >= HOT_MIN_REQUESTS else 0.0
+        return count / (self._decayed(self._total, self._at, now) + 1.0)
+
+    def lately(self, now: float) -> float:
+        """Requests routed lately (decayed), the one being routed at ``now`` included."""
+        return self._decayed(self._total, self._at, now) + 1.0
 
     def _forget(self, now: float) -> None:
         ranked = sorted(
@@ -176,6 +179,17 @@ class PrefixHeat:
 
     def __len__(self) -> int:
         return len(self._counts)
+
+
+def fleet_per_request(state: StateView, fleet: Iterable[ReplicaState]) -> float:
+    """How many of the fleet's requests each of this router's stands for: the requests
+    the replicas hold (the engines count every router's) over this router's own in
+    flight, each counting the one being routed; at least 1. One of four routers behind a
+    round-robin balancer sees a quarter of the traffic, and judged by its own count alone
+    a prefix every request shares was never hot there, so the first replicas to hold it
+    kept every new chat while another replica of four took none."""
+    held = sum(replica.requests for replica in fleet)
+    return max((held + 1) / (state.inflight() + 1), 1.0)
 
 
 def least_busy(ctx: RouteContext, fleet: Iterable[ReplicaState]) -> ReplicaState | None:
@@ -234,17 +248,20 @@ class KvScoringPolicy:
     def rebalance(
         self,
         ctx: RouteContext,
+        state: StateView,
         fleet: Sequence[ReplicaState],
         chosen: ReplicaState,
         runs: dict[int, int],
     ) -> tuple[ReplicaState, str]:
-        """The replica that takes a request the scores gave to ``chosen``, and why if it
-        is another: the least busy usable replica (:func:`least_busy`) when the prefix
-        ``chosen`` holds of this prompt is hot (:class:`PrefixHeat`: its share of this
-        router's recent requests would fill at least ``HOT_REPLICAS`` replicas' fair
-        share) and ``chosen`` has more than ``hot_prefix_gap`` requests beyond it. The
-        prompt is speculated there too, so the next requests see one more holder and the
-        scores decide between them."""
+        """The replica that takes a request the scores gave to ``chosen`` (of ``fleet``,
+        ``state``'s replicas), and why if it is another: the least busy usable replica
+        (:func:`least_busy`) when the prefix ``chosen`` holds of this prompt is hot
+        (:class:`PrefixHeat`: its share of this router's recent requests would fill at
+        least ``HOT_REPLICAS`` replicas' fair share, with at least ``HOT_MIN_REQUESTS``
+        of the fleet's requests lately behind that share, :func:`fleet_per_request`) and
+        ``chosen`` has more than ``hot_prefix_gap`` requests beyond it. The prompt is
+        speculated there too, so the next requests see one more holder and the scores
+        decide between them."""
         gap = self.workload.hot_prefix_gap
         held = runs.get(chosen.ordinal, 0)
         if gap is None or not held:
@@ -252,6 +269,8 @@ class KvScoringPolicy:
         hot = self._heat.share(ctx.block_keys[held - 1], ctx.now)
         if hot * len(fleet) < HOT_REPLICAS or chosen.requests <= gap:
             return chosen, ""  # not hot even were every replica usable, or no gap to close
+        if self._heat.lately(ctx.now) * fleet_per_request(state, fleet) < HOT_MIN_REQUESTS:
+            return chosen, ""  # too few requests behind the share to tell it from chance
         least, usable = _least_busy_of(ctx, fleet)
         if least is None or hot * usable < HOT_REPLICAS or chosen.requests - least.requests <= gap:
             return chosen, ""
@@ -298,7 +317,7 @@ class KvScoringPolicy:
                 scores = self.scores(ctx, usable, runs)
             chosen = best(usable, scores, self._rng) if usable else None
             if chosen is not None:
-                chosen, note = self.rebalance(ctx, state.replicas(), chosen, runs)
+                chosen, note = self.rebalance(ctx, state, state.replicas(), chosen, runs)
 
         def rows(replicas: list[ReplicaState]) -> list[ReplicaReason]:
             table = scores if replicas is usable else self.scores(ctx, replicas, runs)

@@ -16,7 +16,8 @@ from kvcore.policies.board import ReplicaBoard
 class StaticStateView:
     """Replicas (a :class:`ReplicaBoard`, so scored strategies need not visit every
     replica) and an index; ``residency_known`` overrides the default "the index holds any
-    confirmed key"."""
+    confirmed key", ``inflight`` the default "every request the replicas hold is this
+    router's" (the only router)."""
 
     def __init__(
         self,
@@ -24,10 +25,12 @@ class StaticStateView:
         index: ResidencyIndex | None = None,
         *,
         residency_known: bool | None = None,
+        inflight: int | None = None,
     ) -> None:
         self.index: ResidencyIndex = index if index is not None else BitmaskResidencyIndex()
         self.board = ReplicaBoard(replicas)
         self._residency_known = residency_known
+        self._inflight = inflight
 
     def replicas(self) -> Sequence[ReplicaState]:
         return self.board
@@ -42,6 +45,11 @@ class StaticStateView:
         if self._residency_known is not None:
             return self._residency_known
         return self.index.key_count() > 0
+
+    def inflight(self) -> int:
+        if self._inflight is not None:
+            return self._inflight
+        return sum(replica.requests for replica in self.board)
 
     def set_replicas(self, replicas: Iterable[ReplicaState]) -> None:
         """Replace the fleet (loads change between decisions; :meth:`put` changes one)."""

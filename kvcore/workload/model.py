@@ -138,7 +138,8 @@ class _KvSettings(_WithFallback):
         ge=0,
         description="When the prefix the chosen replica holds of the prompt is hot (its "
         "share of this router's recent requests would fill at least two replicas' fair "
-        "share, such as one system prompt every request starts with) and the chosen "
+        "share, such as one system prompt every request starts with, and enough of the "
+        "fleet's requests stand behind that share) and the chosen "
         "replica has more than this many requests beyond the least busy usable replica, "
         "that one takes the request and holds the prefix from then on: a hot prefix is "
         "cheap to replicate, and kept where it is cached it leaves a few replicas busy "

@@ -567,3 +567,17 @@ def test_what_routing_reads_is_what_a_rebuild_on_read_gives(
         assert read == reference, op
         if not books:
             assert read == [states[0]._replica_state(states[0]._records[r.ordinal]) for r in read]
+
+
+def test_a_view_counts_this_proxys_requests_in_flight_to_its_own_replicas() -> None:
+    """What the hot-prefix rule compares with the engines' counts to tell what share of
+    the fleet's traffic this proxy sees: its requests to the model's replicas, not to
+    another model's, until they end."""
+    state = fleet()
+    apply_all(state, snapshot(1, 1, [replica(0), replica(1), replica(2, model="other")]))
+    now = 1000.0
+    first, _, _ = state.on_sent(0, now), state.on_sent(1, now), state.on_sent(2, now)
+    assert state.view(MODEL).inflight() == 2
+    assert state.view("other").inflight() == 1
+    state.on_done(first)
+    assert state.view(MODEL).inflight() == 1

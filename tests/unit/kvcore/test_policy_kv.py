@@ -519,6 +519,24 @@ def test_a_prefix_among_many_is_not_hot_nor_a_router_just_started() -> None:
     assert _hot_choice([PROMPT], warm_up=20, running=30).replica_id == "idle1"
 
 
+def test_a_router_among_several_counts_the_fleets_requests_behind_a_share() -> None:
+    """Ten requests routed are too few to call a prefix hot for a router that sent all
+    the engines hold, but one whose own requests in flight are 2 of the holder's 30 is
+    one of several behind a balancer: its ten stand for about a hundred of the fleet's,
+    and the hot prefix moves (each router counting only its own, four routers sharing a
+    chat app's system prompt left one replica of four without a request)."""
+    workload = KvAwareWorkload()
+    replicas = [ReplicaState(0, "holder", running=30)]
+    replicas += [ReplicaState(i, f"idle{i}") for i in (1, 2, 3)]
+    for inflight, expected in ((None, "holder"), (30, "holder"), (2, "idle1")):
+        policy = create_policy(workload, rng=random.Random(3))
+        _traffic(policy, workload, [PROMPT], 10)
+        view = StaticStateView(replicas, residency_known=True, inflight=inflight)
+        view.index.add(0, context(workload, PROMPT).block_keys[:8])
+        decision = policy.select(context(workload, PROMPT, now=1.1), view)
+        assert decision.replica_id == expected, inflight
+
+
 def test_prefix_heat_forgets_by_half_life_and_stays_bounded() -> None:
     heat = PrefixHeat(half_life_s=10.0, keys=64)
 
@@ -539,14 +557,16 @@ def test_prefix_heat_forgets_by_half_life_and_stays_bounded() -> None:
     assert heat.share(2, 130.2) > 0.8  # the hot one was kept
 
 
-def test_a_router_with_a_request_or_so_a_second_finds_nothing_hot() -> None:
-    """Fewer than 16 requests (decayed) behind the router: one a second, with a 10 s
-    half-life, is about 15, and a share of so few tells nothing."""
+def test_a_router_with_a_request_or_so_a_second_has_about_15_behind_it() -> None:
+    """One request a second, with a 10 s half-life, is about 15 routed lately: fewer
+    than the 16 a share must have behind it when this router is the only one."""
     heat = PrefixHeat(half_life_s=10.0)
     for i in range(100):
         heat.share(1, float(i))
         heat.routed(float(i))
-    assert heat.share(1, 100.0) == 0.0
+    assert heat.share(1, 100.0) == pytest.approx(1.0)
+    assert heat.lately(100.0) == pytest.approx(1 / (1 - 2 ** (-1 / 10)), rel=0.01)
+    assert heat.lately(100.0) < 16
 
 
 def test_kv_cost_spreads_a_hot_prefix_only_when_asked() -> None:

@@ -38,6 +38,9 @@ class WholeFleetView:
     def has_residency(self) -> bool:
         return self._view.has_residency()
 
+    def inflight(self) -> int:
+        return self._view.inflight()
+
 
 REPLICA = st.fixed_dictionaries(
     {
