@@ -13,10 +13,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from enginesim.blockpool import VllmKVCacheManager
 from enginesim.errors import EngineRestarted
 from enginesim.faults import FaultInjector, FaultUpdate
+from enginesim.kv_manager import KVCacheManager
 from enginesim.metrics import CacheConfig, EngineMetrics, LoadSnapshot, make_metrics
 from enginesim.publisher import EventPublisher, PublisherConfig
 from enginesim.scheduler import CoreLimits, EngineCore, SimRequest, StepOutput
@@ -28,6 +31,12 @@ log = logging.getLogger(__name__)
 THREAD_HASH_TOKENS = 4096
 MAX_CATCH_UP_S = 0.05
 _HASH_ALGO = {"vllm": "sha256_cbor", "vllm-0.23": "sha256_cbor", "sglang": "sha256"}
+# each event format's KV cache manager, built from (num_blocks, block_size)
+_KV_MANAGERS: dict[str, Callable[[int, int], KVCacheManager]] = {
+    "vllm": VllmKVCacheManager,
+    "vllm-0.23": VllmKVCacheManager,
+    "sglang": VllmKVCacheManager,
+}
 
 
 @dataclass(eq=False)
@@ -62,7 +71,8 @@ class Engine:
         limits = CoreLimits(
             settings.block_size, settings.num_blocks, settings.max_num_seqs, settings.model_len
         )
-        self.core = EngineCore(limits, self.format.hasher, settings.timing(), filler)
+        kv = _KV_MANAGERS[settings.event_format](settings.num_blocks, settings.block_size)
+        self.core = EngineCore(limits, self.format.hasher, settings.timing(), kv, filler)
         self.publisher = EventPublisher(
             PublisherConfig(
                 endpoint=settings.kv_events_endpoint,
@@ -151,19 +161,19 @@ class Engine:
         self._flush_events()
 
     def load(self) -> LoadSnapshot:
-        core = self.core
-        used_blocks = core.pool.num_blocks - core.pool.num_free
+        core, kv = self.core, self.core.kv
+        used_blocks = kv.capacity_blocks - kv.num_free
         return LoadSnapshot(
             running=len(core.running),
             waiting=len(core.waiting),
-            kv_usage=core.pool.usage,
-            used_tokens=used_blocks * core.limits.block_size,
+            kv_usage=kv.usage,
+            used_tokens=used_blocks * kv.block_size,
         )
 
     # -- admin -----------------------------------------------------------------------
 
     def reset_prefix_cache(self) -> bool:
-        done = self.core.pool.clear_cache()
+        done = self.core.kv.clear()
         self._flush_events()
         return done
 
@@ -232,6 +242,6 @@ class Engine:
                 handle.notify()
 
     def _flush_events(self) -> None:
-        events = self.core.pool.take_events()
+        events = self.core.kv.take_events()
         if events:
             self.publisher.publish(self.format.encode_batch(time.time(), events))

@@ -653,13 +653,14 @@ class SimApp:
 
     async def state(self, request: Request) -> Result:
         self._admin_only(request)
-        pool = self.engine.core.pool
+        pool = self.engine.core.kv
         event_id = self.engine.format.hasher.event_id
         load = self.engine.load()
         return json_response(
             {
                 "cached_block_hashes": sorted(event_id(d) for d in pool.cached_digests()),
                 "num_blocks": pool.num_blocks,
+                "usable_blocks": pool.capacity_blocks,  # vLLM: all but the null block
                 "num_free_blocks": pool.num_free,
                 "running": load.running,
                 "waiting": load.waiting,

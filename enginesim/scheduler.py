@@ -1,24 +1,27 @@
-"""The engine core: continuous batching over the block pool, one step at a time.
+"""The engine core: continuous batching over a KV cache manager, one step at a time.
 
 Synchronous and free of I/O, so it is tested directly; ``engine.py`` drives it from the
-event loop and turns steps into wall-clock time. One ``step()``:
+event loop and turns steps into wall-clock time. The KV cache is the engine's own
+manager (``kv_manager.py``: vLLM's in ``blockpool.py``); this module only decides which
+requests run. One ``step()`` follows vLLM v1's ``Scheduler.schedule`` and
+``update_from_output``, first come first served:
 
-1. every running request computes its last sampled token and samples the next one;
-   a block that becomes full is cached (``BlockStored``);
-2. waiting requests are admitted first come, first served while fewer than
-   ``max_num_seqs`` run and their blocks are free; admission looks up the longest cached
-   prefix (capped at ``prompt_len - 1`` tokens, as vLLM recomputes at least one token),
-   takes those blocks, allocates the rest (evicting LRU cached blocks) and caches the
-   prompt's full blocks at once, before the step's forward pass, as vLLM v1 does
-   (``KVCacheManager.allocate_slots``): a request admitted later in the same step hits
-   them, which is how the ``n`` samples of one prompt share its prefill; then it
-   prefills and samples the first token (none if ``max_tokens`` is 0: a prefill only,
-   SGLang's warm-up of ``n > 1``, finished in the same step);
-3. requests that reached ``max_tokens`` finish and release their blocks.
+1. every running request, in order, gets room for the token it computes this step (its
+   last sampled one); when the cache is full, the last running request is preempted
+   (its blocks freed, back at the head of the waiting queue, to recompute its prompt and
+   output when admitted again) until the request fits or was itself preempted;
+2. if nothing was preempted, waiting requests are admitted in order while fewer than
+   ``max_num_seqs`` run and the manager finds room; admission takes the cached prefix and
+   caches the prompt's full blocks before the forward pass, so a request admitted later
+   in the same step hits them (the ``n`` samples of one prompt share its prefill);
+3. the forward pass: every scheduled request samples one token (a request of
+   ``max_tokens`` 0 samples none: a prefill only, SGLang's warm-up of ``n > 1``);
+   requests that reached ``max_tokens`` finish and release their blocks, in the order
+   they were scheduled.
 
-Differences from vLLM, on purpose: a request reserves the blocks for its whole
-sequence (prompt + ``max_tokens``) at admission, so there is no preemption; prefill is
-not chunked; generation always runs to ``max_tokens`` (filler tokens, no EOS).
+Differences from vLLM, on purpose: prefill is not chunked and there is no token budget
+per step; scheduling is synchronous (no async scheduling's one-step overlap);
+generation always runs to ``max_tokens`` (filler tokens, no EOS).
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from enginesim.blockpool import BlockPool, KVBlock
 from enginesim.errors import RequestRejected
 from enginesim.hashing import BlockHasher, prompt_digests
+from enginesim.kv_manager import KVCacheManager
 from enginesim.timing import TimingModel
 
 DEFAULT_FILLER = tuple(range(1000, 1064))
@@ -43,23 +46,29 @@ class SimRequest:
     max_tokens: int
     salt: str | None = None
     arrival: float = 0.0
-    digests: list[bytes] = field(default_factory=list)
-    blocks: list[KVBlock] = field(default_factory=list)
-    num_cached_tokens: int = 0
-    num_cached_blocks: int = 0  # leading blocks known to the cache (hit or stored)
+    digests: list[bytes] = field(default_factory=list)  # of every full block of ``tokens``
+    hit_tokens: int = 0  # the tokens the last admission found cached (set by the manager)
+    num_cached_tokens: int = 0  # ``hit_tokens`` of the first admission: what clients see
+    num_preemptions: int = 0
     output: list[int] = field(default_factory=list)
     finished: bool = False
 
     @property
-    def num_computed(self) -> int:
-        """Tokens whose KV exists: the prompt, then every sampled token but the last."""
-        return len(self.prompt) + max(len(self.output) - 1, 0)
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The prompt and every sampled token."""
+        return self.prompt + self.output if self.output else self.prompt
 
 
 @dataclass
 class StepOutput:
     duration: float = 0.0
-    admitted: list[SimRequest] = field(default_factory=list)
+    admitted: list[SimRequest] = field(default_factory=list)  # first admissions
+    resumed: list[SimRequest] = field(default_factory=list)  # preempted, admitted again
+    preempted: list[SimRequest] = field(default_factory=list)
     sampled: list[SimRequest] = field(default_factory=list)
     finished: list[SimRequest] = field(default_factory=list)
 
@@ -78,6 +87,7 @@ class EngineCore:
         limits: CoreLimits,
         hasher: BlockHasher,
         timing: TimingModel,
+        kv: KVCacheManager,
         filler: Sequence[int] = DEFAULT_FILLER,
     ) -> None:
         """``filler``: the token ids sampled in turn (output position i gets
@@ -88,7 +98,7 @@ class EngineCore:
         self.limits = limits
         self.hasher = hasher
         self.timing = timing
-        self.pool = BlockPool(limits.num_blocks, limits.block_size)
+        self.kv = kv
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self._ids = itertools.count()
@@ -98,6 +108,7 @@ class EngineCore:
         return bool(self.waiting or self.running)
 
     def blocks_needed(self, prompt_len: int, max_tokens: int) -> int:
+        """Blocks a request holds at its longest: every token but the last sampled one."""
         computed = prompt_len + max_tokens - 1
         return -(-computed // self.limits.block_size)
 
@@ -111,10 +122,10 @@ class EngineCore:
                 f"{max_tokens} in the completion). Please reduce the length of the messages "
                 "or completion."
             )
-        if self.blocks_needed(prompt_len, max_tokens) > self.limits.num_blocks:
+        needed, capacity = self.blocks_needed(prompt_len, max_tokens), self.kv.capacity_blocks
+        if needed > capacity:
             raise RequestRejected(
-                f"The request needs {self.blocks_needed(prompt_len, max_tokens)} KV blocks "
-                f"but the engine has {self.limits.num_blocks}."
+                f"The request needs {needed} KV blocks but the engine has {capacity}."
             )
 
     def prompt_digests(self, req: SimRequest) -> list[bytes]:
@@ -133,7 +144,7 @@ class EngineCore:
         req.finished = True
         if req in self.running:
             self.running.remove(req)
-            self.pool.free(req.blocks)
+            self.kv.finish(req)
         elif req in self.waiting:
             self.waiting.remove(req)
 
@@ -145,72 +156,84 @@ class EngineCore:
 
     def step(self) -> StepOutput:
         out = StepOutput()
-        decoding = list(self.running)
+        decoding = self._schedule_running(out)
+        admitted = [] if out.preempted else self._admit(out)
+        self.kv.after_forward(admitted)
         for req in decoding:
             self._sample(req, out)
-        prefills = [self._prefill(req, out) for req in self._admit()]
+        prefills = [self._prefill(req, out) for req in admitted]
         self._finish_done(out)
         out.duration = self.timing.step_seconds(prefills, len(decoding))
         return out
 
-    def _admit(self) -> list[SimRequest]:
+    def _schedule_running(self, out: StepOutput) -> list[SimRequest]:
+        """Room for every running request's next token, in order."""
+        scheduled: list[SimRequest] = []
+        while len(scheduled) < len(self.running):
+            req = self.running[len(scheduled)]
+            if not self._make_room(req, out):
+                break
+            scheduled.append(req)
+        return scheduled
+
+    def _make_room(self, req: SimRequest, out: StepOutput) -> bool:
+        """Grow ``req``, preempting the last running request until it fits; ``False``
+        when ``req`` itself was preempted."""
+        while not self.kv.grow(req):
+            victim = self.running.pop()
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: SimRequest, out: StepOutput) -> None:
+        self.kv.preempt(req)
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req)
+
+    def _admit(self, out: StepOutput) -> list[SimRequest]:
         admitted: list[SimRequest] = []
         while self.waiting and len(self.running) < self.limits.max_num_seqs:
             req = self.waiting[0]
-            max_hit = (len(req.prompt) - 1) // self.limits.block_size
-            hits = self.pool.longest_cached_prefix(req.digests[:max_hit])
-            n_new = self.blocks_needed(len(req.prompt), req.max_tokens) - len(hits)
-            if not self.pool.can_allocate(hits, n_new):
+            if not self.kv.admit(req):
                 break
             self.waiting.popleft()
-            self.pool.touch(hits)
-            req.blocks = [*hits, *self.pool.allocate(n_new)]
-            req.num_cached_blocks = len(hits)
-            req.num_cached_tokens = len(hits) * self.limits.block_size
-            self._cache_full_blocks(req)  # at allocation, as vLLM v1's ``allocate_slots``
             self.running.append(req)
             admitted.append(req)
+            if req.num_preemptions:
+                out.resumed.append(req)
+            else:
+                req.num_cached_tokens = req.hit_tokens
         return admitted
 
     def _prefill(self, req: SimRequest, out: StepOutput) -> tuple[int, int]:
+        """Sample ``req``'s first token (or its next, when resumed); returns the tokens
+        the prefill covers and those of them found cached, for the timing model."""
+        computed = req.num_tokens
         if req.max_tokens:  # else a prefill only (SGLang's n > 1 warm-up): no token
             self._sample(req, out)
-        out.admitted.append(req)
-        return len(req.prompt), req.num_cached_tokens
+        if not req.num_preemptions:
+            out.admitted.append(req)
+        return computed, req.hit_tokens
 
     def _sample(self, req: SimRequest, out: StepOutput) -> None:
         filler = self.filler
         req.output.append(filler[len(req.output) % len(filler)])
-        self._cache_full_blocks(req)
+        self._hash_full_blocks(req)
         out.sampled.append(req)
 
-    def _cache_full_blocks(self, req: SimRequest) -> None:
+    def _hash_full_blocks(self, req: SimRequest) -> None:
+        """Extend ``req.digests`` to every full block of its tokens, as vLLM's
+        ``Request`` does when a token is appended."""
         bs = self.limits.block_size
-        full = req.num_computed // bs
-        start = req.num_cached_blocks
-        if full <= start:
+        k = len(req.digests)
+        if req.num_tokens < (k + 1) * bs:
             return
-        tokens = self._tokens(req)
-        parent = req.digests[start - 1] if start else None
-        while len(req.digests) < full:
-            k = len(req.digests)
-            block_tokens = tokens[k * bs : (k + 1) * bs]
-            salt = req.salt if k == 0 else None
-            parent_k = req.digests[-1] if k else None
-            req.digests.append(self.hasher.block_digest(parent_k, block_tokens, salt))
-        salt = req.salt if start == 0 else None
-        self.pool.cache_run(
-            req.blocks[start:full],
-            req.digests[start:full],
-            parent,
-            tokens[start * bs : full * bs],
-            salt,
-        )
-        req.num_cached_blocks = full
-
-    @staticmethod
-    def _tokens(req: SimRequest) -> Sequence[int]:
-        return req.prompt + req.output if req.output else req.prompt
+        tokens = req.tokens
+        parent = req.digests[-1] if k else None
+        salt = req.salt if k == 0 else None
+        req.digests.append(self.hasher.block_digest(parent, tokens[k * bs : (k + 1) * bs], salt))
 
     def _finish_done(self, out: StepOutput) -> None:
         done = [r for r in self.running if len(r.output) >= r.max_tokens]
@@ -219,11 +242,11 @@ class EngineCore:
         self.running = [r for r in self.running if len(r.output) < r.max_tokens]
         for req in done:
             req.finished = True
-            self.pool.free(req.blocks)
+            self.kv.finish(req)
         out.finished.extend(done)
 
     def restart(self) -> list[SimRequest]:
         """Drop every request and the whole cache silently: an engine restart."""
         dropped = self.abort_all()
-        self.pool.reset()
+        self.kv.reset()
         return dropped

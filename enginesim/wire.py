@@ -49,8 +49,8 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
-from enginesim.blockpool import BlockEvicted, BlocksStored, PoolEvent
 from enginesim.hashing import BlockHasher, SglangSha256Hasher, VllmSha256CborHasher
+from enginesim.kv_manager import BlockEvicted, BlocksStored, PoolEvent
 
 EventFormatName = Literal["vllm", "vllm-0.23", "sglang"]
 EVENT_FORMATS: tuple[EventFormatName, ...] = ("vllm", "vllm-0.23", "sglang")

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from bench.sim.workloads import Request
-from enginesim.blockpool import BlockPool, KVBlock, PoolEvent
+from enginesim.blockpool import BlockPool, KVBlock
+from enginesim.kv_manager import PoolEvent
 from enginesim.timing import TimingModel
 
 Schedule = Callable[[float, "ReplicaModel", int, int], None]  # (time, replica, step, version)

@@ -29,7 +29,7 @@ from typing import Protocol, cast
 
 from bench.sim.engine import EngineShape, ReplicaModel
 from bench.sim.workloads import Request, Workload
-from enginesim.blockpool import BlockEvicted, BlocksStored, PoolEvent
+from enginesim.kv_manager import BlockEvicted, BlocksStored, PoolEvent
 
 _ARRIVAL, _WAKE, _RESIDENCY, _LOAD, _FIRST_TOKEN = 0, 1, 2, 3, 4
 

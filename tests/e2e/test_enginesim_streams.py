@@ -60,7 +60,7 @@ def test_a_disconnected_stream_is_aborted_and_frees_its_blocks(slow_sim: SimProc
     assert slow_sim.call("GET", "/sim/state")[1]["running"] == 1
     conn.close()
     state = wait_for_state(slow_sim, lambda s: s["running"] == 0)
-    assert state["num_free_blocks"] == state["num_blocks"]
+    assert state["num_free_blocks"] == state["usable_blocks"] == state["num_blocks"] - 1
     # the prompt's blocks stay cached for the next request
     assert len(state["cached_block_hashes"]) >= 4
 
@@ -77,7 +77,7 @@ def test_two_samples_stream_side_by_side_and_a_disconnect_aborts_both(
     assert slow_sim.call("GET", "/sim/state")[1]["running"] == 2
     conn.close()
     state = wait_for_state(slow_sim, lambda s: s["running"] == 0)
-    assert state["num_free_blocks"] == state["num_blocks"]
+    assert state["num_free_blocks"] == state["usable_blocks"] == state["num_blocks"] - 1
 
 
 def test_an_engine_restart_ends_running_streams_with_an_error(slow_sim: SimProcess) -> None:

@@ -2,7 +2,9 @@
 
 ``bench.sim.engine.ReplicaModel`` jumps over decode-only steps instead of running them one
 by one; driven with the same requests, it must give the same first-token times, finish
-times and cache hits as ``enginesim.scheduler.EngineCore`` stepped back to back.
+times and cache hits as ``enginesim.scheduler.EngineCore`` stepped back to back, with the
+cache rule the model keeps: a request's whole sequence reserved at admission (enginesim
+itself allocates as vLLM does, a block at a time, and preempts when the cache is full).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pytest
 
 from bench.sim.engine import EngineShape, ReplicaModel
 from bench.sim.workloads import Request
+from enginesim.blockpool import RequestBlocks, VllmKVCacheManager
 from enginesim.hashing import VllmSha256CborHasher
 from enginesim.scheduler import CoreLimits, EngineCore, SimRequest
 from enginesim.timing import TimingModel
@@ -33,9 +36,23 @@ def _stream(rng: random.Random, n: int) -> list[tuple[float, list[int], int]]:
     return stream
 
 
+class _ReservingKVCacheManager(VllmKVCacheManager):
+    """vLLM's cache as ``ReplicaModel`` models it: the whole sequence's blocks taken at
+    admission (a running request never runs out of blocks), and only the prompt's
+    blocks cached (these requests have no answer keys)."""
+
+    def _admission_tokens(self, req: SimRequest) -> int:
+        return len(req.prompt) + req.max_tokens - 1
+
+    def _cache_full_blocks(self, req: SimRequest, held: RequestBlocks) -> None:
+        if not req.output:
+            super()._cache_full_blocks(req, held)
+
+
 def _reference(stream, limits: CoreLimits, timing: TimingModel) -> list[tuple[float, float, int]]:
     """EngineCore stepped back to back in virtual time, as enginesim's engine drives it."""
-    core = EngineCore(limits, VllmSha256CborHasher(), timing)
+    kv = _ReservingKVCacheManager(limits.num_blocks, limits.block_size)
+    core = EngineCore(limits, VllmSha256CborHasher(), timing, kv)
     reqs = [
         SimRequest(str(i), prompt, max_tokens) for i, (_, prompt, max_tokens) in enumerate(stream)
     ]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
-from enginesim.blockpool import AllCleared, BlockEvicted, BlocksStored
-from enginesim.errors import RequestRejected
+from enginesim.blockpool import BlockPool, VllmKVCacheManager
+from enginesim.errors import PoolExhausted, RequestRejected
 from enginesim.hashing import VllmSha256CborHasher, prompt_digests
+from enginesim.kv_manager import AllCleared, BlockEvicted, BlocksStored
 from enginesim.scheduler import CoreLimits, EngineCore, SimRequest
 from enginesim.timing import TimingModel
 
@@ -15,30 +18,38 @@ BS = 16
 
 def make_core(num_blocks: int = 1024, max_num_seqs: int = 8, max_model_len: int = 8192):
     limits = CoreLimits(BS, num_blocks, max_num_seqs, max_model_len)
-    return EngineCore(limits, VllmSha256CborHasher(), TimingModel())
+    kv = VllmKVCacheManager(num_blocks, BS)
+    return EngineCore(limits, VllmSha256CborHasher(), TimingModel(), kv)
 
 
 class Mirror:
-    """What a subscriber holds after applying every event the pool emitted."""
+    """What a subscriber holds after applying every event the engine emitted, counting
+    copies: vLLM caches (and publishes) a block computed again under a cached hash as a
+    second copy, and publishes the removal of each copy."""
 
     def __init__(self) -> None:
-        self.held: set[bytes] = set()
+        self.copies: Counter[bytes] = Counter()
         self.stored = 0
         self.removed = 0
 
+    @property
+    def held(self) -> set[bytes]:
+        return set(self.copies)
+
     def apply(self, core: EngineCore) -> None:
-        for event in core.pool.take_events():
+        for event in core.kv.take_events():
             if isinstance(event, BlocksStored):
-                assert not self.held & set(event.digests), "a block was stored twice"
-                assert event.parent is None or event.parent in self.held
-                self.held.update(event.digests)
+                assert event.parent is None or event.parent in self.copies
+                self.copies.update(event.digests)
                 self.stored += len(event.digests)
             elif isinstance(event, BlockEvicted):
-                self.held.remove(event.digest)
+                assert self.copies[event.digest] > 0
+                self.copies[event.digest] -= 1
+                self.copies += Counter()  # drop the zeros
                 self.removed += 1
             else:
                 assert isinstance(event, AllCleared)
-                self.held.clear()
+                self.copies.clear()
 
 
 def run(core: EngineCore, *reqs: SimRequest, mirror: Mirror | None = None) -> None:
@@ -50,7 +61,7 @@ def run(core: EngineCore, *reqs: SimRequest, mirror: Mirror | None = None) -> No
         core.step()
         if mirror is not None:
             mirror.apply(core)
-            assert mirror.held == core.pool.cached_digests()
+            assert mirror.held == core.kv.cached_digests()
     raise AssertionError("engine did not drain")
 
 
@@ -93,7 +104,7 @@ def test_events_mirror_the_pool_through_eviction() -> None:
     for i in range(6):
         run(core, req(f"r{i}", list(range(i * 1000, i * 1000 + 64)), max_tokens=20), mirror=mirror)
     assert mirror.removed > 0, "a 12-block pool must evict"
-    assert mirror.held == core.pool.cached_digests()
+    assert mirror.held == core.kv.cached_digests()
     assert len(mirror.held) <= 12
 
 
@@ -102,38 +113,61 @@ def test_decode_fills_blocks_that_get_cached() -> None:
     r = req("a", list(range(16)), max_tokens=33)
     run(core, r)
     # 16 prompt tokens + 32 computed output tokens = 3 full blocks
-    assert len(core.pool.cached_digests()) == 3
+    assert len(core.kv.cached_digests()) == 3
     full = prompt_digests(core.hasher, [*r.prompt, *r.output], BS, None)
-    assert set(full[:3]) == core.pool.cached_digests()
+    assert set(full[:3]) == core.kv.cached_digests()
 
 
 def test_lru_evicts_oldest_free_blocks_and_tails_first() -> None:
-    core = make_core(num_blocks=8)
+    core = make_core(num_blocks=9)  # 8 usable: block 0 is vLLM's null block
     old, new = req("old", list(range(64)), 1), req("new", list(range(100, 164)), 1)
     run(core, old)
     run(core, new)
     # the next request needs 3 blocks: the 3 oldest free cached blocks go, old's tail first
     run(core, req("x", list(range(500, 540)), 1))
     old_digests = prompt_digests(core.hasher, old.prompt, BS, None)
-    cached = core.pool.cached_digests()
+    cached = core.kv.cached_digests()
     assert old_digests[0] in cached
     assert not set(old_digests[1:]) & cached
     assert set(prompt_digests(core.hasher, new.prompt, BS, None)) <= cached
 
 
-def test_running_blocks_are_never_evicted_and_requests_wait() -> None:
-    core = make_core(num_blocks=10)
-    big = req("big", list(range(128)), max_tokens=30)  # 10 blocks
+def test_a_request_that_cannot_grow_preempts_the_last_running_one() -> None:
+    core = make_core(num_blocks=11)  # 10 usable
+    big = req("big", list(range(128)), max_tokens=30)  # 8 blocks, 10 at its longest
+    small = req("small", list(range(900, 932)), max_tokens=20)  # 2 blocks, then 3
     core.add(big)
-    core.step()
-    small = req("small", list(range(900, 916)), max_tokens=2)
     core.add(small)
-    for _ in range(29):
-        core.step()
-        assert small in core.waiting or small.finished
-        assert not small.output or big.finished
+    core.step()
+    assert core.running == [big, small]  # blocks are allocated as tokens come, not ahead
+    preempted = []
+    while not big.finished:
+        preempted += core.step().preempted
+    assert preempted == [small] and small.num_preemptions == 1
+    assert not small.finished and len(small.output) < small.max_tokens
     run(core)
-    assert big.finished and small.finished and small.num_cached_tokens == 0
+    assert small.finished and small.output == list(core.filler[:20])
+    assert small.num_cached_tokens == 0  # what clients see: its first admission's hit
+
+
+def test_freed_blocks_go_tail_first_cached_ones_last_and_hashless_ones_first() -> None:
+    pool = BlockPool(num_blocks=5, block_size=BS)  # free queue [1, 2, 3, 4]
+    blocks = pool.allocate(3)
+    digests = prompt_digests(VllmSha256CborHasher(), list(range(32)), BS, None)
+    pool.cache_run(blocks[:2], digests, None, list(range(32)), None)
+    pool.free(blocks)
+    assert pool.free_block_ids() == [3, 4, 2, 1]
+
+
+def test_a_block_aligned_prompt_sent_twice_caches_its_last_block_twice() -> None:
+    core, mirror = make_core(), Mirror()
+    prompt = list(range(64))
+    run(core, req("a", prompt, 1), mirror=mirror)
+    again = req("b", prompt, 1)
+    run(core, again, mirror=mirror)
+    assert again.num_cached_tokens == 48  # the last block is recomputed into a new block
+    last = prompt_digests(core.hasher, prompt, BS, None)[-1]
+    assert (mirror.stored, mirror.copies[last]) == (5, 2)
 
 
 def test_max_num_seqs_bounds_the_batch() -> None:
@@ -157,18 +191,18 @@ def test_clear_cache_is_refused_while_blocks_are_in_use() -> None:
     r = req("a", list(range(64)), max_tokens=5)
     core.add(r)
     core.step()
-    assert not core.pool.clear_cache()
+    assert not core.kv.clear()
     run(core)
-    assert core.pool.clear_cache()
-    assert core.pool.cached_digests() == set()
-    assert isinstance(core.pool.take_events()[-1], AllCleared)
+    assert core.kv.clear()
+    assert core.kv.cached_digests() == set()
+    assert isinstance(core.kv.take_events()[-1], AllCleared)
 
 
 def test_same_new_prefix_admitted_together_is_stored_once() -> None:
     core, mirror = make_core(), Mirror()
     prompt = list(range(70))
     run(core, req("a", prompt), req("b", [*prompt, 5]), mirror=mirror)
-    assert mirror.stored == len(core.pool.cached_digests())
+    assert mirror.stored == len(core.kv.cached_digests())
 
 
 def test_prefill_time_shrinks_with_cache_hits() -> None:
@@ -188,14 +222,11 @@ def test_restart_drops_requests_and_cache() -> None:
     core.add(req("b", list(range(64))))
     dropped = core.restart()
     assert [r.request_id for r in dropped] == ["b"]
-    assert core.pool.cached_digests() == set() and core.pool.take_events() == []
+    assert core.kv.cached_digests() == set() and core.kv.take_events() == []
 
 
 def test_pool_refuses_to_hand_out_blocks_it_does_not_have() -> None:
-    from enginesim.blockpool import BlockPool
-    from enginesim.errors import PoolExhausted
-
-    pool = BlockPool(num_blocks=2, block_size=16)
+    pool = BlockPool(num_blocks=3, block_size=16)  # block 0 is the null block
     pool.allocate(2)
     with pytest.raises(PoolExhausted):
         pool.allocate(1)
@@ -215,7 +246,7 @@ def test_a_request_admitted_with_its_twin_hits_the_blocks_the_twin_allocated() -
     assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 64)
     assert step.duration == pytest.approx(TimingModel().step_seconds([(70, 0), (70, 64)], 0))
     run(core, mirror=mirror)
-    assert mirror.stored == 4 == len(core.pool.cached_digests())
+    assert mirror.stored == 4 == len(core.kv.cached_digests())
 
 
 def test_a_request_of_no_tokens_is_a_prefill_that_caches_its_prompt_and_ends() -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from enginesim.blockpool import AllCleared, BlockEvicted, BlocksStored
 from enginesim.hashing import prompt_digests
+from enginesim.kv_manager import AllCleared, BlockEvicted, BlocksStored
 from enginesim.wire import EVENT_FORMATS, make_format
 from tests.unit.enginesim.wire_structs import decode_batch
 
