@@ -4,7 +4,7 @@
 PY ?= .venv/bin/python
 BIN := $(dir $(PY))
 
-.PHONY: help check format format-check lint typecheck imports proto proto-check native clean-native test test-unit bench-micro
+.PHONY: help check format format-check lint typecheck imports proto proto-check docs native clean-native test test-unit bench-micro
 
 help:  ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -32,6 +32,9 @@ proto:  ## Regenerate kvcore/pb from proto/.
 
 proto-check:  ## Fail when kvcore/pb is not what proto/ generates.
 	$(PY) scripts/gen_proto.py --check
+
+docs:  ## Regenerate docs/configuration.md and docs/admin-api.md from the code (pytest checks them).
+	$(PY) scripts/gen_docs.py
 
 native:  ## Compile the proxy's request path with mypyc (dataplane/native.py) when a source changed.
 	@$(PY) -m dataplane.native --quiet || { \
