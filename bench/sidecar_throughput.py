@@ -36,13 +36,13 @@ from dataclasses import dataclass
 import nats
 import zmq
 
+import kvruntime.loop
 from kvcore import subjects
 from kvcore.engine_events import BlockRemoved, BlockStored, EngineEvent
 from kvroute.servers import NatsServer, free_port
 from kvruntime.gc_tuning import tune_gc
 from sidecar.adapters import adapter_for
 from sidecar.adapters.encoders import encode_batch
-from sidecar.main import run_loop
 from sidecar.outbox import Outbox, OutboxConfig
 from sidecar.pipeline import Pipeline
 from sidecar.service import SidecarService
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown part(s) {sorted(unknown)}; choose from {list(PARTS)}")
     tune_gc()  # as kvroute-sidecar does
     logging.basicConfig(level=logging.ERROR)
-    run_loop(run(args.batches, args.seconds, args.parts))
+    kvruntime.loop.run(run(args.batches, args.seconds, args.parts))
 
 
 if __name__ == "__main__":

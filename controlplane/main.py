@@ -13,7 +13,7 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any, Literal, NoReturn, get_args, get_origin
+from typing import get_args
 
 from pydantic import SecretStr, ValidationError
 from sqlalchemy.engine import make_url
@@ -22,8 +22,10 @@ from sqlalchemy.exc import ArgumentError
 from controlplane.records import Records
 from controlplane.service import ControlPlane, ServiceError
 from controlplane.settings import ENV_ONLY, ControlPlaneSettings
+from kvruntime.flags import flag_name, flags_given, settings_parser
 from kvruntime.gc_tuning import tune_gc
 from kvruntime.jsonlog import configure_logging
+from kvruntime.loop import run
 
 PROG = "kvroute-controlplane"
 log = logging.getLogger("controlplane")
@@ -33,37 +35,21 @@ class SettingsError(ValueError):
     """A flag or environment setting that cannot be used (exit status 2)."""
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise SettingsError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    return settings_parser(
+        ControlPlaneSettings,
         prog=PROG,
-        allow_abbrev=False,
         description="kvroute control plane: residency map, membership, routing config, "
-        "admin API and the gRPC routing-state stream. Every flag can also be set as "
-        "KVROUTE_<FLAG>; secrets only that way or through a *-file flag.",
+        "admin API and the gRPC routing-state stream. Secrets only from the environment "
+        "or through a *-file flag.",
+        env_only=ENV_ONLY,
+        refuse=SettingsError,
     )
-    for name, field in ControlPlaneSettings.model_fields.items():
-        if name in ENV_ONLY:
-            continue
-        flag = "--" + name.replace("_", "-")
-        help_text = f"{field.description or ''} [env KVROUTE_{name.upper()}]"
-        if get_origin(field.annotation) is Literal:
-            parser.add_argument(
-                flag, choices=get_args(field.annotation), default=None, help=help_text
-            )
-        else:
-            parser.add_argument(flag, default=None, help=help_text)
-    return parser
 
 
 def load_settings(argv: Sequence[str] | None) -> ControlPlaneSettings:
     """Parse flags over the environment; raise :class:`SettingsError` with one line."""
-    args = build_parser().parse_args(argv)
-    given: dict[str, Any] = {k: v for k, v in vars(args).items() if v is not None}
+    given = flags_given(build_parser(), argv)
     if "database_url" in given:
         _refuse_password_in_flag(given["database_url"])
     try:
@@ -101,7 +87,7 @@ def describe(exc: ValidationError) -> str:
 
 def _names(field: str) -> str:
     env = f"KVROUTE_{field.upper()}"
-    return env if field in ENV_ONLY else f"--{field.replace('_', '-')} / {env}"
+    return env if field in ENV_ONLY else f"{flag_name(field)} / {env}"
 
 
 async def serve(settings: ControlPlaneSettings) -> None:
@@ -119,16 +105,6 @@ async def serve(settings: ControlPlaneSettings) -> None:
         await service.aclose()
 
 
-def run_loop(settings: ControlPlaneSettings) -> None:
-    """On uvloop where available."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
-        asyncio.run(serve(settings))
-        return
-    uvloop.run(serve(settings))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = load_settings(argv)
@@ -138,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(settings.log_level)
     tune_gc()
     try:
-        run_loop(settings)
+        run(serve(settings))
     except ServiceError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 1

@@ -19,18 +19,19 @@ import socket
 import sys
 import tempfile
 from collections.abc import Sequence
-from typing import Any, Literal, NoReturn, get_args, get_origin
+from typing import Any
 
-import uvloop
 from pydantic import ValidationError
 
 from dataplane import native
 from dataplane.http_server import HttpServer
 from dataplane.service import ProxyService
-from dataplane.settings import LIST_FIELDS, ProxySettings
+from dataplane.settings import ProxySettings
 from dataplane.worker_metrics import WorkerGroup
+from kvruntime.flags import flag_name, flags_given, settings_parser
 from kvruntime.gc_tuning import tune_gc
 from kvruntime.jsonlog import configure_logging
+from kvruntime.loop import run
 
 log = logging.getLogger("dataplane")
 READY_PREFIX = "kvroute-proxy ready"
@@ -42,38 +43,19 @@ class SettingsRefused(Exception):
     """A flag or environment value that cannot start a proxy (one line, exit 2)."""
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise SettingsRefused(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    return settings_parser(
+        ProxySettings,
         prog=PROG,
         description="kvroute's OpenAI-compatible data-plane proxy: scores replicas locally "
-        "and streams their answers back. Every flag can also be set as KVROUTE_<FLAG>.",
+        "and streams their answers back.",
+        refuse=SettingsRefused,
     )
-    for name, field in ProxySettings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        help_text = f"{field.description or ''} [env KVROUTE_{name.upper()}]"
-        if field.annotation is bool:
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
-            )
-        elif get_origin(field.annotation) is Literal:
-            choices = get_args(field.annotation)
-            parser.add_argument(flag, choices=choices, default=None, help=help_text)
-        elif name in LIST_FIELDS:
-            parser.add_argument(flag, default=None, help=help_text + " (comma-separated)")
-        else:
-            parser.add_argument(flag, default=None, help=help_text)
-    return parser
 
 
 def load_settings(argv: Sequence[str] | None) -> ProxySettings:
     """Flags over environment over defaults; ``SettingsRefused`` with one clear line."""
-    args = build_parser().parse_args(argv)
-    given: dict[str, Any] = {k: v for k, v in vars(args).items() if v is not None}
+    given = flags_given(build_parser(), argv)
     try:
         return ProxySettings(**given)
     except ValidationError as exc:
@@ -84,12 +66,10 @@ def describe(exc: ValidationError) -> str:
     """A validation error as one line: ``--flag: problem (got value)`` per field."""
     parts = []
     for err in exc.errors():
-        where = "--" + "-".join(str(p) for p in err["loc"][:1]).replace("_", "-")
         message = err["msg"].removeprefix("Value error, ")
-        if where == "--":
-            parts.append(message)
-        else:
-            parts.append(f"{where}: {message} (got {err.get('input')!r})")
+        if err["loc"]:
+            message = f"{flag_name(str(err['loc'][0]))}: {message} (got {err.get('input')!r})"
+        parts.append(message)
     return "; ".join(parts)
 
 
@@ -150,7 +130,7 @@ def run_worker(
     settings: ProxySettings, sock: socket.socket, on_ready: Any, group: WorkerGroup | None = None
 ) -> None:
     tune_gc()  # fewer young collections on the hot path
-    uvloop.run(serve(settings, sock, on_ready, group))
+    run(serve(settings, sock, on_ready, group))
 
 
 def run_workers(settings: ProxySettings) -> int:

@@ -13,7 +13,6 @@ address was refused, with the reason on stderr.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import socket
 import sys
@@ -28,6 +27,7 @@ from enginesim.http import SimApp
 from enginesim.settings import SimSettings, parse_settings
 from enginesim.tokens import PromptTokenizer
 from kvcore.tokenize import TokenizerError
+from kvruntime.loop import run
 
 READY_PREFIX = "kvroute-sim ready"
 
@@ -108,19 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=settings.log_level.upper(), format="%(levelname)s %(name)s %(message)s"
     )
     try:
-        _run(serve(settings))
+        run(serve(settings))
     except StartupError as exc:
         print(f"kvroute-sim: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         pass
     return 0
-
-
-def _run(coro: object) -> None:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
-        asyncio.run(coro)  # type: ignore[arg-type]
-    else:
-        uvloop.run(coro)  # type: ignore[arg-type]

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from typing import Any, Literal, get_args, get_origin
+from typing import Literal
 
 from pydantic import Field, FilePath, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from enginesim.errors import SettingsError
 from enginesim.timing import TimingModel
+from kvruntime.flags import flags_given, settings_parser
 
 DEFAULT_MAX_MODEL_LEN = 32768
 
@@ -110,30 +111,16 @@ class SimSettings(BaseSettings):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    return settings_parser(
+        SimSettings,
         prog="kvroute-sim",
         description="A simulated vLLM/SGLang engine: real prefix cache, KV events, metrics.",
-        epilog="Every flag is also the environment variable KVROUTE_<FLAG> "
-        "(upper case, dashes as underscores).",
     )
-    for name, field in SimSettings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        help_text = f"{field.description} (default: {field.default})"
-        if field.annotation is bool:
-            parser.add_argument(flag, action="store_true", default=None, help=help_text)
-        elif get_origin(field.annotation) is Literal:
-            choices = get_args(field.annotation)
-            parser.add_argument(flag, default=None, choices=choices, help=help_text)
-        else:
-            parser.add_argument(flag, default=None, help=help_text)
-    return parser
 
 
 def parse_settings(argv: Sequence[str] | None = None) -> SimSettings:
-    args = build_parser().parse_args(argv)
-    given: dict[str, Any] = {k: v for k, v in vars(args).items() if v is not None}
     try:
-        return SimSettings(**given)
+        return SimSettings(**flags_given(build_parser(), argv))
     except ValidationError as exc:
         raise SettingsError(_describe(exc)) from exc
 

@@ -7,58 +7,34 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Coroutine, Sequence
-from typing import Any, Literal, get_args, get_origin
+from collections.abc import Sequence
 
 from aiohttp import web
 from pydantic import ValidationError
 
+from kvruntime.flags import flags_given, settings_parser
 from kvruntime.gc_tuning import tune_gc
 from kvruntime.jsonlog import configure_logging
+from kvruntime.loop import run
 from sidecar.errors import SidecarError
 from sidecar.observability import create_app
 from sidecar.service import SidecarService
-from sidecar.settings import SidecarSettings
+from sidecar.settings import ENV_ONLY, SidecarSettings
 
 log = logging.getLogger("sidecar")
-_ENV_ONLY = {"nats_token", "nats_user", "nats_password"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    return settings_parser(
+        SidecarSettings,
         prog="kvroute-sidecar",
-        description="kvroute sidecar: an engine's KV events and load, in router keys, on NATS."
-        " Every flag can also be set as KVROUTE_<FLAG> (NATS credentials only that way).",
+        description="kvroute sidecar: an engine's KV events and load, in router keys, on NATS.",
+        env_only=ENV_ONLY,
     )
-    for name, field in SidecarSettings.model_fields.items():
-        if name in _ENV_ONLY:
-            continue
-        flag = "--" + name.replace("_", "-")
-        help_text = f"{field.description or ''} [env KVROUTE_{name.upper()}]"
-        if field.annotation is bool:
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
-            )
-        elif name == "served_names":
-            parser.add_argument(
-                flag,
-                type=lambda v: [n for n in v.split(",") if n],
-                default=None,
-                help=help_text + " (comma-separated)",
-            )
-        elif get_origin(field.annotation) is Literal:
-            parser.add_argument(
-                flag, choices=get_args(field.annotation), default=None, help=help_text
-            )
-        else:
-            parser.add_argument(flag, default=None, help=help_text)
-    return parser
 
 
 def load_settings(argv: Sequence[str] | None) -> SidecarSettings:
-    args = build_parser().parse_args(argv)
-    given: dict[str, Any] = {k: v for k, v in vars(args).items() if v is not None}
-    return SidecarSettings(**given)
+    return SidecarSettings(**flags_given(build_parser(), argv))
 
 
 async def serve(settings: SidecarSettings) -> None:
@@ -86,16 +62,6 @@ async def serve(settings: SidecarSettings) -> None:
         await runner.cleanup()
 
 
-def run_loop(main_coroutine: Coroutine[Any, Any, None]) -> None:
-    """Run on uvloop where available: a shorter, steadier path from ZMQ to NATS."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
-        asyncio.run(main_coroutine)
-        return
-    uvloop.run(main_coroutine)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = load_settings(argv)
@@ -105,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(settings.log_level)
     tune_gc()
     try:
-        run_loop(serve(settings))
+        run(serve(settings))
     except SidecarError as exc:
         log.error("sidecar failed", extra={"error": str(exc)})
         return 1

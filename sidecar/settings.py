@@ -21,6 +21,8 @@ from kvcore.keys import DEFAULT_BLOCK_SIZE
 from kvcore.subjects import InvalidName, check_name
 
 _ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
+# Settings only the environment may set: they have no flag.
+ENV_ONLY = frozenset({"nats_token", "nats_user", "nats_password"})
 
 
 class SidecarSettings(BaseSettings):
