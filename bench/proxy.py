@@ -92,9 +92,9 @@ import aiohttp
 
 from bench.cpu_limit import CpuLimit, CpuLimitUnavailable, Wakefulness, idle_facts
 from bench.enginesim_capacity import _read_response, _request, _run, start_sim
+from bench.micro.decision_inputs import REPLICAS, chat, decision_fleet, hold, text_of, words
 from bench.micro.model_files import write_tiny_model
 from bench.micro.report import Figure
-from bench.micro.tokenize_bench import _chat, _text_of, _words
 from bench.proxy_report import (
     PEERS,
     Measured,
@@ -112,10 +112,8 @@ from bench.proxy_report import (
     write_json,
 )
 from bench.proxy_routers import CpuSplit, Routers, pin_tree, split_cpus, tree_cpu_seconds
-from dataplane.fleet_state import FleetState
 from dataplane.openai_request import parse_inference
 from dataplane.routing import Defaults, Router
-from kvcore.pb import events_pb2, routing_pb2
 from kvcore.tokenize import BuiltinTokenizer, HFTokenizer, Tokenizer
 from kvruntime.gc_tuning import tune_gc
 
@@ -129,7 +127,6 @@ FLOORS = {  # bench.passthrough's servers, each with a raw asyncio client
 }
 DECISION_P50_MS, DECISION_P99_MS, HF_OVER_TAIL_MS = 1.0, 3.0, 0.3
 PROMPT_TOKENS, SEEN = 8192, 0.9
-REPLICAS = 64
 # A replica's KV pool, big enough not to cycle in a run (~2 fresh blocks per request, a
 # few hundred thousand requests): once a pool cycles, every request evicts a cached block,
 # and the sidecars and control plane that announce it share the replicas' CPU here (7-29%
@@ -485,39 +482,6 @@ async def _loaded(
 # -- the routing decision in process ---------------------------------------------------
 
 
-def _fleet(spec: str, block_size: int) -> FleetState:
-    config = routing_pb2.RoutingConfig(
-        revision=1,
-        workloads=[routing_pb2.Workload(name="default", policy_json='{"strategy": "kv_aware"}')],
-        models=[routing_pb2.Model(name=MODEL, tokenizer=spec, block_size=block_size)],
-    )
-    replicas = [
-        routing_pb2.Replica(
-            ordinal=i,
-            replica_id=f"r{i}",
-            pool="default",
-            base_url=f"http://10.0.0.{i}:8000",
-            model=MODEL,
-            status=routing_pb2.REPLICA_STATUS_HEALTHY,
-            capacity_seqs=256,
-            load=events_pb2.LoadReport(running=i % 7, waiting=i % 3, kv_usage=0.3, ts=time.time()),
-        )
-        for i in range(REPLICAS)
-    ]
-    chunk = routing_pb2.SnapshotChunk(
-        chunk_index=0, last_chunk=True, config=config, replicas=replicas
-    )
-    fleet = FleetState(max_age_s=3600)
-    fleet.apply(routing_pb2.StateUpdate(epoch=1, version=1, snapshot=chunk))
-    return fleet
-
-
-def _hold(fleet: FleetState, ordinal: int, keys: list[int]) -> None:
-    change = routing_pb2.ResidencyChange(ordinal=ordinal, added=keys)
-    delta = routing_pb2.Delta(residency=[change])
-    fleet.apply(routing_pb2.StateUpdate(epoch=1, version=2, delta=delta))
-
-
 def decision(tokenizer: Tokenizer, spec: str, label: str, count: int = DECISIONS) -> list[Figure]:
     """``count`` timed decisions, each for a chat whose new 10% no earlier one had; for an
     HF tokenizer, beside each the tokenizer's own encode of that new 10%, timed just
@@ -525,15 +489,15 @@ def decision(tokenizer: Tokenizer, spec: str, label: str, count: int = DECISIONS
     after its render) and again just after it (right after an encode of the same text,
     which runs faster), so that whatever else runs on the machine weighs on all alike."""
     rng = random.Random(11)
-    words = _words()
-    system = _text_of(tokenizer, int(PROMPT_TOKENS * SEEN), rng, words)
+    vocabulary = words()
+    system = text_of(tokenizer, int(PROMPT_TOKENS * SEEN), rng, vocabulary)
     new = int(PROMPT_TOKENS * (1 - SEEN))
-    questions = [_text_of(tokenizer, new, rng, words) for _ in range(count + DECISION_WARM_UP)]
-    fleet = _fleet(spec, 16)
+    questions = [text_of(tokenizer, new, rng, vocabulary) for _ in range(count + DECISION_WARM_UP)]
+    fleet = decision_fleet(spec, 16)
     router = Router(fleet, Defaults(), random.Random(3))
 
     def decide(question: str) -> Callable[[], Any]:
-        raw = json.dumps({"model": MODEL, "messages": _chat(system, question)}).encode()
+        raw = json.dumps({"model": MODEL, "messages": chat(system, question)}).encode()
         request = parse_inference(raw, "chat")
 
         def run() -> Any:
@@ -543,8 +507,8 @@ def decision(tokenizer: Tokenizer, spec: str, label: str, count: int = DECISIONS
 
         return run
 
-    _, prepared = decide(_text_of(tokenizer, new, rng, words))()  # the 90% is now cached
-    _hold(fleet, 7, prepared.block_keys[: int(len(prepared.block_keys) * SEEN)])
+    _, prepared = decide(text_of(tokenizer, new, rng, vocabulary))()  # the 90% is now cached
+    hold(fleet, 7, prepared.block_keys[: int(len(prepared.block_keys) * SEEN)])
     relative = label != "builtin"  # an HF tokenizer's target is relative to its own encode
     walls, cpus, before, after = [], [], [], []
     for i, question in enumerate(questions):
@@ -561,7 +525,7 @@ def decision(tokenizer: Tokenizer, spec: str, label: str, count: int = DECISIONS
             after.append(second)
     figures = _decision_figures(label, prepared.prompt_tokens, walls, cpus)
     if relative:
-        others = [_text_of(tokenizer, new, rng, words) for _ in range(TIGHT_TAILS)]
+        others = [text_of(tokenizer, new, rng, vocabulary) for _ in range(TIGHT_TAILS)]
         tight = [_timed(partial(tokenizer.encode, t, add_special_tokens=False))[0] for t in others]
         figures += _tail_figures(label, (_p50(walls), _p50(cpus)), before, after, tight)
     return figures
@@ -632,7 +596,7 @@ def decisions(count: int = DECISIONS) -> list[Figure]:
     tune_gc()  # as kvroute-proxy's workers run
     figures = decision(BuiltinTokenizer(), "builtin", "builtin", count)
     with tempfile.TemporaryDirectory() as scratch:
-        corpus = [" ".join(_words()[i : i + 12]) for i in range(0, 3000, 12)]
+        corpus = [" ".join(words()[i : i + 12]) for i in range(0, 3000, 12)]
         model = write_tiny_model(Path(scratch) / "bpe", vocab_size=8000, corpus=corpus)
         figures += decision(HFTokenizer(model), str(model), "HF byte-level BPE", count)
     return figures

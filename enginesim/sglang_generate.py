@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -77,10 +77,7 @@ from enginesim import protocol as p
 from enginesim import sglang_api as sg
 from enginesim import sglang_rids as sr
 from enginesim.choices import Choices
-from enginesim.sglang_serving import Sampling
-
-if TYPE_CHECKING:
-    from enginesim.sglang_serving import SglangServing
+from enginesim.sglang_serving import Sampling, SglangServing
 
 DEFAULT_MAX_NEW_TOKENS = 128  # ``SamplingParams.max_new_tokens``
 _encode = msgspec.json.encode

@@ -12,17 +12,17 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from enginesim import protocol as p
 from enginesim import sglang_api as sg
 from enginesim import sglang_rids as sr
 from enginesim.choices import Choices
 from enginesim.errors import RequestRejected
+from enginesim.engine import Engine
 from enginesim.scheduler import SimRequest
-
-if TYPE_CHECKING:
-    from enginesim.http import SimApp
+from enginesim.settings import SimSettings
+from enginesim.tokens import PromptTokenizer
 
 Answer = dict[str, Any] | tuple[AsyncIterator[bytes], Choices]
 """A whole answer's body, or a stream's chunks and the requests they come from."""
@@ -45,8 +45,24 @@ class Sampling:
         return cls(body.max_tokens, body.temperature, body.stream, salt, body.model)
 
 
+class ServingApp(Protocol):
+    """What SGLang's routes take from the HTTP app (``http.SimApp``), which owns them:
+    its settings, engine and tokenizer, and its prompt readers, so that both modes read
+    prompts and chat templates alike."""
+
+    settings: SimSettings
+    engine: Engine
+    tokenizer: PromptTokenizer
+
+    async def prompt_ids(self, given: list[str | list[int]]) -> list[list[int]]: ...
+
+    async def chat_prompt_ids(
+        self, messages: list[dict[str, Any]], tools: Any, add_generation_prompt: bool
+    ) -> list[int]: ...
+
+
 class SglangServing:
-    def __init__(self, app: SimApp) -> None:
+    def __init__(self, app: ServingApp) -> None:
         self.app = app
         self.rids = sr.RidsInFlight()
 

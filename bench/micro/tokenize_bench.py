@@ -23,6 +23,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from bench.micro.decision_inputs import FLEET_MODEL, chat, decision_fleet, hold, text_of, words
 from bench.micro.model_files import write_tiny_model
 from bench.micro.report import Figure, median_us_each
 from dataplane.openai_request import InferenceRequest, parse_inference
@@ -38,27 +39,6 @@ DECISIONS = 300
 MODEL = "bench-model"
 
 
-def _sentence(rng: random.Random, words: list[str]) -> str:
-    return " ".join(rng.choice(words) for _ in range(rng.randint(6, 16))) + ".\n"
-
-
-def _text_of(tokenizer: Tokenizer, tokens: int, rng: random.Random, words: list[str]) -> str:
-    lines: list[str] = []
-    while len(tokenizer.encode("".join(lines), add_special_tokens=False)) < tokens:
-        lines.extend(_sentence(rng, words) for _ in range(20))
-    return "".join(lines)
-
-
-def _chat(system: str, question: str) -> list[dict[str, Any]]:
-    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
-
-
-def _words() -> list[str]:
-    rng = random.Random(5)
-    letters = "etaoinshrdlucmfwypvbgkjqxz"
-    return ["".join(rng.choices(letters, k=rng.randint(2, 9))) for _ in range(3000)]
-
-
 def _timed(run: Callable[[], object]) -> tuple[float, float]:
     """Wall and CPU (thread) time of one call, in microseconds."""
     wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
@@ -68,23 +48,23 @@ def _timed(run: Callable[[], object]) -> tuple[float, float]:
 
 def _measure(tokenizer: Tokenizer, label: str) -> list[Figure]:
     rng = random.Random(11)
-    words = _words()
-    system = _text_of(tokenizer, int(PROMPT_TOKENS * SEEN_FRACTION), rng, words)
+    vocabulary = words()
+    system = text_of(tokenizer, int(PROMPT_TOKENS * SEEN_FRACTION), rng, vocabulary)
     tail = int(PROMPT_TOKENS * (1 - SEEN_FRACTION))
-    questions = [_text_of(tokenizer, tail, rng, words) for _ in range(VARIANTS)]
+    questions = [text_of(tokenizer, tail, rng, vocabulary) for _ in range(VARIANTS)]
     cache = PrefixTokenCache(tokenizer)
     root = root_key(model=MODEL)
 
     def cached(question: str) -> Callable[[], object]:
         def run() -> object:
-            text = tokenizer.apply_chat_template(_chat(system, question))
+            text = tokenizer.apply_chat_template(chat(system, question))
             return cache.encode_keyed(text, add_special_tokens=False, root=root).keys
 
         return run
 
     def uncached(question: str) -> Callable[[], object]:
         def run() -> object:
-            text = tokenizer.apply_chat_template(_chat(system, question))
+            text = tokenizer.apply_chat_template(chat(system, question))
             return block_keys(tokenizer.encode(text, add_special_tokens=False), model=MODEL)
 
         return run
@@ -98,7 +78,7 @@ def _measure(tokenizer: Tokenizer, label: str) -> list[Figure]:
     (floor_wall, floor_cpu), (warm_wall, warm_cpu) = (
         [statistics.median(x) for x in zip(*side, strict=True)] for side in zip(*pairs, strict=True)
     )
-    tokens = len(tokenizer.encode(tokenizer.apply_chat_template(_chat(system, questions[0]))))
+    tokens = len(tokenizer.encode(tokenizer.apply_chat_template(chat(system, questions[0]))))
     target = 1.0 if label == "builtin" else None  # an HF BPE's target is relative to its tail
     name = f"chat {tokens} tok, 90% seen, {label}"
     figures = [
@@ -119,14 +99,11 @@ def _decisions_cpu(count: int = DECISIONS) -> list[Figure]:
     64 replicas, built-in tokenizer) for ``count`` prompts, each with a new 10%: CPU time
     over enough samples for a p99 that is not the slowest of a few (``bench.proxy``'s
     decision figures are wall time over 79)."""
-    from bench.proxy import MODEL as FLEET_MODEL  # bench.proxy imports this module
-    from bench.proxy import _fleet, _hold
-
-    tokenizer, rng, words = BuiltinTokenizer(), random.Random(11), _words()
-    system = _text_of(tokenizer, int(PROMPT_TOKENS * SEEN_FRACTION), rng, words)
+    tokenizer, rng, vocabulary = BuiltinTokenizer(), random.Random(11), words()
+    system = text_of(tokenizer, int(PROMPT_TOKENS * SEEN_FRACTION), rng, vocabulary)
     tail = int(PROMPT_TOKENS * (1 - SEEN_FRACTION))
-    questions = ["warm-up", *(_text_of(tokenizer, tail, rng, words) for _ in range(count))]
-    fleet = _fleet("builtin", 16)
+    questions = ["warm-up", *(text_of(tokenizer, tail, rng, vocabulary) for _ in range(count))]
+    fleet = decision_fleet("builtin", 16)
     router = Router(fleet, Defaults(), random.Random(3))
 
     def decide(request: InferenceRequest) -> Any:
@@ -135,12 +112,12 @@ def _decisions_cpu(count: int = DECISIONS) -> list[Figure]:
         return router.choose(prepared, now=time.monotonic()), prepared
 
     requests = [
-        parse_inference(json.dumps({"model": FLEET_MODEL, "messages": _chat(system, q)}).encode(),
+        parse_inference(json.dumps({"model": FLEET_MODEL, "messages": chat(system, q)}).encode(),
                         "chat")
         for q in questions
     ]  # fmt: skip
     _, first = decide(requests[0])
-    _hold(fleet, 7, first.block_keys[: int(len(first.block_keys) * SEEN_FRACTION)])
+    hold(fleet, 7, first.block_keys[: int(len(first.block_keys) * SEEN_FRACTION)])
     thresholds = gc.get_threshold()
     tune_gc()  # as kvroute-proxy's workers run
     before = _collections()
@@ -162,7 +139,7 @@ def _collections() -> int:
 def run() -> list[Figure]:
     figures = _measure(BuiltinTokenizer(), "builtin") + _decisions_cpu()
     with tempfile.TemporaryDirectory() as scratch:
-        corpus = [" ".join(_words()[i : i + 12]) for i in range(0, 3000, 12)]
+        corpus = [" ".join(words()[i : i + 12]) for i in range(0, 3000, 12)]
         model = write_tiny_model(Path(scratch) / "bpe", vocab_size=8000, corpus=corpus)
         figures += _measure(HFTokenizer(model), "HF byte-level BPE")
     return figures
