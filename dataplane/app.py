@@ -59,6 +59,7 @@ from dataplane.relay import GenerateRelay, SseRelay, generate_usage_of, usage_of
 from dataplane.routing import Prepared, Router
 from dataplane.tracing import Tracing, describe, traceparent_of
 from kvcore.pb import routing_pb2
+from kvcore.tenancy import own_namespace, tenant_salt
 from kvcore.workload.classify import WORKLOAD_HEADER
 
 log = logging.getLogger("dataplane")
@@ -396,8 +397,9 @@ class ProxyApp:
     async def _forward(self, request: Request, response: _Responder) -> None:
         """Any other /v1/* route, or an engine's own route: to the least-loaded replica
         serving the model."""
-        self._authenticate(request.headers)
-        model = _model_of(request) or self._default_model()
+        api_key = self._authenticate(request.headers)
+        fields = _json_fields(request.body)
+        model = _model_of(fields, request.query) or self._default_model()
         ordinal = self.router.least_loaded(model)
         endpoint = self.dispatcher.fleet.endpoint(ordinal) if ordinal is not None else None
         if endpoint is None:
@@ -406,7 +408,8 @@ class ProxyApp:
         url = endpoint.base_url + request.path + (f"?{query}" if query else "")
         upstream = self.dispatcher.upstream
         headers = self._upstream_headers(request.headers, response.id)
-        opened = await upstream.open(request.method, url, request.body, headers)
+        body = self._salted(request, fields, api_key)
+        opened = await upstream.open(request.method, url, body, headers)
         try:
             response.start(opened.status, opened.headers)
             await response.chunk(opened.first)
@@ -415,6 +418,20 @@ class ProxyApp:
         finally:
             opened.close()
         response.end()
+
+    def _salted(
+        self, request: Request, fields: dict[str, Any], api_key: routing_pb2.ApiKey | None
+    ) -> bytes:
+        """A forwarded body naming a cache namespace of its own (``/v1/responses``, a
+        pooling route...) gets its tenant's salt for it, as inference does
+        (``dataplane.routing``); any other body goes on as it came."""
+        own = own_namespace(fields, isolating=False)
+        if own is None:
+            return request.body
+        tenant = self.router.tenant_of(request.headers, api_key)
+        fields = {**fields, "cache_salt": tenant_salt(tenant or "", own)}
+        fields.pop("extra_key", None)
+        return _encode(fields)
 
     def _default_model(self) -> str:
         """The model of a request that names none (no ``model``, null or empty): vLLM
@@ -479,14 +496,21 @@ def _allow(method: str, allowed: str, path: str) -> None:
         )
 
 
-def _model_of(request: Request) -> str:
-    """The model a request other than inference names in its body or query; "" none."""
-    if request.body:
+def _json_fields(body: bytes) -> dict[str, Any]:
+    """A forwarded body's fields, if it is a JSON object (else none: the engine's to
+    judge)."""
+    if body:
         with contextlib.suppress(BadRequest):
-            model = decode_object(request.body).get("model")
-            if isinstance(model, str) and model:
-                return model
-    values = parse_qs(request.query).get("model")
+            return decode_object(body)
+    return {}
+
+
+def _model_of(fields: dict[str, Any], query: str) -> str:
+    """The model a request other than inference names in its body or query; "" none."""
+    model = fields.get("model")
+    if isinstance(model, str) and model:
+        return model
+    values = parse_qs(query).get("model")
     return str(values[0]) if values else ""
 
 

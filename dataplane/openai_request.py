@@ -116,7 +116,8 @@ class InferenceRequest:
             options["include_usage"] = True
             body["stream_options"] = options
         if cache_salt is not None:
-            body["cache_salt"] = cache_salt
+            body["cache_salt"] = cache_salt  # the tenant's (dataplane.routing)
+            body.pop("extra_key", None)  # SGLang's: folded into it
         return msgspec.json.encode(body)
 
 
@@ -232,6 +233,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "stream_options": (dict,),
     "cache_salt": (str,),
     "prompt_cache_key": (str,),
+    "extra_key": (str,),  # SGLang's, part of the tenant's salt (dataplane.routing)
     "tools": (list,),
     "user": (str,),
 }

@@ -11,14 +11,12 @@ built once per workload and rebuilt when the routing config object changes; what
 requested model name resolves to (canonical id, tokenizer, block size) is remembered
 until the fleet's replicas or config change (:attr:`FleetState.generation`).
 
-Tenant namespace (the ``namespace`` of the block keys must be the ``cache_salt`` the
-engine sees, since the sidecar keys the engine's blocks under it):
-
-- a ``cache_salt`` in the body is the namespace, whatever the workload says;
-- otherwise, when the workload isolates tenants, the tenant is the API key's tenant,
-  else ``prompt_cache_key``, else the configured tenant header; the proxy sets it as
-  ``cache_salt`` upstream so the engine isolates tenants too;
-- otherwise the namespace is empty.
+Tenant namespace (``kvcore.tenancy``): the tenant is who the proxy knows the client to
+be, never what it says: with ``--auth`` the API key's tenant, without it the configured
+tenant header (which a front proxy that authenticates must set; without either, tenants
+are not told apart, and the proxy says so at start-up). A client's ``cache_salt`` or
+``prompt_cache_key`` only subdivides its own tenant's namespace; the namespace is the
+``cache_salt`` set upstream, since the sidecar keys the engine's blocks under it.
 """
 
 from __future__ import annotations
@@ -38,6 +36,7 @@ from kvcore.keys import root_key
 from kvcore.pb import routing_pb2
 from kvcore.policies import Decision, Policy, ReplicaState, RouteContext, create_policy
 from kvcore.request import InvalidRequest, keyed, later_prompts, prompt_keys, session_id
+from kvcore.tenancy import cache_namespace
 from kvcore.tokenize import Encoded, PrefixTokenCache, Tokenizer, TokenizerError, load_tokenizer
 from kvcore.workload import (
     RequestInfo,
@@ -372,18 +371,21 @@ class Router:
         headers: Mapping[str, str],
         api_key: routing_pb2.ApiKey | None,
     ) -> tuple[str, str | None]:
-        salt = request.text_field("cache_salt")
-        if salt is not None:
-            return salt, None
-        if not workload.tenant_isolation:
-            return "", None
-        tenant = api_key.tenant if api_key is not None and api_key.tenant else None
-        tenant = tenant or request.text_field("prompt_cache_key")
-        if tenant is None and self.defaults.tenant_header:
-            tenant = headers.get(self.defaults.tenant_header)
-        if not tenant:
-            return "", None
-        return tenant, tenant
+        """The request's namespace and the salt to send upstream (see the module's
+        docstring)."""
+        tenant = self.tenant_of(headers, api_key)
+        salt = cache_namespace(request.body, tenant=tenant, isolating=workload.tenant_isolation)
+        return salt, salt or None
+
+    def tenant_of(
+        self, headers: Mapping[str, str], api_key: routing_pb2.ApiKey | None
+    ) -> str | None:
+        """Who the proxy knows the client to be: the key's tenant with ``--auth`` (a
+        key is given exactly then), else the configured tenant header's value."""
+        if api_key is not None:
+            return api_key.tenant or None
+        header = self.defaults.tenant_header
+        return (headers.get(header) or None) if header else None
 
     def _prompt(self, request: InferenceRequest, spec: str, root: int, block_size: int) -> Encoded:
         cache = self.tokenizers.token_cache(spec)

@@ -120,6 +120,7 @@ class ProxyService:
         self._tasks = BackgroundTasks()
 
     async def start(self) -> None:
+        _say_who_is_isolated(self.settings)
         if self.siblings is not None:
             await self.siblings.start()
         await self.upstream.start()
@@ -201,3 +202,22 @@ async def _served_names(session: aiohttp.ClientSession, base_url: str) -> tuple[
     owners = {c.get("owned_by") for c in cards}
     kind = owners.pop() if len(owners) == 1 else ""
     return [c["id"] for c in cards], kind if kind in ("vllm", "sglang") else ""
+
+
+def _say_who_is_isolated(settings: ProxySettings) -> None:
+    """Without ``--auth`` the proxy knows no client's tenant: say at start-up whose word
+    it takes for it (``kvcore.tenancy``)."""
+    if settings.auth:
+        return
+    if settings.tenant_header:
+        log.warning(
+            "no --auth: a request's tenant is its %s header, which a front proxy that "
+            "authenticates clients must set (any client can name any tenant otherwise)",
+            settings.tenant_header,
+        )
+        return
+    log.warning(
+        "no --auth: tenants are not isolated (any client can reach any cache namespace, "
+        "and a cache hit tells it another client sent that prompt); use --auth, or "
+        "--tenant-header behind a front proxy that authenticates"
+    )

@@ -48,12 +48,8 @@ class WorkloadBase(_Settings):
     tenant_isolation: bool = Field(
         False,
         description="Salt block keys with the tenant's namespace so that tenants never "
-        "share cached blocks (and set cache_salt upstream).",
+        "share cached blocks (and set cache_salt upstream; kvcore.tenancy).",
     )
-
-    def key_namespace(self, tenant: str | None) -> str:
-        """The ``namespace`` for ``kvcore.keys.block_keys``: the tenant when isolated."""
-        return (tenant or "") if self.tenant_isolation else ""
 
 
 class RoundRobinWorkload(WorkloadBase):

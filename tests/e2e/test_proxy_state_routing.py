@@ -67,11 +67,13 @@ def routing_state(
 
 @asynccontextmanager
 async def proxy(
-    updates: Any, exporter: InMemorySpanExporter | None = None
+    updates: Any, exporter: InMemorySpanExporter | None = None, **options: Any
 ) -> AsyncIterator[tuple[str, ProxyService]]:
-    """The proxy's service on a free port, its state applied from ``updates``."""
+    """The proxy's service on a free port, its state applied from ``updates``; ``options``
+    are settings over the test's (bearer keys on, debug headers)."""
     settings = ProxySettings(
-        controlplane=["127.0.0.1:9"], debug_headers=True, auth=True, tracing=exporter is not None
+        **{"controlplane": ["127.0.0.1:9"], "debug_headers": True, "auth": True, **options},
+        tracing=exporter is not None,
     )
     service = ProxyService(settings, span_exporter=exporter)
     for update in updates:

@@ -607,6 +607,14 @@ def test_the_proxys_flags_refuse_repeats_slow_heads_and_connections_over_the_cap
             with socket.create_connection((host, port), timeout=10) as conn:
                 answer = _raw(conn, b"GET /healthz HTTP/1.1\r\nhost: p\r\n\r\n")
             assert answer.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in answer
+        assert "a request's tenant is its x-tenant header" in proxy.stderr_text()
+
+
+def test_a_proxy_without_keys_says_at_start_up_that_tenants_are_not_isolated(
+    fleet: Any,
+) -> None:
+    _, proxy = fleet
+    assert "tenants are not isolated" in proxy.stderr_text()
 
 
 def test_other_v1_routes_reach_a_replica_and_request_ids_are_kept(fleet: Any) -> None:

@@ -3,10 +3,10 @@
 The steps and the code are the proxy's: classify the request into a workload
 (``kvcore.workload.RoutingConfig.classify``), tokenize it with its model's tokenizer
 (``kvcore.request.prompt_token_ids``), compute its block keys (``kvcore.keys``) in the
-workload's key namespace, and let the workload's policy (``kvcore.policies``) rank the
-replicas of the model's pool as the fleet half sees them now. Tokenizers are loaded once
-per spec, in a thread (a model directory is read from disk), and long prompts are
-tokenized in a thread too.
+tenant's key namespace (``kvcore.tenancy``, for the tenant the caller names), and let
+the workload's policy (``kvcore.policies``) rank the replicas of the model's pool as the
+fleet half sees them now. Tokenizers are loaded once per spec, in a thread (a model
+directory is read from disk), and long prompts are tokenized in a thread too.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from controlplane.records.errors import InvalidInput
 from kvcore.keys import DEFAULT_BLOCK_SIZE, block_keys
 from kvcore.policies import RouteContext, create_policy
 from kvcore.request import InvalidRequest, prompt_token_ids, session_id
+from kvcore.tenancy import cache_namespace
 from kvcore.tokenize import BUILTIN, Tokenizer, TokenizerError, load_tokenizer
 from kvcore.workload import (
     WORKLOAD_HEADER,
@@ -30,7 +31,6 @@ from kvcore.workload import (
     RequestInfo,
     RoutingConfig,
     UnknownWorkload,
-    Workload,
     WorkloadError,
 )
 
@@ -60,7 +60,7 @@ class Explainer:
         keys = block_keys(
             tokens,
             model=spec.canonical,
-            namespace=key_namespace(body, chosen, tenant),
+            namespace=cache_namespace(body, tenant=tenant, isolating=chosen.tenant_isolation),
             block_size=spec.block_size,
         )
         ctx = RouteContext(
@@ -152,19 +152,6 @@ class Explainer:
             return [], str(exc)
         except (TypeError, ValueError) as exc:
             raise InvalidInput("body.request", str(exc)) from None
-
-
-def key_namespace(body: Mapping[str, Any], workload: Workload, tenant: str | None) -> str:
-    """The block keys' namespace, as the proxy picks it: the request's ``cache_salt``,
-    else, for a workload with tenant isolation, the tenant (given, else the body's
-    ``prompt_cache_key``)."""
-    salt = body.get("cache_salt")
-    if isinstance(salt, str):
-        return salt
-    if not workload.tenant_isolation:
-        return ""
-    cache_key = body.get("prompt_cache_key")
-    return tenant or (cache_key if isinstance(cache_key, str) else "")
 
 
 def _size(body: Mapping[str, Any]) -> int:

@@ -15,6 +15,7 @@ from dataplane.routing import Defaults, Prepared, Router
 from kvcore.keys import chain_keys, root_key
 from kvcore.pb import routing_pb2
 from kvcore.request import prompt_token_ids
+from kvcore.tenancy import cache_namespace, tenant_salt
 from kvcore.tokenize import BuiltinTokenizer
 from kvcore.workload import RoutingConfig, parse_config
 from tests.unit.dataplane.state_messages import (
@@ -78,7 +79,8 @@ def test_the_router_keys_the_tokens_the_explain_endpoint_reads(
     chained keys of kvcore.request's tokens, rooted at the model id and the tenant."""
     router = _router(16, [])
     tokens = prompt_token_ids(body, BuiltinTokenizer(), kind)
-    root = root_key(model="org/m", namespace=str(body.get("cache_salt", "")))
+    namespace = cache_namespace(body, tenant=None, isolating=False)  # a salt: its own
+    root = root_key(model="org/m", namespace=namespace)
     for _ in range(2):
         prepared = _prepare(router, body, kind)
         assert prepared.prompt_tokens == len(tokens)
@@ -101,9 +103,11 @@ def test_the_workload_header_picks_a_workload_and_tenants_get_their_own_root() -
     plain = _prepare(router, body, "completion")
     isolated = _prepare(router, body, "completion", {"x-kvroute-workload": "isolated"})
     assert (plain.workload.name, plain.namespace) == ("default", "")
-    assert (isolated.workload.name, isolated.namespace) == ("isolated", "tenant-b")
+    # no tenant known (no key, no tenant header): the client's key subdivides the shared one
+    assert (isolated.workload.name, isolated.namespace) == ("isolated", tenant_salt("", "tenant-b"))
     tokens = BuiltinTokenizer().encode(LONG)
-    assert isolated.block_keys == chain_keys(root_key(model="org/m", namespace="tenant-b"), tokens)
+    isolated_root = root_key(model="org/m", namespace=tenant_salt("", "tenant-b"))
+    assert isolated.block_keys == chain_keys(isolated_root, tokens)
     assert plain.block_keys == chain_keys(root_key(model="org/m"), tokens)
 
 

@@ -74,12 +74,6 @@ def test_workloads_are_frozen_and_round_trip_through_json() -> None:
     assert parse_workload(workload.model_dump_json()) == workload
 
 
-def test_tenant_isolation_decides_the_key_namespace() -> None:
-    assert KvAwareWorkload(tenant_isolation=True).key_namespace("tenant-a") == "tenant-a"
-    assert KvAwareWorkload(tenant_isolation=True).key_namespace(None) == ""
-    assert KvAwareWorkload().key_namespace("tenant-a") == ""
-
-
 def test_session_key_header_names_are_case_insensitive() -> None:
     assert SessionAffinityWorkload(session_key="X-Session-ID").session_key == "x-session-id"
     assert SessionAffinityWorkload(session_key="body.user").session_key == "body.user"
