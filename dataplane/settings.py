@@ -196,8 +196,10 @@ class ProxySettings(BaseSettings):
     tenant_header: str = Field(
         default="",
         pattern=r"^[A-Za-z0-9-]{0,128}$",
-        description="Request header naming the tenant (cache namespace) when the body has no "
-        "cache_salt or prompt_cache_key ('' = none).",
+        description="Without --auth, the request header naming the client's tenant (its "
+        "cache namespace, which a body's cache_salt or prompt_cache_key only subdivides); "
+        "only a front proxy that authenticates clients may set it. Ignored with --auth (the "
+        "key's tenant wins). '' = none: tenants are not isolated.",
     )
     debug_headers: bool = Field(
         default=False,

@@ -48,7 +48,8 @@ class WorkloadBase(_Settings):
     tenant_isolation: bool = Field(
         False,
         description="Salt block keys with the tenant's namespace so that tenants never "
-        "share cached blocks (and set cache_salt upstream; kvcore.tenancy).",
+        "share cached blocks (and set cache_salt upstream). The tenant is the API key's, or "
+        "without keys the proxy's tenant header; a client's cache_salt only subdivides it.",
     )
 
 
