@@ -131,6 +131,10 @@ class BlockPool:
         """The free queue, head (next evicted) first."""
         return self._free.block_ids()
 
+    def resident(self) -> dict[bytes, list[int]]:
+        """Every cached digest and the ids of its copies, oldest first."""
+        return {digest: list(copies) for digest, copies in self._cached.items()}
+
     def longest_cached_prefix(self, digests: Sequence[bytes]) -> list[KVBlock]:
         hits: list[KVBlock] = []
         for digest in digests:
@@ -298,6 +302,11 @@ class VllmKVCacheManager:
 
     def cached_digests(self) -> set[bytes]:
         return self.pool.cached_digests()
+
+    def block_ids(self, req: SimRequest) -> list[int]:
+        """``req``'s block table (empty when it holds none)."""
+        held = self._held.get(req)
+        return [] if held is None else [b.block_id for b in held.blocks]
 
     def _admission_tokens(self, req: SimRequest) -> int:
         """The tokens admission allocates slots for: all of ``req``'s, as
