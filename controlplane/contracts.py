@@ -48,6 +48,9 @@ class ReplicaInfo:
     prefix_cache_queries: int | None
     prefix_cache_hits: int | None
     last_seen: float  # wall-clock seconds of the last announce or load report
+    # silent past the heartbeat timeout while silence was no evidence (this instance's
+    # NATS link down, or most replicas silent at once): routed on its last state
+    stale: bool = False
 
     @property
     def hit_rate(self) -> float | None:

@@ -6,6 +6,16 @@ synchronous and does no I/O: ``controlplane.ingest`` decodes messages and calls
 sidecar for a resync goes through the ``resync`` callback; every change is also recorded
 in :attr:`Fleet.changes` for the next delta to proxies.
 
+Liveness comes from evidence about a replica, not from the bus's silence. A replica
+silent past the heartbeat timeout is marked down (its residency dropped) only when its
+silence says something about it: silence counts from when this instance's NATS link last
+came up, never while it is down, and when more than ``panic_threshold`` of the live replicas
+fall silent together (Envoy's panic threshold) the bus, not the fleet, is the likelier
+fault. Those replicas are kept as they were and flagged ``stale`` instead: proxies go on
+routing to them on their last state and on what they see themselves (connect failures,
+their breaker). Any message from a replica clears ``stale``; an announce or a load report
+clears ``down``.
+
 Replicas get a small ordinal on first sight (the residency index's bit), stable for the
 life of the process. Only the device tier (``MEDIUM_GPU``) is residency: routing cares
 about what a prefill can reuse without a copy.
@@ -42,6 +52,7 @@ class ReplicaRecord:
     last_seen: float = 0.0  # monotonic
     last_seen_wall: float = 0.0
     down: bool = False
+    stale: bool = False  # silent while silence was no evidence: kept as it was, not downed
     draining: bool = False  # set by an operator, persisted in etcd
     stream: ReplicaStream = field(default_factory=ReplicaStream)
     held: list[events_pb2.KvEventBatch] | None = None  # batches kept until a ResyncReply
@@ -68,6 +79,7 @@ class FleetStats:
     snapshots_applied: int = 0
     resyncs: dict[str, int] = field(default_factory=dict)  # reason -> count
     replicas_down: int = 0  # times a replica was marked down
+    replicas_kept_stale: int = 0  # times a silent replica was kept (stale) instead
 
 
 Resync = Callable[[ReplicaRecord, str, int], None]  # record, reason, snapshot_id
@@ -82,6 +94,7 @@ class Fleet:
         heartbeat_timeout_s: float,
         resync_retry_s: float = 2.0,
         resync: Resync | None = None,
+        panic_threshold: float = 0.5,
     ) -> None:
         self.index = BitmaskResidencyIndex()
         self.by_id: dict[str, ReplicaRecord] = {}
@@ -90,6 +103,7 @@ class Fleet:
         self.changes = ChangeLog()
         self.stats = FleetStats()
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.panic_threshold = panic_threshold
         self.resync_retry_s = resync_retry_s
         self.resync: Resync = resync or (lambda record, reason, snapshot_id: None)
         self._snapshot_ids = itertools.count(random.randrange(1, 2**62))
@@ -113,10 +127,7 @@ class Fleet:
         changed = record.announce is None or _announce_differs(record.announce, msg)
         record.announce, record.pool = msg, msg.pool
         self._seen(record, now)
-        if record.down:
-            record.down = False
-            changed = True
-        if changed:
+        if self._revive(record) or changed:
             self.changes.replica(record.ordinal)
         self._resync_if_unknown(record)
         return record
@@ -125,11 +136,23 @@ class Fleet:
         record = self.record(pool, msg.replica_id, now)
         record.load = msg
         self._seen(record, now)
+        if self._revive(record):
+            self.changes.replica(record.ordinal)
         self.changes.load(record.ordinal)
         self._resync_if_unknown(record)
 
     def _seen(self, record: ReplicaRecord, now: float) -> None:
         record.last_seen, record.last_seen_wall = now, time.time()
+        record.stale = False
+
+    @staticmethod
+    def _revive(record: ReplicaRecord) -> bool:
+        """An announce or a load report proves the replica's sidecar is there: not down
+        (its residency comes back through the resync an unknown stream asks for)."""
+        if not record.down:
+            return False
+        record.down = False
+        return True
 
     def _resync_if_unknown(self, record: ReplicaRecord) -> None:
         if not record.down and record.stream.epoch is None:
@@ -221,19 +244,51 @@ class Fleet:
         self.changes.residency_of(record.ordinal).clear()
 
     # -- liveness --------------------------------------------------------------------
-    def expire(self, now: float) -> list[ReplicaRecord]:
-        """Mark replicas silent past the heartbeat timeout down; the caller drops their
-        residency with :meth:`drop_steps`."""
-        gone = []
+    def expire(self, now: float, heard_since: float | None = 0.0) -> list[ReplicaRecord]:
+        """Mark replicas silent past the heartbeat timeout down, or stale when silence is
+        no evidence (see the module docstring); the caller drops the downed replicas'
+        residency with :meth:`drop_steps`.
+
+        ``heard_since`` is when this instance's NATS link last came up (monotonic), or
+        ``None`` while it is down: silence counts only from then."""
+        live = [r for r in self.by_ordinal.values() if not r.down]
+        silent = [
+            r for r in live if self._silent_for(r, now, heard_since) > self.heartbeat_timeout_s
+        ]
+        if heard_since is None or len(silent) > self.panic_threshold * len(live):
+            for record in silent:
+                self._keep_stale(record)
+            return []
+        for record in silent:
+            self._mark_down(record)
+        return silent
+
+    @staticmethod
+    def _silent_for(record: ReplicaRecord, now: float, heard_since: float | None) -> float:
+        if heard_since is None:
+            return now - record.last_seen
+        return now - max(record.last_seen, heard_since)
+
+    def _keep_stale(self, record: ReplicaRecord) -> None:
+        if not record.stale:
+            record.stale = True
+            self.stats.replicas_kept_stale += 1
+
+    def _mark_down(self, record: ReplicaRecord) -> None:
+        record.down, record.stale = True, False
+        record.stream.reset()
+        self.changes.replica(record.ordinal)
+        self.changes.residency_of(record.ordinal).clear()
+        self.stats.replicas_down += 1
+
+    def stale_count(self) -> int:
+        return sum(1 for r in self.by_ordinal.values() if r.stale and not r.down)
+
+    def resync_all(self, reason: str) -> None:
+        """Ask every live replica for its state (after this instance could not hear it)."""
         for record in self.by_ordinal.values():
-            if not record.down and now - record.last_seen > self.heartbeat_timeout_s:
-                record.down = True
-                record.stream.reset()
-                self.changes.replica(record.ordinal)
-                self.changes.residency_of(record.ordinal).clear()
-                self.stats.replicas_down += 1
-                gone.append(record)
-        return gone
+            if not record.down:
+                self._ask_resync(record, reason)
 
     def drop_steps(self, record: ReplicaRecord, chunk: int) -> Iterator[int]:
         """Drop a down replica's residency in steps (lookups stop seeing it at once)."""

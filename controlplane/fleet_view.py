@@ -102,6 +102,7 @@ def replica_info(record: ReplicaRecord, resident_blocks: int) -> ReplicaInfo:
         prefix_cache_queries=load.prefix_cache_queries if load else None,
         prefix_cache_hits=load.prefix_cache_hits if load else None,
         last_seen=record.last_seen_wall,
+        stale=record.stale,
     )
 
 

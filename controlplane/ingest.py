@@ -6,7 +6,10 @@ subscription's callback, so one replica's batches are applied in the order NATS
 delivered them. A message that does not decode, or whose ids disagree with its subject,
 is counted by kind and skipped. Resync requests go out as NATS requests from their own
 tasks; the reply says where the snapshot starts. A sweeper marks silent replicas down
-and drops their residency in steps, yielding the event loop between steps.
+and drops their residency in steps, yielding the event loop between steps; it counts
+silence only while this instance's own NATS link is up (``heard_since``), and once the
+link is back every replica is asked for its state, since whatever was published
+meanwhile is lost.
 """
 
 from __future__ import annotations
@@ -48,17 +51,28 @@ class Ingest:
         self._nc: Client | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._subjects: dict[str, subjects.Subject] = {}  # valid subjects, parsed once
+        self._link_up_at = 0.0  # monotonic time the NATS link last came up
         fleet.resync = self._request_resync
 
     @property
     def connected(self) -> bool:
         return self._nc is not None and self._nc.is_connected
 
+    @property
+    def heard_since(self) -> float | None:
+        """Since when this instance has been able to hear the sidecars (monotonic), or
+        ``None`` while its NATS link is down."""
+        return self._link_up_at if self.connected else None
+
     async def start(self) -> None:
         """Connect (retrying until NATS answers), subscribe, start the sweeper."""
         while self._nc is None:
             try:
-                self._nc = await nats.connect(**connect_options(self.settings))
+                self._nc = await nats.connect(
+                    **connect_options(self.settings),
+                    disconnected_cb=self._on_disconnected,
+                    reconnected_cb=self._on_reconnected,
+                )
             except (nats.errors.Error, OSError, TimeoutError) as exc:
                 log.info("nats not reachable yet", extra={"error": type(exc).__name__})
                 await asyncio.sleep(_RETRY_S)
@@ -66,8 +80,17 @@ class Ingest:
             await self._nc.subscribe(subject, cb=self._on_message, pending_msgs_limit=1_000_000)
         if not await subscriptions_live(self._nc):  # so a message sent after start() is seen
             log.warning("nats subscriptions not confirmed live", extra={"timeout_s": 5.0})
+        self._link_up_at = time.monotonic()
         self._spawn(self._sweep())
         log.info("nats subscribed", extra={"url": redacted(self.settings.nats_url)})
+
+    async def _on_disconnected(self) -> None:
+        log.warning("nats disconnected: replicas' silence is not counted until it is back")
+
+    async def _on_reconnected(self) -> None:
+        self._link_up_at = time.monotonic()
+        log.info("nats reconnected: asking every replica for its state")
+        self.fleet.resync_all("nats reconnected")
 
     async def aclose(self) -> None:
         for task in list(self._tasks):
@@ -164,7 +187,7 @@ class Ingest:
         interval = min(1.0, self.settings.heartbeat_timeout_s / 4)
         while True:
             await asyncio.sleep(interval)
-            for record in self.fleet.expire(time.monotonic()):
+            for record in self.fleet.expire(time.monotonic(), self.heard_since):
                 log.info("replica down", extra={"replica": record.replica_id})
                 for _ in self.fleet.drop_steps(record, self.settings.clear_chunk_keys):
                     await asyncio.sleep(0)

@@ -87,6 +87,22 @@ class FleetCollector(Collector):
             "status",
             statuses,
         )
+        yield _gauge(
+            "kvroute_controlplane_replicas_stale",
+            "Replicas silent past the heartbeat timeout but kept: this instance's NATS link "
+            "was down, or too many fell silent at once",
+            self.fleet.stale_count(),
+        )
+        yield _counter(
+            "kvroute_controlplane_replicas_kept_stale",
+            "Times a silent replica was kept as stale instead of marked down",
+            self.fleet.stats.replicas_kept_stale,
+        )
+        yield _gauge(
+            "kvroute_controlplane_nats_connected",
+            "1 while NATS is connected",
+            self.ingest.connected,
+        )
 
     def _stream(self) -> Iterator[Metric]:
         broadcaster, routing = self.broadcaster(), self.routing()

@@ -122,6 +122,7 @@ class ControlPlane:
         self.fleet = Fleet(
             heartbeat_timeout_s=settings.heartbeat_timeout_s,
             resync_retry_s=settings.resync_timeout_s,
+            panic_threshold=settings.panic_threshold,
         )
         self.ingest = Ingest(settings, self.fleet)
         self.leadership = Leadership(settings, self.etcd, self.fleet)

@@ -201,6 +201,14 @@ class ControlPlaneSettings(BaseSettings):
         gt=0,
         description="A replica silent this long is down and its residency dropped.",
     )
+    panic_threshold: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="When more than this share of the live replicas fall silent together, "
+        "they are kept as stale rather than downed: the bus is the likelier fault "
+        "(Envoy's panic threshold; 1 turns it off).",
+    )
     resync_timeout_s: float = Field(
         default=2.0, gt=0, le=60, description="Deadline of a resync request."
     )

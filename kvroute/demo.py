@@ -211,12 +211,15 @@ class AdminClient:
         self.headers = {"authorization": f"Bearer {token}"}
 
     async def set_strategy(self, strategy: str) -> None:
-        body = {"name": "default", "strategy": strategy}
-        url = f"{self.base_url}/v1/workloads/default"
+        await self.put_workload("default", {"strategy": strategy})
+
+    async def put_workload(self, name: str, policy: dict[str, Any]) -> None:
+        url = f"{self.base_url}/v1/workloads/{name}"
+        body = {"name": name, **policy}
         async with self.session.put(url, json=body, headers=self.headers) as response:
             if response.status >= 300:
                 raise RuntimeError(
-                    f"admin API refused the {strategy} workload: {response.status} "
+                    f"admin API refused the {name} workload {policy}: {response.status} "
                     f"{await response.text()}"
                 )
 
@@ -227,17 +230,19 @@ async def send_one(
     body: dict[str, Any],
     result: PhaseResult,
     index: int = -1,
+    headers: dict[str, str] | None = None,
 ) -> None:
     """One streamed chat request; TTFT is the first content chunk, by this clock."""
     started = time.perf_counter()
     first: float | None = None
     usage: dict[str, Any] = {}
+    url = f"{proxy}/v1/chat/completions"
     try:
-        async with session.post(f"{proxy}/v1/chat/completions", json=body) as response:
+        async with session.post(url, json=body, headers=headers) as response:
             if response.status != 200:
                 result.errors += 1
                 return
-            headers = response.headers
+            answered = response.headers
             async for raw in response.content:
                 line = raw.strip()
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -259,9 +264,9 @@ async def send_one(
         first,
         int(usage.get("prompt_tokens", 0)),
         int(details.get("cached_tokens") or 0),
-        headers.get("x-kvroute-replica", "?"),
-        headers.get("x-kvroute-prefix-blocks", ""),
-        headers.get("x-kvroute-decision", ""),
+        answered.get("x-kvroute-replica", "?"),
+        answered.get("x-kvroute-prefix-blocks", ""),
+        answered.get("x-kvroute-decision", ""),
     )
     result.answers.append(answer)
     result.ttft_s.append(first)

@@ -39,6 +39,7 @@ async def control_plane(
         instance_id="cp-a",
         pools=["svc"],
         heartbeat_timeout_s=1.0,
+        panic_threshold=1.0,  # one replica: its silence downs it (the guard: test_fleet_liveness)
     )
     service = ControlPlane(settings)
     await service.start()

@@ -155,6 +155,7 @@ def test_a_silent_replica_goes_down_in_steps_and_returns_on_announce(
     fleet.on_announce(announce(), now=0.0)
     feed(fleet, batch(0, stored=[list(range(1, 101))]))
     fleet.on_load(load(), "default", now=1.0)
+    fleet.on_announce(announce("r2"), now=6.0)  # one of two silent: evidence about r1
     assert fleet.expire(now=5.0) == []
     gone = fleet.expire(now=6.5)
     assert [r.replica_id for r in gone] == ["r1"]
@@ -162,7 +163,7 @@ def test_a_silent_replica_goes_down_in_steps_and_returns_on_announce(
     assert len(steps) > 5
     assert fleet.index.key_count() == 0
     view = LiveFleetView(fleet)
-    assert view.replicas()[0].status == "down"
+    assert view.replicas()[0].status == "down" and not view.replicas()[0].stale
     fleet.on_announce(announce(), now=7.0)
     assert view.replicas()[0].status == "healthy"
     assert resyncs.asked[-1] == ("r1", "unknown stream")

@@ -1,0 +1,1 @@
+"""Faults of kvroute's control channels under steady load, on ``kvroute up``'s fleet."""

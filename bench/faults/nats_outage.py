@@ -1,0 +1,227 @@
+"""A NATS outage under steady load: ``nats-server`` killed -9 and restarted on its port.
+
+On ``kvroute up``'s fleet (``kvroute-sim`` engines with their sidecars, one control plane,
+one proxy, all on 127.0.0.1), an open-loop load of streamed chat requests on a few shared
+system prompts runs before, through and after the outage. What a user of the proxy sees
+is measured from outside: requests that failed (any status but 200, a broken stream, no
+token) out of those sent, and TTFT while NATS was away. Once NATS is back, new system
+prompts are sent one after the other, each followed by its repeats, under a workload
+that never speculates (``speculative_ttl_s`` 0), so a repeat shows predicted cached
+blocks only when the engine's KV events reached the proxy through sidecar, NATS and
+control plane: the time from NATS's return to the first such repeat is how long routing
+went without fresh events.
+
+Targets (issue 46): 0 failed requests; a new prefix routed by its events within 2 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from kvroute.demo import AdminClient, Answer, PhaseResult, send_one
+from kvroute.servers import free_port
+from kvroute.supervisor import Child
+from kvroute.up import SIM_MODEL, LocalFleet, UpOptions
+
+EVENTS_ONLY = "events-only"  # the probe's workload: kv_aware that never speculates
+EVENTS_BACK_TARGET_S = 2.0
+REPEAT_WINDOW_S = 1.0  # how long one new prefix's repeats are tried before the next
+
+
+@dataclass(frozen=True)
+class OutageConfig:
+    outage_s: float = 5.0
+    replicas: int = 3
+    rate: float = 10.0  # requests per second, open loop
+    system_prompts: int = 3
+    before_s: float = 3.0  # steady load before the kill
+    after_s: float = 5.0  # and after NATS is back (the probe runs meanwhile)
+    probe_deadline_s: float = 30.0  # after this, routing by events is reported as never back
+
+
+@dataclass
+class OutageResult:
+    outage_s: float
+    sent: int
+    failed: int
+    ttft_p99_during_s: float | None  # requests sent while NATS was away
+    events_back_s: float | None  # None: no new prefix routed by events before the deadline
+
+    @property
+    def met(self) -> bool:
+        back = self.events_back_s
+        return self.failed == 0 and back is not None and back <= EVENTS_BACK_TARGET_S
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "outage_s": self.outage_s,
+            "sent": self.sent,
+            "failed": self.failed,
+            "ttft_p99_during_s": self.ttft_p99_during_s,
+            "events_back_s": self.events_back_s,
+            "met": self.met,
+        }
+
+
+def chat(system: str, question: str, max_tokens: int = 4) -> dict[str, Any]:
+    return {
+        "model": SIM_MODEL,
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": question},
+        ],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+def system_prompt(name: str) -> str:
+    """A system prompt of about 600 built-in tokens, its own from the first block."""
+    return f"{name}: " + " ".join(f"{name}-{word}" for word in range(600))
+
+
+class NatsOutage:
+    """One run: the fleet, the load, the kill, the restart, the probe."""
+
+    def __init__(self, config: OutageConfig, run_dir: Path) -> None:
+        self.config = config
+        options = UpOptions(replicas=config.replicas, port=free_port(), data_dir=run_dir)
+        self.local = LocalFleet(options, say=lambda _line: None)
+        self.result = PhaseResult("load")  # every request's answer, or its failure
+        self.sent = 0
+        self._load: list[asyncio.Task[None]] = []
+        self._load_on = True
+
+    async def run(self) -> OutageResult:
+        fleet = await self.local.start()
+        proxy = fleet.proxy_urls[0]
+        timeout = aiohttp.ClientTimeout(total=60)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            admin = AdminClient(session, fleet.admin_urls[0], fleet.admin_token)
+            await admin.put_workload(EVENTS_ONLY, {"strategy": "kv_aware", "speculative_ttl_s": 0})
+            await self._wait_workload(session, proxy)
+            loading = asyncio.create_task(self._steady_load(session, proxy))
+            try:
+                return await self._fault(session, proxy)
+            finally:
+                self._load_on = False
+                await loading
+                await asyncio.gather(*self._load)
+
+    async def aclose(self) -> None:
+        await self.local.aclose()
+
+    async def _fault(self, session: aiohttp.ClientSession, proxy: str) -> OutageResult:
+        c = self.config
+        await asyncio.sleep(c.before_s)  # steady load first: the fault's schedule
+        killed_at = time.perf_counter()
+        await self._kill_nats()
+        await asyncio.sleep(c.outage_s)  # the outage's length is the fault
+        await self._restart_nats()
+        back_at = time.perf_counter()
+        events_back = await self._events_back(session, proxy, back_at)
+        rest = c.after_s - (time.perf_counter() - back_at)
+        if rest > 0:
+            await asyncio.sleep(rest)
+        self._load_on = False
+        await asyncio.gather(*self._load)
+        during = sorted(a.ttft_s for a in self.result.answers if killed_at <= a.sent_at < back_at)
+        p99 = during[min(len(during) - 1, int(0.99 * len(during)))] if during else None
+        return OutageResult(c.outage_s, self.sent, self.result.errors, p99, events_back)
+
+    async def _steady_load(self, session: aiohttp.ClientSession, proxy: str) -> None:
+        """Open loop: one request every 1/rate s, whatever the answers take."""
+        systems = [system_prompt(f"shared{i}") for i in range(self.config.system_prompts)]
+        start, index = time.perf_counter(), 0
+        while self._load_on:
+            body = chat(systems[index % len(systems)], f"Steady question {index}?")
+            self.sent += 1
+            self._load.append(asyncio.create_task(send_one(session, proxy, body, self.result)))
+            index += 1
+            next_at = start + index / self.config.rate
+            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))  # the load's pace
+
+    async def _events_back(
+        self, session: aiohttp.ClientSession, proxy: str, back_at: float
+    ) -> float | None:
+        """Seconds from NATS's return to the first repeat of a new prefix that the proxy
+        routed by the engine's events (predicted cached blocks, speculation off)."""
+        headers = {"x-kvroute-workload": EVENTS_ONLY}
+        probe = 0
+        while time.perf_counter() - back_at < self.config.probe_deadline_s:
+            system = system_prompt(f"probe{probe}-{os.getpid()}")
+            sent_at = time.perf_counter()
+            first = await self._ask(session, proxy, chat(system, "First?", 1), headers)
+            if first is None:  # failed (counted): the next prefix at the load's pace
+                await asyncio.sleep(max(0.0, sent_at + 1 / self.config.rate - time.perf_counter()))
+            tried_until = time.perf_counter() + REPEAT_WINDOW_S
+            while first is not None and time.perf_counter() < tried_until:
+                again = await self._ask(session, proxy, chat(system, "Again?", 1), headers)
+                if again is not None and _predicted_blocks(again) > 0:
+                    return time.perf_counter() - back_at
+            probe += 1
+        return None
+
+    async def _ask(
+        self,
+        session: aiohttp.ClientSession,
+        proxy: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+    ) -> Answer | None:
+        """One probe request; its answer, or None when it failed (counted as failed)."""
+        answers = PhaseResult("probe")
+        self.sent += 1
+        await send_one(session, proxy, body, answers, headers=headers)
+        self.result.errors += answers.errors
+        return answers.answers[0] if answers.answers else None
+
+    async def _wait_workload(self, session: aiohttp.ClientSession, proxy: str) -> None:
+        """Until the proxy knows the probe's workload (its config arrives over gRPC; an
+        unknown workload is a 400), bounded."""
+        headers = {"x-kvroute-workload": EVENTS_ONLY}
+        deadline = time.perf_counter() + 30.0
+        while time.perf_counter() < deadline:
+            answers = PhaseResult("ready")
+            await send_one(session, proxy, chat("Ready?", "Ready?", 1), answers, headers=headers)
+            if answers.answers:
+                return
+        raise RuntimeError(f"the proxy did not learn the {EVENTS_ONLY} workload in 30 s")
+
+    # -- NATS ------------------------------------------------------------------------
+    def _nats(self) -> Child:
+        return [c for c in self.local.supervisor.children if c.name == "nats"][-1]
+
+    async def _kill_nats(self) -> None:
+        child = self._nats()
+        child.stopping = True  # expected: not a failure of the fleet
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.proc.pid, signal.SIGKILL)
+        await child.proc.wait()
+
+    async def _restart_nats(self) -> None:
+        """The same command line, so the same port; returns once it is ready."""
+        await self.local.supervisor.start(self._nats().spec)
+
+
+def _predicted_blocks(answer: Answer) -> int:
+    head = answer.prefix_blocks.split("/")[0]
+    return int(head) if head.isdigit() else 0
+
+
+async def run_outage(config: OutageConfig, run_dir: Path) -> OutageResult:
+    outage = NatsOutage(config, run_dir)
+    try:
+        return await outage.run()
+    finally:
+        await outage.aclose()
