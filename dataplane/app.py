@@ -9,7 +9,7 @@
 | any | ``ENGINE_ROUTES`` | the engines' own routes outside ``/v1`` (``/tokenize``...), the same |
 | GET | ``/healthz`` | 200 while the process serves |
 | GET | ``/readyz`` | 200 when some replica is routable and the state is usable; details as JSON |
-| GET | ``/metrics`` | Prometheus (``metrics.py``) |
+| GET | ``/metrics`` | Prometheus (``metrics.py``); on ``--metrics-port`` instead when set |
 | OPTIONS | any | a CORS preflight, when origins are allowed (``cors.py``) |
 
 A handler is parse -> select -> stream. ``x-request-id`` is kept (or created: a random
@@ -99,6 +99,7 @@ class AppOptions:
     static: bool
     state_max_age_s: float
     cors_allowed_origins: tuple[str, ...] = ()
+    metrics_apart: bool = False  # /metrics is served on its own port, not with the API
 
 
 class RequestIds:
@@ -195,12 +196,29 @@ class ProxyApp:
             _allow(method, "GET", path)
             detail = self._ready()
             response.json(detail, 200 if detail["ready"] else 503)
-        elif path == "/metrics":
-            _allow(method, "GET", path)
-            body = self.metrics.render() if self.scrape is None else await self.scrape()
-            response.send(200, body, METRICS_CONTENT_TYPE)
+        elif path == "/metrics" and not self.options.metrics_apart:
+            await self._metrics(method, response)
         else:
             raise NotFound(f"No route {path}.")
+
+    async def serve_metrics(self, request: Request, response: Response) -> None:
+        """The handler of ``--metrics-port``: ``/metrics`` and ``/healthz``, nothing else."""
+        reply = _Responder(response, self._ids.next())
+        try:
+            if request.path == "/metrics":
+                await self._metrics(request.method, reply)
+            elif request.path == "/healthz":
+                _allow(request.method, "GET", request.path)
+                reply.json({"status": "ok"})
+            else:
+                raise NotFound(f"No route {request.path} on the metrics port.")
+        except ApiError as exc:
+            reply.error(exc)
+
+    async def _metrics(self, method: str, response: _Responder) -> None:
+        _allow(method, "GET", "/metrics")
+        body = self.metrics.render() if self.scrape is None else await self.scrape()
+        response.send(200, body, METRICS_CONTENT_TYPE)
 
     # -- inference -----------------------------------------------------------------
 

@@ -112,15 +112,21 @@ async def serve(
         max_connections=settings.max_connections,
         single_headers=service.app.single_headers,
     )
+    metrics = HttpServer(service.app.serve_metrics, max_body_bytes=4096)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     try:
         await server.start(sock)
+        if settings.metrics_port is not None:  # every worker on it: any answers for all
+            metrics_sock = bind(settings.host, settings.metrics_port, reuse_port=True)
+            metrics_sock.listen(64)
+            await metrics.start(metrics_sock)
         on_ready()
         await stop.wait()
     finally:
+        await metrics.aclose(0)
         await server.aclose(settings.shutdown_grace_s)
         await service.aclose()
         sock.close()

@@ -103,6 +103,7 @@ class ProxyService:
             static=settings.static,
             state_max_age_s=settings.state_max_age_s,
             cors_allowed_origins=tuple(settings.cors_allowed_origins),
+            metrics_apart=settings.metrics_port is not None,
         )
         self.app = ProxyApp(
             options,

@@ -39,6 +39,13 @@ class ProxySettings(BaseSettings):
     # -- serving ---------------------------------------------------------------------
     host: str = Field(default="127.0.0.1", description="Bind address.")
     port: int = Field(default=8000, ge=0, le=65535, description="Port (0: a free port).")
+    metrics_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="Serve /metrics on this port (with /healthz) and not on --port, so a "
+        "public Service of --port does not expose it (unset: /metrics on --port).",
+    )
     workers: int = Field(
         default=1,
         ge=1,
@@ -281,6 +288,8 @@ class ProxySettings(BaseSettings):
             raise ValueError("--controlplane and --static-replicas exclude each other")
         if self.auth and self.static_replicas:
             raise ValueError("--auth needs keys from a control plane, not --static-replicas")
+        if self.metrics_port is not None and self.metrics_port == self.port != 0:
+            raise ValueError("--metrics-port must differ from --port")
         return self
 
     @property

@@ -267,6 +267,7 @@ class LocalFleet:
             "--port", str(self.options.port + index),
             "--controlplane", ",".join(self.fleet.grpc_addresses),
             "--tokenizer", self.options.tokenizer,
+            "--no-auth",  # local use: open, on 127.0.0.1 only (usage_text says so)
         ]  # fmt: skip
         if self.options.debug_headers:
             argv.append("--debug-headers")
@@ -309,6 +310,8 @@ def usage_text(fleet: Fleet) -> str:
     model = fleet.models[0] if fleet.models else SIM_MODEL
     return f"""
 kvroute is up. Admin token: {fleet.admin_token}  (run folder {fleet.run_dir})
+For local use: every part listens on 127.0.0.1 only and the proxies take requests
+without a key. deploy/kubernetes's production overlay requires one (kvroute-proxy --auth).
 
 Send a request through the proxy:
   curl -s {proxy}/v1/chat/completions -H 'content-type: application/json' \\

@@ -60,6 +60,7 @@ class Cluster:
             "--admin-port=8080": "--admin-port=0",
             "--grpc-port=50051": "--grpc-port=0",
             "--port=8000": "--port=0",
+            "--metrics-port=9090": "--metrics-port=0",
         }
         etcd_members = ",".join(f"kvroute-etcd-{i}.kvroute-etcd-headless:2379" for i in range(3))
         self.replacements[etcd_members] = etcd

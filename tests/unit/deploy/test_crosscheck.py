@@ -65,23 +65,25 @@ INJECTION = InjectionConfig(sidecar_image=SIDECAR_IMAGE, nats_url="nats://kvrout
 class Component:
     settings_class: type[BaseModel]
     load: Callable[[list[str]], Any]  # the component's own argv -> settings
-    serves: Callable[[Any, str], bool]  # (settings, path) -> is it an HTTP route?
+    serves: Callable[[Any, int, str], bool]  # (settings, port, path) -> an HTTP route there?
     ports: Callable[[Any], set[int]]  # settings -> TCP ports listened on
 
 
-def sim_serves(settings: SimSettings, path: str) -> bool:
+def sim_serves(settings: SimSettings, port: int, path: str) -> bool:
     return path in SimApp(settings, cast(Any, None), cast(Any, None)).routes
 
 
-def sidecar_serves(settings: SidecarSettings, path: str) -> bool:
+def sidecar_serves(settings: SidecarSettings, port: int, path: str) -> bool:
     app = create_sidecar_app(SidecarService(settings))
     return any(route.resource and route.resource.canonical == path for route in app.router.routes())
 
 
-def proxy_serves(settings: ProxySettings, path: str) -> bool:
+def proxy_serves(settings: ProxySettings, port: int, path: str) -> bool:
     """Asks the proxy's app (not started: no upstream, no state) for ``path`` through the
-    proxy's own HTTP server on a loopback port."""
-    return asyncio.run(proxy_get(ProxyService(settings).app, path)) != 404
+    proxy's own HTTP server on a loopback port (``--metrics-port`` has its own handler)."""
+    app = ProxyService(settings).app
+    handler = app.serve_metrics if port == settings.metrics_port else app
+    return asyncio.run(proxy_get(handler, path)) != 404
 
 
 async def proxy_get(app: Any, path: str) -> int:
@@ -101,7 +103,7 @@ async def proxy_get(app: Any, path: str) -> int:
         await server.aclose()
 
 
-def controlplane_serves(settings: ControlPlaneSettings, path: str) -> bool:
+def controlplane_serves(settings: ControlPlaneSettings, port: int, path: str) -> bool:
     """Asks the admin app the control plane serves (built, not started) for ``path``."""
     return asgi_get(ControlPlane(settings).admin_app(), path) != 404
 
@@ -133,7 +135,10 @@ COMPONENTS: dict[str, Component] = {
         lambda s: {s.admin_port, s.grpc_port},
     ),
     "kvroute/proxy": Component(
-        ProxySettings, load_proxy_settings, proxy_serves, lambda s: {s.port}
+        ProxySettings,
+        load_proxy_settings,
+        proxy_serves,
+        lambda s: {s.port} | ({s.metrics_port} if s.metrics_port is not None else set()),
     ),
 }
 
@@ -205,7 +210,7 @@ def mounted(pod: dict[str, Any], container: dict[str, Any], value: str, found: l
 
 def check_container(
     container: dict[str, Any], pod: dict[str, Any], monkeypatch: pytest.MonkeyPatch
-) -> tuple[list[str], Callable[[str], bool]]:
+) -> tuple[list[str], Callable[[int, str], bool]]:
     """Problems with one kvroute container, and what tells whether it serves a path."""
     component = COMPONENTS[image_repository(container)]
     found: list[str] = []
@@ -229,10 +234,10 @@ def check_container(
             settings = component.load(args)
         except (Exception, SystemExit) as exc:
             refused = f"args/env refused by the component: {exc} {err.getvalue()[-300:]}"
-            return [*found, refused], lambda path: True
+            return [*found, refused], lambda port, path: True
 
-    def serves(path: str) -> bool:
-        return component.serves(settings, path)
+    def serves(port: int, path: str) -> bool:
+        return component.serves(settings, port, path)
 
     listening = component.ports(settings)
     for entry in container.get("ports", []):
@@ -243,16 +248,17 @@ def check_container(
         probe = action.get("httpGet") or action.get("tcpSocket")
         if probe is None:
             continue
-        if "path" in probe and not serves(probe["path"].split("?")[0]):
+        port = resolve_port(container, probe["port"])
+        if "path" in probe and port is not None and not serves(port, probe["path"].split("?")[0]):
             found.append(f"{probe_name} path {probe['path']} is not a route")
-        if resolve_port(container, probe["port"]) not in listening:
+        if port not in listening:
             found.append(f"{probe_name} port {probe['port']} is not listened on")
     return found, serves
 
 
 def check_pod(pod: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> list[str]:
     found = []
-    served: dict[int, Callable[[str], bool]] = {}
+    served: dict[int, Callable[[int, str], bool]] = {}
     for container in containers(pod):
         repository = image_repository(container)
         if repository not in COMPONENTS:
@@ -270,7 +276,7 @@ def check_pod(pod: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> list[str]
         if port not in ports:
             found.append(f"prometheus.io/port {port} is not a container port")
         path = annotations.get("prometheus.io/path", "/metrics")
-        if port in served and not served[port](path):
+        if port in served and not served[port](port, path):
             found.append(f"prometheus.io/path {path} is not a route on port {port}")
     return found
 
@@ -340,7 +346,7 @@ def test_the_webhook_path_is_served_and_injects_what_deploy_ships(
     (container,) = containers(pod)
     problems_found, serves = check_container(container, pod, monkeypatch)
     assert problems_found == []
-    assert serves(path)
+    assert serves(resolve_port(container, "admin") or 0, path)
     args = dict(arg[2:].split("=", 1) for arg in container["args"])
     assert image_repository({"image": args["inject-sidecar-image"]}) == "kvroute/sidecar"
     nats = urlsplit(args["inject-nats-url"])

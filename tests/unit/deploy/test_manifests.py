@@ -5,11 +5,14 @@ resources, pod security, no API access, who may reach whom)."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
+from dataplane.main import build_parser as build_proxy_parser
 from tests.unit.deploy.manifests import (
     KUBERNETES,
     containers,
@@ -180,6 +183,8 @@ def test_network_policies_let_only_the_right_pods_through(directory: Path) -> No
         (OUTSIDE, engine, 5557, False),
         # proxies: reached by anyone, reach only the control planes' gRPC and engines
         (OUTSIDE, proxy, 8000, True),
+        (monitoring, proxy, 9090, True),  # /metrics: inside the cluster only
+        (OUTSIDE, proxy, 9090, False),
         (proxy, cp, 50051, True),
         (engine, cp, 50051, False),
         (stranger, cp, 50051, False),
@@ -297,3 +302,32 @@ def test_every_secret_a_pod_needs_is_made_by_the_overlay_or_the_documented_steps
     for workload in workloads(docs):
         for name, optional in secrets_named(pod_of(workload)):
             assert optional or name in made | documented, f"{name_of(workload)} needs {name}"
+
+
+def proxy_flags(directory: Path) -> argparse.Namespace:
+    """The rendered proxy container's args as the proxy's own parser reads them (the
+    last of --auth / --no-auth wins; the whole settings check is test_crosscheck's)."""
+    (container,) = containers(pod_of(find(render(directory), "Deployment", "kvroute-proxy")))
+    return build_proxy_parser().parse_args(container["args"])
+
+
+def test_production_proxies_require_keys_and_keep_metrics_off_the_public_service() -> None:
+    production = KUBERNETES / "overlays" / "production"
+    flags = proxy_flags(production)
+    assert flags.auth is True
+    service = find(render(production), "Service", "kvroute-proxy")
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
+    pod = pod_of(find(render(production), "Deployment", "kvroute-proxy"))
+    (container,) = containers(pod)
+    http = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert int(flags.metrics_port) == http["metrics"] != http["http"] == int(flags.port)
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == flags.metrics_port
+
+
+def test_only_the_trusted_component_serves_without_keys() -> None:
+    """The kind overlay opts out through components/trusted-no-auth, and says so."""
+    kind = KUBERNETES / "overlays" / "kind"
+    assert proxy_flags(kind).auth is False
+    components = yaml.safe_load((kind / "kustomization.yaml").read_text())["components"]
+    assert "../../components/trusted-no-auth" in components
+    assert proxy_flags(KUBERNETES / "base").auth is True
