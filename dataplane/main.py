@@ -112,7 +112,9 @@ async def serve(
         max_connections=settings.max_connections,
         single_headers=service.app.single_headers,
     )
-    metrics = HttpServer(service.app.serve_metrics, max_body_bytes=4096)
+    metrics = HttpServer(
+        service.app.serve_metrics, max_body_bytes=4096, header_timeout_s=settings.header_timeout_s
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

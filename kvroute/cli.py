@@ -33,6 +33,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "bench.controlplane.__main__:main",
         "control-plane ingest, memory, snapshot and publish-to-watcher latency",
     ),
+    "faults": (
+        "bench.faults.__main__:main",
+        "NATS killed under steady load: failed requests, time to route by events again",
+    ),
 }
 DEMO_NUM_BLOCKS = 768  # 16 system prompts of ~125 blocks: 4 fit one replica, all fit 4
 

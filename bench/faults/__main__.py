@@ -1,6 +1,7 @@
-"""``python -m bench.faults``: NATS killed -9 under steady load for each outage length,
-each run's figures beside issue 46's targets (0 failed requests; a new prefix routed by
-its KV events within 2 s of NATS's return). Loopback only; every run stops by itself.
+"""``python -m bench.faults`` (``kvroute bench faults``): NATS killed -9 under steady load
+for each outage length, each run's figures beside issue 46's targets (0 failed requests;
+a new prefix routed by its KV events within 2 s of NATS's return). Loopback only; every
+run stops by itself.
 
 Options: ``--outages 5,10,30,120`` (seconds), ``--rate 10`` (requests/s, open loop),
 ``--replicas 3``, ``--out DIR`` (a JSON of the runs). Exit status 1 when a target is missed.

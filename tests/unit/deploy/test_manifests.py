@@ -330,4 +330,6 @@ def test_only_the_trusted_component_serves_without_keys() -> None:
     assert proxy_flags(kind).auth is False
     components = yaml.safe_load((kind / "kustomization.yaml").read_text())["components"]
     assert "../../components/trusted-no-auth" in components
+    steps = (KUBERNETES.parents[1] / "docs" / "kubernetes.md").read_text()
+    assert "components/trusted-no-auth" in steps  # the opt-out is documented
     assert proxy_flags(KUBERNETES / "base").auth is True
