@@ -12,8 +12,8 @@ Every figure shown comes from outside the router: hit rates from the engines' ow
 first token from this client's clock. The router's own prediction (the proxy's fidelity
 counters) is shown beside the engines' figures, never in their place. A live table shows
 per-replica requests in flight (the engines' running + waiting), hit rate and TTFT while
-a phase runs; at the end a side-by-side comparison is printed and the two TTFT
-distributions are plotted to a PNG.
+a phase runs (on a terminal; elsewhere, plain lines every two seconds); at the end a
+side-by-side comparison is printed and the two TTFT distributions are plotted to a PNG.
 """
 
 from __future__ import annotations
@@ -284,25 +284,88 @@ def _has_token(chunk: dict[str, Any]) -> bool:
     return False
 
 
-def _live_table(result: PhaseResult, watch: EngineWatch, baseline: dict[str, EngineLoad]) -> Table:
-    table = Table(title=f"phase: {result.strategy}", expand=False)
-    for column in ("replica", "in flight", "engine hit rate"):
-        table.add_column(column, justify="right")
+def _replica_rows(watch: EngineWatch, baseline: dict[str, EngineLoad]) -> list[tuple[str, ...]]:
+    """Each replica's name, requests in flight and engine hit rate over the phase."""
+    rows: list[tuple[str, ...]] = []
     for index, url in enumerate(watch.engines):
         load = watch.latest.get(url, EngineLoad())
         before = baseline.get(url, EngineLoad())
         queries = load.prefix_cache_queries - before.prefix_cache_queries
         hits = load.prefix_cache_hits - before.prefix_cache_hits
         rate = f"{hits / queries:.0%}" if queries > 0 else "-"
-        table.add_row(f"r{index}", str(load.running + load.waiting), rate)
+        rows.append((f"r{index}", str(load.running + load.waiting), rate))
+    return rows
+
+
+def _ttft_caption(result: PhaseResult) -> str:
     done = len(result.ttft_s)
-    table.caption = (
+    if not done:
+        return "waiting for the first responses"
+    return (
         f"TTFT p50 {result.ttft(0.5) * 1e3:.0f} ms, p90 {result.ttft(0.9) * 1e3:.0f} ms "
         f"over {done} requests (client clock)"
-        if done
-        else "waiting for the first responses"
     )
+
+
+def _live_table(result: PhaseResult, watch: EngineWatch, baseline: dict[str, EngineLoad]) -> Table:
+    table = Table(title=f"phase: {result.strategy}", expand=False)
+    for column in ("replica", "in flight", "engine hit rate"):
+        table.add_column(column, justify="right")
+    for row in _replica_rows(watch, baseline):
+        table.add_row(*row)
+    table.caption = _ttft_caption(result)
     return table
+
+
+class PhaseView:
+    """A phase as it runs: a live table and progress bar on a terminal; elsewhere (a pipe,
+    a log file, CI), where redrawing would leave every frame in the output, one plain line
+    at most every ``PLAIN_EVERY_S`` seconds and one at the end."""
+
+    PLAIN_EVERY_S = 2.0
+
+    def __init__(self, console: Console, strategy: str, total: int) -> None:
+        self.console = console
+        self.total = total
+        self.done = 0
+        self.progress = Progress(
+            TextColumn(f"[bold]{strategy:>12}"), BarColumn(), MofNCompleteColumn(), console=console
+        )
+        self._task = self.progress.add_task(strategy, total=total)
+        self._live = Live(console=console, refresh_per_second=4) if console.is_terminal else None
+        self._printed_at = -self.PLAIN_EVERY_S
+
+    def __enter__(self) -> PhaseView:
+        if self._live is not None:
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._live is not None:
+            self._live.__exit__(None, None, None)
+
+    def advance(self) -> None:
+        self.done += 1
+        self.progress.advance(self._task)
+
+    def show(
+        self, result: PhaseResult, watch: EngineWatch, baseline: dict[str, EngineLoad], last: bool
+    ) -> None:
+        if self._live is not None:
+            self._live.update(Group(_live_table(result, watch, baseline), self.progress))
+            return
+        now = time.monotonic()
+        if not last and now - self._printed_at < self.PLAIN_EVERY_S:
+            return
+        self._printed_at = now
+        replicas = "; ".join(
+            f"{name} {flight} in flight, hit {rate}"
+            for name, flight, rate in _replica_rows(watch, baseline)
+        )
+        line = f"{result.strategy:>12} {self.done}/{self.total} | {replicas} | "
+        self.console.print(
+            line + _ttft_caption(result), markup=False, highlight=False, soft_wrap=True
+        )
 
 
 async def run_phase(
@@ -374,26 +437,18 @@ async def _phase(
     baseline = dict(await watch.scrape())
     routed, predicted = await router_belief(session, proxy)
     result = PhaseResult(strategy)
-    progress = Progress(
-        TextColumn(f"[bold]{strategy:>12}"), BarColumn(), MofNCompleteColumn(), console=console
-    )
-    task = progress.add_task(strategy, total=len(bodies))
     started = time.perf_counter()
-    with Live(console=console, refresh_per_second=4, transient=False) as live:
-
-        def advance() -> None:
-            progress.advance(task)
-
+    with PhaseView(console, strategy, len(bodies)) as view:
         sending = asyncio.ensure_future(
-            run_phase(session, proxy, bodies, result, workload.concurrency, advance)
+            run_phase(session, proxy, bodies, result, workload.concurrency, view.advance)
         )
         while not sending.done():
             await watch.scrape()
-            live.update(Group(_live_table(result, watch, baseline), progress))
+            view.show(result, watch, baseline, last=False)
             await asyncio.wait({sending}, timeout=0.5)  # refresh the table twice a second
         await sending
         final = await watch.scrape()
-        live.update(Group(_live_table(result, watch, baseline), progress))
+        view.show(result, watch, baseline, last=True)
     result.wall_s = time.perf_counter() - started
     result.engine_queries = sum(
         final[u].prefix_cache_queries - baseline[u].prefix_cache_queries for u in watch.engines

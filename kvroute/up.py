@@ -24,6 +24,7 @@ import contextlib
 import os
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -308,6 +309,7 @@ def usage_text(fleet: Fleet) -> str:
     proxy = fleet.proxy_urls[0] if fleet.proxy_urls else "http://127.0.0.1:8000"
     admin = fleet.admin_urls[0] if fleet.admin_urls else ""
     model = fleet.models[0] if fleet.models else SIM_MODEL
+    python = shlex.quote(sys.executable)  # a bare `python` may lack openai
     return f"""
 kvroute is up. Admin token: {fleet.admin_token}  (run folder {fleet.run_dir})
 For local use: every part listens on 127.0.0.1 only and the proxies take requests
@@ -317,8 +319,8 @@ Send a request through the proxy:
   curl -s {proxy}/v1/chat/completions -H 'content-type: application/json' \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello"}}]}}'
 
-With the official openai client:
-  python -c "import openai; c = openai.OpenAI(base_url='{proxy}/v1', api_key='none'); \\
+With the official openai client (this environment's Python has it):
+  {python} -c "import openai; c = openai.OpenAI(base_url='{proxy}/v1', api_key='none'); \\
 print(c.chat.completions.create(model='{model}', \\
 messages=[{{'role': 'user', 'content': 'Hello'}}]).choices[0].message.content)"
 

@@ -144,7 +144,24 @@ def test_up_serves_completions_and_stops_cleanly(ha: bool) -> None:
         assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
         client.close()
         assert len(up.value(r"admin API\s+(.+)").split(",")) == (2 if ha else 1)
+        if not ha:
+            assert _run_banner_example(up, "With the official openai client")
         _stop_and_check(up, run_dir)
+
+
+def _run_banner_example(up: UpProcess, heading: str) -> str:
+    """Run the shell command the banner shows under ``heading`` as pasted into a shell
+    outside the virtualenv (no venv on PATH); its output."""
+    up.read_until("Ctrl-C stops everything")
+    start = next(i for i, line in enumerate(up.lines) if line.startswith(heading))
+    end = up.lines.index("", start)
+    command = "\n".join(up.lines[start + 1 : end])
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/")}
+    done = subprocess.run(
+        ["sh", "-c", command], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert done.returncode == 0, (command, done.stderr)
+    return done.stdout.strip()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["term", "hup"])
