@@ -1,0 +1,391 @@
+"""SGLang's prefix cache: the radix tree of SGLang 0.5.23 and the request lifecycle
+around it, so a simulator in SGLang mode keeps, hits, evicts and publishes what SGLang
+would.
+
+Read from the SGLang 0.5.23 wheel on PyPI (``sglang-0.5.23-cp311``):
+``srt/mem_cache/radix_cache.py`` (``RadixCache``, ``RadixKey``), ``events.py``
+(``KVCacheEventRecorder``), ``common.py`` (``match_kv_cache``, ``checkpoint_kv_cache``,
+``release_kv_cache``), ``allocation.py`` and ``allocator/`` (how much is evicted before an
+allocation), ``managers/schedule_batch.py`` (``check_decode_mem``, ``retract_decode``,
+``release_req``) and ``schedule_policy.py`` (the match limit). Defaults throughout:
+``--radix-eviction-policy lru``, ``--schedule-policy fcfs``, no LoRA, no hierarchical
+cache, no speculative decoding.
+
+**The tree.** A node holds a run of tokens, always a whole number of pages (``page_size``
+tokens each, 1 by default), and each page's digest (``hashing.py``: SGLang's chained
+SHA-256). Children are keyed by their first page (by ``(cache_salt, page)`` for a
+salted request, so salted and unsalted requests share nothing). A lookup or an insert
+that ends inside a node splits it in two (the new upper node takes the lower node's lock
+count). Every lookup and insert stamps the nodes it passes with one clock reading; a
+node made by a split or an insert is stamped when it is made.
+
+**Locks.** A request locks the node its cached prefix ends on, which locks every node
+up to the root; a locked node is never evicted.
+
+**Eviction** (``RadixCache.evict``): the unlocked leaves, least recently stamped first
+(a heap built at each call); a parent left childless and unlocked joins the heap; whole
+nodes go until at least the asked-for number of tokens is freed. How much is asked for
+is SGLang's (``evict_to_free_tokens``): the allocation's demand minus what is free, the
+demand being the tokens to extend, plus one page when pages are larger than a token
+(``alloc_paged_token_slots_extend``'s overestimate).
+
+**A request's life.**
+
+- *Admission* (``match_kv_cache``): look up its tokens but the last (at least one is
+  computed), page-aligned; lock the hit; admitted when the pages it still needs fit in
+  the free pages plus the unlocked cache, then evict the shortfall and allocate.
+- *After its prefill* (``checkpoint``): insert its page-aligned tokens. Pages another
+  request inserted meanwhile are freed (the copy in the tree wins: nothing is stored
+  twice), the rest become the tree's; the lock moves to the new last node. Until then a
+  prompt is not in the cache, so two requests admitted in one step share nothing.
+- *Decode* (``check_decode_mem``, ``alloc_for_decode``): before a step's decode
+  allocation, the cache evicts the step's demand (one page per request starting a page)
+  and, with pages larger than a token, one page per running request more. When the
+  demand does not fit, requests are retracted until it does.
+- *Retraction* (``release_req``): the request's own pages are freed without being
+  inserted (its cached prefix stays, unlocked), and the cache evicts until
+  20 tokens per running request tokens are free (``SGLANG_RETRACT_DECODE_STEPS``). It is
+  admitted again later with its prompt and output so far.
+- *Finish* (``release_kv_cache``, checkpoint on): insert the prompt and every computed
+  output token, page-aligned (a partial last page is freed), split the new leaf at the
+  prompt's boundary, then unlock.
+- ``/flush_cache`` (``reset``): only when no request holds memory; ``AllBlocksCleared``.
+
+**Events** (``KVCacheEventRecorder``): a new node is one ``BlockStored`` run of its
+pages, its parent the digest of the parent node's last page (none under the root), the
+salt on every run of a salted request; an evicted node is one ``BlockRemoved`` per page.
+SGLang's recorder coalesces: a store whose parent is the previous store's last page (same
+salt) extends it, which this cache reproduces; consecutive removals are coalesced by
+``wire.py`` when a step's batch is encoded.
+
+Not reproduced: SGLang's admission also reserves room for the running requests' expected
+output (``new_token_ratio``), it picks the request to retract by fewest output tokens
+(the engine core picks its own), and it refreshes the waiting requests' prefixes in LRU
+order every 32 scheduling passes; SGLang's first event batch after start carries an
+``AllBlocksCleared`` (the simulator's restart is silent).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from enginesim.blockpool import AllCleared, BlockEvicted, BlocksStored, PoolEvent
+
+RETRACT_DECODE_STEPS = 20  # SGLANG_RETRACT_DECODE_STEPS: tokens kept free per request
+
+
+class CacheRequest(Protocol):
+    """What the cache reads of a request, and the one field it sets."""
+
+    prompt: list[int]
+    salt: str | None
+    digests: list[bytes]  # of every full page of ``tokens``
+    hit_tokens: int
+
+    @property
+    def tokens(self) -> list[int]: ...
+
+
+@dataclass(eq=False, slots=True)
+class RadixNode:
+    tokens: tuple[int, ...]
+    digests: list[bytes]
+    parent: RadixNode | None
+    stamp: int  # the clock reading of its last lookup or insert (LRU order)
+    salt: str | None = None
+    lock_ref: int = 0
+    children: dict[Hashable, RadixNode] = field(default_factory=dict)
+    born: int = field(init=False)  # its first stamp: breaks ties in the LRU heap
+
+    def __post_init__(self) -> None:
+        self.born = self.stamp
+
+
+@dataclass(slots=True)
+class _Row:
+    """A request's hold on the cache: its locked node and its own pages."""
+
+    node: RadixNode
+    protected: int  # leading tokens the tree owns (``cache_protected_len``)
+    committed: int  # tokens whose KV is allocated (``kv_committed_len``)
+
+
+class SglangRadixCache:
+    """SGLang 0.5.23's radix cache and request lifecycle (see the module docstring)."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._events: list[PoolEvent] = []
+        self._fresh_tree()
+
+    def _fresh_tree(self) -> None:
+        self._clock = itertools.count(1)
+        self.root = RadixNode((), [], None, 0, lock_ref=1)
+        self._free = self.num_blocks
+        self._evictable_tokens = 0
+        self._leaves: set[RadixNode] = set()
+        self._rows: dict[CacheRequest, _Row] = {}
+        self._decode_ok: bool | None = None  # this step's decode check, once made
+
+    # -- queries -----------------------------------------------------------------------
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.num_blocks
+
+    @property
+    def num_free(self) -> int:
+        """Pages no request holds: free, or cached and unlocked."""
+        return self._free + self._evictable_tokens // self.block_size
+
+    @property
+    def usage(self) -> float:
+        """SGLang's ``token_usage``: the share of pages requests hold."""
+        return 1.0 - self.num_free / self.num_blocks
+
+    def cached_digests(self) -> set[bytes]:
+        found: set[bytes] = set()
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            found.update(node.digests)
+            stack.extend(node.children.values())
+        return found
+
+    def take_events(self) -> list[PoolEvent]:
+        events, self._events = self._events, []
+        return events
+
+    # -- the request lifecycle ---------------------------------------------------------
+
+    def admit(self, req: CacheRequest) -> bool:
+        tokens = req.tokens
+        hit, node = self._match(tokens[: self._aligned(len(tokens) - 1)], req.salt)
+        self._lock(node)
+        need = self._pages(len(tokens) - hit)
+        if need > self._free + self._evictable_tokens // self.block_size:
+            self._unlock(node)
+            return False
+        demand = len(tokens) - hit + (self.block_size if self.block_size > 1 else 0)
+        self._evict_for(demand)
+        self._free -= need
+        self._rows[req] = _Row(node, hit, len(tokens))
+        req.hit_tokens = hit
+        return True
+
+    def after_forward(self, admitted: Sequence[CacheRequest]) -> None:
+        for req in admitted:
+            self._checkpoint(req, self._rows[req])
+        self._decode_ok = None
+
+    def grow(self, req: CacheRequest) -> bool:
+        if self._decode_ok is None:
+            self._check_decode()
+        if not self._decode_ok:
+            return False
+        row = self._rows[req]
+        if row.committed % self.block_size == 0:
+            self._free -= 1
+        row.committed += 1
+        return True
+
+    def preempt(self, req: CacheRequest) -> None:
+        self._release(self._rows.pop(req))
+        self._evict_for(len(self._rows) * RETRACT_DECODE_STEPS)
+        if self._decode_ok is False:
+            self._check_decode()
+
+    def finish(self, req: CacheRequest) -> None:
+        row = self._rows.pop(req)
+        self._checkpoint(req, row)
+        self._release(row)
+
+    def clear(self) -> bool:
+        if self._rows:
+            return False
+        self._fresh_tree()
+        self._events.append(AllCleared())
+        return True
+
+    def reset(self) -> None:
+        self._fresh_tree()
+        self._events = []
+
+    # -- lifecycle steps ---------------------------------------------------------------
+
+    def _checkpoint(self, req: CacheRequest, row: _Row) -> None:
+        """Insert what ``req`` computed, free the pages the tree already had, move the
+        lock to the new last node (``RadixCache.checkpoint``)."""
+        tokens = req.tokens
+        key_len = self._aligned(row.committed)
+        pages = key_len // self.block_size
+        if len(req.digests) < pages:
+            raise ValueError("the request's digests do not cover its full pages")
+        in_tree, _ = self._insert(tokens[:key_len], req.digests[:pages], req.salt)
+        self._free += (in_tree - row.protected) // self.block_size
+        prompt_len = self._aligned(len(req.prompt))
+        if 0 < prompt_len < key_len:  # split the leaf at the prompt's end
+            self._insert(
+                tokens[:prompt_len], req.digests[: prompt_len // self.block_size], req.salt
+            )
+        _, node = self._match(tokens[:key_len], req.salt)
+        row.protected = key_len
+        self._unlock(row.node)
+        self._lock(node)
+        row.node = node
+
+    def _release(self, row: _Row) -> None:
+        """Free the request's own pages and drop its lock."""
+        self._free += self._pages(row.committed - row.protected)
+        self._unlock(row.node)
+
+    def _check_decode(self) -> None:
+        """SGLang's ``check_decode_mem`` for every running request, then the decode
+        allocation's own overestimate (one page per request) when it fits."""
+        size = self.block_size
+        starting = sum(1 for row in self._rows.values() if row.committed % size == 0)
+        self._evict_for(starting * size)
+        self._decode_ok = starting <= self._free
+        if self._decode_ok and size > 1:
+            self._evict_for(len(self._rows) * size)
+
+    def _evict_for(self, demand_tokens: int) -> None:
+        shortfall = demand_tokens - self._free * self.block_size
+        if shortfall > 0:
+            self._evict(shortfall)
+
+    # -- the tree ----------------------------------------------------------------------
+
+    def _aligned(self, n: int) -> int:
+        return max(n, 0) // self.block_size * self.block_size
+
+    def _pages(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.block_size)
+
+    def _child_key(self, tokens: Sequence[int], salt: str | None, at: int = 0) -> Hashable:
+        """A child's key in its parent: its first page, under the salt if any."""
+        size = self.block_size
+        page: Hashable = tokens[at] if size == 1 else tuple(tokens[at : at + size])
+        return page if salt is None else (salt, page)
+
+    def _common(self, node_tokens: Sequence[int], key: Sequence[int], at: int) -> int:
+        """Page-aligned length of the common prefix of a node's tokens and ``key[at:]``."""
+        n, limit = 0, min(len(node_tokens), len(key) - at)
+        while n < limit and node_tokens[n] == key[at + n]:
+            n += 1
+        return n // self.block_size * self.block_size
+
+    def _walk(self, key: Sequence[int], salt: str | None) -> tuple[int, RadixNode]:
+        """Follow ``key`` (page-aligned) down the tree, stamping the nodes passed and
+        splitting the one it ends inside: how far it got, and the node there."""
+        stamp = next(self._clock)
+        node, pos = self.root, 0
+        while pos < len(key):
+            child = node.children.get(self._child_key(key, salt, pos))
+            if child is None:
+                break
+            child.stamp = stamp
+            n = self._common(child.tokens, key, pos)
+            pos += n
+            if n < len(child.tokens):
+                return pos, self._split(child, n, salt)
+            node = child
+        return pos, node
+
+    def _match(self, key: Sequence[int], salt: str | None) -> tuple[int, RadixNode]:
+        """The longest cached prefix of ``key`` (page-aligned): its length and last node."""
+        return self._walk(key, salt) if key else (0, self.root)
+
+    def _insert(
+        self, key: Sequence[int], digests: Sequence[bytes], salt: str | None
+    ) -> tuple[int, RadixNode]:
+        """Insert ``key`` (page-aligned); returns how much of it was already cached."""
+        pos, node = self._walk(key, salt)
+        if pos == len(key):
+            return pos, node
+        first = pos // self.block_size
+        leaf = RadixNode(tuple(key[pos:]), list(digests[first:]), node, next(self._clock), salt)
+        node.children[self._child_key(key, salt, pos)] = leaf
+        self._evictable_tokens += len(leaf.tokens)
+        self._update_leaf(node)
+        self._update_leaf(leaf)
+        self._record_store(leaf, salt)
+        return pos, leaf
+
+    def _split(self, child: RadixNode, n: int, salt: str | None) -> RadixNode:
+        """Cut ``child`` after ``n`` tokens; returns the new upper node."""
+        parent = child.parent
+        assert parent is not None
+        k = n // self.block_size
+        upper = RadixNode(
+            child.tokens[:n], child.digests[:k], parent, next(self._clock), salt, child.lock_ref
+        )
+        parent.children[self._child_key(child.tokens, salt)] = upper
+        child.tokens, child.digests, child.parent = child.tokens[n:], child.digests[k:], upper
+        upper.children[self._child_key(child.tokens, salt)] = child
+        return upper
+
+    def _lock(self, node: RadixNode) -> None:
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                self._evictable_tokens -= len(node.tokens)
+            node.lock_ref += 1
+            self._update_leaf(node)
+            node = node.parent
+
+    def _unlock(self, node: RadixNode) -> None:
+        while node.parent is not None:
+            if node.lock_ref == 1:
+                self._evictable_tokens += len(node.tokens)
+            node.lock_ref -= 1
+            self._update_leaf(node)
+            node = node.parent
+
+    def _update_leaf(self, node: RadixNode) -> None:
+        if node.lock_ref == 0 and not node.children and node is not self.root:
+            self._leaves.add(node)
+        else:
+            self._leaves.discard(node)
+
+    def _evict(self, n_tokens: int) -> None:
+        """Drop unlocked leaves, least recently stamped first, until ``n_tokens`` are
+        freed or nothing is left to drop."""
+        heap = [(leaf.stamp, leaf.born, leaf) for leaf in self._leaves]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < n_tokens and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            assert parent is not None
+            del parent.children[self._child_key(leaf.tokens, leaf.salt)]
+            self._leaves.discard(leaf)
+            self._evictable_tokens -= len(leaf.tokens)
+            self._free += len(leaf.digests)
+            freed += len(leaf.tokens)
+            self._update_leaf(parent)
+            if not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.stamp, parent.born, parent))
+            self._events.extend(BlockEvicted(d) for d in leaf.digests)
+
+    def _record_store(self, leaf: RadixNode, salt: str | None) -> None:
+        parent = leaf.parent
+        above = parent.digests[-1] if parent is not None and parent.digests else None
+        tail = self._events[-1] if self._events else None
+        if (
+            isinstance(tail, BlocksStored)
+            and above is not None
+            and tail.salt == salt
+            and tail.digests[-1] == above
+        ):
+            self._events[-1] = BlocksStored(
+                tail.digests + tuple(leaf.digests), tail.parent, tail.token_ids + leaf.tokens, salt
+            )
+            return
+        self._events.append(BlocksStored(tuple(leaf.digests), above, leaf.tokens, salt))

@@ -1,0 +1,738 @@
+"""The simulator's SGLang cache (``enginesim/radix_cache.py``) against a reference model
+of SGLang 0.5.23's ``RadixCache`` and request lifecycle, written here from SGLang's
+source (``srt/mem_cache/radix_cache.py``, ``events.py``, ``common.py``,
+``allocation.py``, ``allocator/paged.py``, ``managers/schedule_batch.py``), not imported:
+CI cannot install SGLang.
+
+The reference keeps what SGLang keeps: KV slot indices in the tree's values and in each
+request's row, a paged allocator with a free list of page ids, hashes computed lazily
+from a node's tokens (hex strings, as ``get_hash_str``), a clock read the way
+``time.monotonic`` is read (twice per new node, once per lookup or insert), the event
+recorder's coalescing. The simulator keeps counts, the request's own digests and a
+logical clock. Both are driven by one scheduler through the same calls, in lockstep, with
+randomized request streams (sequential and concurrent, Zipf-weighted shared prefixes,
+random suffixes, prompts as long as the cache, 16 to 4,096 pages of 1, 16 or 32 tokens);
+every call must answer alike, every admission find the same cached tokens, every step
+leave the same pages resident and publish the same events.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+import random
+import struct
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from enginesim.hashing import SglangSha256Hasher
+from enginesim.radix_cache import SglangRadixCache
+from enginesim.wire import make_format
+
+# -- the reference: SGLang 0.5.23, transcribed ---------------------------------------------
+
+RETRACT_DECODE_STEPS = 20
+SALT_TAG = b"sglang-cache-salt-v1\0"
+
+
+def get_hash_str(token_ids: list[int], prior_hash: str | None) -> str:
+    h = hashlib.sha256()
+    if prior_hash:
+        h.update(bytes.fromhex(prior_hash))
+    for t in token_ids:
+        h.update(struct.pack("<I", t))
+    return h.hexdigest()
+
+
+def hash_str_to_int64(hash_str: str) -> int:
+    value = int(hash_str[:16], 16)
+    return value - 2**64 if value >= 2**63 else value
+
+
+class MonotonicClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+class TreeNode:
+    def __init__(self, clock: MonotonicClock) -> None:
+        self.children: dict[Any, TreeNode] = {}
+        self.parent: TreeNode | None = None
+        self.key: list[int] = []
+        self.salt: str | None = None
+        self.value: list[int] | None = None
+        self.lock_ref = 0
+        self.last_access_time = clock()
+        self.creation_time = clock()
+        self.event_hash_value: list[str] | None = None
+
+    def __lt__(self, other: TreeNode) -> bool:
+        return self.last_access_time < other.last_access_time
+
+
+class Req:
+    """SGLang's ``Req``, as far as the cache reads it."""
+
+    def __init__(self, rid: str, prompt: list[int], max_new_tokens: int, salt: str | None):
+        self.rid = rid
+        self.origin_input_ids = prompt
+        self.output_ids: list[int] = []
+        self.max_new_tokens = max_new_tokens
+        self.cache_salt = salt
+        self.last_node: TreeNode | None = None
+        self.prefix_len = 0
+        self.cache_protected_len = 0
+        self.row: list[int] = []  # req_to_token[req_pool_idx]
+        self.kv_committed_len = 0
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+
+class ReferenceRadixCache:
+    """``RadixCache`` plus ``PagedTokenToKVPoolAllocator`` and the scheduler's calls."""
+
+    def __init__(self, page_size: int, num_pages: int) -> None:
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.clock = MonotonicClock()
+        self.free_pages = list(range(1, num_pages + 1))  # page 0 is SGLang's padding page
+        self.kv_event_queue: list[dict[str, Any]] = []
+        self.evictable_leaves: set[TreeNode] = set()
+        self.reqs: dict[str, Req] = {}
+        self.decode_checked: bool | None = None
+        self.reset()
+
+    # allocator
+    def available_size(self) -> int:
+        return len(self.free_pages) * self.page_size
+
+    def alloc_pages(self, n: int) -> list[int]:
+        assert n <= len(self.free_pages), "alloc beyond the free pages"
+        out, self.free_pages = self.free_pages[:n], self.free_pages[n:]
+        return out
+
+    def free(self, slots: list[int]) -> None:
+        pages = sorted({s // self.page_size for s in slots})
+        assert not set(pages) & set(self.free_pages), "page freed twice"
+        self.free_pages.extend(pages)
+
+    # RadixCache
+    def reset(self) -> None:
+        self.root_node = TreeNode(self.clock)
+        self.root_node.value = []
+        self.root_node.lock_ref = 1
+        self.evictable_size_ = 0
+        self.evictable_leaves.clear()
+        self.kv_event_queue.append({"type": "AllBlocksCleared"})
+
+    def child_key(self, key: list[int], salt: str | None) -> Any:
+        plain = key[0] if self.page_size == 1 else tuple(key[: self.page_size])
+        return plain if salt is None else ((None, salt), plain)
+
+    def key_match(self, key0: list[int], key1: list[int]) -> int:
+        i = 0
+        while i < min(len(key0), len(key1)):
+            if key0[i : i + self.page_size] != key1[i : i + self.page_size]:
+                break
+            i += self.page_size
+        return i
+
+    def page_aligned(self, key: list[int]) -> list[int]:
+        return key[: len(key) // self.page_size * self.page_size]
+
+    def match_prefix(self, key: list[int], salt: str | None) -> tuple[list[int], TreeNode]:
+        if len(key) == 0:
+            return [], self.root_node
+        key = self.page_aligned(key)
+        if len(key) == 0:
+            return [], self.root_node
+        access_time = self.clock()
+        node = self.root_node
+        node.last_access_time = access_time
+        value: list[int] = []
+        while len(key) > 0 and self.child_key(key, salt) in node.children:
+            child = node.children[self.child_key(key, salt)]
+            child.last_access_time = access_time
+            prefix_len = self.key_match(child.key, key)
+            if prefix_len < len(child.key):
+                new_node = self.split_node(child, prefix_len)
+                assert new_node.value is not None
+                value += new_node.value
+                node = new_node
+                break
+            assert child.value is not None
+            value += child.value
+            node = child
+            key = key[prefix_len:]
+        return value, node
+
+    def split_node(self, child: TreeNode, split_len: int) -> TreeNode:
+        assert child.parent is not None and child.value is not None
+        new_node = TreeNode(self.clock)
+        new_node.children = {self.child_key(child.key[split_len:], child.salt): child}
+        new_node.parent = child.parent
+        new_node.salt = child.salt
+        new_node.lock_ref = child.lock_ref
+        new_node.key = child.key[:split_len]
+        new_node.value = child.value[:split_len]
+        child.parent = new_node
+        child.key = child.key[split_len:]
+        child.value = child.value[split_len:]
+        new_node.parent.children[self.child_key(new_node.key, child.salt)] = new_node
+        if child.event_hash_value is not None:
+            pages = split_len // self.page_size
+            new_node.event_hash_value = child.event_hash_value[:pages]
+            child.event_hash_value = child.event_hash_value[pages:]
+        return new_node
+
+    def insert(self, key: list[int], value: list[int], salt: str | None) -> tuple[int, TreeNode]:
+        key = self.page_aligned(key)
+        value = value[: len(key)]
+        node = self.root_node
+        node.last_access_time = access_time = self.clock()
+        if len(key) == 0:
+            return 0, node
+        total_prefix_length = 0
+        while len(key) > 0 and self.child_key(key, salt) in node.children:
+            node = node.children[self.child_key(key, salt)]
+            node.last_access_time = access_time
+            prefix_len = self.key_match(node.key, key)
+            total_prefix_length += prefix_len
+            key = key[prefix_len:]
+            value = value[prefix_len:]
+            if prefix_len < len(node.key):
+                node = self.split_node(node, prefix_len)
+        if len(key):
+            new_node = TreeNode(self.clock)
+            new_node.parent = node
+            new_node.key = key
+            new_node.salt = salt
+            new_node.value = list(value)
+            node.children[self.child_key(key, salt)] = new_node
+            self.evictable_size_ += len(key)
+            self.update_leaf_status(node)
+            self.update_leaf_status(new_node)
+            self.record_store(new_node)
+            node = new_node
+        return total_prefix_length, node
+
+    def evict(self, num_tokens: int) -> None:
+        eviction_heap = [(n.last_access_time, n) for n in self.evictable_leaves]
+        heapq.heapify(eviction_heap)
+        num_evicted = 0
+        while num_evicted < num_tokens and len(eviction_heap):
+            _, x = heapq.heappop(eviction_heap)
+            assert x.value is not None and x.parent is not None
+            self.free(x.value)
+            num_evicted += len(x.value)
+            self.delete_leaf(x)
+            if len(x.parent.children) == 0 and x.parent.lock_ref == 0:
+                heapq.heappush(eviction_heap, (x.parent.last_access_time, x.parent))
+            self.record_remove(x)
+
+    def delete_leaf(self, node: TreeNode) -> None:
+        assert node.parent is not None
+        v = node.parent.children.pop(self.child_key(node.key, node.salt), None)
+        assert v is node
+        self.evictable_size_ -= len(node.key)
+        self.evictable_leaves.discard(node)
+        self.update_leaf_status(node.parent)
+
+    def update_leaf_status(self, node: TreeNode) -> None:
+        if node.value is None or node.lock_ref > 0 or node.children:
+            self.evictable_leaves.discard(node)
+        else:
+            self.evictable_leaves.add(node)
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        while node is not self.root_node:
+            if node.lock_ref == 0:
+                self.evictable_size_ -= len(node.key)
+            node.lock_ref += 1
+            self.update_leaf_status(node)
+            assert node.parent is not None
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        while node is not self.root_node:
+            if node.lock_ref == 1:
+                self.evictable_size_ += len(node.key)
+            node.lock_ref -= 1
+            self.update_leaf_status(node)
+            assert node.parent is not None
+            node = node.parent
+
+    # KVCacheEventRecorder
+    def event_hashes(self, node: TreeNode) -> list[str]:
+        if node.event_hash_value is None:
+            parent = node.parent
+            assert parent is not None
+            if parent is self.root_node:
+                prior = (
+                    hashlib.sha256(SALT_TAG + node.salt.encode()).hexdigest() if node.salt else None
+                )
+            else:
+                prior = self.event_hashes(parent)[-1]
+            hashes = []
+            for start in range(0, len(node.key), self.page_size):
+                prior = get_hash_str(node.key[start : start + self.page_size], prior)
+                hashes.append(prior)
+            node.event_hash_value = hashes
+        return node.event_hash_value
+
+    def enqueue(self, event: dict[str, Any]) -> None:
+        if self.kv_event_queue:
+            tail = self.kv_event_queue[-1]
+            if tail["type"] == event["type"] == "BlockRemoved":
+                tail["block_hashes"].extend(event["block_hashes"])
+                return
+            if (
+                tail["type"] == event["type"] == "BlockStored"
+                and tail["block_size"] == event["block_size"]
+                and tail["cache_salt"] == event["cache_salt"]
+                and event["parent_block_hash"] == tail["block_hashes"][-1]
+            ):
+                tail["block_hashes"].extend(event["block_hashes"])
+                tail["token_ids"].extend(event["token_ids"])
+                return
+        self.kv_event_queue.append(event)
+
+    def record_store(self, node: TreeNode) -> None:
+        hashes = self.event_hashes(node)
+        parent = node.parent
+        assert parent is not None
+        parent_block_hash = None
+        if parent is not self.root_node:
+            parent_block_hash = hash_str_to_int64(self.event_hashes(parent)[-1])
+        for i, start in enumerate(range(0, len(node.key), self.page_size)):
+            page_tokens = node.key[start : start + self.page_size]
+            block_hash = hash_str_to_int64(hashes[i])
+            self.enqueue(
+                {
+                    "type": "BlockStored",
+                    "block_hashes": [block_hash],
+                    "parent_block_hash": parent_block_hash,
+                    "token_ids": list(page_tokens),
+                    "block_size": len(page_tokens),
+                    "cache_salt": node.salt,
+                }
+            )
+            parent_block_hash = block_hash
+
+    def record_remove(self, node: TreeNode) -> None:
+        hashes = [hash_str_to_int64(h) for h in self.event_hashes(node)]
+        self.enqueue({"type": "BlockRemoved", "block_hashes": hashes})
+
+    # the scheduler's calls (common.py, allocation.py, schedule_batch.py)
+    def evict_from_tree_cache(self, num_tokens: int) -> None:
+        shortfall = num_tokens - self.available_size()
+        if shortfall > 0:
+            self.evict(shortfall)
+
+    def admit(self, req: Req) -> tuple[bool, int]:
+        """``init_next_round_input`` + ``PrefillAdder.add_one_req`` + ``alloc_for_extend``."""
+        fill_ids = req.fill_ids
+        max_prefix_len = len(fill_ids) - 1
+        prefix, last_node = self.match_prefix(fill_ids[:max_prefix_len], req.cache_salt)
+        req.prefix_len = len(prefix)
+        req.cache_protected_len = len(prefix)
+        req.last_node = last_node
+        self.inc_lock_ref(last_node)
+        extend = len(fill_ids) - req.prefix_len
+        paged_extend = -(-extend // self.page_size) * self.page_size
+        if paged_extend > self.available_size() + self.evictable_size_:
+            self.dec_lock_ref(last_node)
+            return False, 0
+        if self.page_size == 1:
+            self.evict_from_tree_cache(extend)
+        else:
+            self.evict_from_tree_cache(extend + self.page_size)
+        pages = self.alloc_pages(-(-extend // self.page_size))
+        slots = [p * self.page_size + i for p in pages for i in range(self.page_size)]
+        req.row = prefix + slots[:extend]
+        req.kv_committed_len = len(fill_ids)
+        self.reqs[req.rid] = req
+        return True, req.prefix_len
+
+    def checkpoint(self, req: Req, up_to: int) -> None:
+        token_ids = req.fill_ids[:up_to]
+        kv_indices = req.row[: len(token_ids)]
+        key = self.page_aligned(token_ids)
+        prefix_len, _ = self.insert(key, kv_indices, req.cache_salt)
+        prompt_key = self.page_aligned(token_ids[: len(req.origin_input_ids)])
+        if 0 < len(prompt_key) < len(key):
+            self.insert(prompt_key, kv_indices[: len(prompt_key)], req.cache_salt)
+        self.free(kv_indices[req.cache_protected_len : prefix_len])
+        new_indices, new_last_node = self.match_prefix(key, req.cache_salt)
+        assert len(new_indices) == len(key)
+        req.row[req.cache_protected_len : len(new_indices)] = new_indices[req.cache_protected_len :]
+        req.cache_protected_len = len(new_indices)
+        assert req.last_node is not None
+        self.dec_lock_ref(req.last_node)
+        self.inc_lock_ref(new_last_node)
+        req.last_node = new_last_node
+
+    def release_kv_cache(self, req: Req, checkpoint: bool) -> None:
+        owned_kv_len = req.kv_committed_len
+        if checkpoint:
+            self.checkpoint(req, owned_kv_len)
+        self.free(req.row[req.cache_protected_len : owned_kv_len])
+        assert req.last_node is not None
+        self.dec_lock_ref(req.last_node)
+        del self.reqs[req.rid]
+
+    def check_decode_mem(self) -> bool:
+        new_pages = sum(1 for r in self.reqs.values() if r.kv_committed_len % self.page_size == 0)
+        self.evict_from_tree_cache(new_pages * self.page_size)
+        return self.available_size() >= new_pages * self.page_size
+
+    def grow(self, req: Req) -> bool:
+        if self.decode_checked is None:
+            self.decode_checked = self.check_decode_mem()
+            if self.decode_checked and self.page_size > 1:  # alloc_paged_token_slots_decode
+                self.evict_from_tree_cache(len(self.reqs) * self.page_size)
+        if not self.decode_checked:
+            return False
+        if req.kv_committed_len % self.page_size == 0:
+            req.row.append(self.alloc_pages(1)[0] * self.page_size)
+        else:
+            req.row.append(req.row[-1] + 1)
+        req.kv_committed_len += 1
+        return True
+
+    def retract(self, req: Req) -> None:
+        """``release_req``, then the retract loop's check of the requests left."""
+        self.release_kv_cache(req, checkpoint=False)
+        self.evict_from_tree_cache(len(self.reqs) * RETRACT_DECODE_STEPS)
+        if self.decode_checked is False:
+            self.decode_checked = self.check_decode_mem()
+            if self.decode_checked and self.page_size > 1:
+                self.evict_from_tree_cache(len(self.reqs) * self.page_size)
+
+    def flush_cache(self) -> bool:
+        if self.reqs:
+            return False
+        self.reset()
+        self.free_pages = list(range(1, self.num_pages + 1))  # token_to_kv_pool_allocator.clear()
+        return True
+
+    def resident_hashes(self) -> set[bytes]:
+        found: set[bytes] = set()
+        stack = list(self.root_node.children.values())
+        while stack:
+            node = stack.pop()
+            found.update(bytes.fromhex(h) for h in self.event_hashes(node))
+            stack.extend(node.children.values())
+        return found
+
+    def check_accounting(self) -> None:
+        """Every page is free, in the tree, or in a request's row: none twice, none lost."""
+        owned: list[int] = list(self.free_pages)
+        stack = list(self.root_node.children.values())
+        while stack:
+            node = stack.pop()
+            assert node.value is not None
+            owned += sorted({s // self.page_size for s in node.value})
+            stack.extend(node.children.values())
+        for r in self.reqs.values():
+            own = r.row[r.cache_protected_len : r.kv_committed_len]
+            owned += sorted({s // self.page_size for s in own})
+        assert sorted(owned) == list(range(1, self.num_pages + 1))
+
+
+# -- one scheduler drives both --------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class SimReq:
+    """What the simulator's engine core hands its cache."""
+
+    name: str
+    prompt: list[int]
+    max_tokens: int
+    salt: str | None
+    output: list[int] = field(default_factory=list)
+    digests: list[bytes] = field(default_factory=list)
+    hit_tokens: int = 0
+    cached_tokens: int | None = None  # the first admission's hit: what a client sees
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+class Lockstep:
+    """Every call goes to the simulator's cache and to the reference; answers must match."""
+
+    def __init__(self, page_size: int, num_pages: int) -> None:
+        self.sim = SglangRadixCache(num_pages, page_size)
+        self.ref = ReferenceRadixCache(page_size, num_pages)
+        self.ref.kv_event_queue.clear()  # SGLang's start-up AllBlocksCleared: not simulated
+        self.refs: dict[SimReq, Req] = {}
+        self.fmt = make_format("sglang", page_size)
+        self.retractions = 0
+        self.flushes = 0
+        self.pages_evicted = 0
+
+    def admit(self, req: SimReq) -> bool:
+        ref = self.refs.setdefault(req, Req(req.name, req.prompt, req.max_tokens, req.salt))
+        ref.output_ids = list(req.output)
+        ok, hit = self.ref.admit(ref)
+        assert self.sim.admit(req) == ok, f"{req.name}: admission differs"
+        if ok:
+            assert req.hit_tokens == hit, f"{req.name}: cached tokens differ"
+        return ok
+
+    def grow(self, req: SimReq) -> bool:
+        ok = self.ref.grow(self.refs[req])
+        assert self.sim.grow(req) == ok, f"{req.name}: decode room differs"
+        return ok
+
+    def after_forward(self, admitted: list[SimReq]) -> None:
+        for req in admitted:
+            self.ref.checkpoint(self.refs[req], self.refs[req].kv_committed_len)
+        self.ref.decode_checked = None
+        self.sim.after_forward(admitted)
+
+    def preempt(self, req: SimReq) -> None:
+        self.retractions += 1
+        self.ref.retract(self.refs[req])
+        self.sim.preempt(req)
+
+    def finish(self, req: SimReq) -> None:
+        ref = self.refs.pop(req)
+        ref.output_ids = list(req.output)
+        self.ref.release_kv_cache(ref, checkpoint=True)
+        self.sim.finish(req)
+
+    def clear(self) -> bool:
+        ok = self.ref.flush_cache()
+        assert self.sim.clear() == ok
+        self.flushes += ok
+        return ok
+
+    def compare(self, step: int) -> None:
+        self.ref.check_accounting()
+        assert self.sim.cached_digests() == self.ref.resident_hashes(), f"step {step}: residents"
+        ref_free = self.ref.available_size() + self.ref.evictable_size_
+        assert self.sim.num_free * self.sim.block_size == ref_free, f"step {step}: free pages"
+        assert self.sim_events() == self.ref_events(), f"step {step}: events"
+
+    def sim_events(self) -> list[tuple[Any, ...]]:
+        encoded = self.fmt.encode_events(self.sim.take_events())  # type: ignore[attr-defined]
+        return [_event_tuple(msgspec.to_builtins(e) | {"type": type(e).__name__}) for e in encoded]
+
+    def ref_events(self) -> list[tuple[Any, ...]]:
+        events, self.ref.kv_event_queue = self.ref.kv_event_queue, []
+        removed = (e["block_hashes"] for e in events if e["type"] == "BlockRemoved")
+        self.pages_evicted += sum(len(hashes) for hashes in removed)
+        return [_event_tuple(e) for e in events]
+
+
+def _event_tuple(e: dict[str, Any]) -> tuple[Any, ...]:
+    kind = e["type"].removeprefix("_Sg")
+    if kind == "BlockStored":
+        fields = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "cache_salt")
+        return (kind, *(_freeze(e.get(f)) for f in fields))
+    if kind == "BlockRemoved":
+        return (kind, tuple(e["block_hashes"]))
+    return (kind,)
+
+
+def _freeze(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+class Driver:
+    """The engine core's step as the KV cache manager protocol describes it: room for
+    every running request's token (preempting the last on a refusal), admissions first
+    come first served, the forward pass, one sampled token each, finishes."""
+
+    def __init__(self, cache: Lockstep, page_size: int, max_running: int) -> None:
+        self.cache = cache
+        self.page_size = page_size
+        self.max_running = max_running
+        self.hasher = SglangSha256Hasher()
+        self.waiting: deque[SimReq] = deque()
+        self.running: list[SimReq] = []
+        self.done: list[SimReq] = []
+
+    def add(self, req: SimReq) -> None:
+        self.extend_digests(req)
+        self.waiting.append(req)
+
+    def extend_digests(self, req: SimReq) -> None:
+        tokens, size = req.tokens, self.page_size
+        while len(tokens) >= (len(req.digests) + 1) * size:
+            k = len(req.digests)
+            parent = req.digests[-1] if k else None
+            page = tokens[k * size : (k + 1) * size]
+            req.digests.append(self.hasher.block_digest(parent, page, req.salt if k == 0 else None))
+
+    def step(self) -> None:
+        decoding, preempted = self.schedule_running()
+        admitted: list[SimReq] = []
+        while not preempted and self.waiting and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            if not self.cache.admit(req):
+                break
+            self.waiting.popleft()
+            if req.cached_tokens is None:
+                req.cached_tokens = req.hit_tokens
+            self.running.append(req)
+            admitted.append(req)
+        self.cache.after_forward(admitted)
+        for req in [*decoding, *admitted]:
+            if req.max_tokens:
+                req.output.append(1000 + len(req.output) % 7)
+                self.extend_digests(req)
+        for req in [r for r in self.running if len(r.output) >= r.max_tokens]:
+            self.running.remove(req)
+            self.cache.finish(req)
+            self.done.append(req)
+
+    def schedule_running(self) -> tuple[list[SimReq], bool]:
+        scheduled: list[SimReq] = []
+        preempted = False
+        for req in list(self.running):
+            if req not in self.running:
+                break
+            while not self.cache.grow(req):
+                victim = self.running.pop()
+                self.cache.preempt(victim)
+                self.waiting.appendleft(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                scheduled.append(req)
+                continue
+            break
+        return scheduled, preempted
+
+
+# -- request streams ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Stream:
+    page_size: int
+    num_pages: int
+    max_running: int
+    n_requests: int
+    n_prefixes: int
+    seed: int
+    arrivals_per_step: int = 1
+    flush_every: int = 0  # a /flush_cache attempt every N steps (0: never)
+
+
+def make_requests(s: Stream) -> list[SimReq]:
+    """Zipf-weighted shared prefixes, random suffixes over a small vocabulary (so that
+    suffixes share leading tokens too and nodes split mid-way), some salted, some as
+    long as the whole cache."""
+    rng = random.Random(s.seed)
+    capacity = s.num_pages * s.page_size
+    longest = max(4, min(capacity // 3, 600))
+    prefixes = [
+        [rng.randrange(40) for _ in range(rng.randint(1, longest))] for _ in range(s.n_prefixes)
+    ]
+    weights = [1 / (rank + 1) for rank in range(s.n_prefixes)]
+    reqs = []
+    for i in range(s.n_requests):
+        max_tokens = rng.choice([0, 1, 2, 5, 12, 40])
+        if rng.random() < 0.05:  # as long as the cache allows, or longer (rejected)
+            prompt = [rng.randrange(40) for _ in range(capacity - max_tokens + rng.choice([-1, 1]))]
+        else:
+            prefix = rng.choices(prefixes, weights)[0]
+            cut = rng.randint(1, len(prefix))
+            prompt = prefix[:cut] + [rng.randrange(8) for _ in range(rng.randint(0, longest // 2))]
+        salt = "tenant-a" if rng.random() < 0.1 else None
+        reqs.append(SimReq(f"r{i}", prompt, max_tokens, salt))
+    return reqs
+
+
+def fits(req: SimReq, page_size: int, num_pages: int) -> bool:
+    """The engine core's check: the request's longest sequence fits in the cache."""
+    computed = len(req.prompt) + max(req.max_tokens - 1, 0)
+    return -(-computed // page_size) <= num_pages
+
+
+def run_stream(s: Stream) -> tuple[list[SimReq], Lockstep]:
+    cache = Lockstep(s.page_size, s.num_pages)
+    driver = Driver(cache, s.page_size, s.max_running)
+    pending = deque(r for r in make_requests(s) if fits(r, s.page_size, s.num_pages))
+    for step in itertools.count():
+        for _ in range(s.arrivals_per_step):
+            if pending:
+                driver.add(pending.popleft())
+        if not (pending or driver.waiting or driver.running):
+            break
+        driver.step()
+        if s.flush_every and step % s.flush_every == 0:
+            cache.clear()
+        cache.compare(step)
+        assert step < 50_000, "the stream did not drain"
+    return driver.done, cache
+
+
+# -- the tests ------------------------------------------------------------------------------
+
+SIZES: list[tuple[int, int]] = [(1, 16), (1, 64), (1, 512), (1, 4096), (16, 16), (16, 128)]
+SIZES += [(16, 4096), (32, 16), (32, 96), (32, 1024)]
+
+
+@pytest.mark.parametrize(("page_size", "num_pages"), SIZES)
+@pytest.mark.parametrize("max_running", [1, 6])
+def test_sim_cache_matches_sglang_at_every_size(page_size: int, num_pages: int, max_running: int):
+    s = Stream(page_size, num_pages, max_running, n_requests=60, n_prefixes=6, seed=num_pages)
+    done, cache = run_stream(s)
+    assert any(r.cached_tokens for r in done), "no request hit the cache"
+    if num_pages * page_size <= 2048:
+        assert cache.pages_evicted, "the cache never filled"
+
+
+def test_a_small_cache_evicts_retracts_and_still_agrees():
+    """Pressure on every path at once: a cache of 16 pages, eight requests at a time."""
+    s = Stream(1, 16, 8, n_requests=120, n_prefixes=3, seed=7, arrivals_per_step=3)
+    done, cache = run_stream(s)
+    assert len(done) > 60
+    assert cache.retractions and cache.pages_evicted
+
+
+def test_flushes_between_requests_agree():
+    s = Stream(16, 64, 4, n_requests=60, n_prefixes=4, seed=3, flush_every=5)
+    _, cache = run_stream(s)
+    assert cache.flushes
+
+
+stream_params: Callable[..., Any] = st.builds(
+    Stream,
+    page_size=st.sampled_from([1, 16, 32]),
+    num_pages=st.sampled_from([16, 24, 48, 128, 512, 4096]),
+    max_running=st.integers(1, 8),
+    n_requests=st.integers(1, 40),
+    n_prefixes=st.integers(1, 8),
+    seed=st.integers(0, 2**32),
+    arrivals_per_step=st.integers(1, 4),
+    flush_every=st.sampled_from([0, 0, 0, 7]),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stream_params)
+def test_random_streams_agree(s: Stream):
+    run_stream(s)
