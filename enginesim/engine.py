@@ -22,6 +22,7 @@ from enginesim.faults import FaultInjector, FaultUpdate
 from enginesim.kv_manager import KVCacheManager
 from enginesim.metrics import CacheConfig, EngineMetrics, LoadSnapshot, make_metrics
 from enginesim.publisher import EventPublisher, PublisherConfig
+from enginesim.radix_cache import SglangRadixCache
 from enginesim.scheduler import CoreLimits, EngineCore, SimRequest, StepOutput
 from enginesim.settings import SimSettings
 from enginesim.wire import make_format
@@ -35,7 +36,7 @@ _HASH_ALGO = {"vllm": "sha256_cbor", "vllm-0.23": "sha256_cbor", "sglang": "sha2
 _KV_MANAGERS: dict[str, Callable[[int, int], KVCacheManager]] = {
     "vllm": VllmKVCacheManager,
     "vllm-0.23": VllmKVCacheManager,
-    "sglang": VllmKVCacheManager,
+    "sglang": SglangRadixCache,
 }
 
 

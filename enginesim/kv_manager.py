@@ -39,7 +39,7 @@ class BlocksStored:
     digests: tuple[bytes, ...]
     parent: bytes | None  # the digest of the block before the run; None at block 0
     token_ids: tuple[int, ...]
-    salt: str | None  # set when the run starts at a salted request's first block
+    salt: str | None  # vLLM: on a salted request's first block's run; SGLang: on every run
 
 
 @dataclass(frozen=True, slots=True)

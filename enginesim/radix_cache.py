@@ -73,7 +73,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from enginesim.blockpool import AllCleared, BlockEvicted, BlocksStored, PoolEvent
+from enginesim.kv_manager import AllCleared, BlockEvicted, BlocksStored, PoolEvent
 
 RETRACT_DECODE_STEPS = 20  # SGLANG_RETRACT_DECODE_STEPS: tokens kept free per request
 

@@ -108,8 +108,9 @@ class EngineCore:
         return bool(self.waiting or self.running)
 
     def blocks_needed(self, prompt_len: int, max_tokens: int) -> int:
-        """Blocks a request holds at its longest: every token but the last sampled one."""
-        computed = prompt_len + max_tokens - 1
+        """Blocks a request holds at its longest: the prompt, then every sampled token
+        but the last (a prefill only, ``max_tokens`` 0, still holds its whole prompt)."""
+        computed = prompt_len + max(max_tokens - 1, 0)
         return -(-computed // self.limits.block_size)
 
     def check(self, prompt_len: int, max_tokens: int) -> None:

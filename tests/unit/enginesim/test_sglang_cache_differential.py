@@ -9,7 +9,8 @@ request's row, a paged allocator with a free list of page ids, hashes computed l
 from a node's tokens (hex strings, as ``get_hash_str``), a clock read the way
 ``time.monotonic`` is read (twice per new node, once per lookup or insert), the event
 recorder's coalescing. The simulator keeps counts, the request's own digests and a
-logical clock. Both are driven by one scheduler through the same calls, in lockstep, with
+logical clock. Both are driven by the simulator's engine core (``EngineCore``), each call to both in
+lockstep, with
 randomized request streams (sequential and concurrent, Zipf-weighted shared prefixes,
 random suffixes, prompts as long as the cache, 16 to 4,096 pages of 1, 16 or 32 tokens);
 every call must answer alike, every admission find the same cached tokens, every step
@@ -18,14 +19,15 @@ leave the same pages resident and publish the same events.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import heapq
 import itertools
 import random
 import struct
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -33,8 +35,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from enginesim.errors import RequestRejected
 from enginesim.hashing import SglangSha256Hasher
+from enginesim.kv_manager import PoolEvent
 from enginesim.radix_cache import SglangRadixCache
+from enginesim.scheduler import CoreLimits, EngineCore, SimRequest
+from enginesim.timing import TimingModel
 from enginesim.wire import make_format
 
 # -- the reference: SGLang 0.5.23, transcribed ---------------------------------------------
@@ -454,66 +460,62 @@ class ReferenceRadixCache:
         assert sorted(owned) == list(range(1, self.num_pages + 1))
 
 
-# -- one scheduler drives both --------------------------------------------------------------
-
-
-@dataclass(eq=False)
-class SimReq:
-    """What the simulator's engine core hands its cache."""
-
-    name: str
-    prompt: list[int]
-    max_tokens: int
-    salt: str | None
-    output: list[int] = field(default_factory=list)
-    digests: list[bytes] = field(default_factory=list)
-    hit_tokens: int = 0
-    cached_tokens: int | None = None  # the first admission's hit: what a client sees
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
+# -- the engine core drives both -----------------------------------------------------------
 
 
 class Lockstep:
-    """Every call goes to the simulator's cache and to the reference; answers must match."""
+    """A KV cache manager for the engine core that passes every call to the simulator's
+    cache and to the reference; their answers must match."""
 
     def __init__(self, page_size: int, num_pages: int) -> None:
         self.sim = SglangRadixCache(num_pages, page_size)
         self.ref = ReferenceRadixCache(page_size, num_pages)
         self.ref.kv_event_queue.clear()  # SGLang's start-up AllBlocksCleared: not simulated
-        self.refs: dict[SimReq, Req] = {}
+        self.block_size, self.num_blocks = page_size, num_pages
+        self.refs: dict[SimRequest, Req] = {}
         self.fmt = make_format("sglang", page_size)
         self.retractions = 0
         self.flushes = 0
         self.pages_evicted = 0
 
-    def admit(self, req: SimReq) -> bool:
-        ref = self.refs.setdefault(req, Req(req.name, req.prompt, req.max_tokens, req.salt))
+    @property
+    def capacity_blocks(self) -> int:
+        return self.sim.capacity_blocks
+
+    @property
+    def num_free(self) -> int:
+        return self.sim.num_free
+
+    @property
+    def usage(self) -> float:
+        return self.sim.usage
+
+    def admit(self, req: SimRequest) -> bool:
+        ref = self.refs.setdefault(req, Req(req.request_id, req.prompt, req.max_tokens, req.salt))
         ref.output_ids = list(req.output)
         ok, hit = self.ref.admit(ref)
-        assert self.sim.admit(req) == ok, f"{req.name}: admission differs"
+        assert self.sim.admit(req) == ok, f"{req.request_id}: admission differs"
         if ok:
-            assert req.hit_tokens == hit, f"{req.name}: cached tokens differ"
+            assert req.hit_tokens == hit, f"{req.request_id}: cached tokens differ"
         return ok
 
-    def grow(self, req: SimReq) -> bool:
+    def grow(self, req: SimRequest) -> bool:
         ok = self.ref.grow(self.refs[req])
-        assert self.sim.grow(req) == ok, f"{req.name}: decode room differs"
+        assert self.sim.grow(req) == ok, f"{req.request_id}: decode room differs"
         return ok
 
-    def after_forward(self, admitted: list[SimReq]) -> None:
+    def after_forward(self, admitted: Sequence[SimRequest]) -> None:
         for req in admitted:
             self.ref.checkpoint(self.refs[req], self.refs[req].kv_committed_len)
         self.ref.decode_checked = None
         self.sim.after_forward(admitted)
 
-    def preempt(self, req: SimReq) -> None:
+    def preempt(self, req: SimRequest) -> None:
         self.retractions += 1
         self.ref.retract(self.refs[req])
         self.sim.preempt(req)
 
-    def finish(self, req: SimReq) -> None:
+    def finish(self, req: SimRequest) -> None:
         ref = self.refs.pop(req)
         ref.output_ids = list(req.output)
         self.ref.release_kv_cache(ref, checkpoint=True)
@@ -524,6 +526,15 @@ class Lockstep:
         assert self.sim.clear() == ok
         self.flushes += ok
         return ok
+
+    def reset(self) -> None:
+        raise AssertionError("not driven here")
+
+    def take_events(self) -> list[PoolEvent]:
+        raise AssertionError("compare() takes them")
+
+    def cached_digests(self) -> set[bytes]:
+        return self.sim.cached_digests()
 
     def compare(self, step: int) -> None:
         self.ref.check_accounting()
@@ -557,74 +568,6 @@ def _freeze(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
 
-class Driver:
-    """The engine core's step as the KV cache manager protocol describes it: room for
-    every running request's token (preempting the last on a refusal), admissions first
-    come first served, the forward pass, one sampled token each, finishes."""
-
-    def __init__(self, cache: Lockstep, page_size: int, max_running: int) -> None:
-        self.cache = cache
-        self.page_size = page_size
-        self.max_running = max_running
-        self.hasher = SglangSha256Hasher()
-        self.waiting: deque[SimReq] = deque()
-        self.running: list[SimReq] = []
-        self.done: list[SimReq] = []
-
-    def add(self, req: SimReq) -> None:
-        self.extend_digests(req)
-        self.waiting.append(req)
-
-    def extend_digests(self, req: SimReq) -> None:
-        tokens, size = req.tokens, self.page_size
-        while len(tokens) >= (len(req.digests) + 1) * size:
-            k = len(req.digests)
-            parent = req.digests[-1] if k else None
-            page = tokens[k * size : (k + 1) * size]
-            req.digests.append(self.hasher.block_digest(parent, page, req.salt if k == 0 else None))
-
-    def step(self) -> None:
-        decoding, preempted = self.schedule_running()
-        admitted: list[SimReq] = []
-        while not preempted and self.waiting and len(self.running) < self.max_running:
-            req = self.waiting[0]
-            if not self.cache.admit(req):
-                break
-            self.waiting.popleft()
-            if req.cached_tokens is None:
-                req.cached_tokens = req.hit_tokens
-            self.running.append(req)
-            admitted.append(req)
-        self.cache.after_forward(admitted)
-        for req in [*decoding, *admitted]:
-            if req.max_tokens:
-                req.output.append(1000 + len(req.output) % 7)
-                self.extend_digests(req)
-        for req in [r for r in self.running if len(r.output) >= r.max_tokens]:
-            self.running.remove(req)
-            self.cache.finish(req)
-            self.done.append(req)
-
-    def schedule_running(self) -> tuple[list[SimReq], bool]:
-        scheduled: list[SimReq] = []
-        preempted = False
-        for req in list(self.running):
-            if req not in self.running:
-                break
-            while not self.cache.grow(req):
-                victim = self.running.pop()
-                self.cache.preempt(victim)
-                self.waiting.appendleft(victim)
-                preempted = True
-                if victim is req:
-                    break
-            else:
-                scheduled.append(req)
-                continue
-            break
-        return scheduled, preempted
-
-
 # -- request streams ------------------------------------------------------------------------
 
 
@@ -640,7 +583,7 @@ class Stream:
     flush_every: int = 0  # a /flush_cache attempt every N steps (0: never)
 
 
-def make_requests(s: Stream) -> list[SimReq]:
+def make_requests(s: Stream) -> list[SimRequest]:
     """Zipf-weighted shared prefixes, random suffixes over a small vocabulary (so that
     suffixes share leading tokens too and nodes split mid-way), some salted, some as
     long as the whole cache."""
@@ -661,32 +604,29 @@ def make_requests(s: Stream) -> list[SimReq]:
             cut = rng.randint(1, len(prefix))
             prompt = prefix[:cut] + [rng.randrange(8) for _ in range(rng.randint(0, longest // 2))]
         salt = "tenant-a" if rng.random() < 0.1 else None
-        reqs.append(SimReq(f"r{i}", prompt, max_tokens, salt))
+        reqs.append(SimRequest(f"r{i}", prompt, max_tokens, salt))
     return reqs
 
 
-def fits(req: SimReq, page_size: int, num_pages: int) -> bool:
-    """The engine core's check: the request's longest sequence fits in the cache."""
-    computed = len(req.prompt) + max(req.max_tokens - 1, 0)
-    return -(-computed // page_size) <= num_pages
-
-
-def run_stream(s: Stream) -> tuple[list[SimReq], Lockstep]:
+def run_stream(s: Stream) -> tuple[list[SimRequest], Lockstep]:
     cache = Lockstep(s.page_size, s.num_pages)
-    driver = Driver(cache, s.page_size, s.max_running)
-    pending = deque(r for r in make_requests(s) if fits(r, s.page_size, s.num_pages))
+    limits = CoreLimits(s.page_size, s.num_pages, s.max_running, max_model_len=1 << 20)
+    core = EngineCore(limits, SglangSha256Hasher(), TimingModel(), cache)
+    pending = deque(make_requests(s))
+    done: list[SimRequest] = []
     for step in itertools.count():
         for _ in range(s.arrivals_per_step):
             if pending:
-                driver.add(pending.popleft())
-        if not (pending or driver.waiting or driver.running):
+                with contextlib.suppress(RequestRejected):  # longer than the cache
+                    core.add(pending.popleft())
+        if not (pending or core.has_work):
             break
-        driver.step()
+        done += core.step().finished
         if s.flush_every and step % s.flush_every == 0:
             cache.clear()
         cache.compare(step)
         assert step < 50_000, "the stream did not drain"
-    return driver.done, cache
+    return done, cache
 
 
 # -- the tests ------------------------------------------------------------------------------
@@ -700,7 +640,7 @@ SIZES += [(16, 4096), (32, 16), (32, 96), (32, 1024)]
 def test_sim_cache_matches_sglang_at_every_size(page_size: int, num_pages: int, max_running: int):
     s = Stream(page_size, num_pages, max_running, n_requests=60, n_prefixes=6, seed=num_pages)
     done, cache = run_stream(s)
-    assert any(r.cached_tokens for r in done), "no request hit the cache"
+    assert any(r.num_cached_tokens for r in done), "no request hit the cache"
     if num_pages * page_size <= 2048:
         assert cache.pages_evicted, "the cache never filled"
 
