@@ -7,6 +7,9 @@ a new benchmark is one line in that table.
 ``kvroute up`` runs a whole local fleet (NATS, etcd, simulated engines or your own, their
 sidecars, the control plane and proxies) until Ctrl-C; ``--demo`` also drives a
 shared-prefix workload through it, round-robin then kv_aware, and compares them.
+
+``kvroute explain PROMPT --model M`` asks a control plane how a proxy would route that
+prompt, and why (``explain.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvroute import explain
 from kvroute.extras import MissingExtra, require
 from kvroute.up import Fleet, UpOptions, run
 
@@ -118,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("benchmark", choices=sorted(BENCHMARKS))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
-    commands.add_parser("explain", help="explain a routing decision (not implemented yet)")
+    explain.add_parser(commands)
     return parser
 
 
@@ -161,8 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MissingExtra as exc:
         print(f"kvroute {args.command}: {exc}", file=sys.stderr)
         return 2
-    print(f"kvroute {args.command}: not implemented yet", file=sys.stderr)
-    return 2
+    return explain.run(args)
 
 
 def run_up(args: argparse.Namespace) -> int:

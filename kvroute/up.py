@@ -328,6 +328,10 @@ Change the default workload's locality weight (the admin API):
   curl -s -X PATCH {admin}/v1/workloads/default -H 'authorization: Bearer {fleet.admin_token}' \\
     -H 'content-type: application/json' -d '{{"locality_weight": 0.9}}'
 
+See how a proxy would route a prompt, and why:
+  KVROUTE_ADMIN_TOKEN={fleet.admin_token} kvroute explain --admin-url {admin} \
+    --model {model} 'Hello'
+
 Ctrl-C stops everything.
 """
 
