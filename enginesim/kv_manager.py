@@ -10,9 +10,9 @@ in one step:
    computes this step (its last sampled one); ``False`` means the cache is full, and the
    core preempts the last running request (``preempt``) and tries again;
 2. ``admit(req)`` for waiting requests, first come first served: look the request's
-   tokens up in the cache, lock the hit, allocate the rest; sets
-   ``req.num_cached_tokens`` to the hit; ``False``, with nothing changed, when there is
-   no room (the request waits);
+   tokens up in the cache, lock the hit, allocate the rest; sets ``req.hit_tokens`` to
+   the hit (the core reports the first admission's as ``num_cached_tokens``); ``False``,
+   with nothing changed, when there is no room (the request waits);
 3. ``after_forward(admitted)`` once the step's forward pass has computed the admitted
    requests' prompts;
 4. ``finish(req)`` when a request ends (done or aborted) and releases what it holds.
@@ -77,7 +77,8 @@ class KVCacheManager(Protocol):
         ...
 
     def admit(self, req: SimRequest) -> bool:
-        """Take ``req``'s cached prefix and allocate the rest of its tokens."""
+        """Take ``req``'s cached prefix and allocate the rest of its tokens; sets
+        ``req.hit_tokens``."""
         ...
 
     def grow(self, req: SimRequest) -> bool:
