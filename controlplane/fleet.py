@@ -78,7 +78,6 @@ class FleetStats:
     batches_ignored: int = 0
     snapshots_applied: int = 0
     resyncs: dict[str, int] = field(default_factory=dict)  # reason -> count
-    replicas_down: int = 0  # times a replica was marked down
     replicas_kept_stale: int = 0  # times a silent replica was kept (stale) instead
 
 
@@ -279,7 +278,6 @@ class Fleet:
         record.stream.reset()
         self.changes.replica(record.ordinal)
         self.changes.residency_of(record.ordinal).clear()
-        self.stats.replicas_down += 1
 
     def stale_count(self) -> int:
         return sum(1 for r in self.by_ordinal.values() if r.stale and not r.down)
