@@ -19,8 +19,6 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Coroutine
-from typing import Any
 
 import nats
 import nats.errors
@@ -34,6 +32,7 @@ from controlplane.settings import ControlPlaneSettings
 from kvcore import subjects
 from kvcore.pb import events_pb2
 from kvruntime.nats import redacted, subscriptions_live
+from kvruntime.tasks import BackgroundTasks
 
 log = logging.getLogger(__name__)
 _RETRY_S = 0.25
@@ -49,7 +48,7 @@ class Ingest:
         self.malformed: Counter[str] = Counter()  # by message kind
         self.resyncs_sent: Counter[str] = Counter()  # by outcome
         self._nc: Client | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = BackgroundTasks()
         self._subjects: dict[str, subjects.Subject] = {}  # valid subjects, parsed once
         self._link_up_at = 0.0  # monotonic time the NATS link last came up
         fleet.resync = self._request_resync
@@ -81,7 +80,7 @@ class Ingest:
         if not await subscriptions_live(self._nc):  # so a message sent after start() is seen
             log.warning("nats subscriptions not confirmed live", extra={"timeout_s": 5.0})
         self._link_up_at = time.monotonic()
-        self._spawn(self._sweep())
+        self._tasks.spawn(self._sweep(), name="sweep")
         log.info("nats subscribed", extra={"url": redacted(self.settings.nats_url)})
 
     async def _on_disconnected(self) -> None:
@@ -93,11 +92,7 @@ class Ingest:
         self.fleet.resync_all("nats reconnected")
 
     async def aclose(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._tasks.aclose()
         if self._nc is not None:
             with contextlib.suppress(nats.errors.Error, OSError):
                 await self._nc.close()
@@ -159,7 +154,7 @@ class Ingest:
     # -- resync ------------------------------------------------------------------------
     def _request_resync(self, record: ReplicaRecord, reason: str, snapshot_id: int) -> None:
         if self._nc is not None:
-            self._spawn(self._resync(record, reason, snapshot_id))
+            self._tasks.spawn(self._resync(record, reason, snapshot_id), name="resync")
 
     async def _resync(self, record: ReplicaRecord, reason: str, snapshot_id: int) -> None:
         assert self._nc is not None
@@ -192,8 +187,3 @@ class Ingest:
                 for _ in self.fleet.drop_steps(record, self.settings.clear_chunk_keys):
                     await asyncio.sleep(0)
             self.fleet.retry_resyncs()
-
-    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(coroutine)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)

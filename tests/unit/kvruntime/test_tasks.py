@@ -30,6 +30,16 @@ async def test_aclose_stops_every_task_and_waits_for_its_cleanup() -> None:
     await tasks.aclose()  # closing twice is harmless
 
 
+async def test_a_task_that_ended_cleanly_is_forgotten() -> None:
+    tasks = BackgroundTasks()
+
+    async def short() -> None:
+        pass
+
+    await tasks.spawn(short(), name="resync")
+    assert not tasks.running
+
+
 async def test_a_task_that_failed_raises_at_aclose() -> None:
     tasks = BackgroundTasks()
     failed = asyncio.Event()
