@@ -502,8 +502,8 @@ async def test_a_client_dripping_its_head_is_cut_at_the_header_deadline() -> Non
     """One header byte every 20 ms keeps the connection busy forever without a deadline
     of its own; keep-alive (75 s) does not cut it. The server answers 408 and closes."""
     async with serving(Echo(), header_timeout_s=0.3) as (_, connect):
+        started = time.monotonic()  # before the connection, whose accept starts the deadline
         client = await connect()
-        started = time.monotonic()
         await client.send(b"GET /v1/x HTTP/1.1\r\nhost: t\r\n")
 
         async def drip() -> None:
