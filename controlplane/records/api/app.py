@@ -18,7 +18,8 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from controlplane.records.api import routes_config, routes_fleet, routes_records
 from controlplane.records.api.context import AdminContext
-from controlplane.records.api.middleware import BodyLimit, Observe
+from controlplane.records.api.middleware import BodyLimit, JsonBodies, Observe
+from controlplane.records.api.openapi import document_responses
 from controlplane.records.errors import InvalidInput, RecordsError
 from controlplane.records.services.explain import Explainer
 
@@ -34,8 +35,10 @@ def create_app(context: AdminContext, *, tracer_provider: Any | None = None) -> 
     app.state.explainer = Explainer(context.store, context.fleet)
     _health_routes(app, context)
     for module in (routes_config, routes_fleet, routes_records):
+        document_responses(module.router)
         app.include_router(module.router)
     _error_handlers(app)
+    app.add_middleware(JsonBodies)
     app.add_middleware(Observe, metrics=context.metrics, tracer_provider=tracer_provider)
     app.add_middleware(BodyLimit)
     return app
@@ -46,7 +49,12 @@ def _health_routes(app: FastAPI, context: AdminContext) -> None:
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["health"], summary="Config loaded from etcd; the database answers")
+    @app.get(
+        "/readyz",
+        tags=["health"],
+        summary="Config loaded from etcd; the database answers",
+        responses={503: {"description": "Not ready: etcd or the database does not answer."}},
+    )
     async def readyz() -> JSONResponse:
         ready = await context.ready()
         return JSONResponse({"ready": ready}, status_code=200 if ready else 503)

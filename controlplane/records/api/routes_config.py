@@ -34,6 +34,9 @@ IfMatch = Annotated[
 ]
 
 
+CREATED: dict[int | str, dict[str, Any]] = {201: {"description": "Created (200: replaced)."}}
+
+
 class ModelBody(ModelSpec):
     """A model entry; its name is the one in the path."""
 
@@ -92,7 +95,12 @@ async def get_workload(name: Name, context: Context, _: Reader) -> Response:
     return _document(stored.value, stored.mod_revision)
 
 
-@router.put("/workloads/{name}", tags=["workloads"], summary="Create or replace a workload")
+@router.put(
+    "/workloads/{name}",
+    tags=["workloads"],
+    summary="Create or replace a workload",
+    responses=CREATED,
+)
 async def put_workload(
     name: Name,
     workload: Annotated[Workload, Body()],
@@ -126,7 +134,9 @@ async def patch_workload(
     return _document(written.value, written.mod_revision)
 
 
-@router.delete("/workloads/{name}", tags=["workloads"], summary="Delete a workload")
+@router.delete(
+    "/workloads/{name}", tags=["workloads"], status_code=204, summary="Delete a workload"
+)
 async def delete_workload(
     name: Name, context: Context, session: Session, principal: Admin, if_match: IfMatch = None
 ) -> Response:
@@ -163,7 +173,12 @@ async def workload_revisions(
     }
 
 
-@router.post("/workloads/{name}/rollback", tags=["workloads"], summary="Back to a revision")
+@router.post(
+    "/workloads/{name}/rollback",
+    tags=["workloads"],
+    summary="Back to a revision",
+    responses={204: {"description": "Rolled back to a deletion: the workload is gone."}},
+)
 async def rollback_workload(
     name: Name,
     rollback: Rollback,
@@ -198,7 +213,9 @@ async def get_model(name: Name, context: Context, _: Reader) -> Response:
     return _document(stored.value, stored.mod_revision)
 
 
-@router.put("/models/{name}", tags=["models"], summary="Create or replace a model entry")
+@router.put(
+    "/models/{name}", tags=["models"], summary="Create or replace a model entry", responses=CREATED
+)
 async def put_model(
     name: Name,
     model: Annotated[ModelBody, Body()],
@@ -214,7 +231,7 @@ async def put_model(
     return _document(written.value, written.mod_revision, 201 if written.created else 200)
 
 
-@router.delete("/models/{name}", tags=["models"], summary="Delete a model entry")
+@router.delete("/models/{name}", tags=["models"], status_code=204, summary="Delete a model entry")
 async def delete_model(
     name: Name, context: Context, session: Session, principal: Admin, if_match: IfMatch = None
 ) -> Response:
