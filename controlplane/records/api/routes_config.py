@@ -19,15 +19,17 @@ from controlplane.records.config_store import DEFAULT_WORKLOAD, Kind, RulesDocum
 from controlplane.records.db.repositories import RevisionRepository
 from controlplane.records.errors import InvalidInput, NotFound
 from controlplane.records.services.config import (
+    STRATEGY_MODELS,
     ConfigWriter,
     check_deletable,
     etag,
-    merge_patch,
+    merge_workload,
     validated_json,
 )
 from kvcore.workload import ModelSpec, Workload
 
 router = APIRouter(prefix="/v1")
+DROPPED_HEADER = "x-kvroute-dropped-fields"
 IfMatch = Annotated[
     str | None,
     Header(description="The ETag last read; the write is refused (412) if it changed."),
@@ -116,7 +118,14 @@ async def put_workload(
     return _document(written.value, written.mod_revision, 201 if written.created else 200)
 
 
-@router.patch("/workloads/{name}", tags=["workloads"], summary="Change some fields (merge patch)")
+@router.patch(
+    "/workloads/{name}",
+    tags=["workloads"],
+    summary="Change some fields (merge patch)",
+    description="A patch that changes `strategy` keeps the settings the new strategy has "
+    "too (those at the old strategy's default take the new one's) and drops the others: "
+    f"`{DROPPED_HEADER}` names the dropped settings, and the audit entry says their values.",
+)
 async def patch_workload(
     name: Name,
     patch: Annotated[dict[str, Any], Body()],
@@ -126,12 +135,33 @@ async def patch_workload(
     if_match: IfMatch = None,
 ) -> Response:
     stored = await _read(context, Kind.WORKLOAD, name)
-    merged = merge_patch(_decoded(stored.value), patch)
-    value = validated_json(Kind.WORKLOAD, _named(merged, name, "name" in patch))
+    patched = merge_workload(_decoded(stored.value), patch)
+    value = _validated_patch(_named(patched.document, name, "name" in patch), patch)
     writer = ConfigWriter(context.store, session, principal.actor)
     guard = if_match if if_match is not None else etag(stored.mod_revision)
-    written = await writer.write(Kind.WORKLOAD, name, value, if_match=guard, action="patch")
-    return _document(written.value, written.mod_revision)
+    written = await writer.write(
+        Kind.WORKLOAD, name, value, if_match=guard, action="patch", detail=patched.detail()
+    )
+    response = _document(written.value, written.mod_revision)
+    if patched.dropped:
+        response.headers[DROPPED_HEADER] = ", ".join(sorted(patched.dropped))
+    return response
+
+
+def _validated_patch(document: dict[str, Any], patch: dict[str, Any]) -> str:
+    """The patched workload validated; refused, the message names the new strategy's
+    settings when the patch changed it (the fix is to send only those)."""
+    try:
+        return validated_json(Kind.WORKLOAD, document)
+    except InvalidInput as exc:
+        model = STRATEGY_MODELS.get(patch.get("strategy"))
+        if model is None:
+            raise
+        settings = ", ".join(f for f in model.model_fields if f not in ("name", "strategy"))
+        strategy = patch["strategy"]
+        raise InvalidInput(
+            exc.field, f"{exc.message} (a {strategy} workload takes: {settings})"
+        ) from None
 
 
 @router.delete(

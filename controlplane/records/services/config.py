@@ -19,7 +19,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -40,8 +40,13 @@ from controlplane.records.errors import (
     PreconditionFailed,
     Unavailable,
 )
+from kvcore.workload import Workload
 
 log = logging.getLogger(__name__)
+# each strategy's workload model, by strategy name
+STRATEGY_MODELS = {
+    model.model_fields["strategy"].default: model for model in get_args(get_args(Workload)[0])
+}
 
 
 def etag(mod_revision: int) -> str:
@@ -85,7 +90,10 @@ class ConfigWriter:
         *,
         if_match: str | None,
         action: str,
+        detail: str = "",
     ) -> Written:
+        """Write ``value`` (None: delete) as the steps above; ``detail`` goes to the
+        audit entry."""
         current = await self.store.read(kind, name)
         target = f"{kind}/{name}" if name else str(kind)
         if if_match is not None and not etag_matches(if_match, current):
@@ -102,7 +110,7 @@ class ConfigWriter:
             if if_match is not None:
                 raise PreconditionFailed(f"{target} changed while this write was made") from None
             raise
-        await self._record(kind, name, action, revision, current, value, target)
+        await self._record(kind, name, action, revision, current, value, target, detail)
         return Written(value, revision, created=current is None)
 
     async def _record(
@@ -114,6 +122,7 @@ class ConfigWriter:
         current: Stored | None,
         value: str | None,
         target: str,
+        detail: str,
     ) -> None:
         before = None if current is None else current.value
         if kind is not Kind.API_KEY:
@@ -130,7 +139,13 @@ class ConfigWriter:
                 )
             )
         self.audit.add(
-            actor=self.actor, action=action, target=target, result="ok", before=before, after=value
+            actor=self.actor,
+            action=action,
+            target=target,
+            result="ok",
+            before=before,
+            after=value,
+            detail=detail,
         )
         try:
             await self.session.commit()
@@ -183,6 +198,46 @@ def merge_patch(target: Any, patch: Any) -> Any:
         else:
             result[key] = merge_patch(result.get(key), value)
     return result
+
+
+@dataclass(frozen=True, slots=True)
+class Patched:
+    """A workload after a merge patch: its document, and what a change of strategy
+    dropped (settings the old strategy had, set off its default, the new one has not)."""
+
+    document: Any
+    dropped: dict[str, Any]
+    change: str = ""  # "kv_aware -> least_load" when the strategy changed
+
+    def detail(self) -> str:
+        """The audit's words for what the change of strategy did."""
+        if not self.change:
+            return ""
+        gone = ", ".join(f"{k}={json.dumps(v)}" for k, v in sorted(self.dropped.items()))
+        return f"strategy {self.change}" + (f": dropped {gone}" if gone else "")
+
+
+def merge_workload(stored: Any, patch: dict[str, Any]) -> Patched:
+    """RFC 7386 merge of ``patch`` into a stored workload. A patch that changes the
+    strategy first keeps of the stored settings those the new strategy has too, unless
+    they are at the old strategy's default (then the new one's applies); the others
+    are dropped, and said (the patch's own fields are the caller's: validation judges
+    them)."""
+    old = stored.get("strategy") if isinstance(stored, dict) else None
+    new = patch.get("strategy")
+    if old == new or old not in STRATEGY_MODELS or new not in STRATEGY_MODELS:
+        return Patched(merge_patch(stored, patch), {})
+    before, after = STRATEGY_MODELS[old].model_fields, STRATEGY_MODELS[new].model_fields
+    kept: dict[str, Any] = {}
+    dropped: dict[str, Any] = {}
+    for key, value in stored.items():
+        if key in before and before[key].default == value:
+            continue  # the old strategy's default: the new one's applies
+        if key in after:
+            kept[key] = value
+        elif key not in patch:
+            dropped[key] = value
+    return Patched(merge_patch(kept, patch), dropped, f"{old} -> {new}")
 
 
 async def check_deletable(store: EtcdConfigStore, name: str) -> None:

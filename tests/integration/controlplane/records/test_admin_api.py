@@ -194,6 +194,41 @@ async def test_bad_input_gets_a_clear_4xx(make_records: RecordsFactory) -> None:
 
 
 @sqlite_only
+async def test_a_strategy_change_by_patch_keeps_what_applies_and_says_what_it_dropped(
+    make_records: RecordsFactory,
+) -> None:
+    """PATCH {"strategy": ...} alone: the new strategy keeps the settings it has too,
+    drops the ones it has not (and says which, in a header and the audit); a setting
+    the patch itself sends that the strategy has not is refused, naming it."""
+    records = await make_records()
+    async with admin_client(records) as admin:
+        tuned = {"strategy": "kv_aware", "locality_weight": 0.4, "min_hit": 0.2,
+                 "load_threshold": 0.8}  # fmt: skip
+        assert (await admin.call("PUT", "/v1/workloads/chat", json=tuned))[0] == 201
+        status, body, headers = await admin.call(
+            "PATCH", "/v1/workloads/chat", json={"strategy": "kv_cost"}
+        )
+        assert status == 200, body
+        assert (body["strategy"], body["locality_weight"], body["load_threshold"]) == (
+            "kv_cost", 0.4, 0.8)  # fmt: skip
+        assert "min_hit" not in body and headers["x-kvroute-dropped-fields"] == "min_hit"
+        status, body, headers = await admin.call(
+            "PATCH", "/v1/workloads/chat", json={"strategy": "least_load"}
+        )
+        assert status == 200 and body["strategy"] == "least_load" and body["load_threshold"] == 0.8
+        assert "locality_weight" not in body
+        assert headers["x-kvroute-dropped-fields"] == "locality_weight"
+        status, body, _ = await admin.call("GET", "/v1/audit?limit=1")
+        assert "kv_cost -> least_load" in body["entries"][0]["detail"]
+        assert "locality_weight=0.4" in body["entries"][0]["detail"]
+        status, body, _ = await admin.call(
+            "PATCH", "/v1/workloads/chat", json={"strategy": "round_robin", "min_hit": 0.5}
+        )
+        assert status == 422 and "min_hit" in json.dumps(body["detail"])
+        assert "round_robin" in json.dumps(body["detail"])
+
+
+@sqlite_only
 async def test_revisions_and_rollback(make_records: RecordsFactory) -> None:
     records = await make_records()
     async with admin_client(records) as admin:
