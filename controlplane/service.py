@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -33,6 +32,7 @@ from controlplane.routing_server import RoutingStateService, start_server
 from controlplane.settings import ControlPlaneSettings
 from controlplane.webhook import injection_config, with_webhook
 from kvcore.pb import routing_pb2
+from kvruntime.sockets import bind_tcp
 from kvruntime.tasks import BackgroundTasks
 
 log = logging.getLogger(__name__)
@@ -199,12 +199,9 @@ class ControlPlane:
 
     async def _start_admin(self) -> None:
         s = self.settings
-        sock = socket.socket(socket.AF_INET6 if ":" in s.admin_host else socket.AF_INET)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((s.admin_host, s.admin_port))
+            sock = bind_tcp(s.admin_host, s.admin_port)
         except OSError as exc:
-            sock.close()
             raise ServiceError(
                 f"cannot serve the admin API on {s.admin_host}:{s.admin_port}: {exc.strerror}"
             ) from exc

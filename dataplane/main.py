@@ -32,6 +32,7 @@ from kvruntime.flags import flag_name, flags_given, settings_parser
 from kvruntime.gc_tuning import tune_gc
 from kvruntime.jsonlog import configure_logging
 from kvruntime.loop import run
+from kvruntime.sockets import bind_tcp, url_of
 
 log = logging.getLogger("dataplane")
 READY_PREFIX = "kvroute-proxy ready"
@@ -75,25 +76,17 @@ def describe(exc: ValidationError) -> str:
 
 def bind(host: str, port: int, *, reuse_port: bool) -> socket.socket:
     """A listening-ready TCP socket (``SO_REUSEPORT`` for workers sharing a port)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if reuse_port:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
-        sock.bind((host, port))
+        return bind_tcp(host, port, reuse_port=reuse_port)
     except OSError as exc:
-        sock.close()
         raise SettingsRefused(f"cannot bind {host}:{port}: {exc.strerror}") from None
-    return sock
 
 
 def ready_line(sock: socket.socket) -> str:
     """The line that says the proxy serves: its URL, and how many of its request-path
     modules run compiled (:mod:`dataplane.native`; ``compiled=0/N``: all from source)."""
-    host, port = sock.getsockname()[:2]
-    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-    return f"{READY_PREFIX} http={url} compiled={len(native.compiled())}/{len(native.MODULES)}"
+    compiled = f"{len(native.compiled())}/{len(native.MODULES)}"
+    return f"{READY_PREFIX} http={url_of(sock)} compiled={compiled}"
 
 
 async def serve(

@@ -28,6 +28,7 @@ from enginesim.settings import SimSettings, parse_settings
 from enginesim.tokens import PromptTokenizer
 from kvcore.tokenize import TokenizerError
 from kvruntime.loop import run
+from kvruntime.sockets import bind_tcp, url_of
 
 READY_PREFIX = "kvroute-sim ready"
 
@@ -45,13 +46,9 @@ class _Server(uvicorn.Server):
 
 
 def bind_http(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        sock = bind_tcp(host, port)
     except OSError as exc:
-        sock.close()
         raise StartupError(f"cannot bind HTTP to {host}:{port}: {exc.strerror}") from exc
     sock.listen(2048)
     sock.set_inheritable(True)
@@ -70,12 +67,10 @@ async def serve(settings: SimSettings) -> None:
     except zmq.ZMQError as exc:
         sock.close()
         raise StartupError(f"cannot bind the KV event sockets: {exc}") from exc
-    host, port = sock.getsockname()[:2]
-    http_host = f"[{host}]" if ":" in host else host
     tls = settings.ssl_certfile is not None
-    scheme = "https" if tls else "http"
+    http = url_of(sock, "https" if tls else "http")
     ready = (
-        f"{READY_PREFIX} http={scheme}://{http_host}:{port} events={engine.publisher.endpoint} "
+        f"{READY_PREFIX} http={http} events={engine.publisher.endpoint} "
         f"replay={engine.publisher.replay_endpoint or 'off'} format={settings.event_format}"
     )
     config = uvicorn.Config(
