@@ -21,7 +21,7 @@ format-check:  ## Fail when the code is not formatted.
 lint:  ## ruff with the ASYNC, B, UP, SIM and RUF rules.
 	$(PY) -m ruff check .
 
-typecheck:  ## mypy (strict on kvcore).
+typecheck:  ## mypy (strict on kvcore and kvruntime).
 	$(PY) -m mypy
 
 imports:  ## import-linter: the layering contracts.
