@@ -21,6 +21,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from enginesim.sim_model import SIM_MODEL_DIR
+from kvcore.tokenize import BUILTIN
 from kvroute import explain
 from kvroute.extras import MissingExtra, require
 from kvroute.up import Fleet, UpOptions, run
@@ -42,6 +44,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "NATS killed under steady load: failed requests, time to route by events again",
     ),
 }
+SIM_TOKENIZER = "sim"  # --tokenizer's name for enginesim's SIM_MODEL_DIR
 DEMO_NUM_BLOCKS = 768  # 16 system prompts of ~125 blocks: 4 fit one replica, all fit 4
 
 
@@ -96,7 +99,12 @@ def _add_up(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         help="what the simulated engines speak (vllm)",
     )  # fmt: skip
     up.add_argument("--time-scale", type=_scale, default=1.0, help="sim seconds per real second")
-    up.add_argument("--tokenizer", default="builtin", help="'builtin' or a tokenizer folder")
+    up.add_argument(
+        "--tokenizer",
+        help="'sim' (the simulated model's Hugging Face folder, which benchmark clients "
+        "load too: the default), 'builtin' (the default with --demo or --engines) or a "
+        "tokenizer folder",
+    )
     up.add_argument("--port", type=_port, default=8000, help="first proxy's port (8000)")
     up.add_argument("--num-blocks", type=_positive_int, help="KV blocks per simulated engine")
     up.add_argument("--data-dir", type=Path, help="keep state here between runs")
@@ -135,7 +143,7 @@ def up_options(args: argparse.Namespace) -> UpOptions:
         ha=args.ha,
         event_format=args.event_format,
         time_scale=args.time_scale,
-        tokenizer=args.tokenizer,
+        tokenizer=_tokenizer(args.tokenizer, builtin=demo or bool(args.engines)),
         port=args.port,
         data_dir=args.data_dir,
         engines=args.engines or (),
@@ -144,6 +152,16 @@ def up_options(args: argparse.Namespace) -> UpOptions:
         demo=demo,
         demo_only=args.demo_only,
     )
+
+
+def _tokenizer(spec: str | None, *, builtin: bool) -> str:
+    """What the simulators and proxies tokenize with: by default the simulated model's
+    Hugging Face folder, so a client that loads it counts tokens as the engines do; the
+    demo's prompts are sized in the built-in tokenizer's tokens, and engines kvroute did
+    not start have their own tokenizers (the proxy's builtin is only its fallback)."""
+    if spec is None:
+        spec = BUILTIN if builtin else SIM_TOKENIZER
+    return str(SIM_MODEL_DIR) if spec == SIM_TOKENIZER else spec
 
 
 def run_benchmark(name: str, argv: list[str]) -> int:

@@ -196,6 +196,8 @@ class LocalFleet:
             self.fleet.models.append(SIM_MODEL)
             self._sim_lines.append(child.ready_text)
         self.say(f"  engines     {', '.join(self.fleet.engines)}")
+        if not self.options.engines:
+            self.say(f"  model       {SIM_MODEL}  tokenizer {self.options.tokenizer}")
 
     def _sim_spec(self, index: int) -> ChildSpec:
         argv = [

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from tokenizers import Tokenizer
 
 from kvroute.servers import free_port
 
@@ -146,7 +147,19 @@ def test_up_serves_completions_and_stops_cleanly(ha: bool) -> None:
         assert len(up.value(r"admin API\s+(.+)").split(",")) == (2 if ha else 1)
         if not ha:
             assert _run_banner_example(up, "With the official openai client")
+            _check_the_printed_tokenizer_counts_as_the_engines(up, proxy)
         _stop_and_check(up, run_dir)
+
+
+def _check_the_printed_tokenizer_counts_as_the_engines(up: UpProcess, proxy: str) -> None:
+    """The tokenizer folder printed beside the model, loaded as a benchmark client loads
+    it, counts a prompt's tokens as the engine's usage does."""
+    folder = Path(up.value(r"model\s+kvroute/sim-model\s+tokenizer (\S+)"))
+    client_side = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    prompt = "Counting tokens the way guidellm does: Übergrößen, 日本語, and 12345 digits."
+    usage = _complete(proxy, prompt)["usage"]
+    assert isinstance(usage, dict)
+    assert usage["prompt_tokens"] == len(client_side.encode(prompt).ids)
 
 
 def _run_banner_example(up: UpProcess, heading: str) -> str:
