@@ -373,8 +373,11 @@ class Router:
     ) -> tuple[str, str | None]:
         """The request's namespace and the salt to send upstream (see the module's
         docstring)."""
+        body, isolating = request.body, workload.tenant_isolation
+        if not isolating and "cache_salt" not in body and "extra_key" not in body:
+            return "", None  # nothing names a namespace: the shared one (the common case)
         tenant = self.tenant_of(headers, api_key)
-        salt = cache_namespace(request.body, tenant=tenant, isolating=workload.tenant_isolation)
+        salt = cache_namespace(body, tenant=tenant, isolating=isolating)
         return salt, salt or None
 
     def tenant_of(
