@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bench.micro.model_files import write_config, write_tiny_model
+from kvcore.tenancy import tenant_salt
 from tests.e2e.openai_answers import openai_answers
 from tests.e2e.proxyproc import ProxyProcess
 from tests.request_bodies import request_bodies
@@ -786,6 +787,51 @@ def test_a_redirect_elsewhere_is_passed_on_as_the_replica_gave_it() -> None:
         "{me}0/v1/other": f"{url}0/v1/other",  # another port: not the replica
         "https://sso.example/login": "https://sso.example/login",
     }
+
+
+class _Echoing(http.server.BaseHTTPRequestHandler):
+    """A replica answering every POST with the JSON body it was sent."""
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["content-length"]))
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_the_engine_sees_the_tenants_salt_on_inference_and_forwarded_routes() -> None:
+    """Behind --tenant-header, a body's cache_salt (and SGLang's extra_key, folded into
+    it) reaches the engine as the salt derived from the tenant and it, on an inference
+    route and on a forwarded one alike; a body naming none goes on as it came."""
+    replica = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Echoing)
+    replica.daemon_threads = True
+    threading.Thread(target=replica.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{replica.server_address[1]}"
+    alpha = {"x-tenant": "alpha"}
+    try:
+        with ProxyProcess(
+            f"--static-replicas={url}", "--static-strategy=round_robin", "--tenant-header=x-tenant"
+        ) as proxy:
+            seen = {
+                path: json.loads(proxy.request(path, {"model": MODEL, **fields}, headers=alpha)[2])
+                for path, fields in (
+                    ("/v1/completions", {"prompt": "Hi", "cache_salt": "beta"}),
+                    ("/v1/responses", {"input": "Hi", "cache_salt": "beta", "extra_key": "k"}),
+                    ("/v1/embeddings", {"input": "Hi"}),
+                )
+            }
+    finally:
+        replica.shutdown()
+        replica.server_close()
+    assert seen["/v1/completions"]["cache_salt"] == tenant_salt("alpha", "beta")
+    assert seen["/v1/responses"]["cache_salt"] == tenant_salt("alpha", "betak")
+    assert "extra_key" not in seen["/v1/responses"]
+    assert seen["/v1/embeddings"] == {"model": MODEL, "input": "Hi"}
 
 
 def test_health_answers_where_the_engines_probes_look(fleet: Any) -> None:
