@@ -23,7 +23,12 @@ class ExplainRequest(BaseModel):
     """An OpenAI request and what a proxy would know about it."""
 
     request: dict[str, Any] = Field(
-        description="The body a client would POST (chat: 'messages'; completions: 'prompt')."
+        description="The body a client would POST (chat: 'messages'; completions: 'prompt').",
+        # what the explainer requires of it (422 otherwise), said in the schema
+        json_schema_extra={
+            "required": ["model"],
+            "properties": {"model": {"type": "string", "minLength": 1}},
+        },
     )
     path: str = Field(
         "/v1/chat/completions", max_length=256, description="The path it would be POSTed to."
@@ -32,7 +37,10 @@ class ExplainRequest(BaseModel):
         None, pattern=r"^[A-Za-z0-9_-]{1,64}$", description="As the x-kvroute-workload header."
     )
     tenant: str | None = Field(
-        None, pattern=r"^[A-Za-z0-9_-]{1,64}$", description="The client key's tenant."
+        None,
+        pattern=r"^[A-Za-z0-9_-]{1,64}$",
+        description="The client key's tenant (without --auth, the proxy's tenant header): "
+        "the request is keyed in its namespace, as the proxy keys it.",
     )
     headers: dict[str, str] = Field(
         default_factory=dict, max_length=64, description="Other request headers."
