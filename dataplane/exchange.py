@@ -179,7 +179,7 @@ class Dispatcher:
                     break
                 pending = self.upstream.send("POST", endpoint.base_url + path, body, headers)
                 try:
-                    ticket = self._sent(exchange, decision, endpoint, now, predicted)
+                    ticket = self.sent(exchange, decision, endpoint, now, predicted)
                 except BaseException:
                     pending.close()
                     raise
@@ -206,10 +206,11 @@ class Dispatcher:
             f"No replica could take the request ({last_failure}).", self.policies.retry_after_s
         )
 
-    def _sent(
+    def sent(
         self, exchange: Exchange, decision: Decision, endpoint: Endpoint, now: float, predicted: int
     ) -> InflightTicket | None:
-        """The bookkeeping of a request just written to ``endpoint``."""
+        """The bookkeeping of a request just written to ``endpoint`` (by the proxy; by the
+        endpoint picker, handed to the gateway)."""
         first = not exchange.tried
         exchange.tried.append(endpoint.replica_id)
         if first:
@@ -234,10 +235,25 @@ class Dispatcher:
         if attempt.answered:
             return
         attempt.answered = True
-        opened, replica = attempt.opened, attempt.endpoint.replica_id
-        self.fleet.on_first_byte(attempt.ticket, opened.status, opened.streaming)
+        opened = attempt.opened
+        self.first_byte(
+            attempt.ticket, attempt.endpoint.replica_id, opened.status, opened.streaming,
+            opened.ttfb_s,
+        )  # fmt: skip
+
+    def first_byte(
+        self,
+        ticket: InflightTicket | None,
+        replica: str,
+        status: int,
+        streaming: bool,
+        ttfb_s: float,
+    ) -> None:
+        """:meth:`answered`'s work, for a caller without an :class:`Attempt` (the
+        endpoint picker, which sees the answer pass through the gateway)."""
+        self.fleet.on_first_byte(ticket, status, streaming)
         self.breakers.on_success(replica, self._clock())
-        self.metrics.first_byte(replica, opened.ttfb_s)
+        self.metrics.first_byte(replica, ttfb_s)
 
     def _may_retry(self, failure: Retriable, tries: int) -> bool:
         if tries > self.policies.retry_attempts:
@@ -251,21 +267,27 @@ class Dispatcher:
     def finish(self, exchange: Exchange) -> None:
         """Release the in-flight count and count the request; call exactly once."""
         attempt = exchange.attempt
-        workload = exchange.prepared.workload.name
         if attempt is None:
-            self.metrics.count(workload, "", exchange.outcome)
+            self.metrics.count(exchange.prepared.workload.name, "", exchange.outcome)
             return
         self.answered(attempt)
         self.fleet.on_done(attempt.ticket)
-        replica = attempt.endpoint.replica_id
-        if exchange.outcome == "ok" and attempt.opened.status >= 400:
-            exchange.outcome = "client_error" if attempt.opened.status < 500 else "upstream_error"
+        self.account(exchange, attempt.endpoint, attempt.predicted, attempt.opened.status)
+
+    def account(self, exchange: Exchange, endpoint: Endpoint, predicted: int, status: int) -> None:
+        """Count a request ``endpoint`` answered with ``status``: its outcome, and for one
+        answered whole its fidelity counters (:meth:`finish`'s, and the endpoint
+        picker's, whose requests the gateway sends)."""
+        workload = exchange.prepared.workload.name
+        replica = endpoint.replica_id
+        if exchange.outcome == "ok" and status >= 400:
+            exchange.outcome = "client_error" if status < 500 else "upstream_error"
         self.metrics.count(workload, replica, exchange.outcome)
         if exchange.outcome == "ok":
-            self._fidelity(exchange, attempt, workload)
+            self._fidelity(exchange, endpoint, predicted, workload)
         elif exchange.outcome != "cancelled" and self.reporter is not None:
             # refused or broken off: an error, with no prompt served to compare
-            self.reporter.record(workload, attempt.endpoint.pool, replica, 0, 0, None, True)
+            self.reporter.record(workload, endpoint.pool, replica, 0, 0, None, True)
 
     def _measured(self, usage: Usage | None, replica: str) -> int | None:
         """The cached tokens an answer's usage reports; ``None``: unknown. vLLM reports
@@ -284,11 +306,13 @@ class Dispatcher:
             return cached
         return 0 if usage.final and replica in self._reporting else None
 
-    def _fidelity(self, exchange: Exchange, attempt: Attempt, workload: str) -> None:
+    def _fidelity(
+        self, exchange: Exchange, endpoint: Endpoint, predicted: int, workload: str
+    ) -> None:
         usage = exchange.usage
         request = exchange.request
-        measured = self._measured(usage, attempt.endpoint.replica_id)
-        if request.fans_out and (not request.stream or attempt.endpoint.engine_kind == "sglang"):
+        measured = self._measured(usage, endpoint.replica_id)
+        if request.fans_out and (not request.stream or endpoint.engine_kind == "sglang"):
             # vLLM: a whole answer to a batch or to n > 1 reports the cached tokens of its
             # last engine request (another prompt's, or a later sample's that hit the first
             # sample's blocks); a stream's is the first prompt's first sample's. SGLang sums
@@ -302,9 +326,9 @@ class Dispatcher:
             with contextlib.suppress(ApiError):
                 self.router.key(prepared, request)
             prompt = prepared.prompt_tokens
-        replica = attempt.endpoint.replica_id
-        self.metrics.fidelity(workload, replica, prompt, attempt.predicted, measured)
+        replica = endpoint.replica_id
+        self.metrics.fidelity(workload, replica, prompt, predicted, measured)
         if self.reporter is not None:
             self.reporter.record(
-                workload, attempt.endpoint.pool, replica, prompt, attempt.predicted, measured, False
+                workload, endpoint.pool, replica, prompt, predicted, measured, False
             )

@@ -57,6 +57,12 @@ COMPONENTS = (
         about="The OpenAI-compatible proxy (`dataplane/`).",
     ),
     Component(
+        "kvroute-epp",
+        "dataplane.epp.main:main",
+        settings="dataplane.epp.settings:EppSettings",
+        about="The Gateway API Inference Extension endpoint picker (`dataplane/epp/`).",
+    ),
+    Component(
         "kvroute-controlplane",
         "controlplane.main:main",
         settings="controlplane.settings:ControlPlaneSettings",

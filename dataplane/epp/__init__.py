@@ -1,0 +1,1 @@
+"""kvroute as a Gateway API Inference Extension Endpoint Picker (``kvroute-epp``)."""
