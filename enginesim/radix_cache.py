@@ -31,9 +31,11 @@ demand being the tokens to extend, plus one page when pages are larger than a to
 
 **A request's life.**
 
-- *Admission* (``match_kv_cache``): look up its tokens but the last (at least one is
-  computed), page-aligned; lock the hit; admitted when the pages it still needs fit in
-  the free pages plus the unlocked cache, then evict the shortfall and allocate.
+- *Admission* (``match_kv_cache``, ``PrefillAdder``): look up its tokens but the last
+  (at least one is computed), page-aligned; lock the hit; admitted within SGLang's
+  memory budget (``AdmissionBudget``: room for its tokens and expected output beside the
+  running requests' expected output). A step's admissions are matched and locked first,
+  then allocated together (``alloc_for_extend``), evicting for all of them at once.
 - *After its prefill* (``checkpoint``): insert its page-aligned tokens. Pages another
   request inserted meanwhile are freed (the copy in the tree wins: nothing is stored
   twice), the rest become the tree's; the lock moves to the new last node. Until then a
@@ -58,11 +60,13 @@ SGLang's recorder coalesces: a store whose parent is the previous store's last p
 salt) extends it, which this cache reproduces; consecutive removals are coalesced by
 ``wire.py`` when a step's batch is encoded.
 
-Not reproduced: SGLang's admission also reserves room for the running requests' expected
-output (``new_token_ratio``), it picks the request to retract by fewest output tokens
-(the engine core picks its own), and it refreshes the waiting requests' prefixes in LRU
-order every 32 scheduling passes; SGLang's first event batch after start carries an
-``AllBlocksCleared`` (the simulator's restart is silent).
+Not reproduced: SGLang picks the request to retract by fewest output tokens (the engine
+core picks its own), it refreshes the waiting requests' prefixes in LRU order every 32
+scheduling passes, and its first event batch after start carries an ``AllBlocksCleared``
+(the simulator's restart is silent). Where SGLang would never admit a request whose
+expected output does not fit beside an empty engine, the simulator admits it if its
+prompt fits; the budget's ratio starts over whenever no request holds memory (SGLang:
+when its scheduler idles).
 """
 
 from __future__ import annotations
@@ -76,12 +80,18 @@ from typing import Protocol
 from enginesim.kv_manager import AllCleared, BlockEvicted, BlocksStored, PoolEvent
 
 RETRACT_DECODE_STEPS = 20  # SGLANG_RETRACT_DECODE_STEPS: tokens kept free per request
+CLIP_MAX_NEW_TOKENS = 4096  # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
+INIT_NEW_TOKEN_RATIO = 0.7  # SGLANG_INIT_NEW_TOKEN_RATIO x --schedule-conservativeness 1
+MIN_NEW_TOKEN_RATIO = INIT_NEW_TOKEN_RATIO * 0.14  # SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR
+NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600  # per decode step
 
 
 class CacheRequest(Protocol):
     """What the cache reads of a request, and the one field it sets."""
 
     prompt: list[int]
+    output: list[int]
+    max_tokens: int
     salt: str | None
     digests: list[bytes]  # of every full page of ``tokens``
     hit_tokens: int
@@ -114,6 +124,68 @@ class _Row:
     committed: int  # tokens whose KV is allocated (``kv_committed_len``)
 
 
+class AdmissionBudget:
+    """SGLang's ``PrefillAdder`` memory budget, in tokens: a request is admitted when
+    its uncached tokens, its expected output and a page fit in what is free or evictable,
+    less what the running requests are expected to still write (their remaining output
+    times ``new_token_ratio``) and what this step's earlier admissions reserved (their
+    tokens, a page and their whole output). Once that is spent, the step admits no more.
+
+    The ratio starts at 0.7, falls by a 600th of the way to 0.098 each decode step, is
+    re-estimated from the requests left after a retraction and starts over when the
+    engine runs dry (``NewTokenRatioTracker``)."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.ratio = INIT_NEW_TOKEN_RATIO
+        self.step_reserved = 0  # ``total_offset`` of this step's admissions
+        self.step_immediate = 0  # ``current_offset``: their tokens and a page each
+        self.closed = False
+
+    def new_step(self) -> None:
+        self.step_reserved = self.step_immediate = 0
+        self.closed = False
+
+    def admits(
+        self, req: CacheRequest, extend: int, room: int, running: list[CacheRequest]
+    ) -> bool:
+        """Whether ``req``, ``extend`` tokens short of cached, fits; ``room`` is the
+        free and evictable tokens with its prefix locked."""
+        if not running and not self.step_reserved:
+            # SGLang would wait for room for the whole expected output too, forever when
+            # that is more than the cache; the simulator's own check has let it in.
+            return self._paged(extend) <= room
+        total = extend + _remaining_output(req) + self.page_size
+        return total < room - self._expected(running) - self.step_reserved
+
+    def reserve(
+        self, req: CacheRequest, extend: int, room: int, running: list[CacheRequest]
+    ) -> None:
+        """Charge an admitted request; close the step when nothing is left."""
+        immediate = self._paged(extend) + self.page_size
+        self.step_reserved += immediate + min(req.max_tokens, CLIP_MAX_NEW_TOKENS)
+        self.step_immediate += immediate
+        left = room - self._expected(running) - self.step_reserved
+        self.closed = left <= 0 or room - self.step_immediate <= 0
+
+    def decayed(self) -> None:
+        self.ratio = max(self.ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+
+    def retracted(self, running: list[CacheRequest]) -> None:
+        decoded = sum(len(r.output) for r in running) + RETRACT_DECODE_STEPS * len(running)
+        self.ratio = min(1.0, decoded / (sum(r.max_tokens for r in running) + 1))
+
+    def _expected(self, running: list[CacheRequest]) -> float:
+        return sum(_remaining_output(r) * self.ratio for r in running)
+
+    def _paged(self, tokens: int) -> int:
+        return -(-tokens // self.page_size) * self.page_size
+
+
+def _remaining_output(req: CacheRequest) -> int:
+    return min(max(req.max_tokens - len(req.output), 0), CLIP_MAX_NEW_TOKENS)
+
+
 class SglangRadixCache:
     """SGLang 0.5.23's radix cache and request lifecycle (see the module docstring)."""
 
@@ -132,7 +204,10 @@ class SglangRadixCache:
         self._evictable_tokens = 0
         self._leaves: set[RadixNode] = set()
         self._rows: dict[CacheRequest, _Row] = {}
+        self._admitted: list[CacheRequest] = []  # this step's, not yet allocated
+        self._budget = AdmissionBudget(self.block_size)
         self._decode_ok: bool | None = None  # this step's decode check, once made
+        self._retracted = False  # in this step
 
     # -- queries -----------------------------------------------------------------------
 
@@ -166,24 +241,37 @@ class SglangRadixCache:
     # -- the request lifecycle ---------------------------------------------------------
 
     def admit(self, req: CacheRequest) -> bool:
+        """Match and lock ``req``'s prefix and reserve its tokens in the step's budget;
+        pages are allocated for the whole step's admissions in ``after_forward``, before
+        the forward pass, as SGLang allocates a prefill batch."""
+        budget = self._budget
+        if budget.closed:
+            return False
+        if not self._rows:
+            budget.ratio = INIT_NEW_TOKEN_RATIO  # the engine ran dry: the ratio starts over
         tokens = req.tokens
         hit, node = self._match(tokens[: self._aligned(len(tokens) - 1)], req.salt)
         self._lock(node)
-        need = self._pages(len(tokens) - hit)
-        if need > self._free + self._evictable_tokens // self.block_size:
+        extend = len(tokens) - hit
+        room = self._free * self.block_size + self._evictable_tokens
+        running = [r for r in self._rows if r not in self._admitted]
+        if not budget.admits(req, extend, room, running):
             self._unlock(node)
             return False
-        demand = len(tokens) - hit + (self.block_size if self.block_size > 1 else 0)
-        self._evict_for(demand)
-        self._free -= need
+        budget.reserve(req, extend, room, running)
         self._rows[req] = _Row(node, hit, len(tokens))
+        self._admitted.append(req)
         req.hit_tokens = hit
         return True
 
     def after_forward(self, admitted: Sequence[CacheRequest]) -> None:
+        self._allocate_admitted()
         for req in admitted:
             self._checkpoint(req, self._rows[req])
-        self._decode_ok = None
+        if self._decode_ok and not self._retracted:
+            self._budget.decayed()
+        self._budget.new_step()
+        self._decode_ok, self._retracted = None, False
 
     def grow(self, req: CacheRequest) -> bool:
         if self._decode_ok is None:
@@ -199,6 +287,8 @@ class SglangRadixCache:
     def preempt(self, req: CacheRequest) -> None:
         self._release(self._rows.pop(req))
         self._evict_for(len(self._rows) * RETRACT_DECODE_STEPS)
+        self._retracted = True
+        self._budget.retracted(list(self._rows))
         if self._decode_ok is False:
             self._check_decode()
 
@@ -219,6 +309,17 @@ class SglangRadixCache:
         self._events = []
 
     # -- lifecycle steps ---------------------------------------------------------------
+
+    def _allocate_admitted(self) -> None:
+        """``alloc_for_extend`` for the step's admissions: evict for their tokens (plus
+        a page each with pages larger than a token), then take their pages."""
+        rows = [self._rows[req] for req in self._admitted]
+        self._admitted = []
+        if not rows:
+            return
+        extend = sum(row.committed - row.protected for row in rows)
+        self._evict_for(extend + (len(rows) * self.block_size if self.block_size > 1 else 0))
+        self._free -= sum(self._pages(row.committed - row.protected) for row in rows)
 
     def _checkpoint(self, req: CacheRequest, row: _Row) -> None:
         """Insert what ``req`` computed, free the pages the tree already had, move the

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from enginesim.errors import RequestRejected
-from enginesim.hashing import SglangSha256Hasher
+from enginesim.hashing import SglangSha256Hasher, prompt_digests
 from enginesim.kv_manager import BlockEvicted, BlocksStored
 from enginesim.radix_cache import SglangRadixCache
 from enginesim.scheduler import CoreLimits, EngineCore, SimRequest
@@ -80,3 +80,63 @@ def test_a_prefill_only_prompt_longer_than_the_cache_is_refused():
     core = make_core(num_pages=64)
     with pytest.raises(RequestRejected):
         core.add(SimRequest("warm-up", list(range(65)), 0))
+
+
+# -- driving the cache by hand, for paths a scheduler rarely takes -------------------------
+
+
+def hand_request(name: str, prompt: list[int], max_tokens: int) -> SimRequest:
+    req = SimRequest(name, prompt, max_tokens)
+    req.digests = prompt_digests(SglangSha256Hasher(), req.tokens, 1, None)
+    return req
+
+
+def sample(req: SimRequest, token: int) -> None:
+    req.output.append(token)
+    req.digests = prompt_digests(SglangSha256Hasher(), req.tokens, 1, None)
+
+
+def evicted(cache: SglangRadixCache) -> list[bytes]:
+    return [e.digest for e in cache.take_events() if isinstance(e, BlockEvicted)]
+
+
+def test_a_retraction_frees_twenty_tokens_per_request_left():
+    """``release_req`` evicts so that each request still running has 20 tokens free."""
+    cache = SglangRadixCache(64, 1)
+    done = hand_request("done", list(range(100, 130)), 1)  # 30 tokens, cached, unlocked
+    assert cache.admit(done)
+    cache.after_forward([done])
+    cache.finish(done)
+    a, b = hand_request("a", list(range(200, 220)), 2), hand_request("b", list(range(300, 310)), 2)
+    for req in (a, b):
+        assert cache.admit(req)
+        cache.after_forward([req])
+    cache.take_events()
+    assert cache.num_free == 4 + 30  # 4 free pages and the finished prompt
+    cache.preempt(b)  # 14 free: one request left wants 20, so the old prompt goes
+    assert set(evicted(cache)) == set(done.digests)
+
+
+def test_a_resumed_requests_output_is_evicted_apart_from_its_prompt():
+    """A request retracted, its prompt flushed, admitted again: its prompt and output
+    are inserted together, and split at the prompt's end (``split_prompt``), so eviction
+    takes the output first."""
+    cache = SglangRadixCache(48, 1)
+    req = hand_request("r", list(range(100, 110)), 20)
+    assert cache.admit(req)
+    cache.after_forward([req])
+    sample(req, 1000)
+    for token in (1001, 1002, 1003):
+        assert cache.grow(req)
+        cache.after_forward([])
+        sample(req, token)
+    cache.preempt(req)
+    assert cache.clear()  # /flush_cache: nothing is cached any more
+    assert cache.admit(req) and req.hit_tokens == 0
+    cache.after_forward([req])  # the prompt and 4 outputs inserted as one
+    cache.finish(req)
+    cache.take_events()
+    other = hand_request("o", list(range(500, 535)), 1)  # 35 pages of 34 free: 1 short
+    assert cache.admit(other)
+    cache.after_forward([other])
+    assert evicted(cache) == req.digests[10:14]
