@@ -33,7 +33,8 @@ serves only what the proxy needs:
 - a refused request's answer is followed by a lingering close (as nginx's): the server
   stops writing, reads on and discards for up to ``LINGER_S``, so a client still
   sending a body (one over ``max_body_bytes``, sent chunked) finishes and reads its 413
-  instead of a reset;
+  instead of a reset (at most ``MAX_LINGERING`` at once: beyond, a refusal closes at
+  once, so a flood of refused connections holds no descriptors);
 - a client that half-closes after sending (``printf ... | nc``) still gets every answer;
 - a request's head must arrive whole within ``header_timeout_s`` of its first byte (of
   the connection, for its first request), else 408 and close, whatever keep-alive says:
@@ -75,6 +76,7 @@ MAX_HEAD_BYTES = 64 * 1024  # request line and headers together
 MAX_PIPELINED = 8  # requests read ahead of the one being answered
 HEADER_TIMEOUT_S = 15.0
 LINGER_S = 5.0  # a refused client's bytes read and dropped for up to this, then close
+MAX_LINGERING = 1024  # refused connections lingering at once; more close at once (a flood)
 # headers the server reads itself: more than one line of any is refused (RFC 9112)
 SINGLE_HEADERS = frozenset({"host", "authorization", "content-length", "transfer-encoding"})
 _STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in HTTPStatus}
@@ -283,6 +285,8 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.gone = True
         self.server.forget(self)
+        if self._linger_timer is not None:
+            self.server.lingering -= 1
         for timer in (self._idle_timer, self._head_timer, self._linger_timer):
             if timer is not None:
                 timer.cancel()
@@ -479,14 +483,18 @@ class _Connection(asyncio.Protocol):
         more (FIN after the answer), read and drop what comes (``_broken``) until the
         client closes or ``LINGER_S``. Closing with its bytes unread would send a reset,
         which may destroy the answer before the client reads it."""
-        transport = self.transport
-        if transport is None or transport.is_closing() or self._client_done:
-            self.close()
-            return
-        if not transport.can_write_eof():
+        transport, server = self.transport, self.server
+        if (
+            transport is None
+            or transport.is_closing()
+            or self._client_done
+            or not transport.can_write_eof()
+            or server.lingering >= MAX_LINGERING
+        ):
             self.close()
             return
         transport.write_eof()
+        server.lingering += 1
         if not self._reading:
             self._reading = True
             transport.resume_reading()
@@ -543,6 +551,7 @@ class HttpServer:
         # the server's own and the handler's (``single_headers``): one line each
         self.single_headers = SINGLE_HEADERS | single_headers
         self.connections: set[_Connection] = set()
+        self.lingering = 0  # refused connections reading on before they close
         self.closing = False
         self._servers: list[asyncio.Server] = []
         self._all_gone: asyncio.Future[None] | None = None

@@ -22,6 +22,7 @@ import httptools
 import pytest
 import uvloop
 
+from dataplane import http_server
 from dataplane.http_server import MAX_HEAD_BYTES, HttpServer, Request, Response
 
 LIMIT = 4096
@@ -495,6 +496,29 @@ async def test_a_body_over_the_limit_still_being_sent_gets_its_413_not_a_reset()
         answer = await client.answer()
         assert answer.status == 413 and answer.headers["connection"] == "close"
         assert await client.closed_by_server()
+
+
+def test_beyond_max_lingering_a_refused_connection_closes_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A flood of refused connections cannot hold descriptors for LINGER_S each: past
+    MAX_LINGERING, a refusal closes at once (the client reads its answer, then the end)."""
+    monkeypatch.setattr(http_server, "MAX_LINGERING", 0)
+
+    async def refused() -> None:
+        async with serving(Echo()) as (server, connect):
+            client = await connect()
+            head = f"POST /v1/x HTTP/1.1\r\nhost: t\r\ncontent-length: {LIMIT + 1}\r\n\r\n"
+            await client.send(head.encode())  # and keeps its side open, sending nothing
+            raw = await asyncio.wait_for(client.reader.read(), 10)  # the answer, then FIN
+            assert raw.startswith(b"HTTP/1.1 413 ")
+            for _ in range(100):  # the close reaches the server's bookkeeping
+                if not server.connections:
+                    break
+                await asyncio.sleep(0.01)
+            assert not server.connections, "the refused connection still holds its socket"
+
+    uvloop.run(refused())
 
 
 @on_both_loops
