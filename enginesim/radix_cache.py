@@ -45,9 +45,9 @@ demand being the tokens to extend, plus one page when pages are larger than a to
   and, with pages larger than a token, one page per running request more. When the
   demand does not fit, requests are retracted until it does.
 - *Retraction* (``release_req``): the request's own pages are freed without being
-  inserted (its cached prefix stays, unlocked), and the cache evicts until
-  20 tokens per running request tokens are free (``SGLANG_RETRACT_DECODE_STEPS``). It is
-  admitted again later with its prompt and output so far.
+  inserted (its cached prefix stays, unlocked), and the cache evicts until 20 tokens
+  per request still running are free (``SGLANG_RETRACT_DECODE_STEPS``). It is admitted
+  again later with its prompt and output so far.
 - *Finish* (``release_kv_cache``, checkpoint on): insert the prompt and every computed
   output token, page-aligned (a partial last page is freed), split the new leaf at the
   prompt's boundary, then unlock.
@@ -55,10 +55,11 @@ demand being the tokens to extend, plus one page when pages are larger than a to
 
 **Events** (``KVCacheEventRecorder``): a new node is one ``BlockStored`` run of its
 pages, its parent the digest of the parent node's last page (none under the root), the
-salt on every run of a salted request; an evicted node is one ``BlockRemoved`` per page.
-SGLang's recorder coalesces: a store whose parent is the previous store's last page (same
-salt) extends it, which this cache reproduces; consecutive removals are coalesced by
-``wire.py`` when a step's batch is encoded.
+salt on every run of a salted request; an evicted node is one ``BlockRemoved`` of its
+pages. SGLang's recorder coalesces: a store whose parent is the previous store's last
+page (same salt) extends it, which this cache reproduces, and consecutive removals merge,
+which ``wire.py`` does when it encodes a step's batch (this cache records a removal per
+page): the published events are the same.
 
 Not reproduced: SGLang picks the request to retract by fewest output tokens (the engine
 core picks its own), it refreshes the waiting requests' prefixes in LRU order every 32
