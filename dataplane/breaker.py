@@ -4,8 +4,10 @@
 failure, a 502/503 before the first byte) is *open*: excluded from routing for
 ``open_s`` seconds. Then it is *half-open*: routable again, and the first request sent
 to it is its probe (other requests leave it out until the probe ends); a probe that
-succeeds closes the breaker, one that fails opens it for another ``open_s``. Replicas
-are tracked by id, so a snapshot that renumbers ordinals keeps their history.
+succeeds closes the breaker, one that fails opens it for another ``open_s``. A replica
+that missed a first-byte deadline is *suspect* (``dataplane.first_byte``): excluded with
+no end in time, until a probe of its health answers or a request it still had does.
+Replicas are tracked by id, so a snapshot that renumbers ordinals keeps their history.
 
 :class:`RetryBudget`: a token bucket that every request tops up by ``ratio`` and time
 tops up by ``min_per_s``; a retry spends one token. When a whole fleet fails, retries
@@ -26,6 +28,7 @@ class _Breaker:
     failures: int = 0
     open_until: float = -math.inf  # routable again (half-open) from this time
     probing: bool = False
+    suspect_url: str = ""  # suspect: the base URL its probes go to ("" when not)
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # the tests log its calls through one
@@ -49,6 +52,25 @@ class CircuitBreakers:
         """Replica ids whose breaker is open or probing (metrics, /readyz)."""
         return sorted(r for r, b in self._breakers.items() if b.probing or now < b.open_until)
 
+    def suspect(self, replica_id: str, ordinal: int, base_url: str, now: float) -> None:
+        """The replica missed a first-byte deadline: out until :meth:`on_probe_answered`
+        (or :meth:`on_success`)."""
+        breaker = self._breakers.get(replica_id)
+        if breaker is None:
+            breaker = self._breakers[replica_id] = _Breaker(ordinal)
+        breaker.ordinal, breaker.suspect_url = ordinal, base_url
+        breaker.open_until, breaker.probing = math.inf, False
+        self._recompute(now)
+
+    def suspects(self) -> dict[str, str]:
+        """Suspect replica ids and the base URLs to probe."""
+        return {r: b.suspect_url for r, b in self._breakers.items() if b.suspect_url}
+
+    def on_probe_answered(self, replica_id: str, now: float) -> None:
+        """A suspect replica's probe answered: routable again, its failures forgotten."""
+        if self._breakers.pop(replica_id, None) is not None:
+            self._recompute(now)
+
     def on_sent(self, replica_id: str, ordinal: int, now: float) -> None:
         """A request goes to the replica: it is the probe if the breaker is half-open."""
         breaker = self._breakers.get(replica_id)
@@ -59,7 +81,7 @@ class CircuitBreakers:
 
     def on_success(self, replica_id: str, now: float) -> None:
         breaker = self._breakers.pop(replica_id, None)
-        if breaker is not None and breaker.failures >= self.failures:
+        if breaker is not None and (breaker.failures >= self.failures or breaker.suspect_url):
             self._recompute(now)
 
     def on_failure(self, replica_id: str, ordinal: int, now: float) -> None:
@@ -69,7 +91,7 @@ class CircuitBreakers:
         breaker.ordinal = ordinal
         breaker.failures += 1
         breaker.probing = False
-        if breaker.failures >= self.failures:
+        if breaker.failures >= self.failures and not breaker.suspect_url:
             breaker.open_until = now + self.open_s
             self._recompute(now)
 

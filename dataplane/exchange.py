@@ -5,7 +5,9 @@ Attempts: the workload's policy picks a replica (leaving out those a circuit bre
 holds and those this request already tried); a :class:`~dataplane.upstream.Retriable`
 failure (nothing reached the client yet) tries the next-best replica, at most
 ``retry_attempts`` times and only while the :class:`~dataplane.breaker.RetryBudget`
-allows. No replica left -> 503 with ``Retry-After``.
+allows. No replica left -> 503 with ``Retry-After``. A streamed request whose first
+bytes miss their deadline (``dataplane.first_byte``) is such a failure too, and makes its
+replica suspect.
 
 The critical path is kept short: what the upstream request need not wait for (the
 decision's latency, the retry budget, the in-flight count, speculative residency) is done
@@ -25,6 +27,7 @@ tokens, would drift apart on errors alone. The reporter counts it as an error.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -33,13 +36,14 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from dataplane.breaker import CircuitBreakers, RetryBudget
+from dataplane.first_byte import FirstByteDeadlines
 from dataplane.fleet_state import Endpoint, FleetState, InflightTicket
 from dataplane.http_errors import ApiError, NoReplica
 from dataplane.metrics import ProxyMetrics
 from dataplane.openai_request import InferenceRequest
 from dataplane.relay import Usage
 from dataplane.routing import Prepared, Router
-from dataplane.upstream import Opened, Retriable, Upstream
+from dataplane.upstream import Opened, Pending, Retriable, Upstream
 from kvcore.policies import Decision
 
 log = logging.getLogger("dataplane")
@@ -145,6 +149,7 @@ class Dispatcher:
         budget: RetryBudget,
         reporter: Reporter | None = None,
         clock: Callable[[], float] = time.monotonic,
+        deadlines: FirstByteDeadlines | None = None,
     ) -> None:
         self.fleet = fleet
         self.router = router
@@ -155,6 +160,7 @@ class Dispatcher:
         self.budget = budget
         self.reporter = reporter
         self._clock = clock
+        self.deadlines = deadlines  # None: no first-byte deadline but upstream_timeout_s
         self._reporting: set[str] = set()  # replicas seen reporting cached tokens
 
     async def send(
@@ -184,7 +190,7 @@ class Dispatcher:
                     pending.close()
                     raise
                 try:
-                    opened = await pending.opened()
+                    opened = await self._first_bytes(pending, exchange, endpoint, predicted)
                 except Retriable as failure:
                     self.fleet.on_done(ticket)
                     self.breakers.on_failure(endpoint.replica_id, endpoint.ordinal, self._clock())
@@ -205,6 +211,37 @@ class Dispatcher:
         raise NoReplica(
             f"No replica could take the request ({last_failure}).", self.policies.retry_after_s
         )
+
+    async def _first_bytes(
+        self, pending: Pending, exchange: Exchange, endpoint: Endpoint, predicted: int
+    ) -> Opened:
+        """The answer's first bytes; a streamed request's within its deadline, past which
+        the replica is suspect and the request :class:`Retriable` elsewhere."""
+        deadlines = self.deadlines
+        if deadlines is None or not exchange.request.stream:
+            return await pending.opened()
+        uncached = exchange.prepared.prompt_tokens - predicted
+        deadline_s = deadlines.deadline_s(endpoint.replica_id, uncached)
+        task = deadlines.begin(deadline_s)
+        try:
+            opened = await pending.opened()
+        except asyncio.CancelledError:
+            if not deadlines.end(task):
+                raise  # the client went away
+            now = self._clock()
+            self.breakers.suspect(endpoint.replica_id, endpoint.ordinal, endpoint.base_url, now)
+            log.warning(
+                "replica missed a first-byte deadline: suspect until its probe answers",
+                extra={"replica": endpoint.replica_id, "deadline_s": round(deadline_s, 3)},
+            )
+            raise Retriable(
+                f"no first byte within {deadline_s:.2f} s", "first_byte_deadline"
+            ) from None
+        except BaseException:
+            deadlines.end(task)
+            raise
+        deadlines.end(task)
+        return opened
 
     def sent(
         self, exchange: Exchange, decision: Decision, endpoint: Endpoint, now: float, predicted: int
@@ -254,6 +291,8 @@ class Dispatcher:
         self.fleet.on_first_byte(ticket, status, streaming)
         self.breakers.on_success(replica, self._clock())
         self.metrics.first_byte(replica, ttfb_s)
+        if self.deadlines is not None and streaming and status < 400:
+            self.deadlines.answered(replica, ttfb_s)
 
     def _may_retry(self, failure: Retriable, tries: int) -> bool:
         if tries > self.policies.retry_attempts:

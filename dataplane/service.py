@@ -21,6 +21,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from dataplane.app import AppOptions, ProxyApp
 from dataplane.breaker import CircuitBreakers, RetryBudget
 from dataplane.exchange import Dispatcher, Policies
+from dataplane.first_byte import FirstByteDeadlines, SuspectProber
 from dataplane.fleet_state import FleetState
 from dataplane.metrics import ProxyMetrics
 from dataplane.model_cards import ModelCards, cards_of
@@ -86,6 +87,20 @@ class ProxyService:
             settings.connect_timeout_s, settings.upstream_timeout_s, self.replica_tls
         )
         self.breakers = CircuitBreakers(settings.breaker_failures, settings.breaker_open_s)
+        self.deadlines = FirstByteDeadlines(
+            settings.first_byte_floor_s,
+            settings.first_byte_factor,
+            settings.first_byte_tokens_per_s,
+            settings.upstream_timeout_s,
+            time.monotonic,
+        )
+        self.prober = SuspectProber(
+            self.breakers,
+            self.upstream,
+            settings.probe_interval_s,
+            settings.probe_timeout_s,
+            time.monotonic,
+        )
         self.dispatcher = Dispatcher(
             self.fleet,
             self.router,
@@ -95,6 +110,7 @@ class ProxyService:
             self.breakers,
             RetryBudget(settings.retry_budget, settings.retry_min_per_s, time.monotonic()),
             self.reporter,
+            deadlines=self.deadlines,
         )
         options = AppOptions(
             max_body_bytes=settings.max_body_bytes,
@@ -134,6 +150,8 @@ class ProxyService:
             await self._discover_static()
             self._tasks.spawn(self._refresh_static(), name="static-refresh")
         await self.probe.start()
+        self._tasks.spawn(self.prober.run(), name="suspect-prober")
+        self._tasks.spawn(self.deadlines.run(), name="first-byte-deadlines")
 
     async def aclose(self) -> None:
         await self._tasks.aclose()

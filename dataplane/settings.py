@@ -127,6 +127,37 @@ class ProxySettings(BaseSettings):
         "between two of its pieces (then the request fails, on another replica if nothing "
         "reached the client yet).",
     )
+    first_byte_floor_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="A streamed request waits at least this long for its first bytes "
+        "before it moves to another replica and its replica is suspect (the deadline is "
+        "the longer of this and first_byte_factor times the replica's typical time to "
+        "first byte, plus the request's uncached tokens at first_byte_tokens_per_s; "
+        "upstream_timeout_s caps it).",
+    )
+    first_byte_factor: float = Field(
+        default=10.0,
+        ge=1,
+        description="How many times its replica's typical time to first byte a streamed "
+        "request waits (room for the requests queued ahead of it).",
+    )
+    first_byte_tokens_per_s: float = Field(
+        default=1000.0,
+        gt=0,
+        description="A prefill rate slower than any replica's: the deadline grows by the "
+        "request's uncached tokens at this rate, so a long prompt is not cut for its length.",
+    )
+    probe_interval_s: float = Field(
+        default=0.5,
+        gt=0,
+        le=60,
+        description="Period of the /health probes of a suspect replica (one that missed a "
+        "first-byte deadline); its first answer makes it routable again.",
+    )
+    probe_timeout_s: float = Field(
+        default=1.0, gt=0, le=60, description="Deadline of one /health probe."
+    )
     retry_attempts: int = Field(
         default=2,
         ge=0,

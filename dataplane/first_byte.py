@@ -1,0 +1,152 @@
+"""First-byte deadlines and suspect replicas: a hung engine must not hold requests.
+
+A stopped engine (SIGSTOP), or one wedged in a collective or on a GPU fault, still
+accepts TCP connections (the kernel does) and its sidecar may go on heartbeating, so
+neither ``connect_timeout_s`` nor the control plane notices it; ``upstream_timeout_s``
+(600 s) is far too long to wait. What does notice is time: a streamed request's first
+event comes with its first token, after its prefill, and each replica's usual time to
+that event is known to the proxy. So a streamed request gets a deadline for its first
+bytes on the replica it is sent to::
+
+    min(upstream_timeout_s, max(floor_s, factor x typical_s) + uncached / slowest_tokens_per_s)
+
+``typical_s`` is the replica's recent time to first byte (a moving average of its
+streamed answers, :meth:`FirstByteDeadlines.answered`); ``factor`` leaves room for the
+requests queued ahead of this one; the request's uncached tokens are added at a prefill
+rate slower than any GPU's, so a long prompt is never cut for being long. Past the
+deadline nothing has reached the client: the request moves to another replica
+(``exchange.py``) and the replica is *suspect* (``CircuitBreakers.suspect``): no new
+request goes to it until a probe of its ``/health`` answers (:class:`SuspectProber`,
+Envoy's active health checking), or a request it still had answers.
+
+Whole (non-streamed) answers have no such deadline: their first bytes come after the
+whole decode, which nothing the proxy knows bounds.
+
+The deadlines are kept by one task that looks every ``tick_s`` (:meth:`FirstByteDeadlines.run`)
+and cancels the requests past theirs, rather than a loop timer per request: arming and
+cancelling one costs several times what keeping a request in a dict does (as with
+``http_client.ReadDeadlines``), and a deadline of a second or more may fire a tick late.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from dataplane.breaker import CircuitBreakers
+from dataplane.upstream import Retriable, Upstream
+
+log = logging.getLogger("dataplane")
+SMOOTHING = 0.2  # weight of the newest time to first byte in a replica's typical one
+HEALTH_PATH = "/health"  # vLLM's, SGLang's and kvroute-sim's
+
+
+class FirstByteDeadlines:
+    """Each replica's typical time to first byte, the deadline it gives a request, and
+    the requests waiting for their first bytes."""
+
+    __slots__ = (
+        "_clock", "_expired", "_typical", "_waiting",
+        "cap_s", "factor", "floor_s", "slowest_tokens_per_s", "tick_s",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        floor_s: float,
+        factor: float,
+        slowest_tokens_per_s: float,
+        cap_s: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self.floor_s = floor_s
+        self.factor = factor
+        self.slowest_tokens_per_s = slowest_tokens_per_s
+        self.cap_s = cap_s
+        self.tick_s = min(0.1, floor_s / 4)
+        self._clock = clock
+        self._typical: dict[str, float] = {}  # replica id -> seconds
+        self._waiting: dict[asyncio.Task[Any], float] = {}  # request -> deadline (clock)
+        self._expired: set[asyncio.Task[Any]] = set()  # cancelled here, not yet told
+
+    def deadline_s(self, replica_id: str, uncached_tokens: int) -> float:
+        """Seconds a streamed request sent now to ``replica_id`` may wait for its first
+        bytes."""
+        typical = self._typical.get(replica_id, 0.0)
+        waited = max(self.floor_s, self.factor * typical)
+        return min(self.cap_s, waited + max(uncached_tokens, 0) / self.slowest_tokens_per_s)
+
+    def answered(self, replica_id: str, ttfb_s: float) -> None:
+        """A streamed answer's first bytes came after ``ttfb_s``."""
+        typical = self._typical.get(replica_id)
+        if typical is None:
+            self._typical[replica_id] = ttfb_s
+        else:
+            self._typical[replica_id] = typical + SMOOTHING * (ttfb_s - typical)
+
+    def begin(self, deadline_s: float) -> asyncio.Task[Any]:
+        """The running request waits for first bytes from now on, ``deadline_s`` at most;
+        past it, :meth:`run` cancels it. Call :meth:`end` once it stops waiting."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._waiting[task] = self._clock() + deadline_s
+        return task
+
+    def end(self, task: asyncio.Task[Any]) -> bool:
+        """The request stopped waiting; whether it was because its deadline passed (then
+        its cancellation is taken back: the caller goes on with another replica)."""
+        self._waiting.pop(task, None)
+        if task not in self._expired:
+            return False
+        self._expired.discard(task)
+        task.uncancel()
+        return True
+
+    async def run(self) -> None:
+        """Cancel every request past its deadline, each ``tick_s``."""
+        while True:
+            await asyncio.sleep(self.tick_s)  # the deadlines' resolution
+            now = self._clock()
+            late = [task for task, at in self._waiting.items() if at <= now]
+            for task in late:
+                del self._waiting[task]
+                self._expired.add(task)
+                task.cancel()
+
+
+class SuspectProber:
+    """Probes each suspect replica's ``/health`` every ``interval_s`` (each probe bounded
+    by ``timeout_s``); the first 2xx answer makes it routable again."""
+
+    def __init__(
+        self,
+        breakers: CircuitBreakers,
+        upstream: Upstream,
+        interval_s: float,
+        timeout_s: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self.breakers = breakers
+        self.upstream = upstream
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self._clock = clock
+
+    async def run(self) -> None:
+        while True:
+            suspects = self.breakers.suspects()
+            if suspects:
+                await asyncio.gather(*(self._probe(r, url) for r, url in suspects.items()))
+            await asyncio.sleep(self.interval_s)  # the probes' period
+
+    async def _probe(self, replica_id: str, base_url: str) -> None:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                opened = await self.upstream.open("GET", base_url + HEALTH_PATH, b"", ())
+        except (Retriable, TimeoutError):
+            return
+        opened.release()
+        if opened.status < 300:
+            log.info("suspect replica answers its probe", extra={"replica": replica_id})
+            self.breakers.on_probe_answered(replica_id, self._clock())
