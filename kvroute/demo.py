@@ -103,6 +103,7 @@ class Answer:
     replica: str  # x-kvroute-replica, or "?" when the router does not say
     prefix_blocks: str = ""  # x-kvroute-prefix-blocks: "predicted/prompt" blocks
     decision: str = ""  # x-kvroute-decision
+    total_s: float = 0.0  # until the answer's end
 
 
 @dataclass
@@ -267,6 +268,7 @@ async def send_one(
         answered.get("x-kvroute-replica", "?"),
         answered.get("x-kvroute-prefix-blocks", ""),
         answered.get("x-kvroute-decision", ""),
+        time.perf_counter() - started,
     )
     result.answers.append(answer)
     result.ttft_s.append(first)

@@ -1,58 +1,103 @@
-"""``python -m bench.faults`` (``kvroute bench faults``): NATS killed -9 under steady load
-for each outage length, each run's figures beside issue 46's targets (0 failed requests;
-a new prefix routed by its KV events within 2 s of NATS's return). Loopback only; every
-run stops by itself.
+"""``python -m bench.faults [nats hung]`` (``kvroute bench faults``): faults of the fleet
+under steady load on ``kvroute up``'s fleet, each run's figures beside issue 46's
+targets. ``nats``: ``nats-server`` killed -9 for each ``--outages`` length (0 failed
+requests; a new prefix routed by its KV events within 2 s of NATS's return). ``hung``:
+one engine SIGSTOPped for each ``--stops`` length (0 failed; nothing started 2 s after
+the stop takes over 3 s; the engine serves again within 2 s of SIGCONT). Loopback only;
+every run stops by itself.
 
-Options: ``--outages 5,10,30,120`` (seconds), ``--rate 10`` (requests/s, open loop),
-``--replicas 3``, ``--out DIR`` (a JSON of the runs). Exit status 1 when a target is missed.
+Options: ``--outages 5,10,30,120`` and ``--stops 10`` (seconds), ``--rate 10``
+(requests/s, open loop), ``--replicas 3``, ``--out DIR`` (a JSON of each fault's runs).
+Exit status 1 when a target is missed.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import sys
 import tempfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
+from bench.faults.hung_engine import BACK_TARGET_S, HungConfig, HungResult, run_hung
 from bench.faults.nats_outage import EVENTS_BACK_TARGET_S, OutageConfig, OutageResult, run_outage
 
+T = TypeVar("T")
 
-def row(result: OutageResult) -> str:
-    back = result.events_back_s
-    p99 = result.ttft_p99_during_s
+
+def _seconds(value: float | None) -> str:
+    return "never" if value is None else f"{value:.2f} s"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.0f} ms"
+
+
+def nats_row(r: OutageResult) -> str:
     return (
-        f"NATS down {result.outage_s:>5.0f} s   failed {result.failed:>4} / {result.sent:<5} "
-        f"(target 0)   routed by events again {'never' if back is None else f'{back:.2f} s':>7} "
-        f"after its return (target <= {EVENTS_BACK_TARGET_S:.0f} s)   TTFT p99 while down "
-        f"{'-' if p99 is None else f'{p99 * 1e3:.0f} ms':>7}   {'ok' if result.met else 'MISSED'}"
+        f"NATS down {r.outage_s:>5.0f} s   failed {r.failed:>4} / {r.sent:<5} (target 0)   "
+        f"routed by events again {_seconds(r.events_back_s):>7} after its return "
+        f"(target <= {EVENTS_BACK_TARGET_S:.0f} s)   TTFT p99 while down "
+        f"{_ms(r.ttft_p99_during_s):>7}   {'ok' if r.met else 'MISSED'}"
     )
+
+
+def hung_row(r: HungResult) -> str:
+    return (
+        f"engine stopped {r.stop_s:>4.0f} s   failed {r.failed:>4} / {r.sent:<5} (target 0)   "
+        f"over 3 s among the {r.settled} started 2 s after the stop: {r.slow_after_settled} "
+        f"(target 0)   serving again {_seconds(r.back_s):>7} after SIGCONT "
+        f"(target <= {BACK_TARGET_S:.0f} s)   TTFT p99 while stopped "
+        f"{_ms(r.ttft_p99_during_s):>7}   {'ok' if r.met else 'MISSED'}"
+    )
+
+
+def _in_a_run_dir(run: Callable[[Path], Awaitable[T]]) -> T:
+    with tempfile.TemporaryDirectory(prefix="kvroute-faults-") as run_dir:
+        return asyncio.run(_awaited(run(Path(run_dir))))
+
+
+async def _awaited(work: Awaitable[T]) -> T:
+    return await work
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.faults")
+    parser.add_argument("faults", nargs="*", default=["nats", "hung"], choices=["nats", "hung"])
     parser.add_argument("--outages", default="5,10,30,120")
+    parser.add_argument("--stops", default="10")
     parser.add_argument("--rate", type=float, default=10.0)
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    results = []
-    for outage_s in (float(s) for s in args.outages.split(",")):
-        config = OutageConfig(outage_s=outage_s, rate=args.rate, replicas=args.replicas)
-        with tempfile.TemporaryDirectory(prefix="kvroute-faults-") as run_dir:
-            result = asyncio.run(run_outage(config, Path(run_dir)))
-        print(row(result), flush=True)
-        results.append(result)
+    met = True
+    report: dict[str, Any] = {"rate": args.rate, "replicas": args.replicas}
+    if "nats" in args.faults:
+        runs: list[dict[str, Any]] = []
+        for outage_s in (float(s) for s in args.outages.split(",")):
+            config = OutageConfig(outage_s=outage_s, rate=args.rate, replicas=args.replicas)
+            result = _in_a_run_dir(functools.partial(run_outage, config))
+            print(nats_row(result), flush=True)
+            runs.append(result.summary())
+            met = met and result.met
+        report["nats_outage"] = runs
+    if "hung" in args.faults:
+        runs = []
+        for stop_s in (float(s) for s in args.stops.split(",")):
+            hung = HungConfig(stop_s=stop_s, rate=args.rate, replicas=args.replicas)
+            result_h = _in_a_run_dir(functools.partial(run_hung, hung))
+            print(hung_row(result_h), flush=True)
+            runs.append(result_h.summary())
+            met = met and result_h.met
+        report["hung_engine"] = runs
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        runs = {
-            "rate": args.rate,
-            "replicas": args.replicas,
-            "runs": [r.summary() for r in results],
-        }
-        (args.out / "nats_outage.json").write_text(json.dumps(runs, indent=2) + "\n")
-    return 0 if all(r.met for r in results) else 1
+        (args.out / "faults.json").write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if met else 1
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ Targets (issue 46): 0 failed requests; a new prefix routed by its events within 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import time
@@ -27,10 +26,11 @@ from typing import Any
 
 import aiohttp
 
+from bench.faults.load import SteadyLoad, chat, p99, signal_child, system_prompt
 from kvroute.demo import AdminClient, Answer, PhaseResult, send_one
 from kvroute.servers import free_port
 from kvroute.supervisor import Child
-from kvroute.up import SIM_MODEL, LocalFleet, UpOptions
+from kvroute.up import LocalFleet, UpOptions
 
 EVENTS_ONLY = "events-only"  # the probe's workload: kv_aware that never speculates
 EVENTS_BACK_TARGET_S = 2.0
@@ -72,24 +72,6 @@ class OutageResult:
         }
 
 
-def chat(system: str, question: str, max_tokens: int = 4) -> dict[str, Any]:
-    return {
-        "model": SIM_MODEL,
-        "messages": [
-            {"role": "system", "content": system},
-            {"role": "user", "content": question},
-        ],
-        "max_tokens": max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-
-
-def system_prompt(name: str) -> str:
-    """A system prompt of about 600 built-in tokens, its own from the first block."""
-    return f"{name}: " + " ".join(f"{name}-{word}" for word in range(600))
-
-
 class NatsOutage:
     """One run: the fleet, the load, the kill, the restart, the probe."""
 
@@ -97,10 +79,8 @@ class NatsOutage:
         self.config = config
         options = UpOptions(replicas=config.replicas, port=free_port(), data_dir=run_dir)
         self.local = LocalFleet(options, say=lambda _line: None)
-        self.result = PhaseResult("load")  # every request's answer, or its failure
-        self.sent = 0
-        self._load: list[asyncio.Task[None]] = []
-        self._load_on = True
+        self.probes = PhaseResult("probe")  # the probe's requests: failed ones count
+        self.sent_probes = 0
 
     async def run(self) -> OutageResult:
         fleet = await self.local.start()
@@ -110,46 +90,24 @@ class NatsOutage:
             admin = AdminClient(session, fleet.admin_urls[0], fleet.admin_token)
             await admin.put_workload(EVENTS_ONLY, {"strategy": "kv_aware", "speculative_ttl_s": 0})
             await self._wait_workload(session, proxy)
-            loading = asyncio.create_task(self._steady_load(session, proxy))
-            try:
-                return await self._fault(session, proxy)
-            finally:
-                self._load_on = False
-                await loading
-                await asyncio.gather(*self._load)
+            c = self.config
+            async with SteadyLoad(session, proxy, c.rate, c.system_prompts) as load:
+                await asyncio.sleep(c.before_s)  # steady load first: the fault's schedule
+                killed_at = time.perf_counter()
+                await self._kill_nats()
+                await asyncio.sleep(c.outage_s)  # the outage's length is the fault
+                await self._restart_nats()
+                back_at = time.perf_counter()
+                events_back = await self._events_back(session, proxy, back_at)
+                await asyncio.sleep(max(0.0, c.after_s - (time.perf_counter() - back_at)))
+        answers = load.result.answers
+        during = p99([a.ttft_s for a in answers if killed_at <= a.sent_at < back_at])
+        sent = load.sent + self.sent_probes
+        failed = load.result.errors + self.probes.errors
+        return OutageResult(c.outage_s, sent, failed, during, events_back)
 
     async def aclose(self) -> None:
         await self.local.aclose()
-
-    async def _fault(self, session: aiohttp.ClientSession, proxy: str) -> OutageResult:
-        c = self.config
-        await asyncio.sleep(c.before_s)  # steady load first: the fault's schedule
-        killed_at = time.perf_counter()
-        await self._kill_nats()
-        await asyncio.sleep(c.outage_s)  # the outage's length is the fault
-        await self._restart_nats()
-        back_at = time.perf_counter()
-        events_back = await self._events_back(session, proxy, back_at)
-        rest = c.after_s - (time.perf_counter() - back_at)
-        if rest > 0:
-            await asyncio.sleep(rest)
-        self._load_on = False
-        await asyncio.gather(*self._load)
-        during = sorted(a.ttft_s for a in self.result.answers if killed_at <= a.sent_at < back_at)
-        p99 = during[min(len(during) - 1, int(0.99 * len(during)))] if during else None
-        return OutageResult(c.outage_s, self.sent, self.result.errors, p99, events_back)
-
-    async def _steady_load(self, session: aiohttp.ClientSession, proxy: str) -> None:
-        """Open loop: one request every 1/rate s, whatever the answers take."""
-        systems = [system_prompt(f"shared{i}") for i in range(self.config.system_prompts)]
-        start, index = time.perf_counter(), 0
-        while self._load_on:
-            body = chat(systems[index % len(systems)], f"Steady question {index}?")
-            self.sent += 1
-            self._load.append(asyncio.create_task(send_one(session, proxy, body, self.result)))
-            index += 1
-            next_at = start + index / self.config.rate
-            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))  # the load's pace
 
     async def _events_back(
         self, session: aiohttp.ClientSession, proxy: str, back_at: float
@@ -180,11 +138,10 @@ class NatsOutage:
         headers: dict[str, str],
     ) -> Answer | None:
         """One probe request; its answer, or None when it failed (counted as failed)."""
-        answers = PhaseResult("probe")
-        self.sent += 1
-        await send_one(session, proxy, body, answers, headers=headers)
-        self.result.errors += answers.errors
-        return answers.answers[0] if answers.answers else None
+        answered = len(self.probes.answers)
+        self.sent_probes += 1
+        await send_one(session, proxy, body, self.probes, headers=headers)
+        return self.probes.answers[-1] if len(self.probes.answers) > answered else None
 
     async def _wait_workload(self, session: aiohttp.ClientSession, proxy: str) -> None:
         """Until the proxy knows the probe's workload (its config arrives over gRPC; an
@@ -205,8 +162,7 @@ class NatsOutage:
     async def _kill_nats(self) -> None:
         child = self._nats()
         child.stopping = True  # expected: not a failure of the fleet
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(child.proc.pid, signal.SIGKILL)
+        signal_child(child, signal.SIGKILL)
         await child.proc.wait()
 
     async def _restart_nats(self) -> None:

@@ -1,0 +1,114 @@
+"""A hung engine under steady load: one ``kvroute-sim`` of the fleet stopped (SIGSTOP: the
+kernel still accepts its connections, nothing answers) and resumed (SIGCONT).
+
+On ``kvroute up``'s fleet (three engines with their sidecars, a control plane, a proxy, all
+on 127.0.0.1), the steady load of :mod:`bench.faults.load` runs before, through and after
+the stop. Measured from outside: requests that failed out of those sent; the requests
+started 2 s or more after the stop that took over 3 s to their end; TTFT p99 while the
+engine was stopped; and how long after SIGCONT the engine answered a request again.
+
+Targets (issue 46): 0 failed; none over 3 s among those started 2 s or more after the
+stop; traffic on the engine again within 2 s of SIGCONT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.faults.load import SteadyLoad, p99, signal_child
+from kvroute.servers import free_port
+from kvroute.up import LocalFleet, UpOptions
+
+SETTLED_S = 2.0  # requests started this long after the stop must not wait for the engine
+SLOW_S = 3.0
+BACK_TARGET_S = 2.0
+VICTIM = 0  # kvroute up's engine sim-0, replica r0
+
+
+@dataclass(frozen=True)
+class HungConfig:
+    stop_s: float = 10.0
+    replicas: int = 3
+    rate: float = 10.0
+    system_prompts: int = 3
+    before_s: float = 3.0
+    after_s: float = 5.0
+
+
+@dataclass
+class HungResult:
+    stop_s: float
+    sent: int
+    failed: int
+    slow_after_settled: int  # started >= SETTLED_S after the stop, took over SLOW_S
+    settled: int  # requests started >= SETTLED_S after the stop, before SIGCONT
+    ttft_p99_during_s: float | None
+    back_s: float | None  # SIGCONT to the first request the engine answered again
+
+    @property
+    def met(self) -> bool:
+        back = self.back_s
+        quick = self.slow_after_settled == 0
+        return self.failed == 0 and quick and back is not None and back <= BACK_TARGET_S
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "stop_s": self.stop_s,
+            "sent": self.sent,
+            "failed": self.failed,
+            "slow_after_settled": self.slow_after_settled,
+            "settled": self.settled,
+            "ttft_p99_during_s": self.ttft_p99_during_s,
+            "back_s": self.back_s,
+            "met": self.met,
+        }
+
+
+async def run_hung(config: HungConfig, run_dir: Path) -> HungResult:
+    options = UpOptions(replicas=config.replicas, port=free_port(), data_dir=run_dir)
+    local = LocalFleet(options, say=lambda _line: None)
+    try:
+        fleet = await local.start()
+        victim = [c for c in local.supervisor.children if c.name == f"sim-{VICTIM}"][-1]
+        timeout = aiohttp.ClientTimeout(total=120)
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as session,
+            SteadyLoad(session, fleet.proxy_urls[0], config.rate, config.system_prompts) as load,
+        ):
+            await asyncio.sleep(config.before_s)  # steady load first: the fault's schedule
+            stopped_at = time.perf_counter()
+            signal_child(victim, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(config.stop_s)  # the stop's length is the fault
+            finally:
+                signal_child(victim, signal.SIGCONT)
+            resumed_at = time.perf_counter()
+            await asyncio.sleep(config.after_s)
+    finally:
+        await local.aclose()
+    answers = load.result.answers
+    settled = [a for a in answers if stopped_at + SETTLED_S <= a.sent_at < resumed_at]
+    during = p99([a.ttft_s for a in answers if stopped_at <= a.sent_at < resumed_at])
+    back = sorted(
+        a.sent_at + a.ttft_s - resumed_at
+        for a in answers
+        if a.replica == f"r{VICTIM}" and a.sent_at >= resumed_at
+    )
+    slow = sum(1 for a in settled if a.total_s > SLOW_S)
+    failed = load.result.errors  # every failure counts, whenever it was sent
+    return HungResult(
+        config.stop_s,
+        load.sent,
+        failed,
+        slow,
+        len(settled),
+        during,
+        back[0] if back else None,
+    )
