@@ -190,7 +190,10 @@ class Dispatcher:
                     pending.close()
                     raise
                 try:
-                    opened = await self._first_bytes(pending, exchange, endpoint, predicted)
+                    if self.deadlines is None or not exchange.request.stream:
+                        opened = await pending.opened()
+                    else:
+                        opened = await self._first_bytes(pending, exchange, endpoint, predicted)
                 except Retriable as failure:
                     self.fleet.on_done(ticket)
                     self.breakers.on_failure(endpoint.replica_id, endpoint.ordinal, self._clock())
@@ -215,11 +218,10 @@ class Dispatcher:
     async def _first_bytes(
         self, pending: Pending, exchange: Exchange, endpoint: Endpoint, predicted: int
     ) -> Opened:
-        """The answer's first bytes; a streamed request's within its deadline, past which
-        the replica is suspect and the request :class:`Retriable` elsewhere."""
+        """A streamed answer's first bytes within their deadline, past which the replica
+        is suspect and the request :class:`Retriable` elsewhere."""
         deadlines = self.deadlines
-        if deadlines is None or not exchange.request.stream:
-            return await pending.opened()
+        assert deadlines is not None
         uncached = exchange.prepared.prompt_tokens - predicted
         deadline_s = deadlines.deadline_s(endpoint.replica_id, uncached)
         task = deadlines.begin(deadline_s)

@@ -67,13 +67,16 @@ async def _awaited(work: Awaitable[T]) -> T:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.faults")
-    parser.add_argument("faults", nargs="*", default=["nats", "hung"], choices=["nats", "hung"])
+    parser.add_argument("faults", nargs="*", default=["nats", "hung"], help="nats, hung")
     parser.add_argument("--outages", default="5,10,30,120")
     parser.add_argument("--stops", default="10")
     parser.add_argument("--rate", type=float, default=10.0)
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    unknown = set(args.faults) - {"nats", "hung"}
+    if unknown:
+        parser.error(f"unknown fault(s) {sorted(unknown)}; choose from nats, hung")
     met = True
     report: dict[str, Any] = {"rate": args.rate, "replicas": args.replicas}
     if "nats" in args.faults:
