@@ -205,6 +205,17 @@ class BitmaskResidencyIndex:
             return _grouped_runs(keys, self._masks, with_spec, self._hidden)
         return self._runs_after_prefix(keys, with_spec, now is not None)
 
+    def speculative_masks(self, keys: Sequence[int], *, now: float) -> list[int] | None:
+        """Each key's replicas holding it speculatively at ``now`` (a mask, 0 for none),
+        or ``None`` when nothing is speculative: what an index keeping its confirmed
+        residency elsewhere ORs into a lookup's masks."""
+        in_order = self._in_order
+        if (in_order and in_order[0][0] <= now) or self._out_of_order:
+            self.expire(now)
+        if not self._spec_mask:
+            return None
+        return list(map(self._spec_mask.get, keys, repeat(0)))
+
     def key_count(self, replica: int | None = None) -> int:
         """Overall, keys only a replica being cleared step by step held still count."""
         return len(self._masks) if replica is None else self._counts.get(replica, 0)

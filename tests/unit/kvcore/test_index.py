@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import tracemalloc
 from collections.abc import Callable
 from typing import Any
@@ -13,15 +14,22 @@ from hypothesis import strategies as st
 from kvcore.index import (
     MAX_REPLICA_ORDINAL,
     BitmaskResidencyIndex,
+    CompactResidencyIndex,
     ReferenceResidencyIndex,
     ResidencyIndex,
     bitmask,
 )
 
-IMPLEMENTATIONS: list[Callable[[], ResidencyIndex]] = [
-    BitmaskResidencyIndex,
-    ReferenceResidencyIndex,
-]
+
+def vectorised_compact() -> CompactResidencyIndex:
+    """The compact index reading even a one-key prompt by its array path."""
+    index = CompactResidencyIndex()
+    index.scalar_keys = 0
+    return index
+
+
+FAST: list[Callable[[], Any]] = [BitmaskResidencyIndex, CompactResidencyIndex, vectorised_compact]
+IMPLEMENTATIONS: list[Callable[[], ResidencyIndex]] = [*FAST, ReferenceResidencyIndex]
 BIG = 2**64 - 1  # keys are unsigned 64-bit
 
 
@@ -185,12 +193,16 @@ OPS = st.lists(
 )
 
 
+@pytest.mark.parametrize("make", FAST, ids=lambda f: f.__name__)
 @settings(max_examples=150, deadline=None)
 @given(ops=OPS, probe=st.lists(st.integers(0, 12), max_size=10), now=st.integers(0, 20))
-def test_bitmask_index_agrees_with_the_reference(
-    ops: list[tuple[str, int, list[int], int]], probe: list[int], now: int
+def test_fast_indexes_agree_with_the_reference(
+    make: Callable[[], ResidencyIndex],
+    ops: list[tuple[str, int, list[int], int]],
+    probe: list[int],
+    now: int,
 ) -> None:
-    fast, oracle = BitmaskResidencyIndex(), ReferenceResidencyIndex()
+    fast, oracle = make(), ReferenceResidencyIndex()
     for impl in (fast, oracle):
         for op, replica, keys, when in ops:
             _apply(impl, op, replica, keys, when)
@@ -212,16 +224,18 @@ PREFIXES = st.lists(  # (replica, how much of the prompt it holds, blocks missin
 )
 
 
+@pytest.mark.parametrize("make", FAST, ids=lambda f: f.__name__)
 @settings(max_examples=150, deadline=None)
 @given(confirmed=PREFIXES, speculated=PREFIXES, length=st.integers(0, 40))
 def test_leading_runs_of_long_prompts_agree_with_the_reference(
+    make: Callable[[], ResidencyIndex],
     confirmed: list[tuple[int, int, list[int]]],
     speculated: list[tuple[int, int, list[int]]],
     length: int,
 ) -> None:
     """Replicas holding prefixes of one prompt, some with holes: the holder masks along
     it change a few times or many (past the bitmask index's walk of equal runs)."""
-    fast, oracle = BitmaskResidencyIndex(), ReferenceResidencyIndex()
+    fast, oracle = make(), ReferenceResidencyIndex()
     for impl in (fast, oracle):
         for replica, held, holes in confirmed:
             impl.add(replica, [k for k in range(held) if k not in holes])
@@ -322,15 +336,17 @@ PROXY_STREAM = st.lists(  # (seconds since the last step, TTL, replica, keys, ex
 )
 
 
+@pytest.mark.parametrize("make", FAST, ids=lambda f: f.__name__)
 @settings(max_examples=200, deadline=None)
 @given(stream=PROXY_STREAM)
 def test_speculation_recorded_as_a_proxy_records_it_expires_as_the_reference_says(
+    make: Callable[[], ResidencyIndex],
     stream: list[tuple[float, float, int, list[int], bool]],
 ) -> None:
     """A proxy's clock only moves on, and each workload's TTL is fixed, so most records
     arrive in order of expiry and some (a shorter TTL after a longer one) do not: every
     expiry drops what the reference drops, and lookups agree at every step."""
-    fast, oracle = BitmaskResidencyIndex(), ReferenceResidencyIndex()
+    fast, oracle = make(), ReferenceResidencyIndex()
     now = 0.0
     for step, ttl, replica, keys, expire in stream:
         now += step
@@ -457,3 +473,36 @@ def test_a_replica_hidden_by_a_step_by_step_clear_leaves_a_remembered_beginning(
     steps = index.clear_replica_steps(3, chunk=1)
     next(steps)
     assert index.leading_runs([*system, 4]) == {4: 20}
+
+
+def test_the_compact_index_grows_and_rebuilds_keeping_every_key() -> None:
+    """Past its first table's load the compact index rebuilds into bigger ones (dropping
+    tombstones); a clear begun before a rebuild is finished by it; keys at both ends of
+    the 64-bit range and replicas past 64 (a second word of bitset) come through."""
+    index, oracle = CompactResidencyIndex(), ReferenceResidencyIndex()
+    rng = random.Random(5)
+    batches = [[rng.getrandbits(64) for _ in range(3000)] for _ in range(6)]
+    batches[0] += [0, 1, BIG, BIG - 1]
+    steps = None
+    for round_, batch in enumerate(batches):
+        for impl in (index, oracle):
+            impl.add(round_ % 3, batch)
+            impl.add(70 + round_, batch[: len(batch) // 3])
+            impl.remove(round_ % 3, batch[::5])
+        if round_ == 2:
+            index.add(9, batches[0])
+            oracle.add(9, batches[0])
+            steps = index.clear_replica_steps(9, chunk=100)
+            next(steps)
+            oracle.clear_replica(9)
+    assert steps is not None and list(steps)  # the rebuild finished it: one last step
+    assert dict(index.holdings()) == dict(oracle.holdings())
+    assert index.key_count() == oracle.key_count() > 12_000
+    for replica in (0, 1, 2, 9, 70, 75):
+        assert sorted(index.keys_of(replica)) == sorted(oracle.keys_of(replica))
+        assert index.key_count(replica) == oracle.key_count(replica)
+    prompt = [0, 1, BIG, BIG - 1, *batches[0][:60]]
+    assert index.leading_runs(prompt) == oracle.leading_runs(prompt)
+    keys, masks = index.residency()
+    second_word = dict(zip(keys.tolist(), masks[:, 1].tolist(), strict=True))
+    assert second_word[batches[0][0]] == 1 << (70 - 64)

@@ -1,0 +1,305 @@
+"""The residency index built for size: confirmed residency in a numpy hash table.
+
+Why: the dict-of-int-masks index costs ~116 bytes a key at 10M keys, in every proxy
+worker and in each control plane; here a key costs ~27 (see :mod:`kvcore.index.hashtable`),
+a batch of keys is added or removed in array operations, and a prompt's keys are looked
+up together (``leading_runs``: one probe pass, then an AND-accumulate over the holder
+bitsets, whose few changes are where runs end).
+
+Rules:
+- confirmed residency lives in a :class:`KeyTable`; key 0 (which the table uses to mark
+  empty slots) is kept aside in ``_zero``;
+- speculative entries are few (a proxy's last seconds of decisions) and churn on every
+  decision, so they stay in a :class:`BitmaskResidencyIndex` that holds nothing else,
+  and a lookup ORs its masks in;
+- a prompt of at most ``_SCALAR_KEYS`` keys (most requests) is probed key by key in
+  plain Python, which beats a dozen array operations' fixed cost;
+- replicas being cleared step by step are hidden from lookups (their bits are masked
+  off) while the steps drop their bits a slot range at a time; a rebuild of the table
+  (it grows) first finishes every such clear.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvcore.index.base import check_replica
+from kvcore.index.bitmask import BitmaskResidencyIndex, _bits, _short_runs
+from kvcore.index.hashtable import U64, KeyTable
+
+_SCALAR_KEYS = 24  # prompts up to this many keys are probed key by key
+_M64 = (1 << 64) - 1
+
+
+@dataclass(slots=True)
+class _Clearing:
+    """A step-by-step clear of one replica: the next slot to clear."""
+
+    position: int = 0
+
+
+class CompactResidencyIndex:
+    """Residency in numpy arrays; see the module docstring. Not thread-safe."""
+
+    def __init__(self) -> None:
+        self._table = KeyTable()
+        self._zero = 0  # key 0's holders
+        self._live = 0  # keys in the table with a bit set (hidden ones included)
+        self._counts: dict[int, int] = {}
+        self._spec = BitmaskResidencyIndex()  # speculative entries only
+        self._hidden = 0  # replicas being cleared step by step
+        self._clearing: dict[int, _Clearing] = {}
+        self.scalar_keys = _SCALAR_KEYS  # (tests set 0 to check the array path)
+
+    def add(self, replica: int, keys: Iterable[int]) -> None:
+        check_replica(replica)
+        self._finish_clearing(replica)
+        batch, bit = _distinct(keys), 1 << replica
+        word, mask = self._column(replica)
+        added = 0
+        if batch.size and batch[0] == 0:
+            added += not self._zero & bit
+            self._zero |= bit
+            batch = batch[1:]
+        slots, ends = self._table.probe(batch)
+        known = slots < self._table.capacity
+        held = slots[known]
+        masks = self._table.masks
+        lacking = held[(masks[held, word] & mask) == 0]
+        self._live += int(np.count_nonzero(~masks[lacking].any(axis=1)))
+        masks[lacking, word] |= mask
+        new = batch[~known]
+        if new.size:
+            hint = ends[~known] if self._make_room(new.size) else None
+            self._table.masks[self._table.insert(new, hint), word] = mask
+        self._live += new.size
+        self._counts[replica] = self._counts.get(replica, 0) + added + lacking.size + new.size
+
+    def remove(self, replica: int, keys: Iterable[int]) -> None:
+        check_replica(replica)
+        self._finish_clearing(replica)
+        batch, bit = _distinct(keys), 1 << replica
+        removed = 0
+        if batch.size and batch[0] == 0:
+            removed += bool(self._zero & bit)
+            self._zero &= ~bit
+            batch = batch[1:]
+        if replica < 64 * self._table.words:  # else the table holds none of its keys
+            removed += self._remove_bits(replica, batch)
+        if removed:
+            self._counts[replica] -= removed
+
+    def _remove_bits(self, replica: int, batch: U64) -> int:
+        """Drop ``replica`` from the rows of ``batch`` (non-zero keys); how many held it."""
+        word, mask = self._column(replica)
+        slots = self._table.find(batch)
+        masks = self._table.masks
+        holding = slots[(masks[slots, word] & mask) != 0]  # (the absent row holds nothing)
+        masks[holding, word] &= ~mask
+        self._live -= int(np.count_nonzero(~masks[holding].any(axis=1)))
+        return int(holding.size)
+
+    def clear_replica(self, replica: int) -> int:
+        held = self._counts.get(check_replica(replica), 0)
+        for _ in self.clear_replica_steps(replica, chunk=self._table.capacity + 1):
+            pass
+        return held
+
+    def clear_replica_steps(self, replica: int, *, chunk: int = 50_000) -> Iterator[int]:
+        """Steps of ``chunk`` table slots (a slot range's bits dropped at once)."""
+        check_replica(replica)
+        self._finish_clearing(replica)
+        self._spec.clear_replica(replica)
+        self._zero &= ~(1 << replica)
+        if not self._counts.pop(replica, 0):
+            return
+        job = self._clearing[replica] = _Clearing()
+        self._hidden |= 1 << replica
+        while self._clearing.get(replica) is job and self._step(replica, job, chunk):
+            yield job.position
+        if self._clearing.get(replica) is job:  # else finished early by add/remove/clear
+            self._end_clearing(replica)
+        yield job.position
+
+    def add_speculative(self, replica: int, keys: Iterable[int], *, expires_at: float) -> None:
+        check_replica(replica)
+        self._finish_clearing(replica)
+        self._column(replica)  # a lookup's rows hold the speculative bits too
+        self._spec.add_speculative(replica, keys, expires_at=expires_at)
+
+    def expire(self, now: float) -> int:
+        return self._spec.expire(now)
+
+    def replicas_of(self, key: int) -> frozenset[int]:
+        return frozenset(_bits(self._mask_of(key) & ~self._hidden))
+
+    def leading_runs(self, keys: Sequence[int], *, now: float | None = None) -> dict[int, int]:
+        """Probed key by key for a short prompt, else all keys at once (``_runs_of``)."""
+        speculative = None if now is None else self._spec.speculative_masks(keys, now=now)
+        if len(keys) <= self.scalar_keys:
+            return self._short_runs(keys, speculative)
+        return _runs_of(self._held(keys, speculative))
+
+    def key_count(self, replica: int | None = None) -> int:
+        if replica is None:
+            return self._live + bool(self._zero)
+        return self._counts.get(replica, 0)
+
+    def speculative_count(self, replica: int, *, now: float) -> int:
+        return self._spec.speculative_count(replica, now=now)
+
+    def holdings(self) -> Iterator[tuple[int, int]]:
+        keys, masks = self.residency()
+        step = 65_536
+        for start in range(0, keys.size, step):
+            rows = masks[start : start + step].tolist()
+            for key, words in zip(keys[start : start + step].tolist(), rows, strict=True):
+                yield key, _joined(words)
+
+    def residency(self) -> tuple[U64, U64]:
+        """Every confirmed key (``uint64``) and its bitset (``uint64`` rows, replica ``r``
+        at bit ``r % 64`` of word ``r // 64``), as arrays: a snapshot's contents without
+        a Python object per key. Copies; the index may change afterwards."""
+        hidden = _words(self._hidden, self._table.words) if self._hidden else None
+        keys, masks = self._table.live_rows(hidden)
+        zero = self._zero & ~self._hidden
+        if zero:
+            keys = np.concatenate([np.zeros(1, dtype=np.uint64), keys])
+            masks = np.concatenate([_words(zero, masks.shape[1])[None, :], masks])
+        return keys, masks
+
+    def keys_of(self, replica: int) -> list[int]:
+        check_replica(replica)
+        if self._hidden >> replica & 1 or replica >= 64 * self._table.words:
+            return []
+        word, mask = self._column(replica)
+        table = self._table
+        held = (table.masks[: table.capacity, word] & mask) != 0
+        keys: list[int] = table.keys[: table.capacity][held].tolist()
+        return [0, *keys] if self._zero >> replica & 1 else keys
+
+    def _column(self, replica: int) -> tuple[int, np.uint64]:
+        """The word and bit of ``replica`` in a bitset row (widening the rows if needed)."""
+        word = replica >> 6
+        self._table.widen(word + 1)
+        return word, np.uint64(1 << (replica & 63))
+
+    def _mask_of(self, key: int) -> int:
+        if key == 0:
+            return self._zero
+        return self._table.mask_at(self._table.slot_of(key))
+
+    def _short_runs(self, keys: Sequence[int], speculative: list[int] | None) -> dict[int, int]:
+        """Each key's mask, up to the first held by nobody, read by the bitmask index's
+        key-by-key walk."""
+        held: dict[int, int] = {}
+        for position, key in enumerate(keys):
+            mask = self._mask_of(key)
+            if speculative is not None:
+                mask |= speculative[position]
+            mask &= ~self._hidden
+            if not mask:
+                break
+            held[key] = mask
+        return _short_runs(keys, held, {}, 0)
+
+    def _held(self, keys: Sequence[int], speculative: list[int] | None) -> U64:
+        """Each key's holders as rows of words: confirmed, with speculation, unhidden."""
+        batch = np.frombuffer(array("Q", keys), dtype=np.uint64)
+        table = self._table
+        held = np.take(table.masks, table.find(batch), axis=0)
+        if self._zero:
+            held[batch == 0] = _words(self._zero, table.words)
+        if speculative is not None and any(speculative):
+            held |= _rows(speculative, table.words)
+        if self._hidden:
+            held &= ~_words(self._hidden, table.words)
+        return held
+
+    def _make_room(self, more: int) -> bool:
+        """Room for ``more`` keys; whether the table is the one it was."""
+        if self._table.has_room(more):
+            return True
+        for replica in list(self._clearing):
+            self._finish_clearing(replica)
+        self._table = self._table.rebuilt(self._live + more)
+        return False
+
+    def _step(self, replica: int, job: _Clearing, budget: int) -> bool:
+        """Drop ``replica``'s bit from the next ``budget`` slots; whether slots remain."""
+        table = self._table
+        end = min(job.position + budget, table.capacity)
+        word, mask = replica >> 6, np.uint64(1 << (replica & 63))
+        rows = table.masks[job.position : end]
+        held = (rows[:, word] & mask) != 0
+        rows[:, word] &= ~mask
+        self._live -= int(np.count_nonzero(held & ~rows.any(axis=1)))
+        job.position = end
+        return end < table.capacity
+
+    def _finish_clearing(self, replica: int) -> None:
+        job = self._clearing.get(replica)
+        if job is not None:
+            self._step(replica, job, self._table.capacity)
+            self._end_clearing(replica)
+
+    def _end_clearing(self, replica: int) -> None:
+        del self._clearing[replica]
+        self._hidden &= ~(1 << replica)
+
+
+def _distinct(keys: Iterable[int]) -> U64:
+    """``keys`` as sorted distinct ``uint64`` (key 0, if there, first)."""
+    if isinstance(keys, np.ndarray):
+        batch = np.sort(keys.astype(np.uint64, copy=False))
+    else:
+        batch = np.sort(np.frombuffer(array("Q", keys), dtype=np.uint64))
+    if batch.size < 2:
+        return batch
+    repeated = batch[1:] == batch[:-1]  # (np.unique sorts too, ten times slower)
+    return batch[np.concatenate(([True], ~repeated))] if repeated.any() else batch
+
+
+def _runs_of(held: U64) -> dict[int, int]:
+    """Leading runs from each key's holder rows: the AND of the rows so far only loses
+    bits, so the runs end where it changes, read at the few places it does."""
+    live = np.bitwise_and.accumulate(held, axis=0)
+    alive = np.any(live, axis=1, keepdims=False).reshape(-1)
+    end = live.shape[0] if alive[-1] else int(np.argmin(alive))
+    if not end:
+        return {}
+    live = live[:end]
+    runs: dict[int, int] = {}
+    before = _joined(live[0].tolist())
+    for change in np.flatnonzero((live[1:] != live[:-1]).any(axis=1)).tolist():
+        after = _joined(live[change + 1].tolist())
+        for replica in _bits(before & ~after):
+            runs[replica] = change + 1
+        before = after
+    for replica in _bits(before):
+        runs[replica] = end
+    return runs
+
+
+def _joined(words: list[int]) -> int:
+    """A row of 64-bit words as one mask."""
+    if len(words) == 1:
+        return words[0]
+    return sum(word << (64 * i) for i, word in enumerate(words))
+
+
+def _words(mask: int, words: int) -> U64:
+    """``mask`` as a row of ``words`` 64-bit words (bits beyond them dropped)."""
+    return np.array([(mask >> (64 * i)) & _M64 for i in range(words)], dtype=np.uint64)
+
+
+def _rows(masks: list[int], words: int) -> U64:
+    """Masks as rows of ``words`` 64-bit words."""
+    if words == 1:
+        return np.array(masks, dtype=np.uint64)[:, None]
+    columns = [[(m >> (64 * i)) & _M64 for m in masks] for i in range(words)]
+    return np.array(columns, dtype=np.uint64).T

@@ -1,0 +1,166 @@
+"""Open addressing over unsigned 64-bit keys in numpy arrays, a replica bitset per key.
+
+Why: a Python dict costs ~100 bytes a key (slot, key object, mask object); here a key
+costs its slot, 8 bytes of key and 8 bytes per 64 replicas of bitset, at a load of at
+most ``MAX_LOAD`` (10M keys: 16.8M slots, 16 bytes each, 27 bytes a key), and a batch
+of keys is probed in a handful of array operations instead of one bytecode loop a key.
+
+Rules:
+- slot ``s`` holds ``keys[s]`` and its bitset ``masks[s]`` (bit ``r`` of word ``r // 64``
+  = replica ``r``); key 0 marks a slot never used, so key 0 itself cannot be stored
+  (the caller keeps it aside);
+- a removed key keeps its slot with an all-zero bitset (a tombstone: probes pass over
+  it, the same key revives it); new keys take the first never-used slot of their probe
+  sequence, so tombstones are reclaimed only when the table is rebuilt;
+- probes are triangular (home, +1, +3, +6, ...), which visit every slot of a power-of-two
+  table and do not cluster as linear probes do; after the home slot, ``_WINDOW`` probes
+  are read at once;
+- ``keys`` and ``masks`` have one row more than the table: the row at ``capacity``
+  is never matched and stays zero, the slot ``find`` gives an absent key, so gathering
+  masks needs no test for absence.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+import numpy.typing as npt
+
+U64 = npt.NDArray[np.uint64]
+I64 = npt.NDArray[np.int64]
+
+MAX_LOAD = 0.7  # used slots (live and tombstones) / capacity before a rebuild
+_MIN_BITS = 10
+_WINDOW = 8  # probes read at once after the home slot
+_MUL = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: the top bits of key * 2^64/phi
+_MUL_INT = 0x9E3779B97F4A7C15
+_M64 = (1 << 64) - 1
+
+
+@cache
+def _offsets(window: int) -> I64:
+    """The triangular offsets of probes ``1 + window * _WINDOW`` onwards, ``_WINDOW`` of them."""
+    steps = np.arange(1 + window * _WINDOW, 1 + (window + 1) * _WINDOW, dtype=np.int64)
+    return steps * (steps + 1) // 2
+
+
+class KeyTable:
+    """The arrays and their probing; the residency rules live in the index above it."""
+
+    def __init__(self, bits: int = _MIN_BITS, words: int = 1) -> None:
+        self.bits = bits
+        self.capacity = 1 << bits
+        self.keys: U64 = np.zeros(self.capacity + 1, dtype=np.uint64)
+        self.masks: U64 = np.zeros((self.capacity + 1, words), dtype=np.uint64)
+        self.filled = 0  # slots ever used since the last rebuild
+        self._shift = np.uint64(64 - bits)
+
+    @property
+    def words(self) -> int:
+        return int(self.masks.shape[1])
+
+    def widen(self, words: int) -> None:
+        """Room for replicas up to ``64 * words - 1``."""
+        if words > self.words:
+            extra = np.zeros((self.capacity + 1, words - self.words), dtype=np.uint64)
+            self.masks = np.concatenate([self.masks, extra], axis=1)
+
+    def find(self, keys: U64) -> I64:
+        """Each (non-zero) key's slot, or ``capacity`` where it is absent."""
+        return self.probe(keys)[0]
+
+    def probe(self, keys: U64) -> tuple[I64, I64]:
+        """``find``, and where each absent key's probe ended (the never-used slot
+        :meth:`insert` would give it; ``capacity`` for the others)."""
+        home = ((keys * _MUL) >> self._shift).view(np.int64)
+        found = np.take(self.keys, home)
+        hit = found == keys
+        slots = np.where(hit, home, self.capacity)
+        ends = np.where(found == 0, home, self.capacity)
+        rest = np.flatnonzero(~hit & (found != 0))
+        window, wrap = 0, self.capacity - 1
+        while rest.size:
+            at = (home[rest, None] + _offsets(window)) & wrap
+            seen = np.take(self.keys, at)
+            wanted = keys[rest, None]
+            stop = (seen == wanted) | (seen == 0)
+            first = stop.argmax(axis=1)
+            rows = np.arange(rest.size)
+            ended = stop[rows, first]
+            matched = ended & (seen[rows, first] == wanted[:, 0])
+            ending = at[rows, first]
+            slots[rest[matched]] = ending[matched]
+            ends[rest[ended & ~matched]] = ending[ended & ~matched]
+            rest = rest[~ended]
+            window += 1
+        return slots, ends
+
+    def slot_of(self, key: int) -> int:
+        """``find`` of one (non-zero) key, in plain Python: cheaper for a few keys."""
+        wrap, keys = self.capacity - 1, self.keys
+        slot = ((key * _MUL_INT) & _M64) >> (64 - self.bits)
+        step = 0
+        while True:
+            found = keys.item(slot)
+            if found == key:
+                return int(slot)
+            if found == 0:
+                return self.capacity
+            step += 1
+            slot = (slot + step) & wrap
+
+    def mask_at(self, slot: int) -> int:
+        """The bitset of ``slot`` as one integer."""
+        if self.masks.shape[1] == 1:
+            return int(self.masks.item(slot, 0))
+        return sum(int(word) << (64 * i) for i, word in enumerate(self.masks[slot].tolist()))
+
+    def insert(self, keys: U64, ends: I64 | None = None) -> I64:
+        """Place distinct non-zero keys known to be absent; their slots. The caller made
+        room (:meth:`has_room`). Keys probing the same free slot in one round all write
+        it; the one written takes it, the others probe on. ``ends``, where their
+        :meth:`probe` ended (the table unchanged since), saves probing again."""
+        home = ((keys * _MUL) >> self._shift).view(np.int64)
+        slots = np.empty(keys.size, dtype=np.int64)
+        step = np.zeros(keys.size, dtype=np.int64)
+        pending = np.arange(keys.size)
+        if ends is not None:
+            self.keys[ends] = keys
+            won = self.keys[ends] == keys
+            slots[won] = ends[won]
+            pending = pending[~won]  # from their home again
+        wrap = self.capacity - 1
+        while pending.size:
+            at = (home[pending] + step[pending] * (step[pending] + 1) // 2) & wrap
+            free = self.keys[at] == 0
+            claims, claimed = pending[free], at[free]
+            self.keys[claimed] = keys[claims]  # of keys claiming one slot, one is written
+            won = self.keys[claimed] == keys[claims]
+            slots[claims[won]] = claimed[won]
+            step[pending[~free]] += 1  # (the others see it taken in the next round)
+            pending = np.concatenate([pending[~free], claims[~won]])
+        self.filled += keys.size
+        return slots
+
+    def has_room(self, more: int) -> bool:
+        return self.filled + more <= MAX_LOAD * self.capacity
+
+    def rebuilt(self, live: int) -> KeyTable:
+        """A table holding this one's live keys (tombstones dropped), at most half full
+        with ``live`` keys, so that it fills a while before its next rebuild."""
+        bits = max(_MIN_BITS, (2 * live - 1).bit_length())
+        table = KeyTable(bits, self.words)
+        used = self.masks[: self.capacity].any(axis=1)
+        slots = table.insert(self.keys[: self.capacity][used])
+        table.masks[slots] = self.masks[: self.capacity][used]
+        return table
+
+    def live_rows(self, hidden: U64 | None = None) -> tuple[U64, U64]:
+        """The keys with a bit set (outside ``hidden``, words of replicas) and their
+        bitsets, in slot order."""
+        masks = self.masks[: self.capacity]
+        if hidden is not None:
+            masks = masks & ~hidden
+        used = masks.any(axis=1)
+        return self.keys[: self.capacity][used], masks[used]
