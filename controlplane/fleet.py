@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from controlplane.changes import ChangeLog
 from controlplane.stream import Action, ReplicaStream
-from kvcore.index import MAX_REPLICA_ORDINAL, BitmaskResidencyIndex
+from kvcore.index import MAX_REPLICA_ORDINAL, CompactResidencyIndex
 from kvcore.pb import events_pb2
 
 GPU = events_pb2.MEDIUM_GPU
@@ -95,7 +95,7 @@ class Fleet:
         resync: Resync | None = None,
         panic_threshold: float = 0.5,
     ) -> None:
-        self.index = BitmaskResidencyIndex()
+        self.index = CompactResidencyIndex()
         self.by_id: dict[str, ReplicaRecord] = {}
         self.by_ordinal: dict[int, ReplicaRecord] = {}
         self.drained: set[str] = set()  # replica ids an operator drained (from etcd)

@@ -1,4 +1,10 @@
-"""Residency index: prompt lookup time and memory per resident key."""
+"""Residency indexes side by side: prompt lookups, batch changes, memory per key.
+
+Both implementations over the same keys: ``leading_runs`` of prompts never looked up
+before (every key of every prompt new, each replica holding a prefix of it, as 64
+replicas that served parts of a conversation do), batches added and removed, memory per
+resident key (tracemalloc: numpy's arrays are traced too) and clearing a replica.
+"""
 
 from __future__ import annotations
 
@@ -6,81 +12,102 @@ import gc
 import random
 import time
 import tracemalloc
+from collections.abc import Callable
+from functools import partial
 
-from bench.micro.report import Figure, median_us
-from kvcore.index import BitmaskResidencyIndex
+from bench.micro.report import Figure, median_us_each
+from kvcore.index import BitmaskResidencyIndex, CompactResidencyIndex, ResidencyIndex
 
 REPLICAS = 64
-PROMPT_KEYS = 512
 RESIDENT_KEYS = 1_000_000
-FIRSTS = 200  # prompts differing in their first key: each looked up once per round
+BATCH = 100_000
+PROMPTS = 100  # distinct prompts per length, each looked up once
+INDEXES: dict[str, Callable[[], ResidencyIndex]] = {
+    "bitmask": BitmaskResidencyIndex,
+    "compact": CompactResidencyIndex,
+}
+LOOKUP_TARGETS_US = {512: 100.0, 2048: 200.0}
+MIN_KEYS_PER_S = 1e6
+MAX_BYTES_PER_KEY = 48.0  # the compact index's; the bitmask index is reported only
 
 
-def _lookup_figures() -> list[Figure]:
-    """A prompt looked up for the first time (each lookup another of ``FIRSTS`` prompts
-    that differ in their first key only, so the index has no beginning of theirs to
-    start from), and one starting with a beginning looked up before (the same prompt)."""
+def _lookup_figures(name: str, make: Callable[[], ResidencyIndex]) -> list[Figure]:
     rng = random.Random(3)
-    index = BitmaskResidencyIndex()
-    prompt = [rng.getrandbits(64) for _ in range(PROMPT_KEYS)]
-    firsts = [rng.getrandbits(64) for _ in range(FIRSTS)]
-    for replica in range(REPLICAS):
-        run = PROMPT_KEYS if replica % 4 == 0 else rng.randrange(PROMPT_KEYS)
-        index.add(replica, prompt[:run])
-        if run:
-            index.add(replica, firsts)
-    index.add(0, (rng.getrandbits(64) for _ in range(100_000)))
-    prompts = [[first, *prompt[1:]] for first in firsts]
-    turn = iter(range(1 << 30))
-
-    def first_time(now: float | None = None) -> None:
-        index.leading_runs(prompts[next(turn) % FIRSTS], now=now)
-
-    full = median_us(first_time, repeat=FIRSTS)
-    remembered = median_us(lambda: index.leading_runs(prompt), repeat=200)
-    index.add_speculative(5, prompt, expires_at=1e9)
-    index.add_speculative(5, firsts, expires_at=1e9)
-    speculative = median_us(lambda: first_time(1.0), repeat=FIRSTS)
-    miss = [rng.getrandbits(64) for _ in range(PROMPT_KEYS)]
-    cold = median_us(lambda: index.leading_runs(miss), repeat=200)
-    return [
-        Figure(f"leading_runs, {PROMPT_KEYS} keys x {REPLICAS} replicas (median)", full, "us", 100),
-        Figure("  same, with speculative entries", speculative, "us", 100),
-        Figure("  same, looked up before: read from its remembered beginning", remembered, "us"),
-        Figure("  same, first key held nowhere", cold, "us"),
-    ]
+    index = make()
+    index.add(0, [rng.getrandbits(64) for _ in range(100_000)])
+    figures = []
+    for length, target in LOOKUP_TARGETS_US.items():
+        prompts = [[rng.getrandbits(64) for _ in range(length)] for _ in range(PROMPTS)]
+        for prompt in prompts:
+            for replica in range(REPLICAS):
+                held = length if replica % 4 == 0 else rng.randrange(length)
+                index.add(replica, prompt[:held])
+        us = median_us_each([partial(index.leading_runs, p) for p in prompts])
+        figures.append(
+            Figure(
+                f"{name}: leading_runs, {length} keys x {REPLICAS} replicas, new prompts",
+                us,
+                "us",
+                target,
+            )
+        )
+        index.add_speculative(5, prompts[0], expires_at=1e9)
+        us = median_us_each([partial(index.leading_runs, p, now=1.0) for p in prompts])
+        figures.append(Figure("  same, counting speculative entries", us, "us"))
+    return figures
 
 
-def _memory_figures() -> list[Figure]:
+def _batch_figures(name: str, make: Callable[[], ResidencyIndex]) -> list[Figure]:
     rng = random.Random(4)
+    batches = [[rng.getrandbits(64) for _ in range(BATCH)] for _ in range(RESIDENT_KEYS // BATCH)]
     gc.collect()
     tracemalloc.start()
-    index = BitmaskResidencyIndex()
-    for replica in range(REPLICAS):
-        index.add(replica, [rng.getrandbits(64) for _ in range(RESIDENT_KEYS // REPLICAS)])
-    shared = [k for k in range(0, RESIDENT_KEYS, 4)]  # a quarter also on a second replica
-    index.add(1, shared[: len(shared) // 8])
+    index = make()
+    started = time.perf_counter()
+    for number, batch in enumerate(batches):
+        index.add(number % REPLICAS, batch)
+    added = time.perf_counter() - started
     size, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    keys = index.key_count()
+    for number, batch in enumerate(batches[:3]):  # a second holder for some keys
+        index.add((number + 1) % REPLICAS, batch)
     started = time.perf_counter()
-    index.clear_replica(7)
-    clear_ms = (time.perf_counter() - started) * 1000
+    for number, batch in enumerate(batches):
+        index.remove(number % REPLICAS, batch)
+    removed = time.perf_counter() - started
+    keys = len(batches) * BATCH
+    per_key = size / keys
     return [
-        Figure(f"memory for {keys / 1e6:.2f}M resident keys", size / 2**20, "MB", 120),
-        Figure("  per key", size / keys, "B"),
-        Figure(f"clear_replica over {keys / 1e6:.2f}M keys", clear_ms, "ms"),
-        Figure("  clear_replica_steps, longest step", _longest_step_ms(index, 8), "ms"),
+        Figure(f"{name}: add, {BATCH:,}-key batches", keys / added / 1e6, "M keys/s"),
+        Figure(f"{name}: remove, {BATCH:,}-key batches", keys / removed / 1e6, "M keys/s"),
+        Figure(
+            f"{name}: memory per resident key at {keys / 1e6:.0f}M keys",
+            per_key,
+            "B",
+            MAX_BYTES_PER_KEY if name == "compact" else None,
+        ),
+        Figure(f"{name}: clear_replica of 1 of {REPLICAS}", _clear_ms(index), "ms"),
     ]
 
 
-def _longest_step_ms(index: BitmaskResidencyIndex, replica: int) -> float:
-    longest, last = 0.0, time.perf_counter()
-    for _ in index.clear_replica_steps(replica):
-        now = time.perf_counter()
-        longest, last = max(longest, now - last), now
-    return longest * 1000
+def _clear_ms(index: ResidencyIndex) -> float:
+    index.add(7, range(1, 200_001))
+    started = time.perf_counter()
+    index.clear_replica(7)
+    return (time.perf_counter() - started) * 1000
+
+
+def _rate_figure(figure: Figure) -> Figure:
+    """A rate's target is a lower bound; :class:`Figure` holds upper bounds, so the
+    rate is printed against the time a million keys take."""
+    seconds = 1 / figure.value
+    return Figure(f"{figure.name} (s per 1M keys)", seconds, "s", 1e6 / MIN_KEYS_PER_S)
 
 
 def run() -> list[Figure]:
-    return _lookup_figures() + _memory_figures()
+    figures: list[Figure] = []
+    for name, make in INDEXES.items():
+        figures += _lookup_figures(name, make)
+        batch = _batch_figures(name, make)
+        figures += [_rate_figure(f) if f.unit == "M keys/s" else f for f in batch]
+    return figures

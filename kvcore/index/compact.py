@@ -12,8 +12,9 @@ Rules:
 - speculative entries are few (a proxy's last seconds of decisions) and churn on every
   decision, so they stay in a :class:`BitmaskResidencyIndex` that holds nothing else,
   and a lookup ORs its masks in;
-- a prompt of at most ``_SCALAR_KEYS`` keys (most requests) is probed key by key in
-  plain Python, which beats a dozen array operations' fixed cost;
+- a prompt, or a batch added or removed, of at most ``_SCALAR_KEYS`` keys (most
+  requests, an engine's event batch) is handled key by key in plain Python, which beats
+  a dozen array operations' fixed cost;
 - replicas being cleared step by step are hidden from lookups (their bits are masked
   off) while the steps drop their bits a slot range at a time; a rebuild of the table
   (it grows) first finishes every such clear.
@@ -26,12 +27,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from kvcore.index.base import check_replica
 from kvcore.index.bitmask import BitmaskResidencyIndex, _bits, _short_runs
 from kvcore.index.hashtable import U64, KeyTable
 
-_SCALAR_KEYS = 24  # prompts up to this many keys are probed key by key
+_SCALAR_KEYS = 32  # prompts and batches up to this many keys are handled key by key
 _M64 = (1 << 64) - 1
 
 
@@ -53,11 +55,14 @@ class CompactResidencyIndex:
         self._spec = BitmaskResidencyIndex()  # speculative entries only
         self._hidden = 0  # replicas being cleared step by step
         self._clearing: dict[int, _Clearing] = {}
-        self.scalar_keys = _SCALAR_KEYS  # (tests set 0 to check the array path)
+        self.scalar_keys = _SCALAR_KEYS  # (tests set 0 to check the array paths)
 
     def add(self, replica: int, keys: Iterable[int]) -> None:
         check_replica(replica)
         self._finish_clearing(replica)
+        if isinstance(keys, Sequence) and len(keys) <= self.scalar_keys:
+            self._add_few(replica, keys)
+            return
         batch, bit = _distinct(keys), 1 << replica
         word, mask = self._column(replica)
         added = 0
@@ -82,6 +87,9 @@ class CompactResidencyIndex:
     def remove(self, replica: int, keys: Iterable[int]) -> None:
         check_replica(replica)
         self._finish_clearing(replica)
+        if isinstance(keys, Sequence) and len(keys) <= self.scalar_keys:
+            self._remove_few(replica, keys)
+            return
         batch, bit = _distinct(keys), 1 << replica
         removed = 0
         if batch.size and batch[0] == 0:
@@ -92,6 +100,53 @@ class CompactResidencyIndex:
             removed += self._remove_bits(replica, batch)
         if removed:
             self._counts[replica] -= removed
+
+    def _add_few(self, replica: int, keys: Sequence[int]) -> None:
+        """``add`` of a few keys (an engine's event batch), key by key in plain Python."""
+        self._column(replica)
+        bit, added = 1 << (replica & 63), 0
+        for key in keys:
+            if key == 0:
+                added += not self._zero >> replica & 1
+                self._zero |= 1 << replica
+                continue
+            slot, end = self._table.locate(key)
+            if slot == self._table.capacity:
+                if not self._make_room(1):
+                    slot, end = self._table.locate(key)
+                slot = self._table.place(key, end)
+            table = self._table
+            at = slot * table.words + (replica >> 6)
+            held = table.mask_view[at]
+            if not held & bit:
+                self._live += not held and not self._row_held(slot)
+                table.mask_view[at] = held | bit
+                added += 1
+        self._counts[replica] = self._counts.get(replica, 0) + added
+
+    def _remove_few(self, replica: int, keys: Sequence[int]) -> None:
+        """``remove`` of a few keys, key by key in plain Python."""
+        table, bit, removed = self._table, 1 << (replica & 63), 0
+        for key in keys:
+            if key == 0:
+                removed += self._zero >> replica & 1
+                self._zero &= ~(1 << replica)
+                continue
+            slot = table.slot_of(key)
+            if slot == table.capacity or replica >> 6 >= table.words:
+                continue
+            at = slot * table.words + (replica >> 6)
+            held = table.mask_view[at]
+            if held & bit:
+                table.mask_view[at] = held & ~bit
+                self._live -= held == bit and not self._row_held(slot)
+                removed += 1
+        if removed:
+            self._counts[replica] -= removed
+
+    def _row_held(self, slot: int) -> bool:
+        """Whether any replica holds the key of ``slot`` (a word just read was 0)."""
+        return self._table.words > 1 and bool(self._table.masks[slot].any())
 
     def _remove_bits(self, replica: int, batch: U64) -> int:
         """Drop ``replica`` from the rows of ``batch`` (non-zero keys); how many held it."""
@@ -268,20 +323,23 @@ def _runs_of(held: U64) -> dict[int, int]:
     """Leading runs from each key's holder rows: the AND of the rows so far only loses
     bits, so the runs end where it changes, read at the few places it does."""
     live = np.bitwise_and.accumulate(held, axis=0)
-    alive = np.any(live, axis=1, keepdims=False).reshape(-1)
+    single = live.shape[1] == 1
+    flat = live[:, 0] if single else live
+    alive: npt.NDArray[np.bool_] = np.asarray(flat != 0 if single else live.any(axis=1))
     end = live.shape[0] if alive[-1] else int(np.argmin(alive))
     if not end:
         return {}
-    live = live[:end]
+    changed = flat[1:end] != flat[: end - 1]
+    ends = np.flatnonzero(changed if single else changed.any(axis=1))
+    rows = np.append(ends, end - 1)  # where each value of the AND last holds
+    if single:
+        values: list[int] = flat[rows].tolist()
+    else:
+        values = [_joined(row) for row in live[rows].tolist()]
     runs: dict[int, int] = {}
-    before = _joined(live[0].tolist())
-    for change in np.flatnonzero((live[1:] != live[:-1]).any(axis=1)).tolist():
-        after = _joined(live[change + 1].tolist())
-        for replica in _bits(before & ~after):
-            runs[replica] = change + 1
-        before = after
-    for replica in _bits(before):
-        runs[replica] = end
+    for row, value, following in zip(rows.tolist(), values, [*values[1:], 0], strict=True):
+        for replica in _bits(value & ~following):
+            runs[replica] = row + 1
     return runs
 
 

@@ -55,6 +55,10 @@ class KeyTable:
         self.masks: U64 = np.zeros((self.capacity + 1, words), dtype=np.uint64)
         self.filled = 0  # slots ever used since the last rebuild
         self._shift = np.uint64(64 - bits)
+        # the same memory, read and written one element at a time as Python ints
+        # (twice as fast as ndarray.item and item assignment)
+        self.key_view = self.keys.data
+        self.mask_view = self.masks.reshape(-1).data  # slot * words + word
 
     @property
     def words(self) -> int:
@@ -65,6 +69,7 @@ class KeyTable:
         if words > self.words:
             extra = np.zeros((self.capacity + 1, words - self.words), dtype=np.uint64)
             self.masks = np.concatenate([self.masks, extra], axis=1)
+            self.mask_view = self.masks.reshape(-1).data
 
     def find(self, keys: U64) -> I64:
         """Each (non-zero) key's slot, or ``capacity`` where it is absent."""
@@ -98,23 +103,37 @@ class KeyTable:
 
     def slot_of(self, key: int) -> int:
         """``find`` of one (non-zero) key, in plain Python: cheaper for a few keys."""
-        wrap, keys = self.capacity - 1, self.keys
+        return self.locate(key)[0]
+
+    def locate(self, key: int) -> tuple[int, int]:
+        """``probe`` of one (non-zero) key, in plain Python: its slot, or ``capacity``
+        and the never-used slot its probe ended at."""
+        wrap, keys = self.capacity - 1, self.key_view
         slot = ((key * _MUL_INT) & _M64) >> (64 - self.bits)
         step = 0
         while True:
-            found = keys.item(slot)
+            found = keys[slot]
             if found == key:
-                return int(slot)
+                return int(slot), self.capacity
             if found == 0:
-                return self.capacity
+                return self.capacity, int(slot)
             step += 1
             slot = (slot + step) & wrap
 
+    def place(self, key: int, end: int) -> int:
+        """Put an absent key at ``end``, where :meth:`locate` ended (the table unchanged
+        since, room made); its slot."""
+        self.key_view[end] = key
+        self.filled += 1
+        return end
+
     def mask_at(self, slot: int) -> int:
         """The bitset of ``slot`` as one integer."""
-        if self.masks.shape[1] == 1:
-            return int(self.masks.item(slot, 0))
-        return sum(int(word) << (64 * i) for i, word in enumerate(self.masks[slot].tolist()))
+        words = self.words
+        if words == 1:
+            return int(self.mask_view[slot])
+        row = self.mask_view[slot * words : (slot + 1) * words].tolist()
+        return sum(word << (64 * i) for i, word in enumerate(row))
 
     def insert(self, keys: U64, ends: I64 | None = None) -> I64:
         """Place distinct non-zero keys known to be absent; their slots. The caller made
