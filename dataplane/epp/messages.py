@@ -4,7 +4,8 @@ Extension's endpoint picker protocol (its ``004-endpoint-picker-protocol``) shap
 Read: a request's headers (``raw_value``, else ``value``), the subset hint in its filter
 metadata (``envoy.lb.subset_hint`` / ``x-gateway-destination-endpoint-subset``, a list
 or one comma-separated string), the endpoint that served (``envoy.lb`` /
-``x-gateway-destination-endpoint-served``) and the body modes Envoy says it uses
+``x-gateway-destination-endpoint-served``, else Envoy's ``upstream.address``
+attribute) and the body modes Envoy says it uses
 (``protocol_config``, sent on a stream's first message).
 
 Written: the pick as both the ``x-gateway-destination-endpoint`` header and the dynamic
@@ -31,6 +32,7 @@ BODY_CHUNK_BYTES = 62_000
 DESTINATION = "x-gateway-destination-endpoint"
 SERVED = "x-gateway-destination-endpoint-served"
 SUBSET = "x-gateway-destination-endpoint-subset"
+UPSTREAM_ADDRESS = "upstream.address"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 OBJECTIVE_HEADERS = ("x-gateway-inference-objective", "x-llm-d-inference-objective")
@@ -69,11 +71,16 @@ def subset_hint(request: ext_proc.ProcessingRequest) -> frozenset[str] | None:
 
 
 def served_endpoint(request: ext_proc.ProcessingRequest) -> str | None:
-    """The endpoint the gateway says served the request (on its response messages)."""
+    """The endpoint that served the request, on its response messages: as the protocol
+    has the gateway say it (``envoy.lb`` metadata), else Envoy's ``upstream.address``
+    attribute (a plain Envoy's ``response_attributes``)."""
     entry = request.metadata_context.filter_metadata.get(LB_NAMESPACE)
-    if entry is None or SERVED not in entry.fields:
-        return None
-    return entry.fields[SERVED].string_value or None
+    if entry is not None and SERVED in entry.fields:
+        return entry.fields[SERVED].string_value or None
+    for attributes in request.attributes.values():
+        if UPSTREAM_ADDRESS in attributes.fields:
+            return attributes.fields[UPSTREAM_ADDRESS].string_value or None
+    return None
 
 
 def _set(name: str, value: str) -> base_pb2.HeaderValueOption:
