@@ -66,6 +66,10 @@ FROM runtime AS proxy
 EXPOSE 8000
 ENTRYPOINT ["kvroute-proxy"]
 
+FROM runtime AS epp
+EXPOSE 9002 9003 9090
+ENTRYPOINT ["kvroute-epp"]
+
 FROM runtime AS sidecar
 EXPOSE 9100
 ENTRYPOINT ["kvroute-sidecar"]

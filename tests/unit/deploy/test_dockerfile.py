@@ -14,6 +14,7 @@ import pytest
 
 import controlplane
 from controlplane.settings import ControlPlaneSettings
+from dataplane.epp.settings import EppSettings
 from dataplane.settings import ProxySettings
 from enginesim.settings import SimSettings
 from sidecar.settings import SidecarSettings
@@ -25,6 +26,7 @@ SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scrip
 TARGETS = {
     "controlplane": "kvroute-controlplane",
     "proxy": "kvroute-proxy",
+    "epp": "kvroute-epp",
     "sidecar": "kvroute-sidecar",
     "sim": "kvroute-sim",
 }
@@ -97,6 +99,10 @@ def test_exposed_ports_are_the_components_defaults() -> None:
     }
     assert DOCKERFILE.exposed("sidecar") == {SidecarSettings.model_fields["port"].default}
     assert DOCKERFILE.exposed("proxy") == {ProxySettings.model_fields["port"].default}
+    epp = EppSettings.model_fields
+    assert DOCKERFILE.exposed("epp") == {
+        epp[name].default for name in ("grpc_port", "health_port", "metrics_port")
+    }
     control = ControlPlaneSettings.model_fields
     assert DOCKERFILE.exposed("controlplane") == {
         control["admin_port"].default,
