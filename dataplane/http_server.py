@@ -35,7 +35,8 @@ serves only what the proxy needs:
   sending a body (one over ``max_body_bytes``, sent chunked) finishes and reads its 413
   instead of a reset (at most ``MAX_LINGERING`` at once: beyond, a refusal closes at
   once, so a flood of refused connections holds no descriptors);
-- a client that half-closes after sending (``printf ... | nc``) still gets every answer;
+- a client that half-closes after pipelining requests (``printf ... | nc``) gets every
+  answer, in order; an EOF while a lone request runs is a hang-up, as above;
 - a request's head must arrive whole within ``header_timeout_s`` of its first byte (of
   the connection, for its first request), else 408 and close, whatever keep-alive says:
   a client dripping header bytes holds a connection no longer (nginx's
@@ -314,8 +315,13 @@ class _Connection(asyncio.Protocol):
             self._head_timer = self.loop.call_later(self.server.header_timeout_s, self._head_late)
 
     def eof_received(self) -> bool:
-        """The client sends no more: answer the requests it sent, then close."""
+        """The client sends no more. Requests it pipelined are answered in order, then
+        the connection closes; but an EOF while its only request runs is the client
+        hanging up (as nginx and Go read it): the transport closes, so the handler is
+        cancelled and the engine stops generating for nobody."""
         self._client_done = True
+        if self.task is not None and not self.waiting:
+            return False
         return not (self._broken or self.idle())  # False: the transport closes now
 
     def pause_writing(self) -> None:
