@@ -28,6 +28,7 @@ PROMISED_ALERTS = {
     "KvrouteTokenizerMismatch",  # a model flagged tokenizer_mismatch
     "KvrouteRoutingStateStale",  # routing state stale on a proxy
     "KvrouteReplicaDown",
+    "KvrouteReplicasStale",  # replicas kept routed while the control plane hears nothing
     "KvrouteSidecarEventsLost",  # sidecar event gaps
     "KvrouteControlPlaneNoLeader",
 }
