@@ -4,7 +4,7 @@
 PY ?= .venv/bin/python
 BIN := $(dir $(PY))
 
-.PHONY: help check format format-check lint typecheck imports proto proto-check docs native clean-native test test-unit bench-micro
+.PHONY: help check format format-check lint typecheck imports proto proto-check docs native clean-native test test-unit bench-micro check-integrations
 
 help:  ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -50,6 +50,16 @@ test: native  ## Every test: unit, integration (real NATS, etcd, PostgreSQL) and
 
 test-unit: native  ## Only the tests that need no servers.
 	$(PY) -m pytest tests/unit
+
+INTEGRATIONS := .venv-integrations
+check-integrations:  ## LiteLLM and guidellm against kvroute up, offline (own venv: several GB, guidellm needs torch).
+	@test -x $(INTEGRATIONS)/bin/python || $(PY) -m venv $(INTEGRATIONS)
+	@want=$$(sha256sum pyproject.toml | cut -d' ' -f1); \
+	if [ "$$(cat $(INTEGRATIONS)/.installed 2>/dev/null)" != "$$want" ]; then \
+	  echo "check-integrations: installing kvroute[integrations] into $(INTEGRATIONS)"; \
+	  $(INTEGRATIONS)/bin/python -m pip install -q -e '.[integrations]' && echo "$$want" > $(INTEGRATIONS)/.installed; \
+	fi
+	cd integrations && ../$(INTEGRATIONS)/bin/python -m pytest -c pytest.ini .
 
 bench-micro:  ## The routing core's micro benchmarks, each figure beside its target.
 	$(PY) -m bench.micro
