@@ -484,6 +484,20 @@ async def test_three_pipelined_requests_then_the_clients_eof_get_three_answers()
 
 
 @on_both_loops
+async def test_a_clients_eof_while_its_lone_request_runs_cancels_it_as_a_client_gone() -> None:
+    """A client that closes its side while its only request runs is gone (as nginx takes
+    it): the handler is cancelled at once, so the engine stops, rather than answered."""
+    echo = Echo()
+    async with serving(echo) as (_, connect):
+        client = await connect()
+        await client.send(b"GET /stream?100000 HTTP/1.1\r\nhost: t\r\n\r\n")
+        await echo.stream_started.wait()
+        client.writer.write_eof()
+        await asyncio.wait_for(echo.cancelled.wait(), 10)
+        assert not echo.finished.is_set()
+
+
+@on_both_loops
 async def test_a_body_over_the_limit_still_being_sent_gets_its_413_not_a_reset() -> None:
     """A chunked upload (no declared length) of 2 MiB against a 4 KiB limit: the client
     sends it all before it reads, as most clients do; the server answers 413 and reads
