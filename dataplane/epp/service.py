@@ -44,6 +44,8 @@ from kvruntime.tasks import BackgroundTasks
 log = logging.getLogger("dataplane.epp")
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 READY_SERVICES = ("", "readiness", EXT_PROC_SERVICE)
+HEALTH_SERVICES = ("liveness", *READY_SERVICES)
+METRICS_PAGES = ("/metrics", "/healthz", "/readyz")  # on the metrics port
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 

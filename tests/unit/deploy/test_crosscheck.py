@@ -31,6 +31,9 @@ from controlplane.injection import InjectionConfig, mutate_review
 from controlplane.main import load_settings as load_controlplane_settings
 from controlplane.service import ControlPlane
 from controlplane.settings import ControlPlaneSettings
+from dataplane.epp.main import load_settings as load_epp_settings
+from dataplane.epp.service import METRICS_PAGES as EPP_PAGES
+from dataplane.epp.settings import EppSettings
 from dataplane.http_server import HttpServer
 from dataplane.main import load_settings as load_proxy_settings
 from dataplane.service import ProxyService
@@ -133,6 +136,12 @@ COMPONENTS: dict[str, Component] = {
         load_controlplane_settings,
         controlplane_serves,
         lambda s: {s.admin_port, s.grpc_port},
+    ),
+    "kvroute/epp": Component(
+        EppSettings,
+        load_epp_settings,
+        lambda settings, port, path: port == settings.metrics_port and path in EPP_PAGES,
+        lambda s: {s.grpc_port, s.health_port, s.metrics_port},
     ),
     "kvroute/proxy": Component(
         ProxySettings,
