@@ -62,12 +62,14 @@ class CircuitBreakers:
         breaker.open_until, breaker.probing = math.inf, False
         self._recompute(now)
 
-    def suspects(self) -> dict[str, str]:
-        """Suspect replica ids and the base URLs to probe."""
-        return {r: b.suspect_url for r, b in self._breakers.items() if b.suspect_url}
+    def suspects(self) -> dict[str, tuple[int, str]]:
+        """Suspect replica ids, each with the ordinal it is excluded by and the base URL
+        its probes go to."""
+        return {r: (b.ordinal, b.suspect_url) for r, b in self._breakers.items() if b.suspect_url}
 
     def on_probe_answered(self, replica_id: str, now: float) -> None:
-        """A suspect replica's probe answered: routable again, its failures forgotten."""
+        """A suspect replica's probe answered, or it left the fleet (or its ordinal went
+        to another replica): routable again, its failures forgotten."""
         if self._breakers.pop(replica_id, None) is not None:
             self._recompute(now)
 

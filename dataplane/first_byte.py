@@ -33,9 +33,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from dataplane.breaker import CircuitBreakers
+from dataplane.endpoints import Endpoint
 from dataplane.upstream import Retriable, Upstream
 
 log = logging.getLogger("dataplane")
@@ -115,19 +116,29 @@ class FirstByteDeadlines:
                 task.cancel()
 
 
+class Replicas(Protocol):
+    """Where the fleet's replicas are now (``FleetState``)."""
+
+    def endpoint(self, ordinal: int) -> Endpoint | None: ...
+
+
 class SuspectProber:
     """Probes each suspect replica's ``/health`` every ``interval_s`` (each probe bounded
-    by ``timeout_s``); the first 2xx answer makes it routable again."""
+    by ``timeout_s``); the first 2xx answer makes it routable again. A suspect that left
+    the fleet, or whose ordinal now names another replica, is forgotten rather than
+    probed: suspicion has no end in time, and it must not keep another replica out."""
 
     def __init__(
         self,
         breakers: CircuitBreakers,
+        replicas: Replicas,
         upstream: Upstream,
         interval_s: float,
         timeout_s: float,
         clock: Callable[[], float],
     ) -> None:
         self.breakers = breakers
+        self.replicas = replicas
         self.upstream = upstream
         self.interval_s = interval_s
         self.timeout_s = timeout_s
@@ -135,16 +146,27 @@ class SuspectProber:
 
     async def run(self) -> None:
         while True:
-            suspects = self.breakers.suspects()
-            if suspects:
-                await asyncio.gather(*(self._probe(r, url) for r, url in suspects.items()))
+            await self.probe_all()
             await asyncio.sleep(self.interval_s)  # the probes' period
+
+    async def probe_all(self) -> None:
+        probes = []
+        for replica_id, (ordinal, base_url) in self.breakers.suspects().items():
+            endpoint = self.replicas.endpoint(ordinal)
+            if endpoint is None or endpoint.replica_id != replica_id:
+                self.breakers.on_probe_answered(replica_id, self._clock())
+            else:
+                probes.append(self._probe(replica_id, base_url))
+        await asyncio.gather(*probes)
 
     async def _probe(self, replica_id: str, base_url: str) -> None:
         try:
             async with asyncio.timeout(self.timeout_s):
                 opened = await self.upstream.open("GET", base_url + HEALTH_PATH, b"", ())
         except (Retriable, TimeoutError):
+            return
+        except Exception:  # a bug here must not end the probes: the replica stays out
+            log.exception("probe failed", extra={"replica": replica_id})
             return
         opened.release()
         if opened.status < 300:

@@ -96,6 +96,7 @@ class ProxyService:
         )
         self.prober = SuspectProber(
             self.breakers,
+            self.fleet,
             self.upstream,
             settings.probe_interval_s,
             settings.probe_timeout_s,

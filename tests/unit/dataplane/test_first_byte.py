@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 
 from dataplane.breaker import CircuitBreakers
-from dataplane.first_byte import FirstByteDeadlines
+from dataplane.endpoints import Endpoint
+from dataplane.first_byte import FirstByteDeadlines, SuspectProber
+from dataplane.upstream import Opened, Retriable, Upstream
 
 
 def deadlines() -> FirstByteDeadlines:
@@ -47,7 +50,7 @@ def test_a_suspect_is_out_until_its_probe_answers_whatever_fails_meanwhile() -> 
     breakers = CircuitBreakers(failures=5, open_s=5.0)
     breakers.suspect("r1", 1, "http://h:1", now=0.0)
     assert breakers.excluded(0.0) == {1}
-    assert breakers.suspects() == {"r1": "http://h:1"}
+    assert breakers.suspects() == {"r1": (1, "http://h:1")}
     breakers.on_failure("r1", 1, now=1.0)
     assert breakers.excluded(1e9) == {1}  # no end in time
     breakers.on_probe_answered("r1", now=2.0)
@@ -102,3 +105,31 @@ async def test_a_client_going_away_is_still_a_cancellation() -> None:
     request.cancel()
     with pytest.raises(asyncio.CancelledError):
         await request
+
+
+class Fleet:
+    """The replicas' endpoints by ordinal, as FleetState gives them."""
+
+    def __init__(self, **replicas: int) -> None:
+        self.by_ordinal = {
+            o: Endpoint(o, r, "p", f"http://h/{r}", "m", (), "") for r, o in replicas.items()
+        }
+
+    def endpoint(self, ordinal: int) -> Endpoint | None:
+        return self.by_ordinal.get(ordinal)
+
+
+class Unreachable(Upstream):
+    async def open(self, method: str, url: str, body: bytes, headers: Any) -> Opened:
+        raise Retriable(f"cannot reach {url}", "connect")
+
+
+async def test_a_suspect_gone_from_the_fleet_or_renumbered_is_forgotten_not_probed() -> None:
+    breakers = CircuitBreakers(failures=5, open_s=5.0)
+    for replica, ordinal in (("r0", 0), ("r1", 1), ("r2", 2)):
+        breakers.suspect(replica, ordinal, f"http://h/{replica}", now=0.0)
+    fleet = Fleet(r0=0, r9=1)  # r1's ordinal now names r9; r2 left
+    prober = SuspectProber(breakers, fleet, Unreachable(1.0, 1.0), 0.5, 1.0, clock=lambda: 1.0)
+    await prober.probe_all()
+    assert list(breakers.suspects()) == ["r0"]  # still unreachable: still out
+    assert breakers.excluded(1.0) == {0}
