@@ -59,6 +59,7 @@ check-integrations:  ## LiteLLM and guidellm against kvroute up, offline (own ve
 	  echo "check-integrations: installing kvroute[integrations] into $(INTEGRATIONS)"; \
 	  $(INTEGRATIONS)/bin/python -m pip install -q -e '.[integrations]' && echo "$$want" > $(INTEGRATIONS)/.installed; \
 	fi
+	$(INTEGRATIONS)/bin/python -m pytest -q tests/unit/enginesim/test_sim_model_files.py  # with transformers
 	cd integrations && ../$(INTEGRATIONS)/bin/python -m pytest -c pytest.ini .
 
 bench-micro:  ## The routing core's micro benchmarks, each figure beside its target.
