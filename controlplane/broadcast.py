@@ -20,13 +20,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from controlplane.changes import ChangeLog
 from controlplane.contracts import ConfigSource
 from controlplane.fleet import Fleet
 from controlplane.fleet_view import replica_pb
+from kvcore.index.base import U64
+from kvcore.index.columns import keys_by_replica, restricted, to_columns
 from kvcore.pb import routing_pb2
 
 HEARTBEAT_S = 1.0
@@ -117,7 +119,7 @@ class Broadcaster:
         self.watchers: set[Watcher] = set()
         self.stats = BroadcastStats()
         self._changed = asyncio.Event()
-        self._snapshot_cache: tuple[int, frozenset[str] | None, list[bytes]] | None = None
+        self._snapshot_cache: tuple[int, frozenset[str] | None, bool, list[bytes]] | None = None
         fleet.changes.on_change = self._changed.set
         config.subscribe(fleet.changes.config_changed)
 
@@ -186,14 +188,22 @@ class Broadcaster:
 
     # -- watchers ------------------------------------------------------------------------
     def watch(
-        self, pools: frozenset[str] | None, have_epoch: int, have_version: int
+        self,
+        pools: frozenset[str] | None,
+        have_epoch: int,
+        have_version: int,
+        *,
+        columns: bool = False,
     ) -> tuple[Watcher, list[bytes]]:
         """Register a watcher and return what it must receive first: the versions it
-        missed, or a snapshot. Synchronous, so nothing changes in between."""
+        missed, or a snapshot (its residency as columns if ``columns``). Synchronous,
+        so nothing changes in between."""
         watcher = Watcher(pools, self.queue_limit)
         self.watchers.add(watcher)
         missed = self._missed(pools, have_epoch, have_version)
-        return watcher, missed if missed is not None else self.snapshot(pools)
+        if missed is not None:
+            return watcher, missed
+        return watcher, self.snapshot(pools, columns=columns)
 
     def unwatch(self, watcher: Watcher) -> None:
         self.watchers.discard(watcher)
@@ -210,55 +220,59 @@ class Broadcaster:
         return [v.for_pools(pools) for v in self.ring if v.version > have_version]
 
     # -- snapshots -----------------------------------------------------------------------
-    def snapshot(self, pools: frozenset[str] | None) -> list[bytes]:
+    def snapshot(self, pools: frozenset[str] | None, *, columns: bool = False) -> list[bytes]:
         """The state of ``pools`` as serialized chunks, each below ``chunk_bytes``."""
         cached = self._snapshot_cache
-        if cached is not None and cached[:2] == (self.version, pools):
-            return cached[2]
-        chunks = list(self._chunks(pools))
-        self._snapshot_cache = (self.version, pools, chunks)
+        if cached is not None and cached[:3] == (self.version, pools, columns):
+            return cached[3]
+        chunks = list(self._chunks(pools, columns))
+        self._snapshot_cache = (self.version, pools, columns, chunks)
         self.stats.snapshots += 1
         return chunks
 
-    def _chunks(self, pools: frozenset[str] | None) -> Iterator[bytes]:
+    def _chunks(self, pools: frozenset[str] | None, columns: bool) -> Iterator[bytes]:
         records = self.fleet.replicas_in(pools)
         chunk = routing_pb2.SnapshotChunk(chunk_index=0)
         chunk.config.CopyFrom(self.config.current())
         chunk.replicas.extend(replica_pb(r) for r in records)
         chunk.shards.extend(s for s in self.shards() if pools is None or s.pool in pools)
+        keys, masks = restricted(*self.fleet.index.residency(), [r.ordinal for r in records])
+        if columns:
+            yield from self._column_chunks(chunk, keys, masks)
+            return
         room = self.chunk_bytes - chunk.ByteSize() - _CHUNK_SLACK
-        for ordinal, keys in residency_by_replica(self.fleet, [r.ordinal for r in records]):
+        for ordinal, held in keys_by_replica(keys, masks):
+            keys_of_replica: list[int] = held.tolist()
             start = 0
-            while start < len(keys):
+            while start < len(keys_of_replica):
                 if room < 64 * _FIXED64:
                     yield self._chunk_update(chunk, last=False)
                     chunk = routing_pb2.SnapshotChunk(chunk_index=chunk.chunk_index + 1)
                     room = self.chunk_bytes - _CHUNK_SLACK
-                part = keys[start : start + room // _FIXED64 - 4]
+                part = keys_of_replica[start : start + room // _FIXED64 - 4]
                 chunk.residency.add(ordinal=ordinal, keys=part)
                 room -= (len(part) + 4) * _FIXED64
                 start += len(part)
         yield self._chunk_update(chunk, last=True)
 
+    def _column_chunks(
+        self, chunk: routing_pb2.SnapshotChunk, keys: U64, masks: U64
+    ) -> Iterator[bytes]:
+        """The rows cut into chunks' ``residency_columns``, each chunk below the size."""
+        per_row = _FIXED64 * (1 + masks.shape[1])
+        start = 0
+        while True:
+            rows = max(1, (self.chunk_bytes - chunk.ByteSize() - _CHUNK_SLACK) // per_row)
+            end = min(start + rows, keys.size)
+            to_columns(chunk.residency_columns, keys[start:end], masks[start:end])
+            if end == keys.size:
+                yield self._chunk_update(chunk, last=True)
+                return
+            yield self._chunk_update(chunk, last=False)
+            chunk = routing_pb2.SnapshotChunk(chunk_index=chunk.chunk_index + 1)
+            start = end
+
     def _chunk_update(self, chunk: routing_pb2.SnapshotChunk, *, last: bool) -> bytes:
         chunk.last_chunk = last
         update = routing_pb2.StateUpdate(epoch=self.epoch, version=self.version, snapshot=chunk)
         return update.SerializeToString()
-
-
-def residency_by_replica(fleet: Fleet, ordinals: Iterable[int]) -> list[tuple[int, list[int]]]:
-    """Each wanted replica's keys, from one pass over the index grouped by holder mask."""
-    wanted = 0
-    for ordinal in ordinals:
-        wanted |= 1 << ordinal
-    by_mask: defaultdict[int, list[int]] = defaultdict(list)
-    for key, mask in fleet.index.holdings():
-        if mask & wanted:
-            by_mask[mask & wanted].append(key)
-    keys: defaultdict[int, list[int]] = defaultdict(list)
-    for mask, held in by_mask.items():
-        while mask:
-            low = mask & -mask
-            keys[low.bit_length() - 1].extend(held)
-            mask ^= low
-    return sorted(keys.items())

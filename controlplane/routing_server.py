@@ -64,7 +64,12 @@ class RoutingStateService:
         self, request: routing_pb2.WatchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
         pools = await self._pools(request, context)
-        watcher, first = self.broadcaster.watch(pools, request.have_epoch, request.have_version)
+        watcher, first = self.broadcaster.watch(
+            pools,
+            request.have_epoch,
+            request.have_version,
+            columns=request.residency_columns,
+        )
         try:
             for update in first:
                 yield update

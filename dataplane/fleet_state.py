@@ -45,8 +45,9 @@ from dataplane.endpoints import Endpoint as Endpoint  # re-exported: callers imp
 from dataplane.errors import SnapshotNeeded
 from dataplane.fleet_config import DEFAULT_ROUTING, FleetConfig, InvalidConfig, fleet_config
 from dataplane.prefill_books import DEFAULT_STEP_S, PrefillBooks
-from kvcore.index import BitmaskResidencyIndex
+from kvcore.index import BitmaskResidencyIndex, ResidencyIndex
 from kvcore.index.base import MAX_REPLICA_ORDINAL
+from kvcore.index.columns import BadColumns, from_columns, words_of
 from kvcore.pb import events_pb2, routing_pb2
 from kvcore.policies import Decision, InflightLedger, ReplicaState
 from kvcore.policies.board import ReplicaBoard
@@ -55,6 +56,7 @@ from kvcore.workload import RoutingConfig
 HEALTHY = routing_pb2.REPLICA_STATUS_HEALTHY
 DEFAULT_CAPACITY = 256  # a replica that does not announce max_num_seqs
 STEP_KEYS = 2_000  # residency keys applied between two yields to the event loop
+STEP_ROWS = 8_192  # residency columns' rows applied between two yields
 
 
 @dataclass(slots=True)  # one per request; a frozen init costs 3x (read-only by convention)
@@ -97,7 +99,7 @@ class _Pending:
     version: int
     config: FleetConfig
     replicas: dict[int, routing_pb2.Replica] = field(default_factory=dict)
-    index: BitmaskResidencyIndex = field(default_factory=BitmaskResidencyIndex)
+    index: ResidencyIndex = field(default_factory=BitmaskResidencyIndex)
     next_chunk: int = 0
 
 
@@ -162,8 +164,10 @@ class FleetState:
         max_age_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         prefill_step_s: float = DEFAULT_STEP_S,
+        index: Callable[[], ResidencyIndex] = BitmaskResidencyIndex,
     ) -> None:
         self.max_age_s = max_age_s
+        self._new_index = index
         self._default_routing = default_routing
         self._clock = clock
         self._config = FleetConfig(routing=default_routing)
@@ -175,7 +179,7 @@ class FleetState:
         self._canonical: dict[str, str] = {}
         self._block_sizes: dict[str, int] = {}  # canonical model -> announced router block size
         self._base_models: list[str] = []  # the replicas' own models (not aliases), sorted
-        self._index = BitmaskResidencyIndex()
+        self._index = index()
         self._ledger = InflightLedger()
         self._books = PrefillBooks(clock, prefill_step_s)
         self._ledger_keys: dict[str, int] = {}
@@ -191,6 +195,7 @@ class FleetState:
         # resolves to (canonical id, registry entry, block size) may be kept until then
         self.generation = 0
         self.ignored = 0  # malformed entries skipped (ordinal out of range or unknown)
+        self.refused = 0  # snapshot chunks refused (residency columns not as their header says)
         self.static = False  # --static-replicas: no control plane, never any residency
 
     # -- building ---------------------------------------------------------------
@@ -271,7 +276,8 @@ class FleetState:
         self, epoch: int, version: int, chunk: routing_pb2.SnapshotChunk
     ) -> Iterator[None]:
         if chunk.chunk_index == 0:
-            self._pending = _Pending(epoch, version, self._chunk_config(chunk))
+            config = self._chunk_config(chunk)
+            self._pending = _Pending(epoch, version, config, index=self._new_index())
         pending = self._pending
         if pending is None or (epoch, version, chunk.chunk_index) != (
             pending.epoch,
@@ -291,8 +297,32 @@ class FleetState:
                 yield from _add_in_steps(pending.index, blocks.ordinal, blocks.keys)
             else:
                 self.ignored += 1
+        if chunk.HasField("residency_columns"):
+            yield from self._column_rows(pending, chunk.residency_columns)
         if chunk.last_chunk:
             self._swap_in(pending)
+
+    def _column_rows(
+        self, pending: _Pending, columns: routing_pb2.ResidencyColumns
+    ) -> Iterator[None]:
+        """A chunk's residency columns into the snapshot being built, ``STEP_ROWS`` rows
+        a step; bits of replicas the snapshot does not list are dropped (counted in
+        ``ignored``); buffers not as their header says refuse the chunk."""
+        try:
+            keys, masks = from_columns(columns)
+        except BadColumns as exc:
+            self.refused += 1
+            raise SnapshotNeeded(f"snapshot chunk refused: {exc}") from exc
+        known = words_of(sum(1 << o for o in pending.replicas), masks.shape[1])
+        stray = (masks & ~known).any(axis=1)
+        if stray.any():
+            self.ignored += int(stray.sum())
+            masks = masks & known
+        for start in range(0, keys.size, STEP_ROWS):
+            pending.index.add_rows(
+                keys[start : start + STEP_ROWS], masks[start : start + STEP_ROWS]
+            )
+            yield
 
     def _chunk_config(self, chunk: routing_pb2.SnapshotChunk) -> FleetConfig:
         if not chunk.HasField("config"):
@@ -719,9 +749,7 @@ def _recounted(state: ReplicaState, unreported: int, queued: float | None) -> Re
     )
 
 
-def _add_in_steps(
-    index: BitmaskResidencyIndex, ordinal: int, keys: Sequence[int]
-) -> Iterator[None]:
+def _add_in_steps(index: ResidencyIndex, ordinal: int, keys: Sequence[int]) -> Iterator[None]:
     for start in range(0, len(keys), STEP_KEYS):
         index.add(ordinal, keys[start : start + STEP_KEYS])
         yield

@@ -132,6 +132,7 @@ class StateClient:
             "age_s": round(self.state.age_s(), 3),
             "reconnects": self.reconnects,
             "snapshots": self.snapshots,
+            "refused_chunks": self.state.refused,
             "last_error": self.last_error,
         }
 
@@ -182,7 +183,11 @@ class StateClient:
     async def _watch_once(self, watch: Any, address: str) -> bool:
         epoch, version = self.state.position()
         request = routing_pb2.WatchRequest(
-            proxy_id=self._proxy_id, pools=self._pools, have_epoch=epoch, have_version=version
+            proxy_id=self._proxy_id,
+            pools=self._pools,
+            have_epoch=epoch,
+            have_version=version,
+            residency_columns=True,
         )
         call = watch(request)
         received = False

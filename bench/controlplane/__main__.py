@@ -2,7 +2,8 @@
 its target (all by default). Loopback only; every part stops by itself.
 
 Options: ``--events N`` (ingest, default 2,000,000), ``--keys N`` (memory and snapshot,
-default 1,000,000), ``--rate N`` and ``--seconds S`` (latency, default 50,000 and 10).
+default 1,000,000; the key-list snapshot only up to 2M), ``--rate N`` and ``--seconds S``
+(latency, default 50,000 and 10).
 Exit status 1 when a target is missed.
 """
 
@@ -46,10 +47,24 @@ def memory_rows(keys: int) -> list[Row]:
 
 
 def snapshot_rows(keys: int) -> list[Row]:
+    built, sent, cpu, chunks = asyncio.run(inprocess.column_snapshot_times(keys))
+    at_scale = keys >= 10_000_000
+    rows: list[Row] = [
+        (f"columns snapshot of {keys:,} keys built", f"{built:.2f} s ({chunks} chunks)", "", None),
+        (
+            "  built + sent over gRPC + applied by a proxy (compact index)",
+            f"{cpu:.2f} s of CPU ({sent:.2f} s of wall time)",
+            "<= 5 s CPU" if at_scale else "(at 10M keys)",
+            cpu <= 5.0 if at_scale else None,
+        ),
+    ]
+    if keys > 2_000_000:
+        return rows
     built, sent, chunks = asyncio.run(inprocess.snapshot_times(keys))
     return [
-        (f"snapshot of {keys:,} keys built", f"{built:.2f} s ({chunks} chunks)", "(part)", None),
-        ("snapshot built + sent over gRPC + applied", f"{sent:.2f} s", "<= 2 s", sent <= 2.0),
+        *rows,
+        (f"key-list snapshot of {keys:,} keys built", f"{built:.2f} s ({chunks} chunks)", "", None),
+        ("  built + sent over gRPC + applied to sets", f"{sent:.2f} s", "<= 2 s", sent <= 2.0),
     ]
 
 

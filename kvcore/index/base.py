@@ -13,6 +13,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
+import numpy as np
+import numpy.typing as npt
+
+U64 = npt.NDArray[np.uint64]
+
 MAX_REPLICA_ORDINAL = 4095
 
 
@@ -75,6 +80,16 @@ class ResidencyIndex(Protocol):
 
     def keys_of(self, replica: int) -> list[int]:
         """The confirmed keys ``replica`` holds (any order)."""
+        ...
+
+    def residency(self) -> tuple[U64, U64]:
+        """Every confirmed key with its bitset, as columns (:mod:`kvcore.index.columns`):
+        a snapshot's contents without a Python object per key. A copy."""
+        ...
+
+    def add_rows(self, keys: U64, masks: U64) -> None:
+        """Columns added (each key's replicas join those it had): a snapshot loaded.
+        Distinct keys, as a snapshot's are."""
         ...
 
 

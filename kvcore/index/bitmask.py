@@ -44,7 +44,8 @@ from dataclasses import dataclass
 from itertools import accumulate, count, groupby, repeat, takewhile
 from operator import and_
 
-from kvcore.index.base import check_replica
+from kvcore.index.base import U64, check_replica
+from kvcore.index.columns import add_by_replica, from_holdings
 
 _NOTHING: dict[int, int] = {}
 
@@ -229,6 +230,12 @@ class BitmaskResidencyIndex:
             return iter(self._masks.items())
         visible = ~self._hidden
         return ((k, m & visible) for k, m in self._masks.items() if m & visible)
+
+    def residency(self) -> tuple[U64, U64]:
+        return from_holdings(self.holdings())
+
+    def add_rows(self, keys: U64, masks: U64) -> None:
+        add_by_replica(self, keys, masks)
 
     def keys_of(self, replica: int) -> list[int]:
         bit = 1 << check_replica(replica) & ~self._hidden

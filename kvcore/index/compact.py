@@ -22,6 +22,7 @@ Rules:
 
 from __future__ import annotations
 
+import random
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -29,12 +30,12 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvcore.index.base import check_replica
+from kvcore.index.base import U64, check_replica
 from kvcore.index.bitmask import BitmaskResidencyIndex, _bits, _short_runs
-from kvcore.index.hashtable import U64, KeyTable
+from kvcore.index.columns import joined, rows_of, words_of
+from kvcore.index.hashtable import KeyTable
 
 _SCALAR_KEYS = 32  # prompts and batches up to this many keys are handled key by key
-_M64 = (1 << 64) - 1
 
 
 @dataclass(slots=True)
@@ -48,7 +49,7 @@ class CompactResidencyIndex:
     """Residency in numpy arrays; see the module docstring. Not thread-safe."""
 
     def __init__(self) -> None:
-        self._table = KeyTable()
+        self._table = KeyTable(multiplier=random.getrandbits(64) | 1 << 63 | 1)
         self._zero = 0  # key 0's holders
         self._live = 0  # keys in the table with a bit set (hidden ones included)
         self._counts: dict[int, int] = {}
@@ -213,19 +214,56 @@ class CompactResidencyIndex:
         for start in range(0, keys.size, step):
             rows = masks[start : start + step].tolist()
             for key, words in zip(keys[start : start + step].tolist(), rows, strict=True):
-                yield key, _joined(words)
+                yield key, joined(words)
 
     def residency(self) -> tuple[U64, U64]:
         """Every confirmed key (``uint64``) and its bitset (``uint64`` rows, replica ``r``
         at bit ``r % 64`` of word ``r // 64``), as arrays: a snapshot's contents without
         a Python object per key. Copies; the index may change afterwards."""
-        hidden = _words(self._hidden, self._table.words) if self._hidden else None
+        hidden = words_of(self._hidden, self._table.words) if self._hidden else None
         keys, masks = self._table.live_rows(hidden)
         zero = self._zero & ~self._hidden
         if zero:
             keys = np.concatenate([np.zeros(1, dtype=np.uint64), keys])
-            masks = np.concatenate([_words(zero, masks.shape[1])[None, :], masks])
+            masks = np.concatenate([words_of(zero, masks.shape[1])[None, :], masks])
         return keys, masks
+
+    def add_rows(self, keys: U64, masks: U64) -> None:
+        """Each key's replicas (a row of ``masks``) join those it had; distinct keys,
+        as a snapshot's are (a key repeated in one call is counted twice)."""
+        for replica in list(self._clearing):
+            self._finish_clearing(replica)
+        table = self._table
+        table.widen(masks.shape[1])
+        rows = np.zeros((keys.size, table.words), dtype=np.uint64)
+        rows[:, : masks.shape[1]] = masks
+        held = rows.any(axis=1)
+        keys, rows = keys[held], rows[held]
+        zero = keys == 0
+        if zero.any():
+            self._add_zero_rows(rows[zero])
+            keys, rows = keys[~zero], rows[~zero]
+        slots, ends = table.probe(keys)
+        known = slots < table.capacity
+        had = table.masks[slots[known]]
+        gained = rows[known] & ~had
+        self._live += int(np.count_nonzero(~had.any(axis=1)))
+        table.masks[slots[known]] = had | rows[known]
+        fresh = rows[~known]
+        if fresh.size:
+            hint = ends[~known] if self._make_room(len(fresh)) else None
+            self._table.masks[self._table.insert(keys[~known], hint)] = fresh
+            self._live += len(fresh)
+        for replica, count in _bit_counts(np.concatenate([gained, fresh])).items():
+            self._counts[replica] = self._counts.get(replica, 0) + count
+
+    def _add_zero_rows(self, rows: U64) -> None:
+        mask = 0
+        for row in rows.tolist():
+            mask |= joined(row)
+        for replica in _bits(mask & ~self._zero):
+            self._counts[replica] = self._counts.get(replica, 0) + 1
+        self._zero |= mask
 
     def keys_of(self, replica: int) -> list[int]:
         check_replica(replica)
@@ -268,11 +306,11 @@ class CompactResidencyIndex:
         table = self._table
         held = np.take(table.masks, table.find(batch), axis=0)
         if self._zero:
-            held[batch == 0] = _words(self._zero, table.words)
+            held[batch == 0] = words_of(self._zero, table.words)
         if speculative is not None and any(speculative):
-            held |= _rows(speculative, table.words)
+            held |= rows_of(speculative, table.words)
         if self._hidden:
-            held &= ~_words(self._hidden, table.words)
+            held &= ~words_of(self._hidden, table.words)
         return held
 
     def _make_room(self, more: int) -> bool:
@@ -335,7 +373,7 @@ def _runs_of(held: U64) -> dict[int, int]:
     if single:
         values: list[int] = flat[rows].tolist()
     else:
-        values = [_joined(row) for row in live[rows].tolist()]
+        values = [joined(row) for row in live[rows].tolist()]
     runs: dict[int, int] = {}
     for row, value, following in zip(rows.tolist(), values, [*values[1:], 0], strict=True):
         for replica in _bits(value & ~following):
@@ -343,21 +381,8 @@ def _runs_of(held: U64) -> dict[int, int]:
     return runs
 
 
-def _joined(words: list[int]) -> int:
-    """A row of 64-bit words as one mask."""
-    if len(words) == 1:
-        return words[0]
-    return sum(word << (64 * i) for i, word in enumerate(words))
-
-
-def _words(mask: int, words: int) -> U64:
-    """``mask`` as a row of ``words`` 64-bit words (bits beyond them dropped)."""
-    return np.array([(mask >> (64 * i)) & _M64 for i in range(words)], dtype=np.uint64)
-
-
-def _rows(masks: list[int], words: int) -> U64:
-    """Masks as rows of ``words`` 64-bit words."""
-    if words == 1:
-        return np.array(masks, dtype=np.uint64)[:, None]
-    columns = [[(m >> (64 * i)) & _M64 for m in masks] for i in range(words)]
-    return np.array(columns, dtype=np.uint64).T
+def _bit_counts(rows: U64) -> dict[int, int]:
+    """How many rows have each replica's bit, for the replicas with any."""
+    bits = np.unpackbits(rows.astype("<u8").view(np.uint8), axis=1, bitorder="little")
+    counts = bits.sum(axis=0, dtype=np.int64)
+    return {int(r): int(counts[r]) for r in np.flatnonzero(counts)}

@@ -12,6 +12,9 @@ Rules:
 - a removed key keeps its slot with an all-zero bitset (a tombstone: probes pass over
   it, the same key revives it); new keys take the first never-used slot of their probe
   sequence, so tombstones are reclaimed only when the table is rebuilt;
+- a key's home is the top bits of key * ``multiplier`` (odd); tables of different
+  processes should differ in it, else one table's keys in slot order (a snapshot) are
+  sorted by their home in the next and pile up there while it is small;
 - probes are triangular (home, +1, +3, +6, ...), which visit every slot of a power-of-two
   table and do not cluster as linear probes do; after the home slot, ``_WINDOW`` probes
   are read at once;
@@ -27,14 +30,14 @@ from functools import cache
 import numpy as np
 import numpy.typing as npt
 
-U64 = npt.NDArray[np.uint64]
+from kvcore.index.base import U64
+
 I64 = npt.NDArray[np.int64]
 
 MAX_LOAD = 0.7  # used slots (live and tombstones) / capacity before a rebuild
 _MIN_BITS = 10
 _WINDOW = 8  # probes read at once after the home slot
-_MUL = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: the top bits of key * 2^64/phi
-_MUL_INT = 0x9E3779B97F4A7C15
+FIBONACCI = 0x9E3779B97F4A7C15  # 2^64 / phi: multiplicative hashing's classic multiplier
 _M64 = (1 << 64) - 1
 
 
@@ -48,13 +51,15 @@ def _offsets(window: int) -> I64:
 class KeyTable:
     """The arrays and their probing; the residency rules live in the index above it."""
 
-    def __init__(self, bits: int = _MIN_BITS, words: int = 1) -> None:
+    def __init__(self, bits: int = _MIN_BITS, words: int = 1, multiplier: int = FIBONACCI) -> None:
         self.bits = bits
+        self.multiplier = multiplier
         self.capacity = 1 << bits
         self.keys: U64 = np.zeros(self.capacity + 1, dtype=np.uint64)
         self.masks: U64 = np.zeros((self.capacity + 1, words), dtype=np.uint64)
         self.filled = 0  # slots ever used since the last rebuild
         self._shift = np.uint64(64 - bits)
+        self._mul = np.uint64(multiplier)
         # the same memory, read and written one element at a time as Python ints
         # (twice as fast as ndarray.item and item assignment)
         self.key_view = self.keys.data
@@ -78,7 +83,7 @@ class KeyTable:
     def probe(self, keys: U64) -> tuple[I64, I64]:
         """``find``, and where each absent key's probe ended (the never-used slot
         :meth:`insert` would give it; ``capacity`` for the others)."""
-        home = ((keys * _MUL) >> self._shift).view(np.int64)
+        home = ((keys * self._mul) >> self._shift).view(np.int64)
         found = np.take(self.keys, home)
         hit = found == keys
         slots = np.where(hit, home, self.capacity)
@@ -109,7 +114,7 @@ class KeyTable:
         """``probe`` of one (non-zero) key, in plain Python: its slot, or ``capacity``
         and the never-used slot its probe ended at."""
         wrap, keys = self.capacity - 1, self.key_view
-        slot = ((key * _MUL_INT) & _M64) >> (64 - self.bits)
+        slot = ((key * self.multiplier) & _M64) >> (64 - self.bits)
         step = 0
         while True:
             found = keys[slot]
@@ -140,7 +145,7 @@ class KeyTable:
         room (:meth:`has_room`). Keys probing the same free slot in one round all write
         it; the one written takes it, the others probe on. ``ends``, where their
         :meth:`probe` ended (the table unchanged since), saves probing again."""
-        home = ((keys * _MUL) >> self._shift).view(np.int64)
+        home = ((keys * self._mul) >> self._shift).view(np.int64)
         slots = np.empty(keys.size, dtype=np.int64)
         step = np.zeros(keys.size, dtype=np.int64)
         pending = np.arange(keys.size)
@@ -169,7 +174,7 @@ class KeyTable:
         """A table holding this one's live keys (tombstones dropped), at most half full
         with ``live`` keys, so that it fills a while before its next rebuild."""
         bits = max(_MIN_BITS, (2 * live - 1).bit_length())
-        table = KeyTable(bits, self.words)
+        table = KeyTable(bits, self.words, self.multiplier)
         used = self.masks[: self.capacity].any(axis=1)
         slots = table.insert(self.keys[: self.capacity][used])
         table.masks[slots] = self.masks[: self.capacity][used]

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
-from kvcore.index.base import check_replica
+from kvcore.index.base import U64, check_replica
+from kvcore.index.columns import add_by_replica, from_holdings
 
 
 class ReferenceResidencyIndex:
@@ -80,6 +81,12 @@ class ReferenceResidencyIndex:
     def holdings(self) -> Iterator[tuple[int, int]]:
         for key, holders in self._holders.items():
             yield key, sum(1 << replica for replica in holders)
+
+    def residency(self) -> tuple[U64, U64]:
+        return from_holdings(self.holdings())
+
+    def add_rows(self, keys: U64, masks: U64) -> None:
+        add_by_replica(self, keys, masks)
 
     def keys_of(self, replica: int) -> list[int]:
         check_replica(replica)

@@ -20,16 +20,18 @@ REPLICA_STATUS_DRAINING: ReplicaStatus
 REPLICA_STATUS_UNHEALTHY: ReplicaStatus
 
 class WatchRequest(_message.Message):
-    __slots__ = ("proxy_id", "pools", "have_epoch", "have_version")
+    __slots__ = ("proxy_id", "pools", "have_epoch", "have_version", "residency_columns")
     PROXY_ID_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     HAVE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RESIDENCY_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     proxy_id: str
     pools: _containers.RepeatedScalarFieldContainer[str]
     have_epoch: int
     have_version: int
-    def __init__(self, proxy_id: _Optional[str] = ..., pools: _Optional[_Iterable[str]] = ..., have_epoch: _Optional[int] = ..., have_version: _Optional[int] = ...) -> None: ...
+    residency_columns: bool
+    def __init__(self, proxy_id: _Optional[str] = ..., pools: _Optional[_Iterable[str]] = ..., have_epoch: _Optional[int] = ..., have_version: _Optional[int] = ..., residency_columns: _Optional[bool] = ...) -> None: ...
 
 class Workload(_message.Message):
     __slots__ = ("name", "policy_json", "mod_revision")
@@ -142,6 +144,18 @@ class ResidencyChange(_message.Message):
     removed: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, ordinal: _Optional[int] = ..., cleared: _Optional[bool] = ..., added: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class ResidencyColumns(_message.Message):
+    __slots__ = ("count", "words", "keys", "masks")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    WORDS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    MASKS_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    words: int
+    keys: bytes
+    masks: bytes
+    def __init__(self, count: _Optional[int] = ..., words: _Optional[int] = ..., keys: _Optional[bytes] = ..., masks: _Optional[bytes] = ...) -> None: ...
+
 class PoolShard(_message.Message):
     __slots__ = ("pool", "shard", "leader_instance")
     POOL_FIELD_NUMBER: _ClassVar[int]
@@ -153,20 +167,22 @@ class PoolShard(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., shard: _Optional[str] = ..., leader_instance: _Optional[str] = ...) -> None: ...
 
 class SnapshotChunk(_message.Message):
-    __slots__ = ("chunk_index", "last_chunk", "config", "replicas", "shards", "residency")
+    __slots__ = ("chunk_index", "last_chunk", "config", "replicas", "shards", "residency", "residency_columns")
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     LAST_CHUNK_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     RESIDENCY_FIELD_NUMBER: _ClassVar[int]
+    RESIDENCY_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     chunk_index: int
     last_chunk: bool
     config: RoutingConfig
     replicas: _containers.RepeatedCompositeFieldContainer[Replica]
     shards: _containers.RepeatedCompositeFieldContainer[PoolShard]
     residency: _containers.RepeatedCompositeFieldContainer[ReplicaBlocks]
-    def __init__(self, chunk_index: _Optional[int] = ..., last_chunk: _Optional[bool] = ..., config: _Optional[_Union[RoutingConfig, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[PoolShard, _Mapping]]] = ..., residency: _Optional[_Iterable[_Union[ReplicaBlocks, _Mapping]]] = ...) -> None: ...
+    residency_columns: ResidencyColumns
+    def __init__(self, chunk_index: _Optional[int] = ..., last_chunk: _Optional[bool] = ..., config: _Optional[_Union[RoutingConfig, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[PoolShard, _Mapping]]] = ..., residency: _Optional[_Iterable[_Union[ReplicaBlocks, _Mapping]]] = ..., residency_columns: _Optional[_Union[ResidencyColumns, _Mapping]] = ...) -> None: ...
 
 class Delta(_message.Message):
     __slots__ = ("config", "replicas_upserted", "replicas_removed", "residency", "loads")

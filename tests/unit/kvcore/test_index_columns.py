@@ -1,0 +1,101 @@
+"""Residency as columns: every index gives and loads them alike, and the wire form
+refuses buffers that do not hold what their header says."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from kvcore.index import (
+    BitmaskResidencyIndex,
+    CompactResidencyIndex,
+    ReferenceResidencyIndex,
+    ResidencyIndex,
+)
+from kvcore.index.columns import BadColumns, from_columns, restricted, to_columns
+from kvcore.pb import routing_pb2
+
+IMPLEMENTATIONS: list[Callable[[], ResidencyIndex]] = [
+    BitmaskResidencyIndex,
+    CompactResidencyIndex,
+    ReferenceResidencyIndex,
+]
+BIG = 2**64 - 1
+
+
+@pytest.fixture(params=IMPLEMENTATIONS, ids=lambda f: f.__name__)
+def index(request: pytest.FixtureRequest) -> ResidencyIndex:
+    return request.param()  # type: ignore[no-any-return]
+
+
+def _filled(index: ResidencyIndex) -> ResidencyIndex:
+    rng = random.Random(2)
+    keys = [0, 1, BIG, *(rng.getrandbits(64) for _ in range(3000))]
+    index.add(0, keys)
+    index.add(5, keys[::3])
+    index.add(70, keys[1:200])  # a second word of bitset
+    index.remove(0, keys[10:20])
+    index.add_speculative(9, keys[:50], expires_at=5.0)  # not residency: left out
+    return index
+
+
+@pytest.mark.parametrize("source", IMPLEMENTATIONS, ids=lambda f: f.__name__)
+def test_columns_carry_one_index_into_another_key_for_key(
+    index: ResidencyIndex, source: Callable[[], ResidencyIndex]
+) -> None:
+    original = _filled(source())
+    keys, masks = original.residency()
+    assert keys.dtype == masks.dtype == np.uint64 and masks.shape == (keys.size, 2)
+    index.add_rows(keys, masks)
+    assert dict(index.holdings()) == dict(original.holdings())
+    for replica in (0, 5, 9, 70):
+        assert index.key_count(replica) == original.key_count(replica)
+    assert index.key_count() == original.key_count() == 3003  # those 0 lost, 70 holds
+    assert index.leading_runs([0, 1, BIG]) == original.leading_runs([0, 1, BIG])
+
+
+def test_rows_add_to_what_an_index_holds(index: ResidencyIndex) -> None:
+    index.add(1, [10, 11])
+    masks = np.array([[0b1000], [0b1010]], dtype=np.uint64)
+    index.add_rows(np.array([11, 12], dtype=np.uint64), masks)
+    assert dict(index.holdings()) == {10: 0b10, 11: 0b1010, 12: 0b1010}
+    assert (index.key_count(1), index.key_count(3)) == (3, 2)
+
+
+def test_a_snapshot_for_some_replicas_holds_only_their_bits() -> None:
+    index = _filled(CompactResidencyIndex())
+    keys, masks = restricted(*index.residency(), [5])
+    assert sorted(keys.tolist()) == sorted(index.keys_of(5))
+    assert set(masks[:, 0].tolist()) == {1 << 5} and not masks[:, 1].any()
+
+
+def test_columns_round_trip_through_the_wire_form() -> None:
+    keys, masks = _filled(CompactResidencyIndex()).residency()
+    message = routing_pb2.ResidencyColumns()
+    to_columns(message, keys, masks)
+    decoded = routing_pb2.ResidencyColumns.FromString(message.SerializeToString())
+    got_keys, got_masks = from_columns(decoded)
+    assert (got_keys == keys).all() and (got_masks == masks).all()
+
+
+@pytest.mark.parametrize(
+    ("count", "words", "keys", "masks"),
+    [
+        (3, 1, 16, 24),  # a key outside the keys buffer
+        (2, 1, 16, 24),  # bitsets longer than the header says
+        (2, 2, 16, 16),  # a key's second word missing
+        (2, 0, 16, 0),  # no words
+        (1, 65, 8, 8 * 65),  # more words than ordinals exist
+    ],
+)
+def test_columns_whose_buffers_do_not_match_their_header_are_refused(
+    count: int, words: int, keys: int, masks: int
+) -> None:
+    message = routing_pb2.ResidencyColumns(
+        count=count, words=words, keys=b"\1" * keys, masks=b"\2" * masks
+    )
+    with pytest.raises(BadColumns):
+        from_columns(message)
