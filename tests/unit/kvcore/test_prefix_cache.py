@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from tokenizers import pre_tokenizers, processors
 
 from bench.micro.model_files import CORPUS, train_tiny_bpe, write_config
+from enginesim.sim_model import SIM_MODEL_DIR
 from kvcore.keys import chain_keys, root_key
 from kvcore.request import prompt_keys, prompt_token_ids
 from kvcore.tokenize import (
@@ -57,10 +58,12 @@ texts = st.lists(
 ).map("".join)
 
 
-@pytest.fixture(scope="module", params=["gpt2", "gpt2-prefix-space", "llama3"])
+@pytest.fixture(scope="module", params=["gpt2", "gpt2-prefix-space", "llama3", "sim-model"])
 def hf_tokenizer(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> HFTokenizer:
+    if request.param == "sim-model":  # the simulated model's shipped folder
+        return HFTokenizer(SIM_MODEL_DIR)
     directory = tmp_path_factory.mktemp(f"bpe-{request.param}")
     train_tiny_bpe(directory, style=request.param)
     write_config(directory, bos_token="<s>", eos_token="</s>")
