@@ -16,16 +16,12 @@ from collections.abc import Callable
 from functools import partial
 
 from bench.micro.report import Figure, median_us_each
-from kvcore.index import BitmaskResidencyIndex, CompactResidencyIndex, ResidencyIndex
+from kvcore.index import INDEXES, ResidencyIndex
 
 REPLICAS = 64
 RESIDENT_KEYS = 1_000_000
 BATCH = 100_000
 PROMPTS = 100  # distinct prompts per length, each looked up once
-INDEXES: dict[str, Callable[[], ResidencyIndex]] = {
-    "bitmask": BitmaskResidencyIndex,
-    "compact": CompactResidencyIndex,
-}
 LOOKUP_TARGETS_US = {512: 100.0, 2048: 200.0}
 MIN_KEYS_PER_S = 1e6
 MAX_BYTES_PER_KEY = 48.0  # the compact index's; the bitmask index is reported only

@@ -26,12 +26,12 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcore.index import BitmaskResidencyIndex, CompactResidencyIndex, ResidencyIndex
+from kvcore.index import INDEXES, ResidencyIndex
 from kvcore.policies import ReplicaState, RouteContext, StaticStateView, create_policy
 from kvcore.workload import parse_workload
 
@@ -40,10 +40,6 @@ STRATEGIES = ("round_robin", "kv_aware", "kv_cost")
 FLEETS = (8, 32, 64, 128, 256, 512)
 PROMPTS = (32, 128, 512, 2048)
 KV_STRATEGIES = ("kv_aware", "kv_cost")
-INDEXES: dict[str, Callable[[], ResidencyIndex]] = {
-    "bitmask": BitmaskResidencyIndex,
-    "compact": CompactResidencyIndex,
-}
 MAX_DECISION_US = 250.0  # a 2,048-block prompt, every kv strategy
 MAX_BYTES_PER_KEY = 48.0  # the compact index at 10M keys
 

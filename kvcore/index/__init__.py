@@ -7,12 +7,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvcore.index.base import MAX_REPLICA_ORDINAL, ResidencyIndex
 from kvcore.index.bitmask import BitmaskResidencyIndex
 from kvcore.index.compact import CompactResidencyIndex
 from kvcore.index.reference import ReferenceResidencyIndex
 
+# the indexes a service may be configured with, by name
+INDEXES: dict[str, Callable[[], ResidencyIndex]] = {
+    "bitmask": BitmaskResidencyIndex,
+    "compact": CompactResidencyIndex,
+}
+
 __all__ = [
+    "INDEXES",
     "MAX_REPLICA_ORDINAL",
     "BitmaskResidencyIndex",
     "CompactResidencyIndex",

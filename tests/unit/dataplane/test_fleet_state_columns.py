@@ -11,6 +11,8 @@ from controlplane.broadcast import Broadcaster, EmptyConfig
 from controlplane.fleet import Fleet
 from dataplane.errors import SnapshotNeeded
 from dataplane.fleet_state import FleetState
+from dataplane.main import SettingsRefused, load_settings
+from dataplane.service import ProxyService
 from kvcore.index import BitmaskResidencyIndex, CompactResidencyIndex, ResidencyIndex
 from kvcore.pb import events_pb2, routing_pb2
 from tests.unit.dataplane.state_messages import MODEL, replica, snapshot
@@ -97,3 +99,14 @@ def test_bits_of_replicas_the_snapshot_does_not_list_are_dropped_and_counted() -
     state.apply(_column_snapshot(KEYS, [1, 1 | 1 << 9, 1 << 9, 1]))
     assert state.ignored == 2
     assert dict(state._index.holdings()) == {7: 1, 8: 1, 10: 1}
+
+
+def test_a_proxy_keeps_its_residency_in_the_index_its_settings_name() -> None:
+    compact = ProxyService(
+        load_settings(["--controlplane", "127.0.0.1:9", "--residency-index", "compact"])
+    )
+    assert isinstance(compact.fleet._index, CompactResidencyIndex)
+    default = ProxyService(load_settings(["--controlplane", "127.0.0.1:9"]))
+    assert isinstance(default.fleet._index, BitmaskResidencyIndex)
+    with pytest.raises(SettingsRefused, match="--residency-index"):
+        load_settings(["--controlplane", "127.0.0.1:9", "--residency-index", "radix"])
