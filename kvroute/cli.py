@@ -35,6 +35,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "proxy": ("bench.proxy:main", "the proxy's overhead, throughput and decision time"),
     "sidecar": ("bench.sidecar_throughput:main", "sidecar events/s and publish latency"),
     "enginesim": ("bench.enginesim_capacity:main", "one kvroute-sim's request capacity"),
+    "epp": ("bench.epp:main", "kvroute-epp's pick latency and held streams, as Envoy drives it"),
     "controlplane": (
         "bench.controlplane.__main__:main",
         "control-plane ingest, memory, snapshot and publish-to-watcher latency",
