@@ -264,7 +264,8 @@ class Broadcaster:
         while True:
             rows = max(1, (self.chunk_bytes - chunk.ByteSize() - _CHUNK_SLACK) // per_row)
             end = min(start + rows, keys.size)
-            to_columns(chunk.residency_columns, keys[start:end], masks[start:end])
+            total = keys.size if start == 0 else 0
+            to_columns(chunk.residency_columns, keys[start:end], masks[start:end], total_rows=total)
             if end == keys.size:
                 yield self._chunk_update(chunk, last=True)
                 return

@@ -57,6 +57,7 @@ HEALTHY = routing_pb2.REPLICA_STATUS_HEALTHY
 DEFAULT_CAPACITY = 256  # a replica that does not announce max_num_seqs
 STEP_KEYS = 2_000  # residency keys applied between two yields to the event loop
 STEP_ROWS = 8_192  # residency columns' rows applied between two yields
+MAX_RESERVED_ROWS = 16_000_000  # a snapshot's announced size trusted up to this
 
 
 @dataclass(slots=True)  # one per request; a frozen init costs 3x (read-only by convention)
@@ -313,6 +314,8 @@ class FleetState:
         except BadColumns as exc:
             self.refused += 1
             raise SnapshotNeeded(f"snapshot chunk refused: {exc}") from exc
+        if columns.total_rows:
+            pending.index.reserve(min(columns.total_rows, MAX_RESERVED_ROWS))
         known = words_of(sum(1 << o for o in pending.replicas), masks.shape[1])
         stray = (masks & ~known).any(axis=1)
         if stray.any():

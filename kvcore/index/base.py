@@ -87,6 +87,11 @@ class ResidencyIndex(Protocol):
         a snapshot's contents without a Python object per key. A copy."""
         ...
 
+    def reserve(self, keys: int) -> None:
+        """Room for ``keys`` distinct keys in all, made at once (a snapshot about to be
+        loaded); an index that has nothing to make ignores it."""
+        ...
+
     def add_rows(self, keys: U64, masks: U64) -> None:
         """Columns added (each key's replicas join those it had): a snapshot loaded.
         Distinct keys, as a snapshot's are."""

@@ -234,6 +234,9 @@ class BitmaskResidencyIndex:
     def residency(self) -> tuple[U64, U64]:
         return from_holdings(self.holdings())
 
+    def reserve(self, keys: int) -> None:
+        return None
+
     def add_rows(self, keys: U64, masks: U64) -> None:
         add_by_replica(self, keys, masks)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import numpy as np
+import numpy.typing as npt
 
 from kvcore.index.base import MAX_REPLICA_ORDINAL, U64, ResidencyIndex
 from kvcore.pb import routing_pb2
@@ -70,15 +71,21 @@ def restricted(keys: U64, masks: U64, ordinals: Iterable[int]) -> tuple[U64, U64
     return keys[held], cut[held]
 
 
-def keys_by_replica(keys: U64, masks: U64) -> Iterator[tuple[int, U64]]:
-    """Each replica holding any of the rows, lowest first, with the keys it holds."""
+def holders(masks: U64) -> Iterator[tuple[int, npt.NDArray[np.bool_]]]:
+    """Each replica with a bit in any row, lowest first, and which rows have it."""
     for word in range(masks.shape[1]):
         column = masks[:, word]
         present = int(np.bitwise_or.reduce(column)) if column.size else 0
         while present:
             low = present & -present
             present ^= low
-            yield 64 * word + low.bit_length() - 1, keys[(column & np.uint64(low)) != 0]
+            yield 64 * word + low.bit_length() - 1, (column & np.uint64(low)) != 0
+
+
+def keys_by_replica(keys: U64, masks: U64) -> Iterator[tuple[int, U64]]:
+    """Each replica holding any of the rows, lowest first, with the keys it holds."""
+    for replica, held in holders(masks):
+        yield replica, keys[held]
 
 
 def add_by_replica(index: ResidencyIndex, keys: U64, masks: U64) -> None:
@@ -87,8 +94,12 @@ def add_by_replica(index: ResidencyIndex, keys: U64, masks: U64) -> None:
         index.add(replica, held.tolist())
 
 
-def to_columns(target: routing_pb2.ResidencyColumns, keys: U64, masks: U64) -> None:
-    """Fill ``target`` with the rows (one copy of each buffer into the message)."""
+def to_columns(
+    target: routing_pb2.ResidencyColumns, keys: U64, masks: U64, *, total_rows: int = 0
+) -> None:
+    """Fill ``target`` with the rows (one copy of each buffer into the message);
+    ``total_rows``, the whole snapshot's, on its first chunk."""
+    target.total_rows = total_rows
     target.count = keys.size
     target.words = masks.shape[1]
     target.keys = keys.astype(_WIRE, copy=False).tobytes()

@@ -32,8 +32,8 @@ import numpy.typing as npt
 
 from kvcore.index.base import U64, check_replica
 from kvcore.index.bitmask import BitmaskResidencyIndex, _bits, _short_runs
-from kvcore.index.columns import joined, rows_of, words_of
-from kvcore.index.hashtable import KeyTable
+from kvcore.index.columns import holders, joined, rows_of, words_of
+from kvcore.index.hashtable import MAX_LOAD, KeyTable
 
 _SCALAR_KEYS = 32  # prompts and batches up to this many keys are handled key by key
 
@@ -228,6 +228,11 @@ class CompactResidencyIndex:
             masks = np.concatenate([words_of(zero, masks.shape[1])[None, :], masks])
         return keys, masks
 
+    def reserve(self, keys: int) -> None:
+        """A rebuild now, to hold ``keys`` in all, instead of one per doubling."""
+        if not self._table.has_room(keys - self._live):
+            self._make_room(keys - self._live, fill=MAX_LOAD)
+
     def add_rows(self, keys: U64, masks: U64) -> None:
         """Each key's replicas (a row of ``masks``) join those it had; distinct keys,
         as a snapshot's are (a key repeated in one call is counted twice)."""
@@ -313,13 +318,13 @@ class CompactResidencyIndex:
             held &= ~words_of(self._hidden, table.words)
         return held
 
-    def _make_room(self, more: int) -> bool:
+    def _make_room(self, more: int, fill: float = 0.5) -> bool:
         """Room for ``more`` keys; whether the table is the one it was."""
         if self._table.has_room(more):
             return True
         for replica in list(self._clearing):
             self._finish_clearing(replica)
-        self._table = self._table.rebuilt(self._live + more)
+        self._table = self._table.rebuilt(self._live + more, fill)
         return False
 
     def _step(self, replica: int, job: _Clearing, budget: int) -> bool:
@@ -383,6 +388,4 @@ def _runs_of(held: U64) -> dict[int, int]:
 
 def _bit_counts(rows: U64) -> dict[int, int]:
     """How many rows have each replica's bit, for the replicas with any."""
-    bits = np.unpackbits(rows.astype("<u8").view(np.uint8), axis=1, bitorder="little")
-    counts = bits.sum(axis=0, dtype=np.int64)
-    return {int(r): int(counts[r]) for r in np.flatnonzero(counts)}
+    return {replica: int(np.count_nonzero(held)) for replica, held in holders(rows)}

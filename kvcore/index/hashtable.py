@@ -25,6 +25,7 @@ Rules:
 
 from __future__ import annotations
 
+import math
 from functools import cache
 
 import numpy as np
@@ -170,10 +171,11 @@ class KeyTable:
     def has_room(self, more: int) -> bool:
         return self.filled + more <= MAX_LOAD * self.capacity
 
-    def rebuilt(self, live: int) -> KeyTable:
-        """A table holding this one's live keys (tombstones dropped), at most half full
-        with ``live`` keys, so that it fills a while before its next rebuild."""
-        bits = max(_MIN_BITS, (2 * live - 1).bit_length())
+    def rebuilt(self, live: int, fill: float = 0.5) -> KeyTable:
+        """A table holding this one's live keys (tombstones dropped), at most ``fill``
+        full with ``live`` keys: half, so that it fills a while before its next rebuild,
+        or up to ``MAX_LOAD`` when ``live`` is all there will be."""
+        bits = max(_MIN_BITS, (math.ceil(live / fill) - 1).bit_length())
         table = KeyTable(bits, self.words, self.multiplier)
         used = self.masks[: self.capacity].any(axis=1)
         slots = table.insert(self.keys[: self.capacity][used])

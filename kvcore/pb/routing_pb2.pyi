@@ -145,16 +145,18 @@ class ResidencyChange(_message.Message):
     def __init__(self, ordinal: _Optional[int] = ..., cleared: _Optional[bool] = ..., added: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ResidencyColumns(_message.Message):
-    __slots__ = ("count", "words", "keys", "masks")
+    __slots__ = ("count", "words", "keys", "masks", "total_rows")
     COUNT_FIELD_NUMBER: _ClassVar[int]
     WORDS_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     MASKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_ROWS_FIELD_NUMBER: _ClassVar[int]
     count: int
     words: int
     keys: bytes
     masks: bytes
-    def __init__(self, count: _Optional[int] = ..., words: _Optional[int] = ..., keys: _Optional[bytes] = ..., masks: _Optional[bytes] = ...) -> None: ...
+    total_rows: int
+    def __init__(self, count: _Optional[int] = ..., words: _Optional[int] = ..., keys: _Optional[bytes] = ..., masks: _Optional[bytes] = ..., total_rows: _Optional[int] = ...) -> None: ...
 
 class PoolShard(_message.Message):
     __slots__ = ("pool", "shard", "leader_instance")

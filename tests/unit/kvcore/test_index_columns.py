@@ -99,3 +99,21 @@ def test_columns_whose_buffers_do_not_match_their_header_are_refused(
     )
     with pytest.raises(BadColumns):
         from_columns(message)
+
+
+def test_reserving_room_changes_nothing_an_index_holds(index: ResidencyIndex) -> None:
+    index.add(3, [1, 2])
+    index.reserve(50_000)
+    index.add_rows(np.arange(2, 50_002, dtype=np.uint64), np.full((50_000, 1), 1, np.uint64))
+    assert index.key_count() == 50_001 and index.replicas_of(2) == {0, 3}
+
+
+def test_a_compact_index_sized_for_a_snapshot_loads_it_without_a_rebuild() -> None:
+    index = CompactResidencyIndex()
+    index.reserve(100_000)
+    table = index._table
+    for start in range(1, 100_001, 8192):
+        keys = np.arange(start, min(start + 8192, 100_001), dtype=np.uint64)
+        index.add_rows(keys, np.full((keys.size, 1), 0b10, np.uint64))
+    assert index._table is table and table.capacity == 2**18  # 100,000 at most 70% full
+    assert index.key_count(1) == 100_000
