@@ -3,7 +3,9 @@
 Both implementations over the same keys: ``leading_runs`` of prompts never looked up
 before (every key of every prompt new, each replica holding a prefix of it, as 64
 replicas that served parts of a conversation do), batches added and removed, memory per
-resident key (tracemalloc: numpy's arrays are traced too) and clearing a replica.
+resident key (tracemalloc: numpy's arrays are traced too) and clearing a replica; and
+what the choice costs a proxy: kv_aware's decision p50 at ordinary prompt sizes (a shared
+system prompt, then each request's own blocks), speculation recorded as a proxy records it.
 """
 
 from __future__ import annotations
@@ -15,8 +17,12 @@ import tracemalloc
 from collections.abc import Callable
 from functools import partial
 
+import numpy as np
+
 from bench.micro.report import Figure, median_us_each
 from kvcore.index import INDEXES, ResidencyIndex
+from kvcore.policies import ReplicaState, RouteContext, StaticStateView, create_policy
+from kvcore.workload import parse_workload
 
 REPLICAS = 64
 RESIDENT_KEYS = 1_000_000
@@ -25,6 +31,7 @@ PROMPTS = 100  # distinct prompts per length, each looked up once
 LOOKUP_TARGETS_US = {512: 100.0, 2048: 200.0}
 MIN_KEYS_PER_S = 1e6
 MAX_BYTES_PER_KEY = 48.0  # the compact index's; the bitmask index is reported only
+ORDINARY_BLOCKS = (16, 64, 256)  # prompts of 256 to 4,096 tokens
 
 
 def _lookup_figures(name: str, make: Callable[[], ResidencyIndex]) -> list[Figure]:
@@ -54,17 +61,23 @@ def _lookup_figures(name: str, make: Callable[[], ResidencyIndex]) -> list[Figur
 
 
 def _batch_figures(name: str, make: Callable[[], ResidencyIndex]) -> list[Figure]:
+    """Batches made while memory is traced and dropped once added, so that what the
+    index keeps (for a dict, the key objects too) is what is counted."""
     rng = random.Random(4)
-    batches = [[rng.getrandbits(64) for _ in range(BATCH)] for _ in range(RESIDENT_KEYS // BATCH)]
     gc.collect()
     tracemalloc.start()
-    index = make()
-    started = time.perf_counter()
-    for number, batch in enumerate(batches):
+    index, added, kept = make(), 0.0, []
+    for number in range(RESIDENT_KEYS // BATCH):
+        batch = [rng.getrandbits(64) for _ in range(BATCH)]
+        started = time.perf_counter()
         index.add(number % REPLICAS, batch)
-    added = time.perf_counter() - started
+        added += time.perf_counter() - started
+        kept.append(np.array(batch, dtype=np.uint64))  # (for the removals below)
+        del batch
     size, _ = tracemalloc.get_traced_memory()
+    size -= sum(b.nbytes for b in kept)
     tracemalloc.stop()
+    batches: list[list[int]] = [b.tolist() for b in kept]
     for number, batch in enumerate(batches[:3]):  # a second holder for some keys
         index.add((number + 1) % REPLICAS, batch)
     started = time.perf_counter()
@@ -100,9 +113,34 @@ def _rate_figure(figure: Figure) -> Figure:
     return Figure(f"{figure.name} (s per 1M keys)", seconds, "s", 1e6 / MIN_KEYS_PER_S)
 
 
+def _decision_figures(name: str, make: Callable[[], ResidencyIndex]) -> list[Figure]:
+    rng = random.Random(6)
+    figures = []
+    for blocks in ORDINARY_BLOCKS:
+        states = [ReplicaState(i, f"r{i}", running=rng.randrange(40)) for i in range(REPLICAS)]
+        view = StaticStateView(states, make())
+        system = [rng.getrandbits(64) for _ in range(blocks * 3 // 4)]
+        for quarter, holder in enumerate(rng.sample(range(REPLICAS), 4), 1):
+            view.index.add(holder, system[: len(system) * quarter // 4])
+        workload = parse_workload({"strategy": "kv_aware"})
+        policy = create_policy(workload, rng=random.Random(1))
+        prompts = [
+            [*system, *(rng.getrandbits(64) for _ in range(blocks - len(system)))]
+            for _ in range(300)
+        ]
+        decisions = [
+            partial(policy.select, RouteContext(workload, "m", p, now=1.0 + i / 1000), view)
+            for i, p in enumerate(prompts)
+        ]
+        us = median_us_each(decisions)
+        figures.append(Figure(f"{name}: kv_aware decision p50, {blocks} blocks", us, "us"))
+    return figures
+
+
 def run() -> list[Figure]:
     figures: list[Figure] = []
     for name, make in INDEXES.items():
+        figures += _decision_figures(name, make)
         figures += _lookup_figures(name, make)
         batch = _batch_figures(name, make)
         figures += [_rate_figure(f) if f.unit == "M keys/s" else f for f in batch]
