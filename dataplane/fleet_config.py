@@ -27,7 +27,7 @@ from dataplane.errors import StateError
 from kvcore.pb import routing_pb2
 from kvcore.workload import RoutingConfig, WorkloadError, parse_config
 
-DEFAULT_ROUTING = parse_config({"workloads": [{"strategy": "kv_aware", "fallback": "prefix_hash"}]})
+DEFAULT_ROUTING = parse_config({"workloads": [{"strategy": "kv_cost", "fallback": "prefix_hash"}]})
 
 
 class InvalidConfig(StateError):

@@ -104,6 +104,9 @@ class _Pending:
     next_chunk: int = 0
 
 
+_Counts = tuple[int, float | None, float | None]  # unreported, queued prefill, prefill rate
+
+
 class FleetView:
     """kvcore's ``StateView`` over one model's routable replicas (see the module
     docstring for how it stays cheap)."""
@@ -478,17 +481,16 @@ class FleetState:
         for listener in list(self._listeners):
             listener()
 
-    def _counts(self, record: _Replica) -> tuple[int, float | None]:
-        """This proxy's own figures for a replica: unreported requests, queued prefill."""
-        key = record.ledger_key
+    def _counts(self, record: _Replica) -> _Counts:
+        """This proxy's own figures for a replica: unreported requests, queued prefill,
+        its prefill rate as the books learned it."""
+        key, books = record.ledger_key, self._books
         unreported = self._ledger.unreported(key, record.report_ts)
-        return unreported, self._books.queued(record.info.ordinal, key)
+        return unreported, books.queued(record.info.ordinal, key), books.rate(key)
 
-    def _replica_state(
-        self, record: _Replica, counts: tuple[int, float | None] | None = None
-    ) -> ReplicaState:
+    def _replica_state(self, record: _Replica, counts: _Counts | None = None) -> ReplicaState:
         info, load = record.info, record.info.load
-        unreported, queued = counts or self._counts(record)
+        unreported, queued, rate = counts or self._counts(record)
         return ReplicaState(
             ordinal=info.ordinal,
             replica_id=info.replica_id,
@@ -498,6 +500,7 @@ class FleetState:
             kv_usage=load.kv_usage,
             unreported=unreported,
             capacity=info.capacity_seqs or DEFAULT_CAPACITY,
+            prefill_tokens_per_s=rate,
             queued_prefill_tokens=queued,
         )
 
@@ -529,6 +532,7 @@ class FleetState:
             if ordinal not in self._reloaded and counts == (
                 current.unreported,
                 current.queued_prefill_tokens,
+                current.prefill_tokens_per_s,
             ):
                 continue
             if ordinal in self._reloaded or record.state is not current:
@@ -713,6 +717,14 @@ class FleetState:
         if record is not None and record.replica in self._records:
             self._index.add_speculative(record.replica, record.keys, expires_at=record.expires_at)
 
+    def prefill_rates(self) -> dict[str, float]:
+        """Replica id -> the prefill rate kv_cost ranks it at (empty without books)."""
+        books = self._books
+        if not books.on:
+            return {}
+        rates = {r.info.replica_id: books.rate(r.ledger_key) for r in self._records.values()}
+        return {replica: rate for replica, rate in rates.items() if rate is not None}
+
     def inflight_total(self) -> int:
         """This proxy's requests in flight to any replica (what the HPA scales on)."""
         return self._ledger.total()
@@ -731,7 +743,9 @@ class FleetState:
         return self._index.key_count()
 
 
-def _recounted(state: ReplicaState, unreported: int, queued: float | None) -> ReplicaState:
+def _recounted(
+    state: ReplicaState, unreported: int, queued: float | None, rate: float | None
+) -> ReplicaState:
     """``state`` with this proxy's own counts replaced, for a replica whose record has not
     changed since ``state`` was built from it: read from ``state``'s plain attributes,
     not from the record's protobuf message (a loaded proxy rebuilds about one state per
@@ -747,7 +761,7 @@ def _recounted(state: ReplicaState, unreported: int, queued: float | None) -> Re
         kv_usage=state.kv_usage,
         unreported=unreported,
         capacity=state.capacity,
-        prefill_tokens_per_s=state.prefill_tokens_per_s,
+        prefill_tokens_per_s=rate,
         queued_prefill_tokens=queued,
     )
 

@@ -171,6 +171,10 @@ class ProxyMetrics:
         self.circuit_open.set_function(circuit_open)
         self.registry.register(_MismatchCollector(mismatches))
 
+    def watch_prefill_rates(self, rates: Callable[[], dict[str, float]]) -> None:
+        """``prefill_tokens_per_second{replica}``, read at scrape time."""
+        self.registry.register(_PrefillRateCollector(rates))
+
     def fidelity(
         self,
         workload: str,
@@ -199,6 +203,25 @@ class _Tables(Collector):
     def collect(self) -> Iterator[Metric]:
         for table in self._tables:
             yield table.collect()
+
+
+class _PrefillRateCollector(Collector):
+    """``prefill_tokens_per_second{replica}``: the prefill rate this worker ranks each
+    replica at under kv_cost (learned from its timings, else configured); none without
+    a kv_cost workload."""
+
+    def __init__(self, rates: Callable[[], dict[str, float]]) -> None:
+        self._rates = rates
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            PREFIX + "prefill_tokens_per_second",
+            "Prefill rate kv_cost ranks each replica at (learned, else configured)",
+            labels=["replica"],
+        )
+        for replica, rate in sorted(self._rates().items()):
+            family.add_metric([replica], rate)
+        yield family
 
 
 class _MismatchCollector(Collector):

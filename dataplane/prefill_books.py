@@ -109,6 +109,15 @@ class PrefillBooks:
             self.draining.discard(ordinal)
         return queued
 
+    def rate(self, key: int) -> float | None:
+        """The replica's prefill tokens per second as learned from its first tokens (the
+        fleet's median, or the configured rate, until it has a history; ``None``: no
+        books kept)."""
+        if not self.on:
+            return None
+        assert self._ledger is not None
+        return self._ledger.rates.rate(key)
+
     def due(self) -> bool:
         """Whether the draining replicas' states are a step old (if so, a new step
         starts now: rebuild them)."""

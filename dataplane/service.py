@@ -138,6 +138,7 @@ class ProxyService:
         )
         self.metrics.watch(self._state_age, self._open_breakers, self.probe.mismatches)
         self.metrics.in_flight.set_function(self.fleet.inflight_total)
+        self.metrics.watch_prefill_rates(self.fleet.prefill_rates)
         self._tasks = BackgroundTasks()
 
     async def start(self) -> None:

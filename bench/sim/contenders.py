@@ -26,8 +26,10 @@ from bench.sim.peers import (
 from bench.sim.routers import KvrouteRouter, RandomRouter, is_kvroute, parse_spec
 from bench.sim.simulator import FleetReadout, RouterFactory, SimRouter
 
-PEERS = ("sglang:cache_aware", "vllm-router:cache_aware", "llm-d:precise", "dynamo:kv", "random")
+PEER_MODELS = ("sglang:cache_aware", "vllm-router:cache_aware", "llm-d:precise", "dynamo:kv")
+PEERS = (*PEER_MODELS, "random")
 KVROUTE = ("round_robin", "least_load", "prefix_hash", "kv_aware", "kv_cost")
+DEFAULT = "kv_cost"  # the strategy of the default workload
 
 
 def router_factory(

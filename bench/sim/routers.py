@@ -128,6 +128,7 @@ class KvrouteRouter:
             kv_usage=sample.kv_usage,
             unreported=self._ledger.unreported(ordinal, self._taken_at),
             capacity=self.shape.max_num_seqs,
+            prefill_tokens_per_s=self._prefill_rate(ordinal),
             queued_prefill_tokens=self._queued_prefill(ordinal),
         )
 
@@ -138,6 +139,10 @@ class KvrouteRouter:
         if isinstance(workload, KvCostWorkload):
             return PrefillLedger(workload.prefill_tokens_per_s)
         return None
+
+    def _prefill_rate(self, ordinal: int) -> float | None:
+        ledger = self._prefill
+        return None if ledger is None else ledger.rates.rate(ordinal)
 
     def _queued_prefill(self, ordinal: int) -> float | None:
         ledger = self._prefill

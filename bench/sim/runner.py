@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from bench.sim.contenders import router_factory
+from bench.sim.contenders import DEFAULT, PEER_MODELS, router_factory
 from bench.sim.metrics import RunMetrics, summarize
 from bench.sim.scenarios import Inputs, Scenario
 from bench.sim.simulator import SimConfig, Simulation
@@ -116,6 +116,8 @@ def best_kvroute(result: ScenarioResult) -> RunMetrics | None:
 
 def check_goals(scenario: Scenario, result: ScenarioResult) -> list[GoalCheck]:
     checks = [GOALS[goal](result) for goal in scenario.goals]
+    if scenario.name != "speed":  # every scenario: the default is kvroute's best
+        checks.append(_default_is_best(result))
     return [*checks, *invariants(result)]
 
 
@@ -136,33 +138,63 @@ def invariants(result: ScenarioResult) -> list[GoalCheck]:
 
 
 def _hit_vs_oracle(result: ScenarioResult) -> GoalCheck:
-    goal = "kv_aware hit rate >= 90% of the oracle's with load imbalance <= 1.25"
-    kv = result.run("kv_aware")
+    goal = f"{DEFAULT} hit rate >= 95% of the oracle's with load imbalance <= 1.25"
+    kv = result.run(DEFAULT)
     if kv is None:
-        return GoalCheck(goal, None, "kv_aware not run")
-    met = kv.oracle_ratio >= 0.9 and kv.load_imbalance <= 1.25
+        return GoalCheck(goal, None, f"{DEFAULT} not run")
+    met = kv.oracle_ratio >= 0.95 and kv.load_imbalance <= 1.25
     detail = f"{kv.oracle_ratio:.1%} of the oracle, imbalance {kv.load_imbalance:.2f}"
     return GoalCheck(goal, met, detail)
 
 
 def _ahead_of_sglang(result: ScenarioResult) -> GoalCheck:
-    goal = "kv_aware ahead of the modelled SGLang cache_aware on TTFT (mean)"
-    kv, sg = result.run("kv_aware"), result.run("sglang:cache_aware")
+    goal = f"{DEFAULT} ahead of the modelled SGLang cache_aware on TTFT (mean)"
+    kv, sg = result.run(DEFAULT), result.run("sglang:cache_aware")
     if kv is None or sg is None:
-        return GoalCheck(goal, None, "kv_aware or sglang:cache_aware not run")
+        return GoalCheck(goal, None, f"{DEFAULT} or sglang:cache_aware not run")
     detail = f"{kv.ttft_mean_s:.3f} s vs {sg.ttft_mean_s:.3f} s"
     return GoalCheck(goal, kv.ttft_mean_s < sg.ttft_mean_s, detail)
 
 
 def _kv_beats_rr(result: ScenarioResult) -> GoalCheck:
-    goal = "kv_aware beats round_robin on hit rate and mean TTFT"
-    kv, rr = result.run("kv_aware"), result.run("round_robin")
+    goal = f"{DEFAULT} beats round_robin on hit rate and mean TTFT"
+    kv, rr = result.run(DEFAULT), result.run("round_robin")
     if kv is None or rr is None:
-        return GoalCheck(goal, None, "kv_aware or round_robin not run")
+        return GoalCheck(goal, None, f"{DEFAULT} or round_robin not run")
     met = kv.hit_rate > rr.hit_rate and kv.ttft_mean_s < rr.ttft_mean_s
     detail = (
         f"hit {kv.hit_rate:.1%} vs {rr.hit_rate:.1%}; "
         f"TTFT {kv.ttft_mean_s:.3f} s vs {rr.ttft_mean_s:.3f} s"
+    )
+    return GoalCheck(goal, met, detail)
+
+
+def _default_is_best(result: ScenarioResult) -> GoalCheck:
+    goal = f"{DEFAULT} (the default) within 3% of the best kvroute strategy's mean TTFT"
+    kv, best = result.run(DEFAULT), best_kvroute(result)
+    if kv is None or best is None:
+        return GoalCheck(goal, None, f"{DEFAULT} not run")
+    ratio = kv.ttft_mean_s / best.ttft_mean_s if best.ttft_mean_s else 1.0
+    detail = f"{kv.ttft_mean_s:.3f} s = {ratio:.3f}x {best.policy}'s {best.ttft_mean_s:.3f} s"
+    return GoalCheck(goal, ratio <= 1.03, detail)
+
+
+def best_peer(result: ScenarioResult) -> RunMetrics | None:
+    """The modelled peer router (not random) with the lowest mean TTFT in this scenario."""
+    peers = [r for r in result.runs if r.policy in PEER_MODELS]
+    return min(peers, key=lambda r: r.ttft_mean_s, default=None)
+
+
+def _ahead_of_peers(result: ScenarioResult) -> GoalCheck:
+    goal = f"{DEFAULT} mean TTFT >= 20% below the best peer model's, p99 no worse"
+    kv, peer = result.run(DEFAULT), best_peer(result)
+    if kv is None or peer is None:
+        return GoalCheck(goal, None, f"{DEFAULT} or the peer models not run")
+    ratio = kv.ttft_mean_s / peer.ttft_mean_s if peer.ttft_mean_s else 1.0
+    met = ratio <= 0.8 and kv.ttft_p99_s <= peer.ttft_p99_s
+    detail = (
+        f"mean {kv.ttft_mean_s:.3f} s = {ratio:.3f}x {peer.policy}'s {peer.ttft_mean_s:.3f} s; "
+        f"p99 {kv.ttft_p99_s:.3f} s vs {peer.ttft_p99_s:.3f} s"
     )
     return GoalCheck(goal, met, detail)
 
@@ -182,10 +214,10 @@ def _mooncake_ttft(result: ScenarioResult) -> GoalCheck:
 
 
 def _no_reuse(result: ScenarioResult) -> GoalCheck:
-    goal = "kv_aware within 5% of round_robin's mean TTFT and throughput"
-    kv, rr = result.run("kv_aware"), result.run("round_robin")
+    goal = f"{DEFAULT} within 5% of round_robin's mean TTFT and throughput"
+    kv, rr = result.run(DEFAULT), result.run("round_robin")
     if kv is None or rr is None:
-        return GoalCheck(goal, None, "kv_aware or round_robin not run")
+        return GoalCheck(goal, None, f"{DEFAULT} or round_robin not run")
     ttft = kv.ttft_mean_s / rr.ttft_mean_s if rr.ttft_mean_s else math.inf
     thr = kv.throughput_tok_s / rr.throughput_tok_s if rr.throughput_tok_s else 0.0
     met = ttft <= 1.05 and thr >= 0.95
@@ -211,5 +243,7 @@ GOALS: dict[str, Callable[[ScenarioResult], GoalCheck]] = {
     "kv_beats_rr": _kv_beats_rr,
     "mooncake_ttft": _mooncake_ttft,
     "no_reuse": _no_reuse,
+    "default_is_best": _default_is_best,
+    "ahead_of_peers": _ahead_of_peers,
     "speed": _speed,
 }

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from bench.sim.contenders import KVROUTE, PEERS
+from bench.sim.contenders import DEFAULT, KVROUTE, PEERS
 from bench.sim.engine import EngineShape
 from bench.sim.simulator import SimConfig
 from bench.sim.workloads import MooncakeTrace, MultiTurn, NoReuse, Rag, SharedPrefix, Workload
@@ -20,7 +20,7 @@ from bench.sim.workloads import MooncakeTrace, MultiTurn, NoReuse, Rag, SharedPr
 SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"  # beside the project
 DEFAULT_TRACE = SHARED_DATA / "mooncake_conversation_trace.jsonl"
 DEFAULT_SHAREGPT = SHARED_DATA / "sharegpt_v3_partial_turn_lengths.jsonl"
-LINEUP = (*KVROUTE, "kv_aware:locality_weight=0.5", *PEERS)
+LINEUP = (*KVROUTE, "kv_cost:locality_weight=0.5", *PEERS)  # 0.5: the plain predicted TTFT
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ class Inputs:
     data: Path = DEFAULT_SHAREGPT
     requests: int | None = None  # overrides a scenario's request count where it has one
     seed: int = 1
+    compression: float = 3.0  # the Mooncake trace's arrival times divided by this
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ def _mooncake(inputs: Inputs) -> Workload | None:
     if not inputs.trace.exists():
         return None
     limit = 1500 if inputs.quick else inputs.requests
-    return MooncakeTrace(path=inputs.trace, speedup=3.0, limit=limit)
+    return MooncakeTrace(path=inputs.trace, speedup=inputs.compression, limit=limit)
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -147,19 +148,16 @@ SCENARIOS: dict[str, Scenario] = {
             "each) + question, 8 replicas of 4,096 blocks",
             SimConfig(replicas=8, shape=_shape(4096)),
             _rag,
+            goals=("ahead_of_peers",),
         ),
         Scenario(
             "mooncake",
-            "Mooncake conversation trace, time compressed 3x, 16 replicas of 65,536 blocks "
-            "(1M tokens each, as with Mooncake's DRAM pool)",
+            "Mooncake conversation trace, time compressed 3x (--compression), 16 replicas of "
+            "65,536 blocks (1M tokens each, as with Mooncake's DRAM pool)",
             SimConfig(replicas=16, shape=_shape(65536)),
             _mooncake,
-            policies=(
-                *KVROUTE,
-                "kv_cost:locality_weight=0.7",  # its default before it kept prefill books
-                *PEERS,
-            ),
-            goals=("mooncake_ttft",),
+            policies=(*KVROUTE, "kv_cost:locality_weight=0.5", *PEERS),
+            goals=("mooncake_ttft", "ahead_of_peers"),
         ),
         Scenario(
             "mooncake_100ms_load",
@@ -167,8 +165,8 @@ SCENARIOS: dict[str, Scenario] = {
             "(a faster sidecar heartbeat)",
             SimConfig(replicas=16, shape=_shape(65536), load_period_s=0.1),
             _mooncake,
-            policies=("round_robin", "least_load", "kv_aware", "kv_cost", "random"),
-            goals=("mooncake_ttft",),
+            policies=(*KVROUTE, *PEERS),
+            goals=("mooncake_ttft", "ahead_of_peers"),
         ),
         Scenario(
             "shared_prefix_100ms_load",
@@ -193,7 +191,7 @@ SCENARIOS: dict[str, Scenario] = {
                 "kv_aware:hot_prefix_gap=null,max_imbalance=16",  # tighter than 64
                 "kv_aware:hot_prefix_gap=null,max_imbalance=1000000",  # the score alone
                 "kv_cost",
-                "kv_cost:hot_prefix_gap=4",  # off by default for kv_cost
+                "kv_cost:hot_prefix_gap=null",  # the score alone
                 "sglang:cache_aware",
             ),
         ),
@@ -217,10 +215,10 @@ SCENARIOS: dict[str, Scenario] = {
     )
 }
 
-QUICK_POLICIES = ("round_robin", "kv_aware")
+QUICK_POLICIES = ("round_robin", DEFAULT)
 
 
 def quick(scenario: Scenario) -> Scenario:
-    """The CI-sized version: kvroute's round_robin and kv_aware only, at most 4 replicas."""
+    """The CI-sized version: kvroute's round_robin and the default only, at most 4 replicas."""
     config = replace(scenario.config, replicas=min(scenario.config.replicas, 4))
     return replace(scenario, config=config, policies=QUICK_POLICIES)

@@ -35,7 +35,7 @@ from controlplane.records.errors import Conflict, Unavailable
 from kvcore.pb import routing_pb2
 from kvcore.subjects import EtcdKeys, InvalidName
 from kvcore.workload import (
-    KvAwareWorkload,
+    KvCostWorkload,
     MatchRule,
     ModelSpec,
     Workload,
@@ -93,7 +93,7 @@ class Stored:
 
 def default_workload_json() -> str:
     """The ``default`` workload created on first start."""
-    return KvAwareWorkload.model_validate({"name": DEFAULT_WORKLOAD}).model_dump_json()
+    return KvCostWorkload.model_validate({"name": DEFAULT_WORKLOAD}).model_dump_json()
 
 
 def parse_value(kind: Kind, value: str | bytes) -> Any:
@@ -303,9 +303,7 @@ class EtcdConfigStore:
     def workloads(self) -> dict[str, Workload]:
         """The live workloads by name (``default`` always among them)."""
         live = {name: parsed for name, (parsed, _) in self._sections[Kind.WORKLOAD].items()}
-        live.setdefault(
-            DEFAULT_WORKLOAD, KvAwareWorkload.model_validate({"name": DEFAULT_WORKLOAD})
-        )
+        live.setdefault(DEFAULT_WORKLOAD, KvCostWorkload.model_validate({"name": DEFAULT_WORKLOAD}))
         return live
 
     def models(self) -> dict[str, ModelSpec]:

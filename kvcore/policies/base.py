@@ -81,10 +81,9 @@ class ReplicaState:
         self.requests = reported + unreported
         # unreported requests add on top of whichever reported measure dominates: with
         # max() alone they vanish under a higher KV usage and a proxy herds every request
-        # of a report period to the replica whose last report was lowest
-        # and not capped at 1: when every replica has a queue, a cap would leave the
-        # strategies blind to which queue is shortest (kv_aware's RAG run in bench.sim,
-        # every engine over its seats: 4.24 s mean TTFT capped, 3.70 s not)
+        # of a report period to the replica whose last report was lowest; and not capped
+        # at 1: when every replica has a queue, a cap would leave the strategies blind to
+        # which queue is shortest
         measured = max(reported / seats, kv_usage, 0.0)
         self.load = measured + unreported / seats
 
@@ -173,6 +172,11 @@ class ReplicaReason:
     hit_blocks: int | None = None
     hit: float | None = None
     score: float | None = None
+    # a strategy in time (kv_cost): seconds the request would wait and prefill there, at
+    # the replica's prefill rate (learned, or configured)
+    wait_s: float | None = None
+    prefill_s: float | None = None
+    prefill_tokens_per_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready; absent figures are left out."""
@@ -184,6 +188,11 @@ class ReplicaReason:
             "hit_blocks": self.hit_blocks,
             "hit": None if self.hit is None else round(self.hit, 4),
             "score": None if self.score is None else round(self.score, 6),
+            "wait_s": None if self.wait_s is None else round(self.wait_s, 6),
+            "prefill_s": None if self.prefill_s is None else round(self.prefill_s, 6),
+            "prefill_tokens_per_s": (
+                None if self.prefill_tokens_per_s is None else round(self.prefill_tokens_per_s)
+            ),
         }
         return {k: v for k, v in values.items() if v is not None}
 
@@ -191,8 +200,7 @@ class ReplicaReason:
 class Reasons(Sequence[ReplicaReason]):
     """Per-replica reasons, built on first use: the proxy's hot path rarely reads them,
     the explain endpoint does. ``chosen`` builds the chosen replica's row alone, all a
-    debug header reads (building every row cost a short request 46 us of kv_aware's
-    72 us decision, and screening the whole fleet on a large one)."""
+    debug header reads (building every row costs more than the decision itself)."""
 
     __slots__ = ("_build", "_chosen", "_rows")
 

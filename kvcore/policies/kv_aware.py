@@ -1,47 +1,22 @@
 """Level 3, the brief's score: ``alpha * hit + (1 - alpha) * (1 - load)``, highest wins.
 
-``hit`` is the share of the prompt's blocks in the replica's leading run (counted as 0
-below the workload's ``min_hit``, so that a prefix every prompt shares does not pull
-all traffic to its first holder); ``alpha`` is the workload's ``locality_weight``.
-Replicas at or over the load threshold are skipped unless every replica is; ties go to
-the lower load, then at random. A scored choice with more than ``max_imbalance`` requests
-beyond the least busy usable replica goes to that one instead (SGLang's
-``balance_abs_threshold``): when one prefix makes most of every prompt (a long system
-prompt), ``min_hit`` cannot discount it, and the score kept a burst of 200 such requests
-on its first holder while the other replica idled (``kvroute up``, two replicas: 53% longer
-than round-robin's, each token 55% slower); sent one request, the other replica holds the
-prefix too (speculatively at once) and the loads share the rest. Sixty-four requests
-is still a long way to run ahead where engines have hundreds of seats: one system prompt
-before every request stayed on three replicas of eight (``bench.sim``'s
-``one_system_prompt``, 0.070 s mean TTFT against round-robin's 0.037 s). So a *hot*
-prefix moves sooner: when the prefix the chosen holder has of the prompt draws enough of
-this router's recent requests to fill ``HOT_REPLICAS`` replicas' fair share
-(:class:`~kvcore.policies.kv_scoring.PrefixHeat`), more than ``hot_prefix_gap``
-requests beyond the least busy usable replica are enough (0.049 s there; a prefix that
-hot is cheap to replicate, as a replica pays its prefill once, where a prefix among
-many, as in the other scenarios, never counts as hot and stays where its cache is).
+- ``hit``: the share of the prompt's blocks in the replica's leading run, counted as 0
+  below ``min_hit`` (a prefix every prompt shares would pull all traffic to its first
+  holder); ``alpha``: the workload's ``locality_weight``; ``load``: the replica's
+  requests per seat (:class:`~kvcore.policies.base.ReplicaState`).
+- Replicas at or over ``load_threshold`` are skipped unless every replica is; ties go to
+  the lower load, then at random.
+- A prompt no usable replica holds a counted hit of goes to the next replica in turn,
+  skipping any this router sent more than one such prompt beyond the least-sent lately
+  (:meth:`~kvcore.policies.kv_scoring.KvScoringPolicy.without_hit`): loads are only as
+  fresh as the engines' last report, and ranking new prompts by them herds a report
+  period's worth onto one replica.
+- A hot prefix moves to the least busy replica past ``hot_prefix_gap`` requests, and any
+  choice past ``max_imbalance`` requests beyond the least busy replica goes to it
+  (:meth:`~kvcore.policies.kv_scoring.KvScoringPolicy.rebalance`): one prefix that is
+  most of every prompt would otherwise keep a few replicas busy while the rest idle.
 
-When no candidate holds a counted hit (a new prompt, or one whose shared part is below
-``min_hit``), the score is load alone, and load is only as fresh as the engines' last
-report: ranking every such request by it sends a report period's new prompts to the
-replica that last reported least (herding: 6.6x round-robin's mean TTFT on a no-reuse
-workload in ``bench.sim``; the power of two choices still measured 2.4x). Such a request
-instead goes to the next unsaturated candidate in turn (round-robin, which needs no fresh
-load), skipping any this router sent more than one such prompt's worth of blocks beyond
-the least-sent candidate lately (its unexpired speculative entries, kept for
-``speculative_ttl_s``). The turn alone spreads new prefixes evenly only if nothing else
-places them: blind to what the cold-start fallback had placed, it left one replica of
-``bench.e2e`` with 5-6 of the 16 groups while another had 2-3, and the crowded one
-evicted (83-86% hit rate, where 89.3% means only each group's first request missed).
-Counting what was sent, whatever chose it, keeps the spread within about a prefix, as
-SGLang's ``cache_aware`` does by placing a new prefix on its smallest tree; the slack of
-one prompt keeps the turn's even spacing on a no-reuse workload (choosing the least-sent
-outright cost 1.5% of TTFT there and 13% of multi-turn throughput in ``bench.sim``).
-With the default ``least_load`` fallback this rule also places new prompts before the
-first engine event (``places_cold_prompts``): least_load would rank them by the previous
-phase's stale loads, and sent 4 of ``bench.e2e``'s first 6 groups to one replica.
-Confirmed residency is not counted: engines keep their caches full, so it would measure
-their capacity, not what is free, and send every new prefix to the smallest cache.
+The default workload's strategy is ``kv_cost``, the same rules with the score in time.
 """
 
 from __future__ import annotations
@@ -64,12 +39,11 @@ from kvcore.policies.board import ReplicaBoard
 from kvcore.policies.kv_scoring import (
     KvScoringPolicy,
     cold_note,
-    least_busy,
     queue_saturation,
     queue_screened,
     queue_usable,
 )
-from kvcore.policies.preselect import Candidates, Pool, least_loaded, next_in_turn
+from kvcore.policies.preselect import Pool, least_loaded
 from kvcore.policies.screening import ALL_SATURATED, NO_REPLICA, TIE, best_of, screen_rows
 from kvcore.workload import KvAwareWorkload
 
@@ -84,9 +58,6 @@ class KvAwarePolicy(KvScoringPolicy):
     def __init__(self, workload: KvAwareWorkload, rng: random.Random) -> None:
         super().__init__(workload, rng)
         self.aware = workload
-        self._turn = rng.randrange(1 << 16)  # proxies start at different replicas
-        self._last: int | None = None  # the replica of the last such turn
-        self.places_cold_prompts = workload.fallback == "least_load"
         self._cold_notes = {note: cold_note(self.name, note) for note in ("", ALL_SATURATED)}
 
     def select(self, ctx: RouteContext, state: StateView) -> Decision:
@@ -146,35 +117,9 @@ class KvAwarePolicy(KvScoringPolicy):
                 scores = self.scores(ctx, usable, runs)
                 values = [scores[r.ordinal] for r in usable]
         fleet = board.snapshot()
-        chosen = best_of(usable, values, self._rng)
-        chosen, note = self.rebalance(ctx, state, fleet, chosen, runs)
+        chosen, note = self.rebalance(ctx, state, best_of(usable, values, self._rng), runs)
         reasons = self._reasons(ctx, fleet, chosen, runs)
         return Decision(chosen, self.name, reasons, note, self._speculate(ctx, chosen))
-
-    def rebalance(
-        self,
-        ctx: RouteContext,
-        state: StateView,
-        fleet: Sequence[ReplicaState],
-        chosen: ReplicaState,
-        runs: dict[int, int],
-    ) -> tuple[ReplicaState, str]:
-        """The hot prefix's move (:meth:`KvScoringPolicy.rebalance`), else ``chosen``
-        unless it has more than ``max_imbalance`` requests beyond the least busy usable
-        replica (fewest requests, then load, then ordinal), which then takes the request;
-        its prefix is speculated there too, so the next requests see two holders and
-        their loads decide. Free below ``max_imbalance`` requests."""
-        moved, note = super().rebalance(ctx, state, fleet, chosen, runs)
-        limit = self.aware.max_imbalance
-        if note or limit is None or chosen.requests <= limit:
-            return moved, note
-        least = least_busy(ctx, fleet)
-        if least is None or chosen.requests - least.requests <= limit:
-            return chosen, ""
-        return least, (
-            f"imbalance: {chosen.replica_id} had {chosen.requests} requests, "
-            f"{least.replica_id} {least.requests} (max_imbalance {limit})"
-        )
 
     def _best_nonholders(
         self, ctx: RouteContext, board: ReplicaBoard, runs: dict[int, int], floor: float
@@ -264,49 +209,3 @@ class KvAwarePolicy(KvScoringPolicy):
     ) -> list[ReplicaState]:
         ctx = pool.ctx  # a non-holder's score falls as its load rises
         return least_loaded(board, pool, runs, floor, lambda r: self.nonholder_score(ctx, r))
-
-    def without_hit(
-        self,
-        ctx: RouteContext,
-        state: StateView,
-        found: Candidates,
-        runs: dict[int, int],
-    ) -> ReplicaState | None:
-        """For a prompt no candidate holds a counted hit of: the next usable replica in
-        turn (ordinal order) not sent much more than the others lately; ``None`` when some
-        candidate has a hit."""
-        blocks = len(ctx.block_keys)
-        floor = max(self.aware.min_hit * blocks, 1) if blocks else 1
-        if found.holders and any(runs.get(r.ordinal, 0) >= floor for r in found.holders):
-            return None
-        # blocks this router sent each usable replica lately (every usable replica: a
-        # prompt nobody holds costs a look at each), in one pass over the fleet
-        now, placed_blocks, admits = ctx.now, state.placed_blocks, found.admits
-        usable: list[ReplicaState] = []
-        placed: list[int] = []
-        for replica in found.fleet:
-            if admits(replica):
-                usable.append(replica)
-                placed.append(placed_blocks(replica.ordinal, now=now))
-        if not usable:
-            return None
-        return self._take_turn(found.fleet, usable, placed, blocks)
-
-    def _take_turn(
-        self,
-        fleet: Sequence[ReplicaState],
-        usable: list[ReplicaState],
-        placed: list[int],
-        blocks: int,
-    ) -> ReplicaState | None:
-        """The next of ``usable`` (of ``fleet``; ``placed``: the blocks sent each lately)
-        in turn, skipping any sent more than ``blocks`` beyond the least-sent one."""
-        turn = usable  # usually every one is within it: all sent as much (no min, no max)
-        if placed.count(placed[0]) != len(placed):
-            limit = min(placed) + blocks  # within one prompt of the least-sent one
-            if max(placed) > limit:
-                turn = [r for r, sent in zip(usable, placed, strict=True) if sent <= limit]
-        chosen = next_in_turn(fleet, turn, self._last, self._turn + 1)
-        if chosen is not None:
-            self._last = chosen.ordinal
-        return chosen

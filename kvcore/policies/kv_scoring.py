@@ -1,19 +1,22 @@
-"""What ``kv_aware`` and ``kv_cost`` share: residency lookup, fallback, speculation.
+"""What ``kv_aware`` and ``kv_cost`` share: residency lookup, the new-prompt turn, the
+hot-prefix and imbalance moves, fallback and speculation.
 
 A level-3 strategy looks up each candidate's leading run of the prompt's block keys
-(confirmed plus unexpired speculative residency), scores the candidates its own way,
-and asks the caller to record the prompt's keys as speculatively resident on the chosen
-replica for ``speculative_ttl_s`` (rounded up to :data:`SPECULATION_TICK_S`).
+(confirmed plus unexpired speculative residency), scores the candidates its own way
+(:meth:`KvScoringPolicy.scores`), and asks the caller to record the prompt's keys as
+speculatively resident on the chosen replica for ``speculative_ttl_s`` (rounded up to
+:data:`SPECULATION_TICK_S`). Around the score:
 
-Before the first engine event (no confirmed residency anywhere), a prompt no replica
-holds even speculatively goes to the workload's ``fallback``, which still speculates;
-a prompt some replica holds, if only speculatively, is scored. So a cold burst of one
-new prefix follows its first request's replica, while every other new prefix keeps the
-fallback's placement (``prefix_hash`` places it the same way on every proxy, whatever
-each proxy has speculated). A strategy with its own rule for a prompt nobody holds may
-use it instead of a ``least_load`` fallback (:attr:`KvScoringPolicy.places_cold_prompts`):
-at a cold start the loads are the previous phase's last reports, and ranking new prompts
-by them sent 4 of the first 6 groups of ``bench.e2e`` to one replica.
+- a prompt no candidate holds a counted hit of goes to the next usable replica in turn
+  (:meth:`KvScoringPolicy.without_hit`), not to the best load: loads are as stale as the
+  engines' last report;
+- a hot prefix leaves a holder ``hot_prefix_gap`` requests ahead of the least busy
+  replica, and any choice ``max_imbalance`` requests ahead goes to that replica
+  (:meth:`KvScoringPolicy.rebalance`);
+- before the first engine event (no confirmed residency anywhere) a prompt no replica
+  holds goes to the workload's ``fallback``, or to the turn when the fallback is
+  ``least_load`` (:attr:`KvScoringPolicy.places_cold_prompts`: at a cold start the loads
+  are the previous phase's last reports).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from kvcore.policies.base import (
 )
 from kvcore.policies.board import ReplicaBoard
 from kvcore.policies.fallback import fallback_policy
-from kvcore.policies.preselect import Candidates, Pool, candidates, decision
+from kvcore.policies.preselect import Candidates, Pool, candidates, decision, next_in_turn
 from kvcore.policies.screening import ALL_SATURATED, TIE, best, hard_exclusion
 from kvcore.workload import KvAwareWorkload, KvCostWorkload
 
@@ -126,6 +129,8 @@ def queue_screened(
 HOT_REPLICAS = 2.0  # a prefix is hot when its share of requests would fill this many replicas
 HOT_HALF_LIFE_S = 10.0  # how fast a prefix's share of the requests is forgotten
 HOT_MIN_REQUESTS = 16.0  # routed lately (decayed) before any share counts: less is noise
+HELD = -1  # in the runs a hot target is given: the hot prefix's length, in blocks
+Runs = dict[int, int]  # replica ordinal -> its leading run of the prompt, in blocks
 HOT_KEYS = 4096  # prefixes remembered at most; the more requested half is kept beyond it
 
 
@@ -228,6 +233,11 @@ class KvScoringPolicy:
         self._rng = rng
         self._fallback = fallback_policy(workload, rng)
         self._heat = PrefixHeat()
+        # a hit below this share of the prompt counts as none (kv_aware's min_hit)
+        self.min_hit = workload.min_hit if isinstance(workload, KvAwareWorkload) else 0.0
+        self._turn = rng.randrange(1 << 16)  # proxies start at different replicas
+        self._last: int | None = None  # the replica of the last new prompt's turn
+        self.places_cold_prompts = workload.fallback == "least_load"
 
     def scores(
         self, ctx: RouteContext, replicas: list[ReplicaState], runs: dict[int, int]
@@ -242,43 +252,104 @@ class KvScoringPolicy:
         found: Candidates,
         runs: dict[int, int],
     ) -> ReplicaState | None:
-        """A strategy's own choice for a prompt no candidate holds; ``None``: by score."""
-        return None
+        """For a prompt no candidate holds a counted hit of: the next usable replica in
+        turn (ordinal order) not sent much more than the others lately; ``None`` when some
+        candidate has a hit."""
+        blocks = len(ctx.block_keys)
+        floor = max(self.min_hit * blocks, 1) if blocks else 1
+        if found.holders and any(runs.get(r.ordinal, 0) >= floor for r in found.holders):
+            return None
+        # blocks this router sent each usable replica lately (every usable replica: a
+        # prompt nobody holds costs a look at each), in one pass over the fleet
+        now, placed_blocks, admits = ctx.now, state.placed_blocks, found.admits
+        usable: list[ReplicaState] = []
+        placed: list[int] = []
+        for replica in found.fleet:
+            if admits(replica):
+                usable.append(replica)
+                placed.append(placed_blocks(replica.ordinal, now=now))
+        if not usable:
+            return None
+        return self._take_turn(found.fleet, usable, placed, blocks)
+
+    def _take_turn(
+        self,
+        fleet: Sequence[ReplicaState],
+        usable: list[ReplicaState],
+        placed: list[int],
+        blocks: int,
+    ) -> ReplicaState | None:
+        """The next of ``usable`` (of ``fleet``; ``placed``: the blocks sent each lately)
+        in turn, skipping any sent more than ``blocks`` beyond the least-sent one."""
+        turn = usable  # usually every one is within it: all sent as much (no min, no max)
+        if placed.count(placed[0]) != len(placed):
+            limit = min(placed) + blocks  # within one prompt of the least-sent one
+            if max(placed) > limit:
+                turn = [r for r, sent in zip(usable, placed, strict=True) if sent <= limit]
+        chosen = next_in_turn(fleet, turn, self._last, self._turn + 1)
+        if chosen is not None:
+            self._last = chosen.ordinal
+        return chosen
 
     def rebalance(
-        self,
-        ctx: RouteContext,
-        state: StateView,
-        fleet: Sequence[ReplicaState],
-        chosen: ReplicaState,
-        runs: dict[int, int],
+        self, ctx: RouteContext, state: StateView, chosen: ReplicaState, runs: dict[int, int]
     ) -> tuple[ReplicaState, str]:
-        """The replica that takes a request the scores gave to ``chosen`` (of ``fleet``,
-        ``state``'s replicas), and why if it is another: the least busy usable replica
-        (:func:`least_busy`) when the prefix ``chosen`` holds of this prompt is hot
-        (:class:`PrefixHeat`: its share of this router's recent requests would fill at
-        least ``HOT_REPLICAS`` replicas' fair share, with at least ``HOT_MIN_REQUESTS``
-        of the fleet's requests lately behind that share, :func:`fleet_per_request`) and
-        ``chosen`` has more than ``hot_prefix_gap`` requests beyond it. The prompt is
-        speculated there too, so the next requests see one more holder and the scores
-        decide between them."""
-        gap = self.workload.hot_prefix_gap
-        held = runs.get(chosen.ordinal, 0)
-        if gap is None or not held:
-            return chosen, ""
-        hot = self._heat.share(ctx.block_keys[held - 1], ctx.now)
-        if hot * len(fleet) < HOT_REPLICAS or chosen.requests <= gap:
-            return chosen, ""  # not hot even were every replica usable, or no gap to close
-        if self._heat.lately(ctx.now) * fleet_per_request(state, fleet) < HOT_MIN_REQUESTS:
-            return chosen, ""  # too few requests behind the share to tell it from chance
-        least, usable = _least_busy_of(ctx, fleet)
-        if least is None or hot * usable < HOT_REPLICAS or chosen.requests - least.requests <= gap:
+        """The replica that takes a request the scores gave to ``chosen``, and why if it
+        is another: the hot prefix's move (:meth:`move_hot`), else the least busy usable
+        replica (fewest requests, then load, then ordinal) when ``chosen`` has more than
+        ``max_imbalance`` requests beyond it. The prompt is speculated on the replica that
+        takes it, so the next requests see one more holder and the scores decide."""
+        fleet = state.replicas()
+        moved = self.move_hot(ctx, state, chosen, runs)
+        limit = self.workload.max_imbalance
+        if moved is not None or limit is None or chosen.requests <= limit:
+            return moved or (chosen, "")
+        least = least_busy(ctx, fleet)
+        if least is None or chosen.requests - least.requests <= limit:
             return chosen, ""
         return least, (
+            f"imbalance: {chosen.replica_id} had {chosen.requests} requests, "
+            f"{least.replica_id} {least.requests} (max_imbalance {limit})"
+        )
+
+    def move_hot(
+        self, ctx: RouteContext, state: StateView, chosen: ReplicaState, runs: dict[int, int]
+    ) -> tuple[ReplicaState, str] | None:
+        """Where a hot prefix goes, and why (``None``: it stays): when the prefix
+        ``chosen`` holds of this prompt is hot (:class:`PrefixHeat`: its share of this
+        router's recent requests would fill at least ``HOT_REPLICAS`` replicas' fair
+        share, with at least ``HOT_MIN_REQUESTS`` of the fleet's requests lately behind
+        that share, :func:`fleet_per_request`) and ``chosen`` has more than
+        ``hot_prefix_gap`` requests beyond the least busy usable replica, to
+        :meth:`hot_target`."""
+        gap, fleet = self.workload.hot_prefix_gap, state.replicas()
+        held = runs.get(chosen.ordinal, 0)
+        if gap is None or not held:
+            return None
+        hot = self._heat.share(ctx.block_keys[held - 1], ctx.now)
+        if hot * len(fleet) < HOT_REPLICAS or chosen.requests <= gap:
+            return None  # not hot even were every replica usable, or no gap to close
+        if self._heat.lately(ctx.now) * fleet_per_request(state, fleet) < HOT_MIN_REQUESTS:
+            return None  # too few requests behind the share to tell it from chance
+        least, usable = _least_busy_of(ctx, fleet)
+        if least is None or hot * usable < HOT_REPLICAS or chosen.requests - least.requests <= gap:
+            return None
+        target = self.hot_target(ctx, least, fleet, {**runs, HELD: held})
+        if target is chosen:
+            return None
+        return target, (
             f"hot prefix ({hot:.0%} of recent requests): {chosen.replica_id} had "
             f"{chosen.requests} requests, {least.replica_id} {least.requests} "
             f"(hot_prefix_gap {gap})"
         )
+
+    def hot_target(
+        self, ctx: RouteContext, least: ReplicaState, fleet: Sequence[ReplicaState], runs: Runs
+    ) -> ReplicaState:
+        """The replica a hot prefix (of ``runs[HELD]`` blocks) moves to: ``least``, the
+        least busy usable one."""
+        del ctx, fleet, runs
+        return least
 
     def nonholders(
         self, board: ReplicaBoard, pool: Pool, runs: dict[int, int], floor: float
@@ -317,7 +388,7 @@ class KvScoringPolicy:
                 scores = self.scores(ctx, usable, runs)
             chosen = best(usable, scores, self._rng) if usable else None
             if chosen is not None:
-                chosen, note = self.rebalance(ctx, state, state.replicas(), chosen, runs)
+                chosen, note = self.rebalance(ctx, state, chosen, runs)
 
         def rows(replicas: list[ReplicaState]) -> list[ReplicaReason]:
             table = scores if replicas is usable else self.scores(ctx, replicas, runs)

@@ -38,8 +38,26 @@ state. O(1) each, except ``prefilled``/``dropped``: O(this router's requests pen
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import count
+from math import log2
+
+LEARN_HALF_LIFE = 32.0
+"""A replica's learned rate weighs its recent requests: a timing's weight halves with
+every this many timed after it."""
+LEARN_MIN_SAMPLES = 8.0
+"""Timed requests (decayed) a replica needs before its own rate is used; before, the
+fleet's median of the learned rates, else the configured one."""
+LEARN_APART = 2.0
+"""A replica is ranked at its learned rate when that is this many times slower than the
+configured one, at the configured one otherwise: timings are noisy (the time around a
+prefill varies with what else the engine runs), ranking equal replicas by their noise
+cost up to 70% more mean TTFT in bench sim's Mooncake runs, and a replica ranked faster
+than it is would draw every request. A slower GPU or model shows as 2x and more."""
+LEARN_MIN_SPREAD = 256.0
+"""Tokens (standard deviation) the timed prompts' uncached lengths must vary by: prompts
+all of one length cannot tell prefill time from the time spent around it."""
 
 
 @dataclass(slots=True)
@@ -47,19 +65,118 @@ class _Queue:
     pending: dict[int, float] = field(default_factory=dict)  # ticket -> uncached tokens
     tokens: float = 0.0  # sum of pending
     anchor: float = 0.0  # when the replica last started on its pending work
+    timed: int = 0  # the ticket sent while nothing was pending, to learn the rate from
+    timed_at: float = 0.0  # when it was sent
+
+
+class PrefillRates:
+    """Each replica's prefill throughput, learned from the requests this router timed: a
+    request sent when none of this router's was pending there takes
+
+        first token - send = fixed + uncached tokens / rate
+
+    where ``fixed`` is the time around its prefill (the step it waits for, the decode of
+    the running requests batched with it, the engine's overhead) and ``rate`` the
+    replica's prefill speed. A least-squares line through the timings, each weighing half
+    as much ``LEARN_HALF_LIFE`` timings later, gives both, so a replica that slows down
+    (a smaller GPU, a longer context) is ranked by its speed within a few dozen
+    requests; a replica with too little history reads the fleet's median."""
+
+    __slots__ = ("_fits", "_median", "default")
+
+    def __init__(self, default: float) -> None:
+        self.default = default
+        self._fits: dict[int, list[float]] = {}  # replica -> decayed n, Sx, Sy, Sxx, Sxy
+        self._median: float | None = None
+
+    def observe(self, replica: int, tokens: float, seconds: float) -> None:
+        """A request of ``tokens`` uncached tokens to idle ``replica`` had its first
+        token ``seconds`` after it was sent."""
+        if tokens < 0 or seconds <= 0:
+            return
+        fit = self._fits.get(replica)
+        if fit is None:
+            fit = self._fits[replica] = [0.0] * 5
+        keep = _KEEP
+        for i, value in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
+            fit[i] = fit[i] * keep + value
+        learned = (r for r in map(self.learned, self._fits) if r is not None)
+        median = _median(learned)
+        self._median = None if median is None else _rounded(median)
+
+    def learned(self, replica: int) -> float | None:
+        """``replica``'s own prefill rate, once its timings can tell it."""
+        line = self.line(replica)
+        return None if line is None else line[1]
+
+    def line(self, replica: int) -> tuple[float, float] | None:
+        """``replica``'s fitted (fixed seconds, tokens per second), once it has
+        ``LEARN_MIN_SAMPLES`` timings whose lengths vary and a line that rises."""
+        fit = self._fits.get(replica)
+        if fit is None or fit[0] < LEARN_MIN_SAMPLES:
+            return None
+        n, sx, sy, sxx, sxy = fit
+        spread = n * sxx - sx * sx
+        if spread < (n * LEARN_MIN_SPREAD) ** 2:
+            return None
+        slope = (n * sxy - sx * sy) / spread
+        if slope <= 0:
+            return None
+        return max((sy - slope * sx) / n, 0.0), 1 / slope
+
+    def rate(self, replica: int) -> float:
+        """Tokens per second ``replica`` prefills, as routing ranks it: the configured
+        rate unless the replica's own is ``LEARN_APART`` times slower (then its own), or,
+        for a replica with no history of its own, unless the fleet's median is."""
+        slow = self.default / LEARN_APART
+        own = self.learned(replica)
+        if own is not None:
+            return _rounded(own) if own < slow else self.default
+        median = self._median
+        return median if median is not None and median < slow else self.default
+
+    def forget(self, replica: int) -> None:
+        self._fits.pop(replica, None)
+
+
+_KEEP = 0.5 ** (1 / LEARN_HALF_LIFE)
+
+
+def _rounded(rate: float) -> float:
+    """``rate`` to the nearest 1/64 of an octave (about 1%): replicas whose rates differ
+    by less compare as one kind of queue (``kvcore.policies.board``), and a rate that
+    wavers within it changes no replica's state."""
+    return float(2 ** (round(log2(rate) * 64) / 64))
+
+
+def _median(values: Iterable[float]) -> float | None:
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 class PrefillLedger:
     """Per replica ordinal: this proxy's requests still waiting for their first token."""
 
-    __slots__ = ("_queues", "_tickets", "rate")
+    __slots__ = ("_queues", "_tickets", "rates")
 
     def __init__(self, prefill_tokens_per_s: float) -> None:
         if prefill_tokens_per_s <= 0:
             raise ValueError("prefill_tokens_per_s must be positive")
-        self.rate = prefill_tokens_per_s
+        self.rates = PrefillRates(prefill_tokens_per_s)
         self._queues: dict[int, _Queue] = {}
         self._tickets = count(1)
+
+    @property
+    def rate(self) -> float:
+        """The configured rate: a replica's until it has a learned one (or the fleet has)."""
+        return self.rates.default
+
+    @rate.setter
+    def rate(self, value: float) -> None:
+        self.rates.default = value
 
     def sent(self, replica: int, uncached_tokens: float, at: float) -> int:
         """A request with ``uncached_tokens`` to prefill went to ``replica`` at ``at``;
@@ -67,11 +184,12 @@ class PrefillLedger:
         queue = self._queues.get(replica)
         if queue is None:
             queue = self._queues[replica] = _Queue()
-        if not queue.pending:
-            queue.anchor = at  # idle: the replica starts on it now
-        else:  # work beyond what it had been sent is no head start on this one
-            queue.anchor = max(queue.anchor, at - queue.tokens / self.rate)
         ticket = next(self._tickets)
+        if not queue.pending:
+            queue.anchor = queue.timed_at = at  # idle: the replica starts on it now
+            queue.timed = ticket
+        else:  # work beyond what it had been sent is no head start on this one
+            queue.anchor = max(queue.anchor, at - queue.tokens / self.rates.rate(replica))
         tokens = max(float(uncached_tokens), 0.0)
         queue.pending[ticket] = tokens
         queue.tokens += tokens
@@ -82,9 +200,12 @@ class PrefillLedger:
         queue = self._queues.get(replica)
         if queue is None or ticket not in queue.pending:
             return
-        queue.tokens -= queue.pending.pop(ticket)
+        tokens = queue.pending.pop(ticket)
+        queue.tokens -= tokens
         if not queue.pending:
             queue.tokens = 0.0  # no drift from float sums
+        if ticket == queue.timed:
+            self.rates.observe(replica, tokens, at - queue.timed_at)
         queue.anchor = max(queue.anchor, at)
 
     def prefilled(self, replica: int, ticket: int, at: float) -> None:
@@ -107,19 +228,20 @@ class PrefillLedger:
             ahead += pending
         tokens = queue.pending.pop(ticket)
         at = max(at, queue.anchor)
-        drained = self.rate * (at - queue.anchor)  # work the replica has done since
+        rate = self.rates.rate(replica)
+        drained = rate * (at - queue.anchor)  # work the replica has done since
         if done:
             drained = max(drained, ahead + tokens)
         drained -= min(max(drained - ahead, 0.0), tokens)  # of which on the others
         queue.tokens = queue.tokens - tokens if queue.pending else 0.0
-        queue.anchor = at - drained / self.rate
+        queue.anchor = at - drained / rate
 
     def queued_tokens(self, replica: int, now: float) -> float:
         """Prompt tokens of this proxy's requests ``replica`` has still to prefill."""
         queue = self._queues.get(replica)
         if queue is None or not queue.pending:
             return 0.0
-        return max(0.0, queue.tokens - self.rate * max(0.0, now - queue.anchor))
+        return max(0.0, queue.tokens - self.rates.rate(replica) * max(0.0, now - queue.anchor))
 
     def pending(self, replica: int) -> int:
         """This proxy's requests on ``replica`` still waiting for their first token."""
@@ -129,3 +251,4 @@ class PrefillLedger:
     def forget(self, replica: int) -> None:
         """Drop ``replica``'s books (it left the fleet; its ordinal may be reused)."""
         self._queues.pop(replica, None)
+        self.rates.forget(replica)

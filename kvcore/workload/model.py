@@ -136,14 +136,23 @@ class _KvSettings(_WithFallback):
         description="When the prefix the chosen replica holds of the prompt is hot (its "
         "share of this router's recent requests would fill at least two replicas' fair "
         "share, such as one system prompt every request starts with, and enough of the "
-        "fleet's requests stand behind that share) and the chosen "
-        "replica has more than this many requests beyond the least busy usable replica, "
-        "that one takes the request and holds the prefix from then on: a hot prefix is "
-        "cheap to replicate, and kept where it is cached it leaves a few replicas busy "
-        "while the rest idle (kv_aware's max_imbalance moves it only far later, kv_cost "
-        "never). null: off.",
+        "fleet's requests stand behind that share) and the chosen replica has more than "
+        "this many requests beyond the least busy usable replica, another takes the "
+        "request and holds the prefix from then on (kv_aware: the least busy; kv_cost: "
+        "the cheapest, each usable replica counted as holding the prefix): a hot prefix "
+        "is cheap to replicate, and kept where it is cached it leaves a few replicas busy "
+        "while the rest idle. null: off.",
     )
     prefix_tokens: int = Field(256, ge=1, description="prefix_tokens for the prefix_hash fallback.")
+    max_imbalance: int | None = Field(
+        64,
+        ge=1,
+        description="When the replica the score chose has more than this many requests "
+        "(running, waiting and sent since its last report) beyond the least busy usable "
+        "replica, that one takes the request instead (SGLang's balance_abs_threshold): a "
+        "prefix that makes most of every prompt, such as a long system prompt, would "
+        "otherwise keep all traffic on its first holder until it saturates. null: off.",
+    )
 
 
 class KvAwareWorkload(_KvSettings):
@@ -158,39 +167,23 @@ class KvAwareWorkload(_KvSettings):
         "cache_threshold): a short prefix every request shares, such as a system prompt, "
         "is cheap to replicate and would otherwise pull every request to its first holder.",
     )
-    max_imbalance: int | None = Field(
-        64,
-        ge=1,
-        description="When the replica the score chose has more than this many requests "
-        "(running, waiting and sent since its last report) beyond the least busy usable "
-        "replica, that one takes the request instead (SGLang's balance_abs_threshold): a "
-        "prefix that makes most of every prompt, such as a long system prompt, would "
-        "otherwise keep all traffic on its first holder until it saturates. null: off.",
-    )
 
 
 class KvCostWorkload(_KvSettings):
-    """Level 3: the lowest predicted time to first token (queued prefill work plus this
-    prompt's uncached tokens, scaled by locality_weight, at the replica's prefill rate)."""
+    """Level 3, the default: the lowest (1 - alpha) * wait + alpha * prefill, in seconds
+    (queued prefill work ahead of the request, and this prompt's uncached tokens, at the
+    replica's prefill rate)."""
 
     strategy: Literal["kv_cost"] = "kv_cost"
-    hot_prefix_gap: int | None = Field(
-        None,
-        ge=0,
-        description="As kv_aware's, off by default here: kv_cost chooses by queued "
-        "prefill work, not by requests, so its choice is often more than a few requests "
-        "ahead of the least busy replica, and on the Mooncake trace moving hot prefixes "
-        "by that gap cost a third more mean TTFT (bench sim). On one system prompt "
-        "before every request, 4 spreads it (bench sim's one_system_prompt: 0.124 s to "
-        "0.040 s mean TTFT). null: off.",
-    )
     locality_weight: float = Field(
-        1.0,
+        0.8,
         ge=0,
         le=1,
-        description="How much this prompt's uncached tokens count against queued ones: 1 "
-        "is the plain predicted time to first token, below 1 favours short queues over "
-        "cache hits, 0 ignores the cache.",
+        description="alpha: how a second of prefill this replica's cache would not save "
+        "weighs against a second of waiting there. 0.5 ranks by the plain predicted time "
+        "to first token; above it a recomputed second counts alpha / (1 - alpha) queued "
+        "ones (0.8: 4), since a miss also delays every request queued behind it; 1 ranks "
+        "by the cache alone, 0 by the queue alone.",
     )
     prefill_tokens_per_s: float = Field(
         10_000.0,

@@ -190,9 +190,10 @@ def test_kv_cost_passes_over_a_replica_prefilling_for_this_proxy(stack: FullStac
     sent it (its engine is slowed: that first token is 1.5 s away). No load report can
     show it yet; the proxy's own books can: by them a new prompt on the prefix would wait
     ~1.2 s there against 0.4 s to recompute elsewhere (at the workload's 5,000 tokens/s),
-    so it goes elsewhere. Counted in requests instead, one request of 1,024 tokens is all
-    that replica has queued, and the prefix would win."""
-    workload = {"strategy": "kv_cost", "prefill_tokens_per_s": 5000}
+    so ranked by that plain prediction (locality_weight 0.5) it goes elsewhere. Counted in
+    requests instead, one request of 1,024 tokens is all that replica has queued, and the
+    prefix would win."""
+    workload = {"strategy": "kv_cost", "prefill_tokens_per_s": 5000, "locality_weight": 0.5}
     assert stack.admin("PUT", "/v1/workloads/books", workload)[0] in (200, 201)
     header = {"x-kvroute-workload": "books"}
     prefix = list(range(20_000, 22_000))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -137,12 +138,17 @@ async def test_failed_refused_retried_and_cancelled_requests_leave_no_tokens(
         closed.bind(("127.0.0.1", 0))
         dead_url = f"http://127.0.0.1:{closed.getsockname()[1]}"
     updates = routing_state(sims, KV_COST)
-    updates[0].snapshot.replicas[0].base_url = dead_url  # r0: tried first, the less loaded
+    updates[0].snapshot.replicas[0].base_url = dead_url  # r0: nobody listens
     updates[0].snapshot.replicas[1].load.CopyFrom(load(8, 0, ts=time.time()))
     async with proxy(updates) as (url, service), aiohttp.ClientSession() as session:
         statuses = [(await complete(session, url, [7, i, *SHARED]))[0] for i in range(4)]
         assert statuses == [200] * 4  # every one landed on the live replica in the end
-        assert 'kvroute_proxy_retries_total{reason="connect"} 4.0' in metrics(service)
+        # new prompts go to the replicas in turn, and a retry moves the turn on: at least
+        # every other one was tried on r0 first
+        retries = re.search(
+            r'kvroute_proxy_retries_total\{reason="connect"\} (\S+)', metrics(service)
+        )
+        assert retries is not None and 2 <= float(retries.group(1)) <= 4
         assert open_tickets(service) == 0
         await _fail_next_request(session, sims[1])
         status, _, body = await complete(session, url, SHARED)

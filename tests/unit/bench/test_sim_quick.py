@@ -19,11 +19,11 @@ def test_quick_sim_orders_policies_and_respects_the_oracle(tmp_path: Path, capsy
             assert run["lost"] == 0 and run["completed"] == run["requests"] > 0
             assert run["hit_rate"] <= run["oracle_hit_rate"] + 1e-9
     runs = {r["policy"]: r for r in scenarios["shared_prefix"]["runs"]}
-    kv, rr = runs["kv_aware"], runs["round_robin"]
+    kv, rr = runs["kv_cost"], runs["round_robin"]  # the default against round-robin
     assert kv["hit_rate"] > rr["hit_rate"]
     assert kv["ttft_mean_s"] < rr["ttft_mean_s"]
     assert (tmp_path / "shared_prefix.png").stat().st_size > 10_000
-    assert "| `kv_aware` |" in (tmp_path / "report.md").read_text()
+    assert "| `kv_cost` |" in (tmp_path / "report.md").read_text()
 
 
 def test_bad_policy_spec_is_refused_by_name(tmp_path: Path, capsys) -> None:

@@ -298,7 +298,7 @@ def test_without_workloads_the_default_config_routes() -> None:
     state = fleet()
     apply_all(state, snapshot(1, 1, [replica(0)]))
     default = state.routing_config().workload("default")
-    assert (default.strategy, default.fallback) == ("kv_aware", "prefix_hash")
+    assert (default.strategy, default.fallback) == ("kv_cost", "prefix_hash")
 
 
 # -- speculation, in-flight requests, staleness ------------------------------------------
@@ -438,6 +438,7 @@ class RebuildingFleet(FleetState):
             if ordinal not in self._reloaded and counts == (
                 current.unreported,
                 current.queued_prefill_tokens,
+                current.prefill_tokens_per_s,
             ):
                 continue
             state = self._states[ordinal] = self._replica_state(record, counts)
@@ -494,9 +495,12 @@ def test_a_request_routed_while_a_leaving_replica_is_cleared_sees_the_fleet_as_i
 
 def test_a_request_that_came_and_went_leaves_nothing_for_the_next_one_to_rebuild() -> None:
     """Its end settles its replica's state at once (the next request's routing reads the
-    view without a rebuild on its critical path); one still in flight does not."""
+    view without a rebuild on its critical path); one still in flight does not. (Without
+    prefill books: with a kv_cost workload the queue drains with time, read when routed.)"""
     state = fleet()
-    apply_all(state, snapshot(1, 1, [replica(0, running=2, report_ts=100.0), replica(1)]))
+    routing = config([{"name": "default", "strategy": "kv_aware"}])
+    replicas = [replica(0, running=2, report_ts=100.0), replica(1)]
+    apply_all(state, snapshot(1, 1, replicas, routing=routing))
     assert [r.requests for r in state.view(MODEL).replicas()] == [2, 0]
     ticket = state.on_sent(0, 101.0)
     state.on_done(ticket)
@@ -539,7 +543,7 @@ def test_what_routing_reads_is_what_a_rebuild_on_read_gives(
     shows; without books, also one built afresh from the records at that moment."""
     clock = Clock()
     workloads = [{"name": "default", "strategy": "kv_cost", "prefill_tokens_per_s": 1_000}]
-    routing = config(workloads) if books else None
+    routing = config(workloads if books else [{"name": "default", "strategy": "kv_aware"}])
     replicas = [replica(o, running=1, report_ts=100.0) for o in range(3)]
     states = [FleetState(clock=clock), _RebuiltOnRead(clock=clock)]
     for state in states:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from dataplane.fleet_state import FleetState
 from dataplane.main import SettingsRefused, load_settings
+from dataplane.metrics import ProxyMetrics
 from dataplane.service import ProxyService
 from kvcore.keys import block_keys
 from kvcore.policies import Decision, RouteContext, create_policy
@@ -73,8 +74,9 @@ def test_a_replica_prefilling_a_big_prompt_ranks_behind_an_idle_one_under_kv_cos
     decision = route(state, KEYS, clock.now)
     assert decision.replica_id == "r1"
     scores = {row.replica_id: row.score for row in decision.reasons}
-    assert scores["r0"] == pytest.approx(-(19_990 + 448) / RATE)
-    assert scores["r1"] == pytest.approx(-2048 / RATE)
+    # alpha 0.8: a fifth of the wait and four fifths of the prefill, in seconds
+    assert scores["r0"] == pytest.approx(-(0.2 * 19_990 + 0.8 * 448) / RATE)
+    assert scores["r1"] == pytest.approx(-0.8 * 2048 / RATE)
 
 
 def test_the_queue_drains_with_time_though_nothing_else_changes() -> None:
@@ -281,3 +283,26 @@ def test_routing_between_the_steps_of_a_replica_leaving_reads_the_fleet_as_it_wa
     for _ in steps:
         pass
     assert queued(state) == [0]
+
+
+def test_the_rate_each_replica_is_ranked_at_is_a_metric() -> None:
+    """``kvroute_proxy_prefill_tokens_per_second{replica}``: the configured rate until a
+    replica's timings show it 2x slower, then what they show (and a replica with no
+    timings of its own, the fleet's median); nothing without kv_cost."""
+    clock = Clock()
+    state = fleet(clock)
+    assert state.prefill_rates() == {"r0": RATE, "r1": RATE}
+    for i in range(30):  # r1 answers 2,000 tokens/s plus 20 ms, timed from idle each time
+        tokens = (500, 2_000, 1_000, 4_000, 250, 3_000)[i % 6]
+        ticket = state.on_sent(1, 1e9, uncached_tokens=tokens)
+        clock.now += 0.02 + tokens / 2_000
+        state.on_first_byte(ticket, 200, streaming=True)
+        state.on_done(ticket)
+        clock.now += 1.0
+    rates = state.prefill_rates()
+    assert rates["r1"] == pytest.approx(2_000, rel=0.01) and rates["r0"] == rates["r1"]
+    assert state.view(MODEL).replicas()[1].prefill_tokens_per_s == rates["r1"]
+    metrics = ProxyMetrics()
+    metrics.watch_prefill_rates(state.prefill_rates)
+    assert 'kvroute_proxy_prefill_tokens_per_second{replica="r1"} 2' in metrics.render().decode()
+    assert fleet(clock, [{"name": "default", "strategy": "kv_aware"}]).prefill_rates() == {}

@@ -204,7 +204,7 @@ def test_kv_aware_records_speculative_residency_that_steers_the_next_burst() -> 
 
 @pytest.mark.parametrize(
     "workload",
-    [KvAwareWorkload(fallback="round_robin"), KvCostWorkload(fallback="least_load")],
+    [KvAwareWorkload(fallback="round_robin"), KvCostWorkload(fallback="round_robin")],
     ids=["kv_aware", "kv_cost"],
 )
 def test_kv_strategies_fall_back_without_residency_data(workload: Workload) -> None:
@@ -246,7 +246,9 @@ def test_kv_aware_prefix_hash_fallback_keeps_locality_on_a_cold_start() -> None:
 
 
 def test_kv_cost_predicts_time_to_first_token() -> None:
-    workload = KvCostWorkload(locality_weight=1.0, prefill_tokens_per_s=1000)
+    """At alpha 0.5 kv_cost ranks by the plain predicted time to first token, and its
+    reasons give each replica's wait, prefill and rate (what the explain endpoint shows)."""
+    workload = KvCostWorkload(locality_weight=0.5, prefill_tokens_per_s=1000)
     replicas = [ReplicaState(0, "warm", waiting=2), ReplicaState(1, "cold")]
     view = _view(replicas, {0: 6})
     policy = create_policy(workload)
@@ -257,11 +259,26 @@ def test_kv_cost_predicts_time_to_first_token() -> None:
     assert policy.predicted_ttft_s(ctx, replicas[1], 0) == pytest.approx(0.128)
     decision = policy.select(ctx, view)
     assert decision.replica_id == "cold"
-    assert decision.reasons[0].score == pytest.approx(-2.08)
+    warm = decision.reasons[0]
+    assert warm.score == pytest.approx(-2.08 / 2)  # half the wait, half the prefill
+    assert (warm.wait_s, warm.prefill_s) == (pytest.approx(2.048), pytest.approx(0.032))
+    assert warm.to_dict()["prefill_tokens_per_s"] == 1000
+
+
+def test_kv_cost_weighs_a_recomputed_second_against_queued_ones_by_alpha() -> None:
+    """Replica 0 holds the prompt but has 0.3 s of prefill queued; replica 1 is idle and
+    would recompute it all (0.128 s). By the plain prediction (alpha 0.5) the idle one is
+    sooner; at the default 0.8 a recomputed second weighs four queued ones (a miss also
+    delays whatever queues behind it), and the cache wins."""
+    replicas = [ReplicaState(0, "warm", queued_prefill_tokens=300), ReplicaState(1, "cold")]
+    rates = {"prefill_tokens_per_s": 1000}
+    view = _view(replicas, {0: 8})
+    assert _select(KvCostWorkload(locality_weight=0.5, **rates), view).replica_id == "cold"
+    assert _select(KvCostWorkload(**rates), view).replica_id == "warm"
 
 
 def test_kv_cost_takes_the_hit_when_the_queue_is_short() -> None:
-    workload = KvCostWorkload(locality_weight=1.0)
+    workload = KvCostWorkload(locality_weight=0.5)
     replicas = [
         ReplicaState(0, "warm", queued_prefill_tokens=50, prefill_tokens_per_s=1000),
         ReplicaState(1, "cold", prefill_tokens_per_s=1000),
@@ -569,10 +586,13 @@ def test_a_router_with_a_request_or_so_a_second_has_about_15_behind_it() -> None
     assert heat.lately(100.0) < 16
 
 
-def test_kv_cost_spreads_a_hot_prefix_only_when_asked() -> None:
-    """kv_cost ranks by queued prefill, which a cached prompt barely adds to: its holder
-    of a hot prefix keeps it (off by default: moving by requests cost kv_cost the Mooncake
-    trace's TTFT) unless the workload sets hot_prefix_gap."""
-    assert _hot_choice([PROMPT], 40, 30, KvCostWorkload()).replica_id == "holder"
-    moved = _hot_choice([PROMPT], 40, 30, KvCostWorkload(hot_prefix_gap=4))
-    assert moved.replica_id == "idle1" and moved.note.startswith("hot prefix (100% of")
+def test_kv_cost_spreads_a_hot_prefix_to_the_cheapest_replica() -> None:
+    """kv_cost ranks by queued prefill, which a cached prompt barely adds to, so a hot
+    prefix's holder would keep it: past hot_prefix_gap, the prefix counts as held by every
+    usable replica, and the cheapest of them (an idle one) takes the request; null keeps
+    it on its holder."""
+    moved = _hot_choice([PROMPT], 40, 30, KvCostWorkload())
+    assert moved.replica_id.startswith("idle") and moved.note.startswith("hot prefix (100% of")
+    assert _hot_choice([PROMPT], 40, 30, KvCostWorkload(hot_prefix_gap=None)).replica_id == (
+        "holder"
+    )

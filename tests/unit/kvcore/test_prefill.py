@@ -67,7 +67,7 @@ def test_the_rate_must_be_positive() -> None:
 def test_kv_cost_sends_the_next_request_away_from_a_replica_busy_prefilling() -> None:
     """Replica 0 holds the prompt's prefix but is prefilling 20,000 tokens this proxy sent
     it a moment ago: the engine's last report (waiting 0) cannot show that, the books do."""
-    workload = KvCostWorkload(locality_weight=1.0, prefill_tokens_per_s=10_000)
+    workload = KvCostWorkload(locality_weight=0.5, prefill_tokens_per_s=10_000)
     tokens = list(range(100, 228))
     ctx = context(workload, tokens, now=50.1)
     ledger = PrefillLedger(workload.prefill_tokens_per_s)
@@ -81,8 +81,9 @@ def test_kv_cost_sends_the_next_request_away_from_a_replica_busy_prefilling() ->
     decision = create_policy(workload).select(ctx, view)
     assert decision.replica_id == "r1"
     rows = {r.replica_id: r for r in decision.reasons}
-    assert rows["r0"].score == pytest.approx(-(19_000 + 16) / 10_000)  # 1.9 s still queued
-    assert rows["r1"].score == pytest.approx(-128 / 10_000)
+    assert rows["r0"].wait_s == pytest.approx(19_000 / 10_000)  # 1.9 s still queued
+    assert rows["r0"].score == pytest.approx(-(19_000 + 16) / 10_000 / 2)
+    assert rows["r1"].score == pytest.approx(-128 / 10_000 / 2)
 
 
 def three_queued() -> tuple[PrefillLedger, list[int]]:
@@ -134,3 +135,77 @@ def test_a_whole_answer_after_the_estimate_keeps_the_rest_of_the_queue_aging() -
     ledger.dropped(0, 99, at=12.5)  # unknown ticket
     ledger.prefilled(3, 1, at=12.5)  # unknown replica
     assert ledger.queued_tokens(0, now=12.5) == pytest.approx(500)
+
+
+def serve(ledger: PrefillLedger, replica: int, tokens: int, rate: float, at: float) -> float:
+    """One request of ``tokens`` to an idle ``replica`` that answers 20 ms plus the
+    prefill at ``rate`` later; when it answered."""
+    ticket = ledger.sent(replica, tokens, at=at)
+    done = at + 0.02 + tokens / rate
+    ledger.first_token(replica, ticket, at=done)
+    return done
+
+
+LENGTHS = [500, 2_000, 1_000, 4_000, 250, 3_000]  # uncached tokens, in turn
+
+
+def test_the_learned_prefill_rate_follows_a_replica_whose_speed_changes() -> None:
+    """Four replicas prefill at 10,000 tokens/s as configured; then replica 0 (another
+    GPU, a longer context) at 4,000. The times the proxy measured to its first tokens
+    move its learned rate there within a few dozen requests, its 20 ms around each prefill
+    told apart, and routing ranks it at 4,000 once that is 2x slower than configured: a
+    replica within 2x keeps the configured figure (timings are noisy, and equal replicas
+    rank as equal)."""
+    ledger = PrefillLedger(prefill_tokens_per_s=10_000)
+    assert ledger.rates.rate(0) == 10_000 and ledger.rates.line(0) is None
+    now = 0.0
+    for replica in range(4):
+        for i in range(30):
+            now = serve(ledger, replica, LENGTHS[i % 6], 10_000, now) + 1.0
+    fixed, rate = ledger.rates.line(0) or (0.0, 0.0)
+    assert (fixed, rate) == (pytest.approx(0.02), pytest.approx(10_000))
+    for i in range(30):
+        now = serve(ledger, 5, LENGTHS[i % 6], 7_000, now) + 1.0
+    assert ledger.rates.learned(5) == pytest.approx(7_000)
+    assert ledger.rates.rate(5) == 10_000
+    learned, ranked = [], []
+    for i in range(300):
+        now = serve(ledger, 0, LENGTHS[i % 6], 4_000, now) + 1.0
+        learned.append(ledger.rates.learned(0) or 0.0)
+        ranked.append(ledger.rates.rate(0))
+    assert learned[0] > 9_000  # one slow answer moves it only a little
+    assert learned[90] == pytest.approx(4_000, rel=0.05)
+    assert learned[-1] == pytest.approx(4_000, rel=0.001)
+    assert ranked[0] == 10_000 and ranked[-1] == pytest.approx(4_000, rel=0.01)
+    # and the queue it sees drains at the learned rate
+    ledger.sent(0, 8_000, at=now)
+    assert ledger.queued_tokens(0, now=now + 1.0) == pytest.approx(4_000, rel=0.01)
+
+
+def test_a_replica_with_no_history_starts_from_the_fleets_median() -> None:
+    """Configured at 20,000 tokens/s, the fleet's replicas prefill at 6,000 and 8,000:
+    a replica never timed is ranked at their median, 7,000."""
+    ledger = PrefillLedger(prefill_tokens_per_s=20_000)
+    now = 0.0
+    for replica, speed in ((0, 6_000), (1, 8_000)):
+        for i in range(30):
+            now = serve(ledger, replica, LENGTHS[i % 6], speed, now) + 1.0
+    assert ledger.rates.rate(0) == pytest.approx(6_000, rel=0.01)
+    assert ledger.rates.rate(7) == pytest.approx(7_000, rel=0.01)
+
+
+def test_only_a_request_sent_to_an_idle_replica_is_timed() -> None:
+    """A request queued behind another of this router's waited for it too: its time to
+    first token says nothing of its own prefill. Nor do prompts all of one length, which
+    cannot tell the prefill from the time around it."""
+    ledger = PrefillLedger(prefill_tokens_per_s=30_000)
+    now = 0.0
+    for _ in range(40):
+        first, second = ledger.sent(0, 1_000, at=now), ledger.sent(0, 3_000, at=now)
+        ledger.first_token(0, first, at=now + 0.12)
+        ledger.first_token(0, second, at=now + 2.0)  # 3,000 tokens in 2 s: not timed
+        now += 5.0
+    assert ledger.rates.line(0) is None  # one length only: no line yet
+    for i in range(40):
+        now = serve(ledger, 0, LENGTHS[i % 6], 10_000, now) + 1.0
+    assert ledger.rates.learned(0) == pytest.approx(10_000, rel=0.01)

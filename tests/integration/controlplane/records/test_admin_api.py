@@ -296,9 +296,12 @@ async def test_replicas_drain_residency_and_explain(make_records: RecordsFactory
         assert status == 200, body
         assert body["workload"] == "default" and body["blocks"] == len(keys)
         decision = body["decision"]
-        assert decision["replica_id"] == "r1" and decision["strategy"] == "kv_aware"
+        assert decision["replica_id"] == "r1" and decision["strategy"] == "kv_cost"
         reasons = {r["replica_id"]: r for r in decision["replicas"]}
         assert reasons["r1"]["hit_blocks"] == len(keys)
+        # the default weighs time: each candidate's wait, prefill and prefill rate
+        assert reasons["r0"]["prefill_s"] > reasons["r1"]["prefill_s"] >= 0
+        assert reasons["r1"]["wait_s"] == 0 and reasons["r1"]["prefill_tokens_per_s"] > 0
 
         # a cache_salt keys the prompt apart, as the proxy does: nobody holds it
         salted = {"request": {**request, "cache_salt": "tenant-b"}}

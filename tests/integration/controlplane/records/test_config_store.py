@@ -65,7 +65,7 @@ async def test_two_instances_starting_together_create_the_default_workload_once(
             (workload,) = store.current().workloads
             assert workload.name == DEFAULT_WORKLOAD
             assert workload.mod_revision == stored.mod_revision
-            assert json.loads(workload.policy_json)["strategy"] == "kv_aware"
+            assert json.loads(workload.policy_json)["strategy"] == "kv_cost"
     finally:
         await first.aclose()
         await second.aclose()
