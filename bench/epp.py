@@ -11,7 +11,13 @@ in pieces of at most 62,000 bytes), from this process:
    (targets: 1 ms and 3 ms), the first (cold) request left out, with the picker's own
    routing time (its ``decision_seconds``, the proxy's metric) beside it;
 2. streams: ``--streams`` requests held open at once (picked, their answers not yet
-   begun), all answered, the picker's in-flight gauge counting every one of them.
+   begun), all answered, the picker's in-flight gauge counting every one of them;
+3. added TTFT: streamed chats through a real Envoy asking the picker (deploy/envoy's
+   example) and through Envoy alone balancing round robin, to the same engines (run with
+   no modelled time, so only the routers' costs differ), at 1 and ``--concurrency``
+   requests at once, with 8k-token and 220 KB prompts each unique (no cache to win): the
+   figure is the picker's TTFT p50 minus Envoy's alone (no target is set for it), with
+   kvroute's own proxy on the same state beside them.
 
 It prints each figure beside its target and exits 1 when one is missed.
 """
@@ -26,14 +32,17 @@ import sys
 import tempfile
 import time
 import urllib.request
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 
+from bench.envoy import EnvoyProcess
 from dataplane.epp.messages import BODY_CHUNK_BYTES, FULL_DUPLEX
 from kvcore.request import prompt_keys
 from kvcore.tokenize import PrefixTokenCache, load_tokenizer
@@ -153,6 +162,70 @@ def routing_median_ms(metrics: str) -> float:
     return next((le * 1000 for le in sorted(buckets) if buckets[le] >= total / 2), float("nan"))
 
 
+async def first_event_s(session: aiohttp.ClientSession, url: str, body: bytes) -> float:
+    """Seconds to a streamed answer's first ``data:`` event."""
+    started = time.perf_counter()
+    headers = {"content-type": "application/json"}
+    async with session.post(url + "/v1/chat/completions", data=body, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+        async for line in resp.content:
+            if line.startswith(b"data:"):
+                elapsed = time.perf_counter() - started
+                break
+        await resp.read()
+    return elapsed
+
+
+LONG_WORD = "abcdefghijklmnopqrstuvwxyz" * 2  # 7.6 bytes a token with the built-in tokenizer
+
+
+def unique_chat(model: str, size: int, index: int) -> bytes:
+    """A streamed chat of about ``size`` bytes that no other request begins like (long
+    words: a 220 KB prompt stays within the simulated engines' 32,768 tokens)."""
+    words = " ".join([LONG_WORD] * (size // (len(LONG_WORD) + 1)))
+    messages = [{"role": "user", "content": f"request {index}: {words}"}]
+    return json.dumps(
+        {"model": model, "messages": messages, "max_tokens": 4, "stream": True}
+    ).encode()
+
+
+async def ttfts(url: str, model: str, size: int, concurrency: int, indices: range) -> list[float]:
+    timeout = aiohttp.ClientTimeout(total=600)
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(index: int) -> float:
+            async with gate:
+                return await first_event_s(session, url, unique_chat(model, size, index))
+
+        return sorted(await asyncio.gather(*(one(i) for i in indices)))
+
+
+async def added_ttft(
+    engines: list[str], epp_grpc: str, proxy: str, model: str, args: argparse.Namespace
+) -> None:
+    with ExitStack() as stack:
+        # (each waits for its Envoy's admin /ready, off the event loop)
+        picking = await asyncio.to_thread(stack.enter_context, EnvoyProcess(epp_grpc, engines))
+        alone = await asyncio.to_thread(stack.enter_context, EnvoyProcess(None, engines))
+        sent = 0  # every request its own prompt: a second send of one would be a hit
+        for size, label in ((60_800, "8k-token"), (220_000, "220 KB")):
+            for concurrency in (1, args.concurrency):
+                count = max(8, 2 * concurrency)
+                epp = await ttfts(picking.url, model, size, concurrency, range(sent, sent + count))
+                sent += count
+                base = await ttfts(alone.url, model, size, concurrency, range(sent, sent + count))
+                sent += count
+                own = await ttfts(proxy, model, size, concurrency, range(sent, sent + count))
+                sent += count
+                p50, base_p50 = statistics.median(epp) * 1000, statistics.median(base) * 1000
+                print(f"added TTFT, {label} prompts, {concurrency} at once ({count} each): "
+                      f"{p50 - base_p50:+.1f} ms (p50s: Envoy asking the picker {p50:.1f} ms, "
+                      f"Envoy alone {base_p50:.1f} ms, kvroute-proxy on the same state "
+                      f"{statistics.median(own) * 1000:.1f} ms)")  # fmt: skip
+
+
 async def start_epp(controlplane: str) -> tuple[asyncio.subprocess.Process, dict[str, str]]:
     proc = await asyncio.create_subprocess_exec(
         str(EPP), f"--controlplane={controlplane}", "--host=127.0.0.1", "--grpc-port=0",
@@ -169,7 +242,8 @@ async def start_epp(controlplane: str) -> tuple[asyncio.subprocess.Process, dict
 async def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvroute-bench-epp-") as directory:
         fleet = LocalFleet(
-            UpOptions(replicas=2, port=free_port(), data_dir=Path(directory)), say=lambda _: None
+            UpOptions(replicas=2, port=free_port(), data_dir=Path(directory), time_scale=0.0),
+            say=lambda _: None,
         )
         started = await fleet.start()
         proc, ports = await start_epp(",".join(started.grpc_addresses))
@@ -178,7 +252,11 @@ async def run(args: argparse.Namespace) -> int:
             async with grpc.aio.insecure_channel(ports["grpc"], options=options) as channel:
                 await channel.channel_ready()
                 stub = ext_proc_grpc.ExternalProcessorStub(channel)
-                return await report(stub, started.models[0], ports["metrics"], args)
+                status = await report(stub, started.models[0], ports["metrics"], args)
+            if args.ttft:
+                proxy = started.proxy_urls[0]
+                await added_ttft(started.engines, ports["grpc"], proxy, started.models[0], args)
+            return status
         finally:
             proc.terminate()
             await proc.wait()
@@ -214,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.epp", description=__doc__)
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--streams", type=int, default=1000)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--no-ttft", dest="ttft", action="store_false",
+                        help="leave out the TTFT through Envoy")  # fmt: skip
     return asyncio.run(run(parser.parse_args(argv)))
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.envoyproc import EnvoyProcess
+from bench.envoy import EnvoyProcess
 from tests.e2e.fullstack import FullStack, wait_for
 from tests.e2e.proxyproc import http_request
 from tests.unit.enginesim.simproc import SimProcess

@@ -38,7 +38,7 @@ def request_headers(
     extra: Iterable[tuple[str, str]] = (),
     end_of_stream: bool = False,
     mode: int = FULL_DUPLEX,
-    subset: list[str] | None = None,
+    subset: list[str] | str | None = None,
 ) -> ext_proc.ProcessingRequest:
     pairs = [(":method", "POST"), (":path", path), (":authority", "gateway"),
              (":scheme", "http"), ("content-type", "application/json"), *extra]  # fmt: skip

@@ -189,11 +189,14 @@ async def test_buffered_mode_lets_the_headers_through_and_picks_on_the_body(
     await call.close()
 
 
+@pytest.mark.parametrize(
+    "hint", [["127.0.0.1:9002"], "127.0.0.1:9002, 127.0.0.1:9999"], ids=["list", "string"]
+)
 async def test_the_subset_hint_is_honoured_and_503_when_none_of_it_serves(
-    epp: EppService, channel: grpc.aio.Channel
+    epp: EppService, channel: grpc.aio.Channel, hint: list[str] | str
 ) -> None:
     call = ExtProcCall(channel)
-    answer, _, _ = await picked_full_duplex(call, completion(PROMPT), subset=["127.0.0.1:9002"])
+    answer, _, _ = await picked_full_duplex(call, completion(PROMPT), subset=hint)
     assert header_of(answer.request_headers.response, DESTINATION) == "127.0.0.1:9002"
     call.call.cancel()
     call = ExtProcCall(channel)
@@ -324,6 +327,24 @@ async def test_readiness_waits_for_the_routing_state_then_serves() -> None:
     finally:
         await epp.aclose()
         await server.stop()
+
+
+async def test_stopping_turns_readiness_off_and_streams_go_on(
+    epp: EppService, channel: grpc.aio.Channel
+) -> None:
+    """What SIGTERM does first: the gateway and Kubernetes stop sending new requests."""
+    await epp.stop_serving()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{epp.ports['health']}") as probes:
+        health = health_pb2_grpc.HealthStub(probes)
+        for service in ("readiness", EXT_PROC_SERVICE):
+            check = health_pb2.HealthCheckRequest(service=service)
+            assert (await health.Check(check)).status == NOT_SERVING
+        check = health_pb2.HealthCheckRequest(service="liveness")
+        assert (await health.Check(check)).status == SERVING
+    call = ExtProcCall(channel)
+    answer, _, _ = await picked_full_duplex(call, completion(PROMPT))
+    assert header_of(answer.request_headers.response, DESTINATION).startswith(R1)  # type: ignore[union-attr]
+    call.call.cancel()
 
 
 async def test_the_ext_proc_port_serves_tls_when_given_a_certificate(

