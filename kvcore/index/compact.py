@@ -15,6 +15,10 @@ Rules:
 - a prompt, or a batch added or removed, of at most ``_SCALAR_KEYS`` keys (most
   requests, an engine's event batch) is handled key by key in plain Python, which beats
   a dozen array operations' fixed cost;
+- a change of at most ``_HELD_BATCH`` keys (an engine's event batch) is held back in
+  :class:`PendingChanges` and applied with the others in bulk when the index is read
+  (any lookup, count or listing) or holds ``_HELD_KEYS`` keys: a control plane ingests
+  such batches by the hundred thousand a second and reads rarely;
 - replicas being cleared step by step are hidden from lookups (their bits are masked
   off) while the steps drop their bits a slot range at a time; a rebuild of the table
   (it grows) first finishes every such clear.
@@ -34,8 +38,11 @@ from kvcore.index.base import U64, check_replica
 from kvcore.index.bitmask import BitmaskResidencyIndex, _bits, _short_runs
 from kvcore.index.columns import holders, joined, rows_of, words_of
 from kvcore.index.hashtable import MAX_LOAD, KeyTable
+from kvcore.index.pending import PendingChanges
 
 _SCALAR_KEYS = 32  # prompts and batches up to this many keys are handled key by key
+_HELD_BATCH = 4_096  # batches up to this many keys are held back (PendingChanges)
+_HELD_KEYS = 65_536  # held keys that make the index apply them without waiting for a read
 
 
 @dataclass(slots=True)
@@ -57,10 +64,42 @@ class CompactResidencyIndex:
         self._hidden = 0  # replicas being cleared step by step
         self._clearing: dict[int, _Clearing] = {}
         self.scalar_keys = _SCALAR_KEYS  # (tests set 0 to check the array paths)
+        self._pending = PendingChanges()  # small batches, applied in bulk when read
+        self.held_keys = _HELD_KEYS  # (tests set 0 to apply every change at once)
 
     def add(self, replica: int, keys: Iterable[int]) -> None:
         check_replica(replica)
         self._finish_clearing(replica)
+        self._change(replica, keys, added=True)
+
+    def remove(self, replica: int, keys: Iterable[int]) -> None:
+        check_replica(replica)
+        self._finish_clearing(replica)
+        self._change(replica, keys, added=False)
+
+    def _change(self, replica: int, keys: Iterable[int], *, added: bool) -> None:
+        """Held back if a small batch (applied with the others when the index is read or
+        holds ``held_keys``), else applied now, after those held."""
+        if isinstance(keys, Sequence) and len(keys) <= _HELD_BATCH and self.held_keys:
+            self._pending.record(replica, keys, added=added)
+            if self._pending.count >= self.held_keys:
+                self._apply_pending()
+            return
+        self._apply_pending()
+        if added:
+            self._add_now(replica, keys)
+        else:
+            self._remove_now(replica, keys)
+
+    def _apply_pending(self) -> None:
+        if self._pending:
+            for replica, added, removed in self._pending.take():
+                if added:
+                    self._add_now(replica, added)
+                if removed:
+                    self._remove_now(replica, removed)
+
+    def _add_now(self, replica: int, keys: Iterable[int]) -> None:
         if isinstance(keys, Sequence) and len(keys) <= self.scalar_keys:
             self._add_few(replica, keys)
             return
@@ -85,9 +124,7 @@ class CompactResidencyIndex:
         self._live += new.size
         self._counts[replica] = self._counts.get(replica, 0) + added + lacking.size + new.size
 
-    def remove(self, replica: int, keys: Iterable[int]) -> None:
-        check_replica(replica)
-        self._finish_clearing(replica)
+    def _remove_now(self, replica: int, keys: Iterable[int]) -> None:
         if isinstance(keys, Sequence) and len(keys) <= self.scalar_keys:
             self._remove_few(replica, keys)
             return
@@ -160,6 +197,7 @@ class CompactResidencyIndex:
         return int(holding.size)
 
     def clear_replica(self, replica: int) -> int:
+        self._apply_pending()
         held = self._counts.get(check_replica(replica), 0)
         for _ in self.clear_replica_steps(replica, chunk=self._table.capacity + 1):
             pass
@@ -169,6 +207,7 @@ class CompactResidencyIndex:
         """Steps of ``chunk`` table slots (a slot range's bits dropped at once)."""
         check_replica(replica)
         self._finish_clearing(replica)
+        self._apply_pending()
         self._spec.clear_replica(replica)
         self._zero &= ~(1 << replica)
         if not self._counts.pop(replica, 0):
@@ -191,16 +230,19 @@ class CompactResidencyIndex:
         return self._spec.expire(now)
 
     def replicas_of(self, key: int) -> frozenset[int]:
+        self._apply_pending()
         return frozenset(_bits(self._mask_of(key) & ~self._hidden))
 
     def leading_runs(self, keys: Sequence[int], *, now: float | None = None) -> dict[int, int]:
         """Probed key by key for a short prompt, else all keys at once (``_runs_of``)."""
+        self._apply_pending()
         speculative = None if now is None else self._spec.speculative_masks(keys, now=now)
         if len(keys) <= self.scalar_keys:
             return self._short_runs(keys, speculative)
         return _runs_of(self._held(keys, speculative))
 
     def key_count(self, replica: int | None = None) -> int:
+        self._apply_pending()
         if replica is None:
             return self._live + bool(self._zero)
         return self._counts.get(replica, 0)
@@ -220,6 +262,7 @@ class CompactResidencyIndex:
         """Every confirmed key (``uint64``) and its bitset (``uint64`` rows, replica ``r``
         at bit ``r % 64`` of word ``r // 64``), as arrays: a snapshot's contents without
         a Python object per key. Copies; the index may change afterwards."""
+        self._apply_pending()
         hidden = words_of(self._hidden, self._table.words) if self._hidden else None
         keys, masks = self._table.live_rows(hidden)
         zero = self._zero & ~self._hidden
@@ -230,12 +273,14 @@ class CompactResidencyIndex:
 
     def reserve(self, keys: int) -> None:
         """A rebuild now, to hold ``keys`` in all, instead of one per doubling."""
+        self._apply_pending()
         if not self._table.has_room(keys - self._live):
             self._make_room(keys - self._live, fill=MAX_LOAD)
 
     def add_rows(self, keys: U64, masks: U64) -> None:
         """Each key's replicas (a row of ``masks``) join those it had; distinct keys,
         as a snapshot's are (a key repeated in one call is counted twice)."""
+        self._apply_pending()
         for replica in list(self._clearing):
             self._finish_clearing(replica)
         table = self._table
@@ -271,6 +316,7 @@ class CompactResidencyIndex:
         self._zero |= mask
 
     def keys_of(self, replica: int) -> list[int]:
+        self._apply_pending()
         check_replica(replica)
         if self._hidden >> replica & 1 or replica >= 64 * self._table.words:
             return []

@@ -22,9 +22,11 @@ from kvcore.index import (
 
 
 def vectorised_compact() -> CompactResidencyIndex:
-    """The compact index reading even a one-key prompt by its array path."""
+    """The compact index reading even a one-key prompt by its array path, and applying
+    the changes it holds back as soon as it holds four keys."""
     index = CompactResidencyIndex()
     index.scalar_keys = 0
+    index.held_keys = 4
     return index
 
 
@@ -62,6 +64,19 @@ def test_adding_twice_counts_once(index: ResidencyIndex) -> None:
     index.add(1, [7, 7, 8])
     index.add(1, [7])
     assert index.key_count(1) == 2
+
+
+def test_changes_before_a_read_end_as_the_last_one_of_each_key_says(
+    index: ResidencyIndex,
+) -> None:
+    index.add(1, [5, 6])
+    index.remove(1, [5, 9])
+    index.add(2, [5])
+    index.remove(1, [6])
+    index.add(1, [6, 6])
+    index.remove(2, [7])
+    assert dict(index.holdings()) == {5: 0b100, 6: 0b10}
+    assert (index.key_count(1), index.key_count(2), index.key_count()) == (1, 1, 2)
 
 
 def test_remove_drops_only_that_replica(index: ResidencyIndex) -> None:
