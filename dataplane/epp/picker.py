@@ -104,7 +104,7 @@ class Picker:
         picker, which can take out a usage event the client did not ask for."""
         path = headers.get(":path", "").partition("?")[0]
         kind = INFERENCE.get(path)
-        if kind is None or not body:
+        if kind is None:
             return self._forwarded(headers, body, subset)
         inference = parse_inference(body, kind)
         if not inference.model:

@@ -143,6 +143,11 @@ def test_requests_sharing_a_system_prompt_land_on_its_holder(
     assert measured > 0 and abs(predicted - measured) <= 0.02 * measured
 
 
+def test_a_request_without_a_body_goes_to_a_replica_serving_the_model(gateway: Gateway) -> None:
+    status, _, answer = http_request(gateway.envoy.url + "/v1/models", method="GET")
+    assert status == 200 and [card["id"] for card in json.loads(answer)["data"]] == [MODEL]
+
+
 def test_a_replica_refusing_connections_is_passed_over_along_the_fallback_list(
     gateway: Gateway,
 ) -> None:

@@ -209,6 +209,34 @@ async def test_the_subset_hint_is_honoured_and_503_when_none_of_it_serves(
     await call.close()
 
 
+async def test_a_request_without_a_body_is_picked_from_its_headers(
+    epp: EppService, channel: grpc.aio.Channel
+) -> None:
+    """GET /v1/models: headers that end the request, answered at once with one replica
+    serving the fleet's model (the least loaded), as the proxy forwards it."""
+    call = ExtProcCall(channel)
+    await call.send(request_headers("/v1/models", end_of_stream=True))
+    [answer] = await call.read(1)
+    endpoint = header_of(answer.request_headers.response, DESTINATION)
+    assert endpoint in {"127.0.0.1:9000", R1, "127.0.0.1:9002"}
+    assert destination_metadata(answer) == endpoint
+    await call.send(response_headers(), response_body(b'{"data":[]}', True))
+    await call.read(2)
+    await call.close()
+    assert epp.fleet.inflight_total() == 0
+
+
+async def test_an_inference_request_with_no_body_is_a_400(
+    epp: EppService, channel: grpc.aio.Channel
+) -> None:
+    call = ExtProcCall(channel)
+    await call.send(request_headers(end_of_stream=True))
+    [refused] = await call.read(1)
+    assert refused.immediate_response.status.code == 400
+    assert json.loads(refused.immediate_response.body)["error"]["type"] == "invalid_request_error"
+    await call.close()
+
+
 async def test_a_sheddable_request_gets_429_while_every_replica_is_saturated(
     server: RoutingStateServer, epp: EppService, channel: grpc.aio.Channel
 ) -> None:
