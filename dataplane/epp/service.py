@@ -72,7 +72,6 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[m
         stream = RequestStream(self.picker, self.options)
         self.open_streams += 1
         self._idle.clear()
-        cancelled = True
         try:
             async for message in request_iterator:
                 try:
@@ -84,12 +83,11 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[m
                     yield answer
                 if stream.closed:
                     break
-            cancelled = False
         except Exception:
             log.exception("ext_proc stream failed")
             raise
         finally:
-            stream.end(cancelled=cancelled)
+            stream.end()
             self.open_streams -= 1
             if not self.open_streams:
                 self._idle.set()

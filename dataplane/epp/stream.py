@@ -18,10 +18,11 @@ assumes):
 The response passes back: its headers and body are let through (full-duplex: each piece
 given back as it came, less the usage event the picker asked for on the client's
 behalf), and its usage (a whole body's, or a stream's last usage event) is counted as
-the proxy counts it. A request refused gets an ``ImmediateResponse``; a message out of
-order (a body before headers, a phase twice, a response before the request ended, a
-body past its end) ends the stream with ``INVALID_ARGUMENT`` and is logged, the server
-serving on.
+the proxy counts it; so the gateway must send the response's headers and body (a stream
+that ends before its answer has passed back whole counts as cancelled). A request
+refused gets an ``ImmediateResponse``; a message out of order (a body before headers, a
+phase twice, a response before the request ended, a body past its end) ends the stream
+with ``INVALID_ARGUMENT`` and is logged, the server serving on.
 """
 
 from __future__ import annotations
@@ -96,15 +97,13 @@ class RequestStream:
             return self._refuse(refusal)
         raise ProtocolViolation(f"a message with no phase ({kind})")
 
-    def end(self, *, cancelled: bool) -> None:
-        """The stream ended, by Envoy's close or a cancel: count the request once."""
+    def end(self) -> None:
+        """The stream ended, closed or cancelled: a request whose answer did not pass
+        back whole is counted as cancelled (no fidelity figures: nothing measured), as
+        the proxy counts a client gone; its replica is released either way."""
         pick, self.phase = self.pick, "done"
-        if pick is None:
-            return
-        if cancelled or self.status:  # cut off, or its answer broken off midway
+        if pick is not None:
             self.picker.finish(pick, self.status, "cancelled")
-        else:  # Envoy closed without sending the response: counted with no usage
-            self.picker.finish(pick, self.status, "ok")
 
     # -- the request ----------------------------------------------------------------
 
