@@ -26,7 +26,8 @@ metric families only when scraped: adding to one is a dict update, where a
 worker's event-loop thread writes them, and scrapes run on that thread too.
 
 Outcomes: ``ok``, ``upstream_error`` (a 5xx or a broken stream), ``client_error`` (a 4xx
-from the engine), ``no_replica``, ``cancelled`` (the client went away). Retry reasons:
+from the engine), ``no_replica``, ``cancelled`` (the client went away), and for an endpoint
+picker (``kvroute-epp``, which exports these same metrics) ``shed`` (its 429). Retry reasons:
 ``connect``, ``status_502``, ``status_503``, ``disconnect``, ``timeout`` (no byte for
 ``--upstream-timeout-s``). Only requests that reached a replica carry its id; requests
 refused before routing are counted with ``replica=""``. The three token counters count
