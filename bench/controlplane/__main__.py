@@ -1,9 +1,9 @@
-"""``python -m bench.controlplane [ingest memory snapshot latency]``: each figure beside
-its target (all by default). Loopback only; every part stops by itself.
+"""``python -m bench.controlplane [ingest memory snapshot latency shards]``: each figure
+beside its target (all by default). Loopback only; every part stops by itself.
 
 Options: ``--events N`` (ingest, default 2,000,000), ``--keys N`` (memory and snapshot,
 default 1,000,000; the key-list snapshot only up to 2M), ``--rate N`` and ``--seconds S``
-(latency, default 50,000 and 10).
+(latency, and shards' total rate over 2 then 3 shards; default 50,000 and 10).
 Exit status 1 when a target is missed.
 """
 
@@ -13,7 +13,7 @@ import argparse
 import asyncio
 import sys
 
-from bench.controlplane import inprocess, latency
+from bench.controlplane import inprocess, latency, shards
 from kvruntime.gc_tuning import tune_gc
 
 Row = tuple[str, str, str, bool | None]  # figure, value, target, met (None: reported)
@@ -91,9 +91,26 @@ def latency_rows(rate: int, seconds: float) -> list[Row]:
     ]
 
 
+def shard_rows(rate: int, seconds: float) -> list[Row]:
+    rows: list[Row] = []
+    for count in (2, 3):
+        for figures in asyncio.run(shards.measure(count, rate, seconds)):
+            rows.append(
+                (
+                    f"{count} shards at {rate:,} block events/s: {figures.shard}",
+                    figures.row().split(": ", 1)[1],
+                    "none lost, only its pools watched",
+                    figures.only_its_pools and figures.lost == 0,
+                )
+            )
+    return rows
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.controlplane")
-    parser.add_argument("parts", nargs="*", default=["ingest", "memory", "snapshot", "latency"])
+    parser.add_argument(
+        "parts", nargs="*", default=["ingest", "memory", "snapshot", "latency", "shards"]
+    )
     parser.add_argument("--events", type=int, default=2_000_000)
     parser.add_argument("--keys", type=int, default=1_000_000)
     parser.add_argument("--rate", type=int, default=50_000)
@@ -104,6 +121,7 @@ def main(argv: list[str]) -> int:
         "memory": lambda: memory_rows(args.keys),
         "snapshot": lambda: snapshot_rows(args.keys),
         "latency": lambda: latency_rows(args.rate, args.seconds),
+        "shards": lambda: shard_rows(args.rate, args.seconds),
     }
     unknown = set(args.parts) - set(runs)
     if unknown:

@@ -39,10 +39,12 @@ CONTROLPLANE = Path(sys.executable).parent / "kvroute-controlplane"
 
 
 class Publisher:
-    """Eight sidecars' streams at ``rate`` block events/s; remembers when keys left."""
+    """Eight sidecars' streams at ``rate`` block events/s (of ``pool``, replicas
+    ``<pool>-r0`` ...; for ``bench``, ``r0`` ...); remembers when keys left."""
 
-    def __init__(self, nc: Client, rate: int) -> None:
-        self.nc, self.rng = nc, random.Random(5)
+    def __init__(self, nc: Client, rate: int, pool: str = "bench", seed: int = 5) -> None:
+        self.nc, self.rng, self.pool = nc, random.Random(seed), pool
+        self.prefix = "" if pool == "bench" else f"{pool}-"
         self.per_batch = max(int(rate * TICK_S) // REPLICAS, 8)
         self.held: list[list[int]] = [[] for _ in range(REPLICAS)]
         self.seqs = [0] * REPLICAS
@@ -53,22 +55,24 @@ class Publisher:
     async def announce(self) -> None:
         for r in range(REPLICAS):
             msg = events_pb2.ReplicaAnnounce(
-                replica_id=f"r{r}", pool="bench", base_url="http://127.0.0.1:9", model="m"
+                replica_id=f"{self.prefix}r{r}",
+                pool=self.pool,
+                base_url="http://127.0.0.1:9",
+                model="m",
             )
-            await self.nc.publish(subjects.announce_subject("bench"), msg.SerializeToString())
+            await self.nc.publish(subjects.announce_subject(self.pool), msg.SerializeToString())
 
     async def run(self, seconds: float) -> None:
-        start = time.monotonic()
-        tick = 0
-        while (now := time.monotonic()) - start < seconds:
-            for r in range(REPLICAS):
-                await self._publish(r)
-            tick += 1
-            await asyncio.sleep(max(0.0, start + tick * TICK_S - time.monotonic()))
-        del now
+        await run_together([self], seconds)
+
+    async def publish_tick(self) -> None:
+        for r in range(REPLICAS):
+            await self._publish(r)
 
     async def _publish(self, r: int) -> None:
-        batch = events_pb2.KvEventBatch(replica_id=f"r{r}", pool="bench", epoch=1, seq=self.seqs[r])
+        batch = events_pb2.KvEventBatch(
+            replica_id=f"{self.prefix}r{r}", pool=self.pool, epoch=1, seq=self.seqs[r]
+        )
         self.seqs[r] += 1
         held, budget = self.held[r], self.per_batch
         evict = min(max(len(held) + budget // 2 - HELD, 0), budget // 2)
@@ -82,9 +86,20 @@ class Publisher:
         held.extend(keys)
         self.events += len(keys) + evict
         self.batches += 1
-        subject = subjects.events_subject("bench", f"r{r}")
+        subject = subjects.events_subject(self.pool, f"{self.prefix}r{r}")
         self.sent_at[keys[0]] = time.monotonic()
         await self.nc.publish(subject, batch.SerializeToString())
+
+
+async def run_together(publishers: list[Publisher], seconds: float) -> None:
+    """Every publisher's batches each tick for ``seconds``."""
+    start = time.monotonic()
+    tick = 0
+    while time.monotonic() - start < seconds:
+        for publisher in publishers:
+            await publisher.publish_tick()
+        tick += 1
+        await asyncio.sleep(max(0.0, start + tick * TICK_S - time.monotonic()))
 
 
 class Samples:
@@ -104,13 +119,14 @@ class Samples:
 
 
 async def start_controlplane(
-    nats_url: str, etcd: str, workdir: Path
+    nats_url: str, etcd: str, workdir: Path, *, pools: str = "bench", shard: str = "bench"
 ) -> tuple[asyncio.subprocess.Process, str]:
-    """The control plane, its records (the default SQLite file) kept in ``workdir``."""
+    """The control plane (one shard serving ``pools``, comma-separated), its records
+    (the default SQLite file) kept in ``workdir``."""
     proc = await asyncio.create_subprocess_exec(
         str(CONTROLPLANE),
-        *("--nats-url", nats_url, "--etcd-endpoints", etcd, "--pools", "bench"),
-        *("--admin-port", "0", "--grpc-port", "0", "--instance-id", "bench"),
+        *("--nats-url", nats_url, "--etcd-endpoints", etcd, "--pools", pools),
+        *("--admin-port", "0", "--grpc-port", "0", "--instance-id", shard, "--shard", shard),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.DEVNULL,
         cwd=workdir,
