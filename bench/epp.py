@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import statistics
 import sys
@@ -42,7 +43,6 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 
-from bench.envoy import EnvoyProcess
 from dataplane.epp.messages import BODY_CHUNK_BYTES, FULL_DUPLEX
 from kvcore.request import prompt_keys
 from kvcore.tokenize import PrefixTokenCache, load_tokenizer
@@ -50,6 +50,7 @@ from kvroute.servers import free_port
 from kvroute.up import LocalFleet, UpOptions
 
 EPP = Path(sys.executable).parent / "kvroute-epp"
+ENVOY = Path(sys.executable).parent / "envoy"
 # some 8,000 tokens with the built-in tokenizer
 SYSTEM = " ".join(
     f"clause {n} of the policy says the assistant answers with care" for n in range(666)
@@ -205,6 +206,11 @@ async def ttfts(url: str, model: str, size: int, concurrency: int, indices: rang
 async def added_ttft(
     engines: list[str], epp_grpc: str, proxy: str, model: str, args: argparse.Namespace
 ) -> None:
+    if importlib.util.find_spec("yaml") is None or not ENVOY.exists():
+        print("added TTFT: not run (Envoy and PyYAML come with kvroute[dev])")
+        return
+    from bench.envoy import EnvoyProcess  # PyYAML: only here
+
     with ExitStack() as stack:
         # (each waits for its Envoy's admin /ready, off the event loop)
         picking = await asyncio.to_thread(stack.enter_context, EnvoyProcess(epp_grpc, engines))
