@@ -33,7 +33,7 @@ from dataplane.tokenizer_probe import TokenizerProbe
 from dataplane.tracing import Tracing
 from dataplane.upstream import Upstream
 from dataplane.worker_metrics import Siblings, WorkerGroup
-from kvcore.index import INDEXES
+from kvcore.index import READ_ALWAYS_INDEXES
 from kvcore.workload import RoutingConfig, parse_workload
 from kvruntime.tasks import BackgroundTasks
 
@@ -66,7 +66,7 @@ class ProxyService:
             self.fleet = FleetState(
                 max_age_s=settings.state_max_age_s,
                 prefill_step_s=settings.prefill_step_ms / 1000,
-                index=INDEXES[settings.residency_index],
+                index=READ_ALWAYS_INDEXES[settings.residency_index],
             )
         self.state_client = None if settings.static else StateClient(settings, self.fleet)
         self.metrics = ProxyMetrics()

@@ -37,7 +37,7 @@ from dataplane.fleet_state import FleetState
 from dataplane.settings import ProxySettings
 from dataplane.state_client import Backoff, StateClient
 from kvcore import subjects
-from kvcore.index import CompactResidencyIndex
+from kvcore.index import READ_ALWAYS_INDEXES
 from kvcore.pb import events_pb2
 
 REPLICAS = 16
@@ -169,7 +169,7 @@ async def proxy_watch(broadcaster: Broadcaster) -> tuple[FleetState, float, floa
     seconds (of this process, which runs both ends) that took."""
     service = RoutingStateService(broadcaster, CountingSink(), None)
     server, port = await start_server(service, ControlPlaneSettings(grpc_port=0))
-    state = FleetState(index=CompactResidencyIndex)
+    state = FleetState(index=READ_ALWAYS_INDEXES["compact"])
     proxy = ProxySettings(controlplane=[f"127.0.0.1:{port}"], pools=["bench"], proxy_id="b")
     client = StateClient(proxy, state, backoff=Backoff(base_s=0.05, cap_s=0.2))
     try:

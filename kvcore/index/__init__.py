@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 from kvcore.index.base import MAX_REPLICA_ORDINAL, ResidencyIndex
 from kvcore.index.bitmask import BitmaskResidencyIndex
@@ -19,10 +20,16 @@ INDEXES: dict[str, Callable[[], ResidencyIndex]] = {
     "bitmask": BitmaskResidencyIndex,
     "compact": CompactResidencyIndex,
 }
+# the same for an owner that reads its index on every request (a proxy): nothing held back
+READ_ALWAYS_INDEXES: dict[str, Callable[[], ResidencyIndex]] = {
+    "bitmask": BitmaskResidencyIndex,
+    "compact": partial(CompactResidencyIndex, hold_changes=False),
+}
 
 __all__ = [
     "INDEXES",
     "MAX_REPLICA_ORDINAL",
+    "READ_ALWAYS_INDEXES",
     "BitmaskResidencyIndex",
     "CompactResidencyIndex",
     "ReferenceResidencyIndex",

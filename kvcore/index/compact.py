@@ -18,7 +18,8 @@ Rules:
 - a change of at most ``_HELD_BATCH`` keys (an engine's event batch) is held back in
   :class:`PendingChanges` and applied with the others in bulk when the index is read
   (any lookup, count or listing) or holds ``_HELD_KEYS`` keys: a control plane ingests
-  such batches by the hundred thousand a second and reads rarely;
+  such batches by the hundred thousand a second and reads rarely (a proxy, which reads
+  on every request, holds nothing back: ``hold_changes=False``);
 - replicas being cleared step by step are hidden from lookups (their bits are masked
   off) while the steps drop their bits a slot range at a time; a rebuild of the table
   (it grows) first finishes every such clear.
@@ -55,7 +56,9 @@ class _Clearing:
 class CompactResidencyIndex:
     """Residency in numpy arrays; see the module docstring. Not thread-safe."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, hold_changes: bool = True) -> None:
+        """``hold_changes=False``: every change applied at once, for an owner that reads
+        the index on every request (a proxy) and applies changes in steps of its own."""
         self._table = KeyTable(multiplier=random.getrandbits(64) | 1 << 63 | 1)
         self._zero = 0  # key 0's holders
         self._live = 0  # keys in the table with a bit set (hidden ones included)
@@ -65,7 +68,7 @@ class CompactResidencyIndex:
         self._clearing: dict[int, _Clearing] = {}
         self.scalar_keys = _SCALAR_KEYS  # (tests set 0 to check the array paths)
         self._pending = PendingChanges()  # small batches, applied in bulk when read
-        self.held_keys = _HELD_KEYS  # (tests set 0 to apply every change at once)
+        self.held_keys = _HELD_KEYS if hold_changes else 0
 
     def add(self, replica: int, keys: Iterable[int]) -> None:
         check_replica(replica)

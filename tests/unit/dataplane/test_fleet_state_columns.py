@@ -15,7 +15,7 @@ from dataplane.main import SettingsRefused, load_settings
 from dataplane.service import ProxyService
 from kvcore.index import BitmaskResidencyIndex, CompactResidencyIndex, ResidencyIndex
 from kvcore.pb import events_pb2, routing_pb2
-from tests.unit.dataplane.state_messages import MODEL, replica, snapshot
+from tests.unit.dataplane.state_messages import MODEL, delta, replica, residency_change, snapshot
 
 KEYS = [7, 8, 9, 10]
 
@@ -106,6 +106,9 @@ def test_a_proxy_keeps_its_residency_in_the_index_its_settings_name() -> None:
         load_settings(["--controlplane", "127.0.0.1:9", "--residency-index", "compact"])
     )
     assert isinstance(compact.fleet._index, CompactResidencyIndex)
+    compact.fleet.apply(_column_snapshot(KEYS, [1, 1, 1, 1]))
+    compact.fleet.apply(delta(2, 6, residency=[residency_change(1, added=[7, 8])]))
+    assert compact.fleet._index._pending.count == 0  # applied by the delta, not by a request
     default = ProxyService(load_settings(["--controlplane", "127.0.0.1:9"]))
     assert isinstance(default.fleet._index, BitmaskResidencyIndex)
     with pytest.raises(SettingsRefused, match="--residency-index"):
