@@ -358,6 +358,18 @@ def _size_goals(result: ScaleResult) -> list[dict[str, Any]]:
                 "detail": f"slowest {slowest['strategy']} {slowest['us']:.0f} us",
             }
         )
+    for name in INDEXES:
+        rows = [r for r in result.new_prompts if r["index"] == name and r["blocks"] >= 2048]
+        if rows:
+            slowest = max(rows, key=lambda r: r["us"])
+            goals.append(
+                {
+                    "goal": f"a new {slowest['blocks']}-block prompt's decision over the {name} "
+                    f"index within {MAX_DECISION_US:.0f} us, every kv strategy",
+                    "verdict": "met" if slowest["us"] <= MAX_DECISION_US else "MISSED",
+                    "detail": f"slowest {slowest['strategy']} {slowest['us']:.0f} us",
+                }
+            )
     compact = [r for r in result.map_size if r["index"] == "compact"]
     largest = max(compact, key=lambda r: r["keys"])
     if largest["keys"] >= 10_000_000:
