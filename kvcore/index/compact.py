@@ -358,7 +358,11 @@ class CompactResidencyIndex:
         """Each key's holders as rows of words: confirmed, with speculation, unhidden."""
         batch = np.frombuffer(array("Q", keys), dtype=np.uint64)
         table = self._table
-        held = np.take(table.masks, table.find(batch), axis=0)
+        slots = table.find(batch)
+        if table.words == 1:  # (a flat gather is cheaper)
+            held = np.take(table.masks.reshape(-1), slots)[:, None]
+        else:
+            held = np.take(table.masks, slots, axis=0)
         if self._zero:
             held[batch == 0] = words_of(self._zero, table.words)
         if speculative is not None and any(speculative):

@@ -79,33 +79,39 @@ class KeyTable:
 
     def find(self, keys: U64) -> I64:
         """Each (non-zero) key's slot, or ``capacity`` where it is absent."""
-        return self.probe(keys)[0]
+        return self._probe(keys, None)
 
     def probe(self, keys: U64) -> tuple[I64, I64]:
         """``find``, and where each absent key's probe ended (the never-used slot
         :meth:`insert` would give it; ``capacity`` for the others)."""
+        ends = np.full(keys.size, self.capacity, dtype=np.int64)
+        return self._probe(keys, ends), ends
+
+    def _probe(self, keys: U64, ends: I64 | None) -> I64:
         home = ((keys * self._mul) >> self._shift).view(np.int64)
         found = np.take(self.keys, home)
         hit = found == keys
         slots = np.where(hit, home, self.capacity)
-        ends = np.where(found == 0, home, self.capacity)
-        rest = np.flatnonzero(~hit & (found != 0))
+        empty = found == 0
+        if ends is not None:
+            ends[empty] = home[empty]
+        rest = np.flatnonzero(~(hit | empty))
         window, wrap = 0, self.capacity - 1
         while rest.size:
             at = (home[rest, None] + _offsets(window)) & wrap
             seen = np.take(self.keys, at)
-            wanted = keys[rest, None]
-            stop = (seen == wanted) | (seen == 0)
-            first = stop.argmax(axis=1)
-            rows = np.arange(rest.size)
-            ended = stop[rows, first]
-            matched = ended & (seen[rows, first] == wanted[:, 0])
-            ending = at[rows, first]
+            wanted = keys[rest]
+            stop = (seen == wanted[:, None]) | (seen == 0)
+            first = stop.argmax(axis=1) + np.arange(0, rest.size * _WINDOW, _WINDOW)
+            ended = np.take(stop, first)  # (flat positions of each row's first stop)
+            matched = ended & (np.take(seen, first) == wanted)
+            ending = np.take(at, first)
             slots[rest[matched]] = ending[matched]
-            ends[rest[ended & ~matched]] = ending[ended & ~matched]
+            if ends is not None:
+                ends[rest[ended & ~matched]] = ending[ended & ~matched]
             rest = rest[~ended]
             window += 1
-        return slots, ends
+        return slots
 
     def slot_of(self, key: int) -> int:
         """``find`` of one (non-zero) key, in plain Python: cheaper for a few keys."""
