@@ -15,12 +15,14 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from enginesim.blockpool import VllmKVCacheManager
 from enginesim.errors import EngineRestarted
 from enginesim.faults import FaultInjector, FaultUpdate
 from enginesim.kv_manager import KVCacheManager
 from enginesim.metrics import CacheConfig, EngineMetrics, LoadSnapshot, make_metrics
+from enginesim.pd import KvTransfers
 from enginesim.publisher import EventPublisher, PublisherConfig
 from enginesim.radix_cache import SglangRadixCache
 from enginesim.scheduler import CoreLimits, EngineCore, SimRequest, StepOutput
@@ -31,6 +33,7 @@ from kvruntime.tasks import BackgroundTasks
 log = logging.getLogger(__name__)
 THREAD_HASH_TOKENS = 4096
 MAX_CATCH_UP_S = 0.05
+LEASE_CHECK_S = 1.0
 _HASH_ALGO = {"vllm": "sha256_cbor", "vllm-0.23": "sha256_cbor", "sglang": "sha256"}
 # each event format's KV cache manager, built from (num_blocks, block_size)
 _KV_MANAGERS: dict[str, Callable[[int, int], KVCacheManager]] = {
@@ -93,6 +96,10 @@ class Engine:
             self._cache_config,
         )
         self.faults = FaultInjector()
+        scale = 0.0 if settings.instant else settings.time_scale
+        self.transfers = KvTransfers(
+            settings.kv_lease_s, settings.kv_transfer_block_ms / 1000 * scale
+        )
         self._handles: dict[SimRequest, RequestHandle] = {}
         self._wake = asyncio.Event()
         self._tasks = BackgroundTasks()
@@ -100,9 +107,11 @@ class Engine:
     async def start(self) -> None:
         self.publisher.start()
         self._tasks.spawn(self._run(), name="enginesim-steps")
+        self._tasks.spawn(self._expire_transfers(), name="enginesim-kv-leases")
 
     async def aclose(self) -> None:
         await self._tasks.aclose()
+        await self.transfers.aclose()
         self.publisher.close()
 
     # -- requests ------------------------------------------------------------------
@@ -161,6 +170,26 @@ class Engine:
         self._handles.pop(handle.req, None)
         self._flush_events()
 
+    # -- KV transfer (pd.py) ------------------------------------------------------------
+
+    def release_transfer(self, body: dict[str, Any]) -> bool:
+        """A decode engine reads held blocks: free them; ``False`` when refused."""
+        req = self.transfers.release(body)
+        if req is None:
+            return False
+        self.core.release(req)
+        self._flush_events()
+        return True
+
+    async def _expire_transfers(self) -> None:
+        """Frees the blocks of held prefills whose lease ran out, checked once a second
+        (vLLM's connector checks at every step; the lease is 30 s)."""
+        while True:
+            await asyncio.sleep(LEASE_CHECK_S)
+            for req in self.transfers.expire():
+                self.core.release(req)
+            self._flush_events()
+
     def load(self) -> LoadSnapshot:
         core, kv = self.core, self.core.kv
         used_blocks = kv.capacity_blocks - kv.num_free
@@ -188,6 +217,7 @@ class Engine:
             self._restart()
 
     def _restart(self) -> None:
+        self.transfers.clear()
         for req in self.core.restart():
             handle = self._handles.pop(req, None)
             if handle is not None:
@@ -237,10 +267,17 @@ class Engine:
             if handle is not None and handle.stream:
                 handle.notify()
         for req in out.finished:
+            if req.hold_kv:
+                self._hold(req)
             handle = handles.pop(req, None)
             if handle is not None:
                 metrics.on_finished(now - handle.arrival, len(req.output))
                 handle.notify()
+
+    def _hold(self, req: SimRequest) -> None:
+        kv = self.core.kv
+        blocks = kv.block_ids(req) if isinstance(kv, VllmKVCacheManager) else []
+        self.transfers.hold(req, blocks)
 
     def _flush_events(self) -> None:
         events = self.core.kv.take_events()

@@ -19,6 +19,7 @@ of requests a second on a small machine (see ``bench/enginesim_capacity.py``). R
 | GET | ``/version`` | simulator version |
 | GET POST DELETE | ``/sim/faults`` | fault injection (``faults.py``), loopback clients only |
 | GET | ``/sim/state`` | cached block ids and load, loopback clients only |
+| POST | ``/sim/kv_pull`` | a decode engine reads the KV blocks held for it (``pd.py``) |
 
 A route's path with a trailing slash too many or too few is redirected (307) to the
 route's own URL, as the engines' FastAPI apps do. Every error is answered in OpenAI's
@@ -55,6 +56,7 @@ from enginesim.engine import Engine
 from enginesim.errors import RequestRejected
 from enginesim.faults import CRASH_EXIT_CODE, FaultUpdate
 from enginesim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from enginesim.pd import PULL_PATH, KvLoadFailed, RemotePrefill
 from enginesim.scheduler import SimRequest
 from enginesim.settings import SimSettings
 from enginesim.sglang_generate import GenerateAnswer, NativeGenerate
@@ -212,6 +214,7 @@ class SimApp:
             "/version": {"GET": self.version},
             "/sim/faults": {"GET": self.faults, "POST": self.faults, "DELETE": self.faults},
             "/sim/state": {"GET": self.state},
+            PULL_PATH: {"POST": self.kv_pull},
         }
         if self.sglang is not None:  # SGLang serves both paths with one handler
             table["/v1/tokenize"] = table["/tokenize"]
@@ -315,18 +318,17 @@ class SimApp:
         prompts = await self.prompt_ids(given)
         try:
             choices = await self._submit(rid, prompts, body, ids_given=isinstance(given[0], list))
-        except p.EngineInputError as exc:  # raised by the engine once vLLM's stream began
+        except (p.EngineInputError, KvLoadFailed) as exc:  # raised once vLLM's stream began
             if not body.stream:
                 raise
-            error = b"data: " + json.dumps(exc.body()).encode() + b"\n\n"  # json.dumps's
-            nothing = Choices(rid, [])  # nothing was queued
-            return EventStream(_events(error, b"data: [DONE]\n\n"), nothing)
+            return _stream_error(rid, exc)
         if body.stream:
             return EventStream(self._completion_chunks(choices, usage), choices)
         await choices.until_done()
         texts = choices.texts(self.tokenizer.text_of)
         rid, model = choices.request_id, self.settings.model
-        return json_response(p.completion_batch_body(rid, model, texts, choices.final_usage()))
+        answer = p.completion_batch_body(rid, model, texts, choices.final_usage())
+        return json_response(self._with_transfer(answer, choices))
 
     async def chat_completions(self, request: Request) -> Result:
         if self.sglang is not None:
@@ -342,13 +344,26 @@ class SimApp:
         prompt = await self.chat_prompt_ids(body.messages, body.tools, body.add_generation_prompt)
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
-        choices = await self._submit(rid, [prompt], body)
+        try:
+            choices = await self._submit(rid, [prompt], body)
+        except KvLoadFailed as exc:
+            if not body.stream:
+                raise
+            return _stream_error(rid, exc)
         if body.stream:
             return EventStream(self._chat_chunks(choices, usage), choices)
         await choices.until_done()
         texts = choices.texts(self.tokenizer.text_of)
         rid, model = choices.request_id, self.settings.model
-        return json_response(p.chat_body(rid, model, texts, choices.final_usage()))
+        answer = p.chat_body(rid, model, texts, choices.final_usage())
+        return json_response(self._with_transfer(answer, choices))
+
+    def _with_transfer(self, answer: dict[str, Any], choices: Choices) -> dict[str, Any]:
+        """vLLM's answer to a prefill for a remote decode carries the transfer's
+        ``kv_transfer_params`` (``pd.py``)."""
+        if choices.handles and choices.handles[0].req.hold_kv:
+            answer["kv_transfer_params"] = self.engine.transfers.params_of(choices.handles[0].req)
+        return answer
 
     async def _submit(
         self, rid: str, prompts: list[list[int]], body: p._Sampling, *, ids_given: bool = False
@@ -372,18 +387,32 @@ class SimApp:
                 p.check_token_ids(prompt, self.tokenizer.max_token_id)
         if self.engine.faults.should_fail():
             raise p.InjectedFailure("Injected failure (kvroute-sim fault).")
+        hold, loaded = await self._transfer(body.kv_transfer_params)
         chat = isinstance(body, p.ChatRequest)
         reqs = []
         for i, prompt in enumerate(prompts):
             external, unique = rid if chat else f"{rid}-{i}", next(self._engine_ids)
             for j in range(n):
                 req_id = _engine_request_id(external, unique, j, n)
-                reqs.append(SimRequest(req_id, prompt, max_tokens, body.cache_salt))
+                req = SimRequest(req_id, prompt, max_tokens, body.cache_salt, hold_kv=hold)
+                req.loaded_tokens = len(prompt) if loaded else 0
+                reqs.append(req)
         try:
             handles = await self.engine.submit_all(reqs, stream=body.stream)
         except RequestRejected as exc:
             raise p.BadRequest(str(exc)) from exc
         return Choices(rid, handles, n, reports_cached=not self.settings.no_cache_report)
+
+    async def _transfer(self, params: dict[str, Any] | None) -> tuple[bool, bool]:
+        """What a request's ``kv_transfer_params`` make of it (``pd.py``): whether it is a
+        prefill whose blocks are held for a decode engine, and whether it is a decode
+        whose prompt was read from a prefill engine (read here; ``KvLoadFailed``)."""
+        if not params:
+            return False, False
+        if params.get("do_remote_prefill"):
+            await self.engine.transfers.pull(RemotePrefill.parse(params))
+            return False, True
+        return bool(params.get("do_remote_decode")), False
 
     async def _completion_chunks(
         self, choices: Choices, usage: p.UsageAsked
@@ -651,6 +680,13 @@ class SimApp:
                 after = _crash
         return Response(200, _encode(injector.state), after=after)
 
+    async def kv_pull(self, request: Request) -> Result:
+        """The side channel of ``pd.py``: a decode engine reads the blocks it names."""
+        body = p.decode_body(request.body or b"{}", dict[str, Any])
+        if not self.engine.release_transfer(body):
+            raise p.NotFound("No KV blocks are held for this transfer.")
+        return json_response({"released": True})
+
     async def state(self, request: Request) -> Result:
         self._admin_only(request)
         pool = self.engine.core.kv
@@ -664,6 +700,7 @@ class SimApp:
                 "num_free_blocks": pool.num_free,
                 "running": load.running,
                 "waiting": load.waiting,
+                "kv_transfers_held": self.engine.transfers.num_held,
                 "event_endpoint": self.engine.publisher.endpoint,
                 "replay_endpoint": self.engine.publisher.replay_endpoint,
             }
@@ -687,6 +724,14 @@ def _check_json_media(request: Request, sglang: bool) -> None:
         except (msgspec.DecodeError, RecursionError):
             return  # the route's own parse error answers it
     raise p.MediaTypeRefused(sglang)
+
+
+def _stream_error(rid: str, exc: p.ApiError) -> EventStream:
+    """vLLM's stream of a request that failed in the engine: the status was sent, so
+    an error event, then the end."""
+    error = b"data: " + json.dumps(exc.body()).encode() + b"\n\n"  # json.dumps's
+    nothing = Choices(rid, [])  # nothing was queued
+    return EventStream(_events(error, b"data: [DONE]\n\n"), nothing)
 
 
 async def _events(*events: bytes) -> AsyncIterator[bytes]:

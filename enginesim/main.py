@@ -69,6 +69,7 @@ async def serve(settings: SimSettings) -> None:
         raise StartupError(f"cannot bind the KV event sockets: {exc}") from exc
     tls = settings.ssl_certfile is not None
     http = url_of(sock, "https" if tls else "http")
+    engine.transfers.host, engine.transfers.port = sock.getsockname()[:2]
     ready = (
         f"{READY_PREFIX} http={http} events={engine.publisher.endpoint} "
         f"replay={engine.publisher.replay_endpoint or 'off'} format={settings.event_format}"

@@ -50,6 +50,8 @@ class SimRequest:
     hit_tokens: int = 0  # the tokens the last admission found cached (set by the manager)
     num_cached_tokens: int = 0  # ``hit_tokens`` of the first admission: what clients see
     num_preemptions: int = 0
+    hold_kv: bool = False  # a prefill for another engine: keep the blocks when done (pd.py)
+    loaded_tokens: int = 0  # prompt tokens read from a prefill engine (pd.py)
     output: list[int] = field(default_factory=list)
     finished: bool = False
 
@@ -205,7 +207,7 @@ class EngineCore:
             if req.num_preemptions:
                 out.resumed.append(req)
             else:
-                req.num_cached_tokens = req.hit_tokens
+                req.num_cached_tokens = max(req.hit_tokens, req.loaded_tokens)
         return admitted
 
     def _prefill(self, req: SimRequest, out: StepOutput) -> tuple[int, int]:
@@ -216,7 +218,7 @@ class EngineCore:
             self._sample(req, out)
         if not req.num_preemptions:
             out.admitted.append(req)
-        return computed, req.hit_tokens
+        return computed, max(req.hit_tokens, req.loaded_tokens)
 
     def _sample(self, req: SimRequest, out: StepOutput) -> None:
         filler = self.filler
@@ -243,8 +245,13 @@ class EngineCore:
         self.running = [r for r in self.running if len(r.output) < r.max_tokens]
         for req in done:
             req.finished = True
-            self.kv.finish(req)
+            if not req.hold_kv:  # else held until ``release``
+                self.kv.finish(req)
         out.finished.extend(done)
+
+    def release(self, req: SimRequest) -> None:
+        """Free the blocks of a finished request that kept them (``hold_kv``)."""
+        self.kv.finish(req)
 
     def restart(self) -> list[SimRequest]:
         """Drop every request and the whole cache silently: an engine restart."""

@@ -51,6 +51,12 @@ class SimSettings(BaseSettings):
     prefill_quadratic: float = Field(0.0, ge=0, description="s per uncached*context token")
     decode_base_ms: float = Field(10.0, ge=0, description="decode step cost at batch 0")
     decode_per_seq_ms: float = Field(0.2, ge=0, description="decode step cost per running seq")
+    kv_transfer_block_ms: float = Field(
+        0.05, ge=0, description="modelled time a decode engine takes to read one KV block"
+    )
+    kv_lease_s: float = Field(
+        30.0, gt=0, description="seconds a prefill holds blocks for its decode engine"
+    )
     log_level: str = Field("warning", description="log level of the server")
     no_cache_report: bool = Field(
         False,

@@ -1,0 +1,203 @@
+"""Disaggregated prefill/decode: KV transfer between two simulated vLLM engines, as
+vLLM 0.33's NIXL connector (pull mode) does it.
+
+The roles are per request, set by the router in ``kv_transfer_params``:
+
+- ``do_remote_decode``: this engine is the prefill side. The request runs as any other
+  (the router sends it with ``max_tokens`` 1; its cache, events and metrics as usual),
+  but when it finishes its blocks are not freed: they are held for the decode engine to
+  read, and the answer carries the parameters naming them (the connector's
+  ``request_finished``, field for field: ``do_remote_prefill`` true, ``remote_block_ids``
+  (one list per KV cache group), ``remote_engine_id``, ``remote_request_id``,
+  ``remote_host`` and ``remote_port`` of the side channel, ``tp_size``, ``dcp_size``,
+  ``pp_size``, ``remote_num_tokens``, ``remote_blocks_expiry_time``,
+  ``remote_registration_generation``, ``transfer_mode``). The blocks are freed when the
+  decode side has read them, or when the lease (vLLM's ``kv_lease_duration``, 30 s) runs
+  out.
+- ``do_remote_prefill``: this engine is the decode side. Before the request is queued
+  the engine reads the blocks from the engine named (``POST /sim/kv_pull`` on
+  ``remote_host:remote_port``, the simulator's stand-in for NIXL's side channel), waits
+  the modelled transfer time (``--kv-transfer-block-ms`` a block), and the request is
+  admitted with its whole prompt computed: its cached tokens are the prompt, as vLLM
+  counts loaded tokens. A read that is refused (an unknown or expired request, another
+  engine's id, a block list that is not the one held) fails the request as vLLM's
+  default ``kv_load_failure_policy`` "fail" does: finish reason error, which its server
+  answers 500 ``Internal server error`` (``GenerationError``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from enginesim import protocol as p
+
+if TYPE_CHECKING:
+    from enginesim.scheduler import SimRequest
+
+TRANSFER_MODE = "pull"
+PULL_PATH = "/sim/kv_pull"
+PULL_TIMEOUT_S = 10.0
+
+
+class KvLoadFailed(p.ApiError):
+    """The decode side could not read the prefill's KV: vLLM's ``GenerationError``."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__("Internal server error")
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """What a decode-side request's ``kv_transfer_params`` name: the blocks to read."""
+
+    engine_id: str
+    request_id: str
+    host: str
+    port: int
+    block_ids: list[list[int]]
+
+    @classmethod
+    def parse(cls, params: dict[str, Any]) -> RemotePrefill:
+        """The read asked for; ``KvLoadFailed`` when a field is missing or mistyped
+        (vLLM's connector cannot start the read either)."""
+        try:
+            blocks = params["remote_block_ids"]
+            if not all(isinstance(g, list) and all(isinstance(b, int) for b in g) for g in blocks):
+                raise TypeError("remote_block_ids")
+            return cls(
+                str(params["remote_engine_id"]),
+                str(params["remote_request_id"]),
+                str(params["remote_host"]),
+                int(params["remote_port"]),
+                blocks,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise KvLoadFailed(f"kv_transfer_params incomplete: {exc}") from exc
+
+    def pull_body(self) -> dict[str, Any]:
+        return {
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": self.request_id,
+            "remote_block_ids": self.block_ids,
+        }
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(group) for group in self.block_ids)
+
+
+@dataclass
+class _Held:
+    req: SimRequest
+    block_ids: list[list[int]]
+    expires: float  # time.monotonic()
+
+
+class KvTransfers:
+    """One engine's KV transfers: the blocks it holds for decode engines (prefill side)
+    and its reads from prefill engines (decode side)."""
+
+    def __init__(self, lease_s: float, block_seconds: float) -> None:
+        self.engine_id = str(uuid.uuid4())
+        self.host, self.port = "127.0.0.1", 0  # the side channel: set once bound
+        self.lease_s = lease_s
+        self.block_seconds = block_seconds  # wall seconds to read one block
+        self.pulled = self.expired = self.refused = 0
+        self._held: dict[str, _Held] = {}
+        self._session: aiohttp.ClientSession | None = None
+
+    # -- prefill side --------------------------------------------------------------------
+
+    def hold(self, req: SimRequest, block_ids: list[int]) -> None:
+        """``req`` finished with ``do_remote_decode``: keep its blocks for the lease."""
+        self._held[req.request_id] = _Held(req, [block_ids], time.monotonic() + self.lease_s)
+
+    def params_of(self, req: SimRequest) -> dict[str, Any] | None:
+        """The ``kv_transfer_params`` the answer to a held request carries."""
+        held = self._held.get(req.request_id)
+        if held is None:
+            return None
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": held.block_ids,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": req.request_id,
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": len(req.prompt),
+            "remote_blocks_expiry_time": None,
+            "remote_registration_generation": 0,
+            "transfer_mode": TRANSFER_MODE,
+        }
+
+    def release(self, body: dict[str, Any]) -> SimRequest | None:
+        """A decode engine reads the blocks ``body`` names: the request whose blocks
+        they are (to be freed now), or ``None`` when the read is refused."""
+        held = self._held.get(str(body.get("remote_request_id")))
+        matches = (
+            held is not None
+            and body.get("remote_engine_id") == self.engine_id
+            and body.get("remote_block_ids") == held.block_ids
+        )
+        if held is None or not matches:
+            self.refused += 1
+            return None
+        del self._held[held.req.request_id]
+        self.pulled += 1
+        return held.req
+
+    def expire(self) -> list[SimRequest]:
+        """The held requests whose lease ran out, forgotten: their blocks are freed."""
+        now = time.monotonic()
+        gone = [h for h in self._held.values() if h.expires <= now]
+        for held in gone:
+            del self._held[held.req.request_id]
+        self.expired += len(gone)
+        return [h.req for h in gone]
+
+    def next_expiry(self) -> float | None:
+        return min((h.expires for h in self._held.values()), default=None)
+
+    def clear(self) -> None:
+        """An engine restart: every held block is gone with the cache."""
+        self._held.clear()
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    # -- decode side ---------------------------------------------------------------------
+
+    async def pull(self, remote: RemotePrefill) -> None:
+        """Read ``remote``'s blocks from the prefill engine, taking the modelled transfer
+        time; ``KvLoadFailed`` when the prefill engine refuses or cannot be reached."""
+        url = f"http://{remote.host}:{remote.port}{PULL_PATH}"
+        try:
+            async with self._client().post(url, json=remote.pull_body()) as resp:
+                if resp.status != 200:
+                    raise KvLoadFailed(f"the prefill engine refused the read ({resp.status})")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise KvLoadFailed(f"the prefill engine cannot be reached: {exc}") from exc
+        if self.block_seconds:
+            await asyncio.sleep(self.block_seconds * remote.num_blocks)
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            timeout = aiohttp.ClientTimeout(total=PULL_TIMEOUT_S)
+            self._session = aiohttp.ClientSession(timeout=timeout)
+        return self._session
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()

@@ -1,0 +1,118 @@
+"""Two kvroute-sim processes in vLLM's disaggregated prefill/decode, driven by hand as
+vLLM's reference proxy does: the prefill answers with the transfer parameters naming its
+blocks, the decode engine reads them once and decodes; a read of parameters that are
+unknown, already read or expired fails as vLLM's NIXL connector fails."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.unit.enginesim.simproc import SimProcess, cached_tokens
+
+pytestmark = pytest.mark.e2e
+PREFIX = list(range(10_000, 10_800))  # 800 tokens = 50 blocks of 16
+MODEL = "sim-model"
+
+
+@pytest.fixture(scope="module")
+def prefill() -> Iterator[SimProcess]:
+    with SimProcess("--instant", f"--model={MODEL}", "--kv-lease-s=2") as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def decode() -> Iterator[SimProcess]:
+    with SimProcess("--instant", f"--model={MODEL}") as proc:
+        yield proc
+
+
+def prefill_params(prefill: SimProcess, body: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """The prefill request of vLLM's proxy: ``do_remote_decode``, one token, no stream."""
+    asked = {**body, "max_tokens": 1, "stream": False}
+    asked["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
+    answer = prefill.post(path_of(body), asked)
+    return answer["kv_transfer_params"], answer
+
+
+def path_of(body: dict[str, Any]) -> str:
+    return "/v1/chat/completions" if "messages" in body else "/v1/completions"
+
+
+def test_prefill_names_its_blocks_and_holds_them_until_the_decode_reads_them(
+    prefill: SimProcess, decode: SimProcess
+) -> None:
+    body = {"model": MODEL, "prompt": [*PREFIX, 1, 2, 3], "max_tokens": 5}
+    params, answer = prefill_params(prefill, body)
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert len(params["remote_block_ids"][0]) == 51  # 803 tokens: 50 full blocks and one
+    assert params["remote_port"] == int(prefill.url.rsplit(":", 1)[1])
+    assert params["remote_num_tokens"] == 803 and params["transfer_mode"] == "pull"
+    assert answer["usage"]["completion_tokens"] == 1
+    assert prefill.call("GET", "/sim/state")[1]["kv_transfers_held"] == 1
+    decoded = decode.post("/v1/completions", {**body, "kv_transfer_params": params})
+    assert decoded["usage"]["completion_tokens"] == 5
+    assert cached_tokens(decoded["usage"]) == 803  # loaded: the whole prompt computed
+    assert prefill.call("GET", "/sim/state")[1]["kv_transfers_held"] == 0
+    # read once: the same parameters again are refused, as NIXL's second read fails
+    status, error = decode.call("POST", "/v1/completions", {**body, "kv_transfer_params": params})
+    assert status == 500 and error["error"]["message"] == "Internal server error"
+
+
+def test_streamed_chat_decode_and_the_prefill_cache_hit(
+    prefill: SimProcess, decode: SimProcess
+) -> None:
+    system = {"role": "system", "content": "You are kvroute's test. " * 60}
+    first = {"model": MODEL, "messages": [system, {"role": "user", "content": "one"}]}
+    prefill_params(prefill, first)
+    second = {"model": MODEL, "messages": [system, {"role": "user", "content": "two"}]}
+    params, answer = prefill_params(prefill, second)
+    assert cached_tokens(answer["usage"]) >= 16 * (answer["usage"]["prompt_tokens"] // 16 - 1)
+    events = decode.stream(
+        "/v1/chat/completions",
+        {
+            **second,
+            "max_tokens": 4,
+            "stream": True,
+            "kv_transfer_params": params,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    assert events[-1] == "[DONE]"
+    assert events[-2]["usage"]["completion_tokens"] == 4
+
+
+def test_unknown_parameters_fail_the_stream_as_vllm_does(decode: SimProcess) -> None:
+    forged = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "not-an-engine",
+        "remote_request_id": "cmpl-x-0",
+        "remote_block_ids": [[1, 2, 3]],
+        "remote_host": "127.0.0.1",
+        "remote_port": int(decode.url.rsplit(":", 1)[1]),
+    }
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 3, "stream": True}
+    events = decode.stream("/v1/completions", {**body, "kv_transfer_params": forged})
+    assert events[0]["error"]["code"] == 500 and events[-1] == "[DONE]"
+    status, _ = decode.call(
+        "POST",
+        "/v1/completions",
+        {**body, "stream": False, "kv_transfer_params": {"do_remote_prefill": True}},
+    )
+    assert status == 500
+
+
+def test_blocks_not_read_within_the_lease_are_freed(
+    prefill: SimProcess, decode: SimProcess
+) -> None:
+    body = {"model": MODEL, "prompt": list(range(30_000, 30_100)), "max_tokens": 2}
+    params, _ = prefill_params(prefill, body)
+    deadline = time.monotonic() + 10  # the 2 s lease, checked once a second
+    while prefill.call("GET", "/sim/state")[1]["kv_transfers_held"]:
+        assert time.monotonic() < deadline, "the lease never ran out"
+        time.sleep(0.05)  # polling the state, bounded by the deadline
+    status, _ = decode.call("POST", "/v1/completions", {**body, "kv_transfer_params": params})
+    assert status == 500
