@@ -20,17 +20,17 @@ import grpc
 import uvicorn
 from prometheus_client import CollectorRegistry, make_asgi_app
 
-from controlplane.broadcast import Broadcaster, EmptyConfig
+from controlplane.admission.webhook import injection_config, with_webhook
 from controlplane.contracts import ConfigSource, FleetView, ReportSink
 from controlplane.etcd_client import EtcdClient
-from controlplane.fleet import Fleet
-from controlplane.fleet_view import LiveFleetView
-from controlplane.ingest import Ingest
-from controlplane.leadership import Leadership
-from controlplane.metrics import FleetCollector
-from controlplane.routing_server import RoutingStateService, start_server
+from controlplane.fleet.broadcast import Broadcaster, EmptyConfig
+from controlplane.fleet.fleet import Fleet
+from controlplane.fleet.fleet_view import LiveFleetView
+from controlplane.fleet.ingest import Ingest
+from controlplane.fleet.leadership import Leadership
+from controlplane.fleet.metrics import FleetCollector
+from controlplane.fleet.routing_server import RoutingStateService, start_server
 from controlplane.settings import ControlPlaneSettings
-from controlplane.webhook import injection_config, with_webhook
 from kvcore.pb import routing_pb2
 from kvruntime.sockets import bind_tcp
 from kvruntime.tasks import BackgroundTasks

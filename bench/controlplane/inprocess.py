@@ -27,10 +27,10 @@ from collections.abc import Iterator
 import numpy as np
 
 from bench.controlplane.mirror import StateMirror, watch
-from controlplane.broadcast import Broadcaster, EmptyConfig
-from controlplane.fleet import Fleet
-from controlplane.ingest import Ingest
-from controlplane.routing_server import RoutingStateService, start_server
+from controlplane.fleet.broadcast import Broadcaster, EmptyConfig
+from controlplane.fleet.fleet import Fleet
+from controlplane.fleet.ingest import Ingest
+from controlplane.fleet.routing_server import RoutingStateService, start_server
 from controlplane.service import CountingSink
 from controlplane.settings import ControlPlaneSettings
 from dataplane.fleet_state import FleetState

@@ -7,8 +7,8 @@ from contextlib import asynccontextmanager
 
 import nats
 
-from controlplane.fleet import Fleet
-from controlplane.ingest import Ingest
+from controlplane.fleet.fleet import Fleet
+from controlplane.fleet.ingest import Ingest
 from controlplane.settings import ControlPlaneSettings
 from kvroute.servers import NatsServer
 from tests.integration.controlplane_harness import SidecarDouble

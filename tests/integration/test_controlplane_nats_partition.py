@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from controlplane.fleet import Fleet
-from controlplane.ingest import Ingest
+from controlplane.fleet.fleet import Fleet
+from controlplane.fleet.ingest import Ingest
 from controlplane.settings import ControlPlaneSettings
 from kvroute.servers import NatsServer, free_port
 from tests.integration.controlplane_harness import SidecarDouble

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from bench.controlplane.inprocess import proxy_watch, rows_fleet
-from controlplane.broadcast import Broadcaster, EmptyConfig
+from controlplane.fleet.broadcast import Broadcaster, EmptyConfig
 
 pytestmark = pytest.mark.integration
 KEYS = 2_000_000

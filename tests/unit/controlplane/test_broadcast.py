@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator
 import pytest
 
 from bench.controlplane.mirror import StateMirror
-from controlplane.broadcast import Broadcaster, EmptyConfig
-from controlplane.fleet import Fleet
-from controlplane.routing_server import RoutingStateService
+from controlplane.fleet.broadcast import Broadcaster, EmptyConfig
+from controlplane.fleet.fleet import Fleet
+from controlplane.fleet.routing_server import RoutingStateService
 from kvcore.pb import routing_pb2
 from tests.unit.controlplane.support import announce, batch, load
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.fleet import Fleet, ReplicaRecord
-from controlplane.fleet_view import LiveFleetView
+from controlplane.fleet.fleet import Fleet, ReplicaRecord
+from controlplane.fleet.fleet_view import LiveFleetView
 from kvcore.pb import events_pb2
 from tests.unit.controlplane.support import announce, batch, load, snapshot_parts
 

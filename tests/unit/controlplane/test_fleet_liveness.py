@@ -4,8 +4,8 @@ residency and all, and flagged stale."""
 
 from __future__ import annotations
 
-from controlplane.fleet import Fleet, ReplicaRecord
-from controlplane.fleet_view import LiveFleetView, replica_pb
+from controlplane.fleet.fleet import Fleet, ReplicaRecord
+from controlplane.fleet.fleet_view import LiveFleetView, replica_pb
 from kvcore.pb import routing_pb2
 from tests.unit.controlplane.support import announce, batch, load
 

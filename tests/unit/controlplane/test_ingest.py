@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from controlplane.fleet import Fleet
-from controlplane.ingest import Ingest
+from controlplane.fleet.fleet import Fleet
+from controlplane.fleet.ingest import Ingest
 from controlplane.settings import ControlPlaneSettings
 from kvcore import subjects
 from kvcore.pb import events_pb2

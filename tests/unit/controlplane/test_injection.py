@@ -12,7 +12,7 @@ from typing import Any
 import jsonpatch
 import pytest
 
-from controlplane.injection import InjectionConfig, mutate, mutate_review
+from controlplane.admission.injection import InjectionConfig, mutate, mutate_review
 from tests.unit.controlplane.admission import review, sglang_pod, vllm_pod
 
 CONFIG = InjectionConfig(sidecar_image="kvroute/sidecar:test", nats_url="nats://nats:4222")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.fleet import Fleet, ReplicaRecord
+from controlplane.fleet.fleet import Fleet, ReplicaRecord
 from kvcore.pb import events_pb2
 from tests.unit.controlplane.support import batch
 

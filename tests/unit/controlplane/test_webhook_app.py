@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from controlplane.injection import InjectionConfig
-from controlplane.webhook import MAX_REVIEW_BYTES, with_webhook
+from controlplane.admission.injection import InjectionConfig
+from controlplane.admission.webhook import MAX_REVIEW_BYTES, with_webhook
 from tests.unit.controlplane.admission import review, vllm_pod
 
 CONFIG = InjectionConfig(sidecar_image="kvroute/sidecar:t", nats_url="nats://n:4222")

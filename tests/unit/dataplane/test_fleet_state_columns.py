@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from controlplane.broadcast import Broadcaster, EmptyConfig
-from controlplane.fleet import Fleet
+from controlplane.fleet.broadcast import Broadcaster, EmptyConfig
+from controlplane.fleet.fleet import Fleet
 from dataplane.errors import SnapshotNeeded
 from dataplane.fleet_state import FleetState
 from dataplane.main import SettingsRefused, load_settings

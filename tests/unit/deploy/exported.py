@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from controlplane.broadcast import Broadcaster
+from controlplane.fleet.broadcast import Broadcaster
+from controlplane.fleet.routing_server import RoutingStateService
 from controlplane.main import load_settings as load_controlplane_settings
-from controlplane.routing_server import RoutingStateService
 from controlplane.service import ControlPlane
 from dataplane.main import load_settings as load_proxy_settings
 from dataplane.service import ProxyService

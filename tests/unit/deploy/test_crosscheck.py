@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import pytest
 from pydantic import BaseModel
 
-from controlplane.injection import InjectionConfig, mutate_review
+from controlplane.admission.injection import InjectionConfig, mutate_review
 from controlplane.main import load_settings as load_controlplane_settings
 from controlplane.service import ControlPlane
 from controlplane.settings import ControlPlaneSettings

@@ -25,7 +25,7 @@ decided here and nowhere else, with no I/O, so that every case can be tested alo
 - an unknown stream (first sight of the replica, after it was marked down) asks for a
   resync unless it starts at seq 0 of its epoch.
 
-The caller (``controlplane.fleet``) gets back a :class:`Verdict` per batch.
+The caller (``controlplane.fleet.fleet``) gets back a :class:`Verdict` per batch.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ import logging
 import aetcd
 from aetcd.leases import Lease
 
-from controlplane.fleet import Fleet
-from controlplane.fleet_view import status_of
+from controlplane.fleet.fleet import Fleet
+from controlplane.fleet.fleet_view import status_of
 from controlplane.settings import ControlPlaneSettings
 from kvcore.subjects import EtcdKeys, InvalidName
 from kvruntime.tasks import BackgroundTasks

@@ -2,7 +2,7 @@
 
 No generated stubs (see docs/architecture.md): both methods are bound by their full
 names through grpc's generic handler API. ``Watch`` responses are passed through as
-bytes already serialized by :mod:`controlplane.broadcast`, once per version for all
+bytes already serialized by :mod:`controlplane.fleet.broadcast`, once per version for all
 watchers. ``Report`` reads raw bytes, so that a malformed report is counted and skipped
 instead of ending the proxy's stream.
 """
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import DecodeError
 
-from controlplane.broadcast import Broadcaster
 from controlplane.contracts import ReportSink
+from controlplane.fleet.broadcast import Broadcaster
 from controlplane.settings import ControlPlaneSettings
 from kvcore.pb import routing_pb2
 

@@ -10,7 +10,7 @@ version is serialized once, whatever the number of watchers.
 Versions are kept in a ring, so a proxy that reconnects with a recent ``(epoch,
 version)`` gets only what it missed. A snapshot is cut between two versions from the
 live state; the changes not yet flushed are in it and again in the next delta, which is
-harmless (see :mod:`controlplane.changes`). Each watcher has a bounded queue; one that
+harmless (see :mod:`controlplane.fleet.changes`). Each watcher has a bounded queue; one that
 falls that far behind is dropped (its stream ends and it reconnects), so a slow proxy
 never delays the others.
 """
@@ -23,10 +23,10 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from controlplane.changes import ChangeLog
 from controlplane.contracts import ConfigSource
-from controlplane.fleet import Fleet
-from controlplane.fleet_view import replica_pb
+from controlplane.fleet.changes import ChangeLog
+from controlplane.fleet.fleet import Fleet
+from controlplane.fleet.fleet_view import replica_pb
 from kvcore.index.base import U64
 from kvcore.index.columns import keys_by_replica, restricted, to_columns
 from kvcore.pb import routing_pb2

@@ -1,7 +1,7 @@
 """The fleet as the control plane knows it: replicas, their load and liveness, residency.
 
 This is the state both instances keep warm from NATS and serve to proxies. It is
-synchronous and does no I/O: ``controlplane.ingest`` decodes messages and calls
+synchronous and does no I/O: ``controlplane.fleet.ingest`` decodes messages and calls
 :meth:`Fleet.on_announce`, :meth:`Fleet.on_load` and :meth:`Fleet.on_batch`; asking a
 sidecar for a resync goes through the ``resync`` callback; every change is also recorded
 in :attr:`Fleet.changes` for the next delta to proxies.
@@ -29,8 +29,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from controlplane.changes import ChangeLog
-from controlplane.stream import Action, ReplicaStream
+from controlplane.fleet.changes import ChangeLog
+from controlplane.fleet.stream import Action, ReplicaStream
 from kvcore.index import MAX_REPLICA_ORDINAL, CompactResidencyIndex
 from kvcore.pb import events_pb2
 

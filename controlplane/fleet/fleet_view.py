@@ -18,7 +18,7 @@ from controlplane.contracts import (
     SharedPrefix,
     UnknownReplica,
 )
-from controlplane.fleet import Fleet, ReplicaRecord
+from controlplane.fleet.fleet import Fleet, ReplicaRecord
 from kvcore.pb import events_pb2, routing_pb2
 from kvcore.policies import ReplicaState, StaticStateView
 

@@ -13,11 +13,11 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from controlplane.broadcast import Broadcaster
-from controlplane.fleet import Fleet
-from controlplane.fleet_view import status_of
-from controlplane.ingest import Ingest
-from controlplane.routing_server import RoutingStateService
+from controlplane.fleet.broadcast import Broadcaster
+from controlplane.fleet.fleet import Fleet
+from controlplane.fleet.fleet_view import status_of
+from controlplane.fleet.ingest import Ingest
+from controlplane.fleet.routing_server import RoutingStateService
 
 
 class FleetCollector(Collector):

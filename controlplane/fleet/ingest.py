@@ -1,7 +1,7 @@
 """NATS in: the sidecars' announcements, event batches and load reports, into the fleet.
 
-Only this module (and :mod:`controlplane.nats_options`) talks NATS. Each message is
-decoded and handed to :class:`controlplane.fleet.Fleet` synchronously in the
+Only this module (and :mod:`controlplane.fleet.nats_options`) talks NATS. Each message is
+decoded and handed to :class:`controlplane.fleet.fleet.Fleet` synchronously in the
 subscription's callback, so one replica's batches are applied in the order NATS
 delivered them. A message that does not decode, or whose ids disagree with its subject,
 is counted by kind and skipped. Resync requests go out as NATS requests from their own
@@ -26,8 +26,8 @@ from google.protobuf.message import DecodeError
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from controlplane.fleet import Fleet, FleetFull, ReplicaRecord
-from controlplane.nats_options import connect_options
+from controlplane.fleet.fleet import Fleet, FleetFull, ReplicaRecord
+from controlplane.fleet.nats_options import connect_options
 from controlplane.settings import ControlPlaneSettings
 from kvcore import subjects
 from kvcore.pb import events_pb2

@@ -2,7 +2,7 @@
 
 The Kubernetes API server posts an AdmissionReview for every pod the
 ``MutatingWebhookConfiguration`` selects (deploy/kubernetes/webhook); the answer comes
-from :func:`controlplane.injection.mutate`, a pure function that never raises. This
+from :func:`controlplane.admission.injection.mutate`, a pure function that never raises. This
 wrapper only reads the body (bounded), answers 200 with the review as JSON, and hands
 every other request to the admin app unchanged. It needs no bearer token: the API server
 calls it over TLS (``--admin-tls-cert``/``--admin-tls-key``), and a review can only ask
@@ -15,7 +15,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from controlplane.injection import InjectionConfig, mutate
+from controlplane.admission.injection import InjectionConfig, mutate
 from controlplane.settings import ControlPlaneSettings
 
 Scope = MutableMapping[str, Any]
