@@ -172,9 +172,14 @@ class Engine:
 
     # -- KV transfer (pd.py) ------------------------------------------------------------
 
-    def release_transfer(self, body: dict[str, Any]) -> bool:
-        """A decode engine reads held blocks: free them; ``False`` when refused."""
-        req = self.transfers.release(body)
+    async def release_transfer(self, body: dict[str, Any]) -> bool:
+        """A decode engine reads held blocks: free them; ``False`` when refused. An
+        SGLang read names a bootstrap room, and waits for its prefill to finish."""
+        room = body.get("bootstrap_room")
+        if isinstance(room, int):
+            req = await self.transfers.read_room(room)
+        else:
+            req = self.transfers.release(body)
         if req is None:
             return False
         self.core.release(req)

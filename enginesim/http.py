@@ -410,7 +410,8 @@ class SimApp:
         if not params:
             return False, False
         if params.get("do_remote_prefill"):
-            await self.engine.transfers.pull(RemotePrefill.parse(params))
+            remote = RemotePrefill.parse(params)
+            await self.engine.transfers.pull(remote, remote.num_blocks)
             return False, True
         return bool(params.get("do_remote_decode")), False
 
@@ -681,9 +682,10 @@ class SimApp:
         return Response(200, _encode(injector.state), after=after)
 
     async def kv_pull(self, request: Request) -> Result:
-        """The side channel of ``pd.py``: a decode engine reads the blocks it names."""
+        """The side channel of ``pd.py``: a decode engine reads the blocks it names
+        (vLLM: by request; SGLang: by bootstrap room, once its prefill is done)."""
         body = p.decode_body(request.body or b"{}", dict[str, Any])
-        if not self.engine.release_transfer(body):
+        if not await self.engine.release_transfer(body):
             raise p.NotFound("No KV blocks are held for this transfer.")
         return json_response({"released": True})
 
@@ -792,6 +794,8 @@ def _server_info(settings: SimSettings, engine: Engine) -> dict[str, Any]:
         "max_running_requests": settings.max_num_seqs,
         "context_length": settings.model_len,
         "kv_events": kv_events,
+        "disaggregation_mode": settings.disaggregation_mode,
+        "disaggregation_bootstrap_port": engine.transfers.port,  # the simulator's: HTTP's
         "version": VERSION,
     }
 

@@ -1,7 +1,7 @@
-"""Disaggregated prefill/decode: KV transfer between two simulated vLLM engines, as
-vLLM 0.33's NIXL connector (pull mode) does it.
+"""Disaggregated prefill/decode: KV transfer between two simulated engines, as vLLM
+0.33's NIXL connector (pull mode) and SGLang 0.5.23's disaggregation mode do it.
 
-The roles are per request, set by the router in ``kv_transfer_params``:
+vLLM: the roles are per request, set by the router in ``kv_transfer_params``:
 
 - ``do_remote_decode``: this engine is the prefill side. The request runs as any other
   (the router sends it with ``max_tokens`` 1; its cache, events and metrics as usual),
@@ -23,6 +23,16 @@ The roles are per request, set by the router in ``kv_transfer_params``:
   engine's id, a block list that is not the one held) fails the request as vLLM's
   default ``kv_load_failure_policy`` "fail" does: finish reason error, which its server
   answers 500 ``Internal server error`` (``GenerationError``).
+
+SGLang: the role is the server's (``--disaggregation-mode prefill|decode``, told in
+``/server_info``), and the router adds ``bootstrap_host``, ``bootstrap_port`` (the prefill
+server's bootstrap server; the simulator's is its HTTP port) and ``bootstrap_room`` (a
+random 63-bit id pairing the two halves) to the body and sends it to both servers at
+once. The prefill server computes the prompt (one token), holds the blocks in the room
+and answers once the decode server has read them (or fails after the waiting timeout);
+the decode server reads the room (``POST /sim/kv_pull`` with ``bootstrap_room``, waiting
+for the prefill to arrive up to the bootstrap timeout) and decodes. A read that fails
+aborts the decode request as SGLang does: 500 ``Decode handshake failed ...``.
 """
 
 from __future__ import annotations
@@ -42,7 +52,7 @@ if TYPE_CHECKING:
 
 TRANSFER_MODE = "pull"
 PULL_PATH = "/sim/kv_pull"
-PULL_TIMEOUT_S = 10.0
+PULL_TIMEOUT_S = 30.0  # above the bootstrap wait of a read that waits for its prefill
 
 
 class KvLoadFailed(p.ApiError):
@@ -93,11 +103,33 @@ class RemotePrefill:
         return sum(len(group) for group in self.block_ids)
 
 
+@dataclass(frozen=True)
+class Bootstrap:
+    """SGLang's routing fields of one request: where its prefill's KV is to be read."""
+
+    host: str
+    port: int
+    room: int
+
+    def pull_body(self) -> dict[str, Any]:
+        return {"bootstrap_room": self.room}
+
+
 @dataclass
 class _Held:
     req: SimRequest
     block_ids: list[list[int]]
     expires: float  # time.monotonic()
+
+
+class _Room:
+    """One SGLang bootstrap room: the prefill's blocks arrive (``held``), the decode
+    server reads them (``read``), in either order of arrival."""
+
+    def __init__(self) -> None:
+        self.held = asyncio.Event()
+        self.read = asyncio.Event()
+        self.req: SimRequest | None = None
 
 
 class KvTransfers:
@@ -111,13 +143,57 @@ class KvTransfers:
         self.block_seconds = block_seconds  # wall seconds to read one block
         self.pulled = self.expired = self.refused = 0
         self._held: dict[str, _Held] = {}
+        self._rooms: dict[int, _Room] = {}
         self._session: aiohttp.ClientSession | None = None
 
     # -- prefill side --------------------------------------------------------------------
 
     def hold(self, req: SimRequest, block_ids: list[int]) -> None:
-        """``req`` finished with ``do_remote_decode``: keep its blocks for the lease."""
+        """``req`` finished as a prefill for a decode engine: keep its blocks for the
+        lease (in its bootstrap room too, for SGLang)."""
         self._held[req.request_id] = _Held(req, [block_ids], time.monotonic() + self.lease_s)
+        if req.bootstrap_room is not None:
+            room = self._room(req.bootstrap_room)
+            room.req = req
+            room.held.set()
+
+    def _room(self, number: int) -> _Room:
+        room = self._rooms.get(number)
+        if room is None:
+            room = self._rooms[number] = _Room()
+        return room
+
+    async def read_room(self, number: int) -> SimRequest | None:
+        """A decode server reads room ``number``: waits up to the lease for its
+        prefill to finish, then takes its request (to be freed now); ``None`` when the
+        prefill never came, or its blocks were freed."""
+        room = self._room(number)
+        try:
+            await asyncio.wait_for(room.held.wait(), self.lease_s)
+        except TimeoutError:
+            self._rooms.pop(number, None)
+            self.refused += 1
+            return None
+        req = room.req
+        if req is None or self._held.pop(req.request_id, None) is None:
+            self.refused += 1
+            return None
+        room.read.set()
+        self.pulled += 1
+        return req
+
+    async def until_read(self, req: SimRequest) -> bool:
+        """The SGLang prefill's answer waits for its decode server to read the room:
+        ``False`` when it did not within the lease (the blocks are freed by then)."""
+        assert req.bootstrap_room is not None
+        room = self._room(req.bootstrap_room)
+        try:
+            await asyncio.wait_for(room.read.wait(), self.lease_s)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._rooms.pop(req.bootstrap_room, None)
 
     def params_of(self, req: SimRequest) -> dict[str, Any] | None:
         """The ``kv_transfer_params`` the answer to a held request carries."""
@@ -163,6 +239,8 @@ class KvTransfers:
         gone = [h for h in self._held.values() if h.expires <= now]
         for held in gone:
             del self._held[held.req.request_id]
+            if held.req.bootstrap_room is not None:
+                self._rooms.pop(held.req.bootstrap_room, None)
         self.expired += len(gone)
         return [h.req for h in gone]
 
@@ -172,6 +250,7 @@ class KvTransfers:
     def clear(self) -> None:
         """An engine restart: every held block is gone with the cache."""
         self._held.clear()
+        self._rooms.clear()
 
     @property
     def num_held(self) -> int:
@@ -179,7 +258,7 @@ class KvTransfers:
 
     # -- decode side ---------------------------------------------------------------------
 
-    async def pull(self, remote: RemotePrefill) -> None:
+    async def pull(self, remote: RemotePrefill | Bootstrap, num_blocks: int) -> None:
         """Read ``remote``'s blocks from the prefill engine, taking the modelled transfer
         time; ``KvLoadFailed`` when the prefill engine refuses or cannot be reached."""
         url = f"http://{remote.host}:{remote.port}{PULL_PATH}"
@@ -190,7 +269,7 @@ class KvTransfers:
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise KvLoadFailed(f"the prefill engine cannot be reached: {exc}") from exc
         if self.block_seconds:
-            await asyncio.sleep(self.block_seconds * remote.num_blocks)
+            await asyncio.sleep(self.block_seconds * num_blocks)
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:

@@ -188,7 +188,10 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stream_options: msgspec.Raw = NULL  # checked by :func:`stream_usage`
     ignore_eos: bool = False
     cache_salt: str | None = None
-    kv_transfer_params: dict[str, Any] | None = None  # P/D (``pd.py``)
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's P/D (``pd.py``)
+    bootstrap_host: str | None = None  # SGLang's P/D (``pd.py``)
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
     n: int | None = 1  # vLLM's chat request takes null for 1
     temperature: float | None = None
 

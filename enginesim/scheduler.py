@@ -52,6 +52,7 @@ class SimRequest:
     num_preemptions: int = 0
     hold_kv: bool = False  # a prefill for another engine: keep the blocks when done (pd.py)
     loaded_tokens: int = 0  # prompt tokens read from a prefill engine (pd.py)
+    bootstrap_room: int | None = None  # SGLang's P/D: the room its prefill's KV is held in
     output: list[int] = field(default_factory=list)
     finished: bool = False
 

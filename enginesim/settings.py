@@ -57,6 +57,11 @@ class SimSettings(BaseSettings):
     kv_lease_s: float = Field(
         30.0, gt=0, description="seconds a prefill holds blocks for its decode engine"
     )
+    disaggregation_mode: Literal["null", "prefill", "decode"] = Field(
+        "null",
+        description="SGLang mode: this server's half of a P/D pair, as SGLang's flag "
+        "(the bootstrap server is the HTTP port)",
+    )
     log_level: str = Field("warning", description="log level of the server")
     no_cache_report: bool = Field(
         False,
@@ -95,6 +100,8 @@ class SimSettings(BaseSettings):
     def _check_sglang_only(self) -> SimSettings:
         if self.request_header_overrides and self.event_format != "sglang":
             raise ValueError("request_header_overrides is SGLang's: it needs event_format sglang")
+        if self.disaggregation_mode != "null" and self.event_format != "sglang":
+            raise ValueError("disaggregation_mode is SGLang's: it needs event_format sglang")
         return self
 
     @property

@@ -20,6 +20,7 @@ from enginesim import sglang_rids as sr
 from enginesim.choices import Choices
 from enginesim.engine import Engine
 from enginesim.errors import RequestRejected
+from enginesim.pd import Bootstrap, KvLoadFailed
 from enginesim.scheduler import SimRequest
 from enginesim.settings import SimSettings
 from enginesim.tokens import PromptTokenizer
@@ -38,11 +39,15 @@ class Sampling:
     stream: bool
     salt: str | None  # ``cache_salt``; SGLang takes "" for none
     model: str | None = None  # an OpenAI request's model name, which may name a LoRA adapter
+    bootstrap: Bootstrap | None = None  # P/D: where the prefill's KV is read (``pd.py``)
 
     @classmethod
     def of(cls, body: p._Sampling) -> Sampling:
         salt = body.cache_salt or None
-        return cls(body.max_tokens, body.temperature, body.stream, salt, body.model)
+        bootstrap = None
+        if body.bootstrap_host and body.bootstrap_port and body.bootstrap_room is not None:
+            bootstrap = Bootstrap(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room)
+        return cls(body.max_tokens, body.temperature, body.stream, salt, body.model, bootstrap)
 
 
 class ServingApp(Protocol):
@@ -82,7 +87,7 @@ class SglangServing:
         model, text_of = _model(body), self.app.tokenizer.text_of
         if body.stream:
             return sg.completion_chunks(choices, n, model, text_of, usage), choices
-        await choices.until_done()
+        await self._until_done(choices)
         return sg.completion_body(choices, n, model, text_of)
 
     async def chat(self, body: sg.ChatRequest, override_rid: str | None = None) -> Answer:
@@ -102,8 +107,22 @@ class SglangServing:
         model, text_of = _model(body), self.app.tokenizer.text_of
         if body.stream:
             return sg.chat_chunks(choices, n, model, text_of, usage), choices
-        await choices.until_done()
+        await self._until_done(choices)
         return sg.chat_body(choices, n, model, text_of)
+
+    async def _until_done(self, choices: Choices) -> None:
+        """Until the answer is whole: a P/D prefill's once its decode server has read
+        the KV (SGLang answers the prefill when the transfer is done), or 500 after the
+        waiting timeout."""
+        await choices.until_done()
+        req = choices.handles[0].req if choices.handles else None
+        if req is None or not req.hold_kv:
+            return
+        engine = self.app.engine
+        if not await engine.transfers.until_read(req):
+            raise p.ApiError(
+                f"Prefill transfer failed for request {req.request_id=} {req.bootstrap_room=}"
+            )
 
     async def start(
         self,
@@ -155,7 +174,9 @@ class SglangServing:
             raise p.BadRequest(str(exc), sglang_type="BadRequestError") from exc
         if engine.faults.should_fail():
             raise p.InjectedFailure("Injected failure (kvroute-sim fault).")
-        salt = ask.salt
+        salt, mode = ask.salt, app.settings.disaggregation_mode
+        if mode == "decode" and ask.bootstrap is not None:
+            await self._read_prefill(ask.bootstrap, prompts)
         if n > 1:
             for prompt in prompts:  # ``_handle_batch_request``: cache the common prefix
                 warm = SimRequest(sg.request_id(), prompt, 0, salt)
@@ -167,6 +188,8 @@ class SglangServing:
             for prompt in prompts
             for _ in range(max(n, 1))
         ]
+        if ask.bootstrap is not None and mode != "null":
+            _pair(reqs, ask.bootstrap.room, mode)
         handles = await engine.submit_all(reqs, stream=ask.stream)
         names = rids.names
         reports = not app.settings.no_cache_report
@@ -174,6 +197,27 @@ class SglangServing:
             return Choices(reqs[0].request_id, handles, max(n, 1), reports_cached=reports)
         self.rids.hold(rids.held, handles)
         return Choices(names[0], handles, max(n, 1), names, reports_cached=reports)
+
+    async def _read_prefill(self, bootstrap: Bootstrap, prompts: list[list[int]]) -> None:
+        """The decode server's handshake and transfer; fails as SGLang aborts it."""
+        blocks = sum(-(-len(prompt) // self.app.settings.block_size) for prompt in prompts)
+        try:
+            await self.app.engine.transfers.pull(bootstrap, blocks)
+        except KvLoadFailed as exc:
+            raise p.ApiError(
+                f"Decode handshake failed for request bootstrap_room={bootstrap.room}: {exc.reason}"
+            ) from exc
+
+
+def _pair(reqs: list[SimRequest], room: int, mode: str) -> None:
+    """P/D: a prefill computes one token and keeps its blocks in ``room``; a decode has
+    its prompt loaded."""
+    for req in reqs:
+        req.bootstrap_room = room
+        if mode == "prefill":
+            req.max_tokens, req.hold_kv = 1, True
+        else:
+            req.loaded_tokens = len(req.prompt)
 
 
 def _model(body: p._Sampling) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -116,3 +117,81 @@ def test_blocks_not_read_within_the_lease_are_freed(
         time.sleep(0.05)  # polling the state, bounded by the deadline
     status, _ = decode.call("POST", "/v1/completions", {**body, "kv_transfer_params": params})
     assert status == 500
+
+
+# -- SGLang: the server's mode, bootstrap fields, both halves sent at once ---------------
+
+
+@pytest.fixture(scope="module")
+def sglang_pair() -> Iterator[tuple[SimProcess, SimProcess]]:
+    common = ("--instant", f"--model={MODEL}", "--event-format=sglang", "--kv-lease-s=2")
+    with (
+        SimProcess(*common, "--disaggregation-mode=prefill") as prefill,
+        SimProcess(*common, "--disaggregation-mode=decode") as decode,
+    ):
+        yield prefill, decode
+
+
+def bootstrap_of(prefill: SimProcess, room: int) -> dict[str, Any]:
+    """The fields SGLang's router adds, from the prefill server's /server_info."""
+    info = prefill.call("GET", "/server_info")[1]
+    assert info["disaggregation_mode"] == "prefill"
+    port = info["disaggregation_bootstrap_port"]
+    return {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": room}
+
+
+def both(prefill: SimProcess, decode: SimProcess, path: str, body: dict[str, Any]) -> list[Any]:
+    """The two halves at once, as SGLang's router sends them: (prefill, decode) answers."""
+    with ThreadPoolExecutor(2) as pool:
+        if body.get("stream"):
+            halves = [pool.submit(sim.stream, path, body) for sim in (prefill, decode)]
+        else:
+            halves = [pool.submit(sim.call, "POST", path, body) for sim in (prefill, decode)]
+        return [half.result() for half in halves]
+
+
+def test_sglang_pair_decodes_what_the_prefill_computed(
+    sglang_pair: tuple[SimProcess, SimProcess],
+) -> None:
+    prefill, decode = sglang_pair
+    body = {"model": MODEL, "prompt": [*PREFIX, 4, 5], "max_tokens": 6}
+    (p_status, p_answer), (d_status, d_answer) = both(
+        prefill, decode, "/v1/completions", {**body, **bootstrap_of(prefill, 7)}
+    )
+    assert (p_status, d_status) == (200, 200), (p_answer, d_answer)
+    assert p_answer["usage"]["completion_tokens"] == 1
+    assert d_answer["usage"]["completion_tokens"] == 6
+    assert cached_tokens(d_answer["usage"]) == 802
+    # the second request's prefill finds the shared prefix in the prefill server's cache
+    again = {**body, "prompt": [*PREFIX, 6, 7, 8], **bootstrap_of(prefill, 8)}
+    (_, p_again), (_, d_again) = both(prefill, decode, "/v1/completions", again)
+    assert cached_tokens(p_again["usage"]) == 800
+    assert d_again["usage"]["completion_tokens"] == 6
+
+
+def test_sglang_pair_streams_a_chat_from_decode(
+    sglang_pair: tuple[SimProcess, SimProcess],
+) -> None:
+    prefill, decode = sglang_pair
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hello " * 50}],
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **bootstrap_of(prefill, 11),
+    }
+    _, events = both(prefill, decode, "/v1/chat/completions", body)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["usage"]["completion_tokens"] == 3
+
+
+def test_sglang_decode_without_its_prefill_fails_after_the_wait(
+    sglang_pair: tuple[SimProcess, SimProcess],
+) -> None:
+    prefill, decode = sglang_pair
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2, **bootstrap_of(prefill, 99)}
+    status, answer = decode.call("POST", "/v1/completions", body)  # the prefill never sent
+    assert status == 500 and "Decode handshake failed" in answer["message"]
+    status, answer = prefill.call("POST", "/v1/completions", {**body, "bootstrap_room": 100})
+    assert status == 500 and "transfer failed" in answer["message"]  # no decode came
