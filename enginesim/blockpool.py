@@ -51,7 +51,7 @@ from enginesim.errors import PoolExhausted
 from enginesim.kv_manager import AllCleared, BlockEvicted, BlocksStored, PoolEvent
 
 if TYPE_CHECKING:
-    from enginesim.scheduler import SimRequest
+    from enginesim.request import SimRequest
 
 __all__ = ["BlockPool", "KVBlock", "RequestBlocks", "VllmKVCacheManager"]
 

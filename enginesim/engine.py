@@ -25,7 +25,8 @@ from enginesim.metrics import CacheConfig, EngineMetrics, LoadSnapshot, make_met
 from enginesim.pd import KvTransfers
 from enginesim.publisher import EventPublisher, PublisherConfig
 from enginesim.radix_cache import SglangRadixCache
-from enginesim.scheduler import CoreLimits, EngineCore, SimRequest, StepOutput
+from enginesim.request import SimRequest
+from enginesim.scheduler import CoreLimits, EngineCore, StepOutput
 from enginesim.settings import SimSettings
 from enginesim.wire import make_format
 from kvruntime.tasks import BackgroundTasks

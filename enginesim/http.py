@@ -57,7 +57,7 @@ from enginesim.errors import RequestRejected
 from enginesim.faults import CRASH_EXIT_CODE, FaultUpdate
 from enginesim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from enginesim.pd import PULL_PATH, KvLoadFailed, RemotePrefill
-from enginesim.scheduler import SimRequest
+from enginesim.request import SimRequest
 from enginesim.settings import SimSettings
 from enginesim.sglang_generate import GenerateAnswer, NativeGenerate
 from enginesim.sglang_serving import Answer, SglangServing

@@ -26,10 +26,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from enginesim.scheduler import SimRequest
+from enginesim.request import SimRequest
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,7 +48,7 @@ import aiohttp
 from enginesim import protocol as p
 
 if TYPE_CHECKING:
-    from enginesim.scheduler import SimRequest
+    from enginesim.request import SimRequest
 
 TRANSFER_MODE = "pull"
 PULL_PATH = "/sim/kv_pull"

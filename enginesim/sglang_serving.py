@@ -21,7 +21,7 @@ from enginesim.choices import Choices
 from enginesim.engine import Engine
 from enginesim.errors import RequestRejected
 from enginesim.pd import Bootstrap, KvLoadFailed
-from enginesim.scheduler import SimRequest
+from enginesim.request import SimRequest
 from enginesim.settings import SimSettings
 from enginesim.tokens import PromptTokenizer
 

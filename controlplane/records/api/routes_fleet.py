@@ -8,11 +8,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path, Query, Request
 from pydantic import BaseModel, Field
 
-from controlplane.contracts import ReplicaInfo, UnknownReplica
+from controlplane.contracts import ReplicaInfo
 from controlplane.records.api.auth import Admin, Reader
 from controlplane.records.api.deps import Context, Session
-from controlplane.records.db.repositories import AuditRepository
-from controlplane.records.errors import NotFound
+from controlplane.records.services.drain import DrainService
 
 router = APIRouter(prefix="/v1")
 ReplicaId = Annotated[str, Path(pattern=r"^[A-Za-z0-9_-]{1,128}$", description="Replica id.")]
@@ -62,16 +61,8 @@ async def list_replicas(context: Context, _: Reader, pool: PoolQuery = None) -> 
 async def _set_draining(
     context: Context, session: Session, actor: str, replica_id: str, draining: bool
 ) -> dict[str, Any]:
-    action = "drain" if draining else "undrain"
-    try:
-        info = await context.fleet.set_draining(replica_id, draining)
-    except UnknownReplica:
-        raise NotFound(f"no replica {replica_id!r}") from None
-    AuditRepository(session).add(
-        actor=actor, action=action, target=f"replica/{replica_id}", result="ok"
-    )
-    await session.commit()
-    return replica_json(info)
+    service = DrainService(context.fleet, session, actor)
+    return replica_json(await service.set_draining(replica_id, draining))
 
 
 @router.post("/replicas/{replica_id}/drain", tags=["fleet"], summary="Take no new requests")

@@ -18,7 +18,8 @@ from bench.sim.engine import EngineShape, ReplicaModel
 from bench.sim.workloads import Request
 from enginesim.blockpool import RequestBlocks, VllmKVCacheManager
 from enginesim.hashing import VllmSha256CborHasher
-from enginesim.scheduler import CoreLimits, EngineCore, SimRequest
+from enginesim.request import SimRequest
+from enginesim.scheduler import CoreLimits, EngineCore
 from enginesim.timing import TimingModel
 from kvcore.keys import block_keys
 

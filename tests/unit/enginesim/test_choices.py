@@ -10,7 +10,7 @@ import pytest
 from enginesim import protocol as p
 from enginesim.choices import DISCONNECTED, Choices
 from enginesim.engine import RequestHandle
-from enginesim.scheduler import SimRequest
+from enginesim.request import SimRequest
 
 
 def choices(prompts: list[list[int]], n: int, cached: list[int], max_tokens: int = 2) -> Choices:

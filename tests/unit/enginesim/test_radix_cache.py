@@ -9,7 +9,8 @@ from enginesim.errors import RequestRejected
 from enginesim.hashing import SglangSha256Hasher, prompt_digests
 from enginesim.kv_manager import BlockEvicted, BlocksStored
 from enginesim.radix_cache import SglangRadixCache
-from enginesim.scheduler import CoreLimits, EngineCore, SimRequest
+from enginesim.request import SimRequest
+from enginesim.scheduler import CoreLimits, EngineCore
 from enginesim.timing import TimingModel
 
 

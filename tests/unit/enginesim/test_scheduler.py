@@ -10,7 +10,8 @@ from enginesim.blockpool import BlockPool, VllmKVCacheManager
 from enginesim.errors import PoolExhausted, RequestRejected
 from enginesim.hashing import VllmSha256CborHasher, prompt_digests
 from enginesim.kv_manager import AllCleared, BlockEvicted, BlocksStored
-from enginesim.scheduler import CoreLimits, EngineCore, SimRequest
+from enginesim.request import SimRequest
+from enginesim.scheduler import CoreLimits, EngineCore
 from enginesim.timing import TimingModel
 
 BS = 16

@@ -13,7 +13,7 @@ from enginesim import protocol as p
 from enginesim import sglang_api as sg
 from enginesim.choices import Choices
 from enginesim.engine import RequestHandle
-from enginesim.scheduler import SimRequest
+from enginesim.request import SimRequest
 
 
 def group(prompts: list[list[int]], n: int, cached: list[int], outputs: int = 2) -> Choices:

@@ -39,7 +39,8 @@ from enginesim.errors import RequestRejected
 from enginesim.hashing import SglangSha256Hasher
 from enginesim.kv_manager import PoolEvent
 from enginesim.radix_cache import SglangRadixCache
-from enginesim.scheduler import CoreLimits, EngineCore, SimRequest
+from enginesim.request import SimRequest
+from enginesim.scheduler import CoreLimits, EngineCore
 from enginesim.timing import TimingModel
 from enginesim.wire import make_format
 

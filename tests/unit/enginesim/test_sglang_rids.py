@@ -10,7 +10,7 @@ from enginesim import protocol as p
 from enginesim import sglang_api as sg
 from enginesim import sglang_rids as sr
 from enginesim.engine import RequestHandle
-from enginesim.scheduler import SimRequest
+from enginesim.request import SimRequest
 
 
 def handle() -> RequestHandle:

@@ -33,7 +33,8 @@ from hypothesis import strategies as st
 from enginesim.blockpool import VllmKVCacheManager
 from enginesim.errors import RequestRejected
 from enginesim.kv_manager import AllCleared, BlockEvicted, BlocksStored, PoolEvent
-from enginesim.scheduler import CoreLimits, EngineCore, SimRequest
+from enginesim.request import SimRequest
+from enginesim.scheduler import CoreLimits, EngineCore
 from enginesim.timing import TimingModel
 
 FILLER = tuple(range(7, 19))  # sampled tokens; short, so answers repeat across requests

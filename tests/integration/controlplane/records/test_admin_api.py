@@ -283,6 +283,13 @@ async def test_replicas_drain_residency_and_explain(make_records: RecordsFactory
         assert fleet.infos["r0"].draining
         assert (await admin.call("POST", "/v1/replicas/r0/undrain"))[1]["draining"] is False
         assert (await admin.call("POST", "/v1/replicas/r9/drain"))[0] == 404
+        _, audit, _ = await admin.call("GET", "/v1/audit?limit=10")
+        replica_entries = [
+            (e["action"], e["target"])
+            for e in audit["entries"]
+            if e["target"].startswith("replica/")
+        ]  # committed by the service: both flips, newest first, the refused id not at all
+        assert replica_entries == [("undrain", "replica/r0"), ("drain", "replica/r0")]
 
         status, body, _ = await admin.call("GET", "/v1/residency?top=1")
         assert body["total_keys"] == len(keys)

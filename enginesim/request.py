@@ -1,0 +1,37 @@
+"""One request as the engine core and its KV cache manager both see it.
+
+Its own module so that the scheduler (which runs requests) and the cache managers
+(which read their tokens and record their hits) share the type without importing each
+other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class SimRequest:
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    salt: str | None = None
+    arrival: float = 0.0
+    digests: list[bytes] = field(default_factory=list)  # of every full block of ``tokens``
+    hit_tokens: int = 0  # the tokens the last admission found cached (set by the manager)
+    num_cached_tokens: int = 0  # ``hit_tokens`` of the first admission: what clients see
+    num_preemptions: int = 0
+    hold_kv: bool = False  # a prefill for another engine: keep the blocks when done (pd.py)
+    loaded_tokens: int = 0  # prompt tokens read from a prefill engine (pd.py)
+    bootstrap_room: int | None = None  # SGLang's P/D: the room its prefill's KV is held in
+    output: list[int] = field(default_factory=list)
+    finished: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The prompt and every sampled token."""
+        return self.prompt + self.output if self.output else self.prompt
