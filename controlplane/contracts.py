@@ -51,6 +51,8 @@ class ReplicaInfo:
     # silent past the heartbeat timeout while silence was no evidence (this instance's
     # NATS link down, or most replicas silent at once): routed on its last state
     stale: bool = False
+    role: str = "both"  # "both" | "prefill" | "decode" (kvcore.roles)
+    bootstrap_port: int = 0  # an SGLang prefill server's bootstrap server; 0: none
 
     @property
     def hit_rate(self) -> float | None:

@@ -30,6 +30,7 @@ import itertools
 import logging
 import secrets
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -470,10 +471,12 @@ class ProxyApp:
         models = self.fleet.served_models()
         age = self.fleet.age_s()
         fresh = self.options.static or age <= self.options.state_max_age_s
+        endpoints = self.fleet.endpoints()
         detail: dict[str, Any] = {
             "ready": bool(models) and (self.options.static or age != float("inf")),
             "models": models,
-            "replicas": len(self.fleet.endpoints()),
+            "replicas": len(endpoints),
+            "roles": dict(Counter(e.role for e in endpoints)),  # disaggregated P/D
             "state_age_s": None if self.options.static or age == float("inf") else round(age, 3),
             "state_fresh": fresh,
         }

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvcore.pb import events_pb2, routing_pb2
+from kvcore.roles import Role, role_name
 
 ENGINE_KINDS = {events_pb2.ENGINE_KIND_VLLM: "vllm", events_pb2.ENGINE_KIND_SGLANG: "sglang"}
 ENGINE_KIND_OF = {name: kind for kind, name in ENGINE_KINDS.items()}
@@ -22,6 +23,8 @@ class Endpoint:
     model: str
     served_names: tuple[str, ...]
     engine_kind: str  # "vllm", "sglang" or "" when unknown
+    role: Role = "both"  # its part in disaggregated prefill/decode (kvcore.roles)
+    bootstrap_port: int = 0  # an SGLang prefill server's bootstrap server; 0: none
 
 
 def endpoint_of(info: routing_pb2.Replica) -> Endpoint:
@@ -34,4 +37,6 @@ def endpoint_of(info: routing_pb2.Replica) -> Endpoint:
         model=info.model,
         served_names=tuple(info.served_names),
         engine_kind=ENGINE_KINDS.get(info.engine_kind, ""),
+        role=role_name(info.role),
+        bootstrap_port=info.bootstrap_port,
     )

@@ -109,6 +109,20 @@ def sglang_capacity(body: Any) -> tuple[int, int]:
     return tokens // page, page
 
 
+_SGLANG_ROLES = {"prefill": "prefill", "decode": "decode", "null": "both"}
+
+
+def sglang_disaggregation(body: Any) -> tuple[str, int]:
+    """``(role, bootstrap port)`` from SGLang's ``/server_info`` (its
+    ``--disaggregation-mode`` and ``--disaggregation-bootstrap-port``); ``("", 0)`` if
+    absent."""
+    if not isinstance(body, dict):
+        return "", 0
+    role = _SGLANG_ROLES.get(str(body.get("disaggregation_mode")), "")
+    port = body.get("disaggregation_bootstrap_port")
+    return role, port if isinstance(port, int) and 0 < port < 65536 else 0
+
+
 class EngineHttp:
     """The engine's HTTP server; an ``https://`` one checked against ``ssl_context`` (or
     the system's roots when it is ``None``)."""
@@ -146,8 +160,16 @@ class EngineHttp:
         load = parse_engine_load(await self._get("/metrics", json=False))
         if engine_kind != "sglang" or load.capacity_blocks:
             return load
-        capacity, page = sglang_capacity(await self._get("/server_info", json=True))
-        return replace(load, capacity_blocks=capacity, engine_block_size=page)
+        info = await self._get("/server_info", json=True)
+        capacity, page = sglang_capacity(info)
+        role, bootstrap_port = sglang_disaggregation(info)
+        return replace(
+            load,
+            capacity_blocks=capacity,
+            engine_block_size=page,
+            role=role,
+            bootstrap_port=bootstrap_port,
+        )
 
     async def discover(self, engine_kind: str) -> list[EventEndpoints]:
         if engine_kind == "sglang":

@@ -53,6 +53,8 @@ class EngineLoad:
     prefix_cache_hits: int = 0
     capacity_blocks: int = 0
     engine_block_size: int = 0
+    role: str = ""  # the engine's P/D role where it tells it (SGLang): prefill/decode/both
+    bootstrap_port: int = 0  # an SGLang prefill server's bootstrap server
 
 
 def _sample(line: str) -> tuple[str, str, float] | None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from kvcore import subjects
 from kvcore.pb import events_pb2
+from kvcore.roles import ROLE_PB
 from sidecar.adapters import adapter_for
 from sidecar.engine_http import EngineHttp, EventEndpoints, configured_endpoints
 from sidecar.errors import EngineUnavailable
@@ -304,7 +305,16 @@ class SidecarService:
             state_incomplete=self.pipeline.state_incomplete,
             labels={REFUSED_LABEL: self.pipeline.refusal} if self.pipeline.refusal else {},
             ts=time.time(),
+            role=ROLE_PB[self.role()],
+            bootstrap_port=s.bootstrap_port or (load.bootstrap_port if load else 0),
         )
+
+    def role(self) -> str:
+        """The P/D role announced: the flag's, else the engine's, else both."""
+        if self.settings.role != "auto":
+            return self.settings.role
+        load = self.engine_status.load
+        return (load.role if load else "") or "both"
 
     async def _announce(self) -> None:
         subject = subjects.announce_subject(self.settings.pool)

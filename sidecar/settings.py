@@ -39,6 +39,18 @@ class SidecarSettings(BaseSettings):
         "is. An injected sidecar takes its pod's IP (downward API).",
     )
     engine_kind: Literal["vllm", "sglang"] = Field(default="vllm", description="Engine family.")
+    role: Literal["auto", "both", "prefill", "decode"] = Field(
+        default="auto",
+        description="The replica's part in disaggregated prefill/decode; auto: the engine's "
+        "where it tells it (SGLang's --disaggregation-mode in /server_info), else both.",
+    )
+    bootstrap_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description="An SGLang prefill server's bootstrap port (0: the engine's, from "
+        "/server_info).",
+    )
     engine_tls_ca: FilePath | None = Field(
         default=None,
         description="CA bundle (PEM) that signed an https:// engine's certificate "

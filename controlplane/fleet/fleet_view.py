@@ -21,6 +21,7 @@ from controlplane.contracts import (
 from controlplane.fleet.fleet import Fleet, ReplicaRecord
 from kvcore.pb import events_pb2, routing_pb2
 from kvcore.policies import ReplicaState, StaticStateView
+from kvcore.roles import role_name
 
 ENGINE_KIND_NAMES = {events_pb2.ENGINE_KIND_VLLM: "vllm", events_pb2.ENGINE_KIND_SGLANG: "sglang"}
 
@@ -59,6 +60,7 @@ def replica_pb(record: ReplicaRecord) -> routing_pb2.Replica:
         msg.served_names.extend(announce.served_names)
         msg.engine_kind, msg.block_size = announce.engine_kind, announce.block_size
         msg.engine_block_size = announce.engine_block_size
+        msg.role, msg.bootstrap_port = announce.role, announce.bootstrap_port
         msg.labels.update(announce.labels)
     if record.load is not None:
         msg.load.CopyFrom(record.load)
@@ -103,6 +105,8 @@ def replica_info(record: ReplicaRecord, resident_blocks: int) -> ReplicaInfo:
         prefix_cache_hits=load.prefix_cache_hits if load else None,
         last_seen=record.last_seen_wall,
         stale=record.stale,
+        role=role_name(announce.role) if announce else "both",
+        bootstrap_port=announce.bootstrap_port if announce else 0,
     )
 
 

@@ -13,6 +13,12 @@ class EngineKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ENGINE_KIND_VLLM: _ClassVar[EngineKind]
     ENGINE_KIND_SGLANG: _ClassVar[EngineKind]
 
+class ReplicaRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REPLICA_ROLE_BOTH: _ClassVar[ReplicaRole]
+    REPLICA_ROLE_PREFILL: _ClassVar[ReplicaRole]
+    REPLICA_ROLE_DECODE: _ClassVar[ReplicaRole]
+
 class Medium(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     MEDIUM_GPU: _ClassVar[Medium]
@@ -22,13 +28,16 @@ class Medium(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 ENGINE_KIND_UNSPECIFIED: EngineKind
 ENGINE_KIND_VLLM: EngineKind
 ENGINE_KIND_SGLANG: EngineKind
+REPLICA_ROLE_BOTH: ReplicaRole
+REPLICA_ROLE_PREFILL: ReplicaRole
+REPLICA_ROLE_DECODE: ReplicaRole
 MEDIUM_GPU: Medium
 MEDIUM_CPU: Medium
 MEDIUM_DISK: Medium
 MEDIUM_OTHER: Medium
 
 class ReplicaAnnounce(_message.Message):
-    __slots__ = ("replica_id", "pool", "base_url", "model", "served_names", "engine_kind", "block_size", "engine_block_size", "capacity_blocks", "sidecar_epoch", "labels", "draining", "state_incomplete", "ts")
+    __slots__ = ("replica_id", "pool", "base_url", "model", "served_names", "engine_kind", "block_size", "engine_block_size", "capacity_blocks", "sidecar_epoch", "labels", "draining", "state_incomplete", "ts", "role", "bootstrap_port")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +59,8 @@ class ReplicaAnnounce(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     STATE_INCOMPLETE_FIELD_NUMBER: _ClassVar[int]
     TS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    BOOTSTRAP_PORT_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     pool: str
     base_url: str
@@ -64,7 +75,9 @@ class ReplicaAnnounce(_message.Message):
     draining: bool
     state_incomplete: bool
     ts: float
-    def __init__(self, replica_id: _Optional[str] = ..., pool: _Optional[str] = ..., base_url: _Optional[str] = ..., model: _Optional[str] = ..., served_names: _Optional[_Iterable[str]] = ..., engine_kind: _Optional[_Union[EngineKind, str]] = ..., block_size: _Optional[int] = ..., engine_block_size: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., sidecar_epoch: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., draining: _Optional[bool] = ..., state_incomplete: _Optional[bool] = ..., ts: _Optional[float] = ...) -> None: ...
+    role: ReplicaRole
+    bootstrap_port: int
+    def __init__(self, replica_id: _Optional[str] = ..., pool: _Optional[str] = ..., base_url: _Optional[str] = ..., model: _Optional[str] = ..., served_names: _Optional[_Iterable[str]] = ..., engine_kind: _Optional[_Union[EngineKind, str]] = ..., block_size: _Optional[int] = ..., engine_block_size: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., sidecar_epoch: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., draining: _Optional[bool] = ..., state_incomplete: _Optional[bool] = ..., ts: _Optional[float] = ..., role: _Optional[_Union[ReplicaRole, str]] = ..., bootstrap_port: _Optional[int] = ...) -> None: ...
 
 class BlocksStored(_message.Message):
     __slots__ = ("parent_key", "keys", "medium")

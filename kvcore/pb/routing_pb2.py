@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvcore.pb import events_pb2 as kvroute_dot_v1_dot_events__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvroute/v1/routing.proto\x12\nkvroute.v1\x1a\x17kvroute/v1/events.proto\"t\n\x0cWatchRequest\x12\x10\n\x08proxy_id\x18\x01 \x01(\t\x12\r\n\x05pools\x18\x02 \x03(\t\x12\x12\n\nhave_epoch\x18\x03 \x01(\x04\x12\x14\n\x0chave_version\x18\x04 \x01(\x04\x12\x19\n\x11residency_columns\x18\x05 \x01(\x08\"C\n\x08Workload\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bpolicy_json\x18\x02 \x01(\t\x12\x14\n\x0cmod_revision\x18\x03 \x01(\x03\"V\n\x06\x41piKey\x12\x12\n\nkey_sha256\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x18\n\x10\x64\x65\x66\x61ult_workload\x18\x03 \x01(\t\x12\x0e\n\x06scopes\x18\x04 \x03(\t\"t\n\x05Model\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\ttokenizer\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x0c\n\x04pool\x18\x04 \x01(\t\x12\x12\n\nmodel_json\x18\x05 \x01(\t\x12\x14\n\x0cmod_revision\x18\x06 \x01(\x03\"\xa7\x01\n\rRoutingConfig\x12\x10\n\x08revision\x18\x01 \x01(\x03\x12\'\n\tworkloads\x18\x02 \x03(\x0b\x32\x14.kvroute.v1.Workload\x12$\n\x08\x61pi_keys\x18\x03 \x03(\x0b\x32\x12.kvroute.v1.ApiKey\x12!\n\x06models\x18\x04 \x03(\x0b\x32\x11.kvroute.v1.Model\x12\x12\n\nrules_json\x18\x05 \x01(\t\"\xb1\x03\n\x07Replica\x12\x0f\n\x07ordinal\x18\x01 \x01(\r\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x0c\n\x04pool\x18\x03 \x01(\t\x12\x10\n\x08\x62\x61se_url\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x14\n\x0cserved_names\x18\x06 \x03(\t\x12+\n\x0b\x65ngine_kind\x18\x07 \x01(\x0e\x32\x16.kvroute.v1.EngineKind\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12)\n\x06status\x18\t \x01(\x0e\x32\x19.kvroute.v1.ReplicaStatus\x12$\n\x04load\x18\n \x01(\x0b\x32\x16.kvroute.v1.LoadReport\x12/\n\x06labels\x18\x0b \x03(\x0b\x32\x1f.kvroute.v1.Replica.LabelsEntry\x12\x15\n\rcapacity_seqs\x18\x0c \x01(\r\x12\x18\n\x10state_incomplete\x18\r \x01(\x08\x12\x19\n\x11\x65ngine_block_size\x18\x0e \x01(\r\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\".\n\rReplicaBlocks\x12\x0f\n\x07ordinal\x18\x01 \x01(\r\x12\x0c\n\x04keys\x18\x02 \x03(\x06\"S\n\x0fResidencyChange\x12\x0f\n\x07ordinal\x18\x01 \x01(\r\x12\x0f\n\x07\x63leared\x18\x02 \x01(\x08\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x03 \x03(\x06\x12\x0f\n\x07removed\x18\x04 \x03(\x06\"a\n\x10ResidencyColumns\x12\r\n\x05\x63ount\x18\x01 \x01(\r\x12\r\n\x05words\x18\x02 \x01(\r\x12\x0c\n\x04keys\x18\x03 \x01(\x0c\x12\r\n\x05masks\x18\x04 \x01(\x0c\x12\x12\n\ntotal_rows\x18\x05 \x01(\x04\"A\n\tPoolShard\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\t\x12\x17\n\x0fleader_instance\x18\x03 \x01(\t\"\x98\x02\n\rSnapshotChunk\x12\x13\n\x0b\x63hunk_index\x18\x01 \x01(\r\x12\x12\n\nlast_chunk\x18\x02 \x01(\x08\x12)\n\x06\x63onfig\x18\x03 \x01(\x0b\x32\x19.kvroute.v1.RoutingConfig\x12%\n\x08replicas\x18\x04 \x03(\x0b\x32\x13.kvroute.v1.Replica\x12%\n\x06shards\x18\x05 \x03(\x0b\x32\x15.kvroute.v1.PoolShard\x12,\n\tresidency\x18\x06 \x03(\x0b\x32\x19.kvroute.v1.ReplicaBlocks\x12\x37\n\x11residency_columns\x18\x07 \x01(\x0b\x32\x1c.kvroute.v1.ResidencyColumns\"\xd3\x01\n\x05\x44\x65lta\x12)\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x19.kvroute.v1.RoutingConfig\x12.\n\x11replicas_upserted\x18\x02 \x03(\x0b\x32\x13.kvroute.v1.Replica\x12\x18\n\x10replicas_removed\x18\x03 \x03(\r\x12.\n\tresidency\x18\x04 \x03(\x0b\x32\x1b.kvroute.v1.ResidencyChange\x12%\n\x05loads\x18\x05 \x03(\x0b\x32\x16.kvroute.v1.LoadUpdate\"C\n\nLoadUpdate\x12\x0f\n\x07ordinal\x18\x01 \x01(\r\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.kvroute.v1.LoadReport\"\x88\x01\n\x0bStateUpdate\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12-\n\x08snapshot\x18\x03 \x01(\x0b\x32\x19.kvroute.v1.SnapshotChunkH\x00\x12\"\n\x05\x64\x65lta\x18\x04 \x01(\x0b\x32\x11.kvroute.v1.DeltaH\x00\x42\x06\n\x04\x62ody\"\xa4\x01\n\rUsageCounters\x12\x10\n\x08requests\x18\x01 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x04\x12\x1f\n\x17predicted_cached_tokens\x18\x03 \x01(\x04\x12\x1e\n\x16measured_cached_tokens\x18\x04 \x01(\x04\x12\x19\n\x11measured_requests\x18\x05 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x06 \x01(\x04\"l\n\tReportRow\x12\x10\n\x08workload\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x12\n\nreplica_id\x18\x03 \x01(\t\x12+\n\x08\x63ounters\x18\x04 \x01(\x0b\x32\x19.kvroute.v1.UsageCounters\"H\n\x0bModelHealth\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1a\n\x12tokenizer_mismatch\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\x8d\x01\n\x0bProxyReport\x12\x10\n\x08proxy_id\x18\x01 \x01(\t\x12\n\n\x02ts\x18\x02 \x01(\x01\x12\x12\n\ninterval_s\x18\x03 \x01(\x01\x12#\n\x04rows\x18\x04 \x03(\x0b\x32\x15.kvroute.v1.ReportRow\x12\'\n\x06models\x18\x05 \x03(\x0b\x32\x17.kvroute.v1.ModelHealth\"\x1c\n\tReportAck\x12\x0f\n\x07reports\x18\x01 \x01(\x04*\x86\x01\n\rReplicaStatus\x12\x1e\n\x1aREPLICA_STATUS_UNSPECIFIED\x10\x00\x12\x1a\n\x16REPLICA_STATUS_HEALTHY\x10\x01\x12\x1b\n\x17REPLICA_STATUS_DRAINING\x10\x02\x12\x1c\n\x18REPLICA_STATUS_UNHEALTHY\x10\x03\x32\x88\x01\n\x0cRoutingState\x12<\n\x05Watch\x12\x18.kvroute.v1.WatchRequest\x1a\x17.kvroute.v1.StateUpdate0\x01\x12:\n\x06Report\x12\x17.kvroute.v1.ProxyReport\x1a\x15.kvroute.v1.ReportAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvroute/v1/routing.proto\x12\nkvroute.v1\x1a\x17kvroute/v1/events.proto\"t\n\x0cWatchRequest\x12\x10\n\x08proxy_id\x18\x01 \x01(\t\x12\r\n\x05pools\x18\x02 \x03(\t\x12\x12\n\nhave_epoch\x18\x03 \x01(\x04\x12\x14\n\x0chave_version\x18\x04 \x01(\x04\x12\x19\n\x11residency_columns\x18\x05 \x01(\x08\"C\n\x08Workload\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bpolicy_json\x18\x02 \x01(\t\x12\x14\n\x0cmod_revision\x18\x03 \x01(\x03\"V\n\x06\x41piKey\x12\x12\n\nkey_sha256\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x18\n\x10\x64\x65\x66\x61ult_workload\x18\x03 \x01(\t\x12\x0e\n\x06scopes\x18\x04 \x03(\t\"t\n\x05Model\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\ttokenizer\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x0c\n\x04pool\x18\x04 \x01(\t\x12\x12\n\nmodel_json\x18\x05 \x01(\t\x12\x14\n\x0cmod_revision\x18\x06 \x01(\x03\"\xa7\x01\n\rRoutingConfig\x12\x10\n\x08revision\x18\x01 \x01(\x03\x12\'\n\tworkloads\x18\x02 \x03(\x0b\x32\x14.kvroute.v1.Workload\x12$\n\x08\x61pi_keys\x18\x03 \x03(\x0b\x32\x12.kvroute.v1.ApiKey\x12!\n\x06models\x18\x04 \x03(\x0b\x32\x11.kvroute.v1.Model\x12\x12\n\nrules_json\x18\x05 \x01(\t\"\xf0\x03\n\x07Replica\x12\x0f\n\x07ordinal\x18\x01 \x01(\r\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x0c\n\x04pool\x18\x03 \x01(\t\x12\x10\n\x08\x62\x61se_url\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x14\n\x0cserved_names\x18\x06 \x03(\t\x12+\n\x0b\x65ngine_kind\x18\x07 \x01(\x0e\x32\x16.kvroute.v1.EngineKind\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12)\n\x06status\x18\t \x01(\x0e\x32\x19.kvroute.v1.ReplicaStatus\x12$\n\x04load\x18\n \x01(\x0b\x32\x16.kvroute.v1.LoadReport\x12/\n\x06labels\x18\x0b \x03(\x0b\x32\x1f.kvroute.v1.Replica.LabelsEntry\x12\x15\n\rcapacity_seqs\x18\x0c \x01(\r\x12\x18\n\x10state_incomplete\x18\r \x01(\x08\x12\x19\n\x11\x65ngine_block_size\x18\x0e \x01(\r\x12%\n\x04role\x18\x0f \x01(\x0e\x32\x17.kvroute.v1.ReplicaRole\x12\x16\n\x0e\x62ootstrap_port\x18\x10 \x01(\r\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\".\n\rReplicaBlocks\x12\x0f\n\x07ordinal\x18\x01 \x01(\r\x12\x0c\n\x04keys\x18\x02 \x03(\x06\"S\n\x0fResidencyChange\x12\x0f\n\x07ordinal\x18\x01 \x01(\r\x12\x0f\n\x07\x63leared\x18\x02 \x01(\x08\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x03 \x03(\x06\x12\x0f\n\x07removed\x18\x04 \x03(\x06\"a\n\x10ResidencyColumns\x12\r\n\x05\x63ount\x18\x01 \x01(\r\x12\r\n\x05words\x18\x02 \x01(\r\x12\x0c\n\x04keys\x18\x03 \x01(\x0c\x12\r\n\x05masks\x18\x04 \x01(\x0c\x12\x12\n\ntotal_rows\x18\x05 \x01(\x04\"A\n\tPoolShard\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\t\x12\x17\n\x0fleader_instance\x18\x03 \x01(\t\"\x98\x02\n\rSnapshotChunk\x12\x13\n\x0b\x63hunk_index\x18\x01 \x01(\r\x12\x12\n\nlast_chunk\x18\x02 \x01(\x08\x12)\n\x06\x63onfig\x18\x03 \x01(\x0b\x32\x19.kvroute.v1.RoutingConfig\x12%\n\x08replicas\x18\x04 \x03(\x0b\x32\x13.kvroute.v1.Replica\x12%\n\x06shards\x18\x05 \x03(\x0b\x32\x15.kvroute.v1.PoolShard\x12,\n\tresidency\x18\x06 \x03(\x0b\x32\x19.kvroute.v1.ReplicaBlocks\x12\x37\n\x11residency_columns\x18\x07 \x01(\x0b\x32\x1c.kvroute.v1.ResidencyColumns\"\xd3\x01\n\x05\x44\x65lta\x12)\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x19.kvroute.v1.RoutingConfig\x12.\n\x11replicas_upserted\x18\x02 \x03(\x0b\x32\x13.kvroute.v1.Replica\x12\x18\n\x10replicas_removed\x18\x03 \x03(\r\x12.\n\tresidency\x18\x04 \x03(\x0b\x32\x1b.kvroute.v1.ResidencyChange\x12%\n\x05loads\x18\x05 \x03(\x0b\x32\x16.kvroute.v1.LoadUpdate\"C\n\nLoadUpdate\x12\x0f\n\x07ordinal\x18\x01 \x01(\r\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.kvroute.v1.LoadReport\"\x88\x01\n\x0bStateUpdate\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12-\n\x08snapshot\x18\x03 \x01(\x0b\x32\x19.kvroute.v1.SnapshotChunkH\x00\x12\"\n\x05\x64\x65lta\x18\x04 \x01(\x0b\x32\x11.kvroute.v1.DeltaH\x00\x42\x06\n\x04\x62ody\"\xa4\x01\n\rUsageCounters\x12\x10\n\x08requests\x18\x01 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x04\x12\x1f\n\x17predicted_cached_tokens\x18\x03 \x01(\x04\x12\x1e\n\x16measured_cached_tokens\x18\x04 \x01(\x04\x12\x19\n\x11measured_requests\x18\x05 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x06 \x01(\x04\"l\n\tReportRow\x12\x10\n\x08workload\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x12\n\nreplica_id\x18\x03 \x01(\t\x12+\n\x08\x63ounters\x18\x04 \x01(\x0b\x32\x19.kvroute.v1.UsageCounters\"H\n\x0bModelHealth\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1a\n\x12tokenizer_mismatch\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\x8d\x01\n\x0bProxyReport\x12\x10\n\x08proxy_id\x18\x01 \x01(\t\x12\n\n\x02ts\x18\x02 \x01(\x01\x12\x12\n\ninterval_s\x18\x03 \x01(\x01\x12#\n\x04rows\x18\x04 \x03(\x0b\x32\x15.kvroute.v1.ReportRow\x12\'\n\x06models\x18\x05 \x03(\x0b\x32\x17.kvroute.v1.ModelHealth\"\x1c\n\tReportAck\x12\x0f\n\x07reports\x18\x01 \x01(\x04*\x86\x01\n\rReplicaStatus\x12\x1e\n\x1aREPLICA_STATUS_UNSPECIFIED\x10\x00\x12\x1a\n\x16REPLICA_STATUS_HEALTHY\x10\x01\x12\x1b\n\x17REPLICA_STATUS_DRAINING\x10\x02\x12\x1c\n\x18REPLICA_STATUS_UNHEALTHY\x10\x03\x32\x88\x01\n\x0cRoutingState\x12<\n\x05Watch\x12\x18.kvroute.v1.WatchRequest\x1a\x17.kvroute.v1.StateUpdate0\x01\x12:\n\x06Report\x12\x17.kvroute.v1.ProxyReport\x1a\x15.kvroute.v1.ReportAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REPLICA_LABELSENTRY']._loaded_options = None
   _globals['_REPLICA_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_REPLICASTATUS']._serialized_start=2594
-  _globals['_REPLICASTATUS']._serialized_end=2728
+  _globals['_REPLICASTATUS']._serialized_start=2657
+  _globals['_REPLICASTATUS']._serialized_end=2791
   _globals['_WATCHREQUEST']._serialized_start=65
   _globals['_WATCHREQUEST']._serialized_end=181
   _globals['_WORKLOAD']._serialized_start=183
@@ -47,35 +47,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROUTINGCONFIG']._serialized_start=459
   _globals['_ROUTINGCONFIG']._serialized_end=626
   _globals['_REPLICA']._serialized_start=629
-  _globals['_REPLICA']._serialized_end=1062
-  _globals['_REPLICA_LABELSENTRY']._serialized_start=1017
-  _globals['_REPLICA_LABELSENTRY']._serialized_end=1062
-  _globals['_REPLICABLOCKS']._serialized_start=1064
-  _globals['_REPLICABLOCKS']._serialized_end=1110
-  _globals['_RESIDENCYCHANGE']._serialized_start=1112
-  _globals['_RESIDENCYCHANGE']._serialized_end=1195
-  _globals['_RESIDENCYCOLUMNS']._serialized_start=1197
-  _globals['_RESIDENCYCOLUMNS']._serialized_end=1294
-  _globals['_POOLSHARD']._serialized_start=1296
-  _globals['_POOLSHARD']._serialized_end=1361
-  _globals['_SNAPSHOTCHUNK']._serialized_start=1364
-  _globals['_SNAPSHOTCHUNK']._serialized_end=1644
-  _globals['_DELTA']._serialized_start=1647
-  _globals['_DELTA']._serialized_end=1858
-  _globals['_LOADUPDATE']._serialized_start=1860
-  _globals['_LOADUPDATE']._serialized_end=1927
-  _globals['_STATEUPDATE']._serialized_start=1930
-  _globals['_STATEUPDATE']._serialized_end=2066
-  _globals['_USAGECOUNTERS']._serialized_start=2069
-  _globals['_USAGECOUNTERS']._serialized_end=2233
-  _globals['_REPORTROW']._serialized_start=2235
-  _globals['_REPORTROW']._serialized_end=2343
-  _globals['_MODELHEALTH']._serialized_start=2345
-  _globals['_MODELHEALTH']._serialized_end=2417
-  _globals['_PROXYREPORT']._serialized_start=2420
-  _globals['_PROXYREPORT']._serialized_end=2561
-  _globals['_REPORTACK']._serialized_start=2563
-  _globals['_REPORTACK']._serialized_end=2591
-  _globals['_ROUTINGSTATE']._serialized_start=2731
-  _globals['_ROUTINGSTATE']._serialized_end=2867
+  _globals['_REPLICA']._serialized_end=1125
+  _globals['_REPLICA_LABELSENTRY']._serialized_start=1080
+  _globals['_REPLICA_LABELSENTRY']._serialized_end=1125
+  _globals['_REPLICABLOCKS']._serialized_start=1127
+  _globals['_REPLICABLOCKS']._serialized_end=1173
+  _globals['_RESIDENCYCHANGE']._serialized_start=1175
+  _globals['_RESIDENCYCHANGE']._serialized_end=1258
+  _globals['_RESIDENCYCOLUMNS']._serialized_start=1260
+  _globals['_RESIDENCYCOLUMNS']._serialized_end=1357
+  _globals['_POOLSHARD']._serialized_start=1359
+  _globals['_POOLSHARD']._serialized_end=1424
+  _globals['_SNAPSHOTCHUNK']._serialized_start=1427
+  _globals['_SNAPSHOTCHUNK']._serialized_end=1707
+  _globals['_DELTA']._serialized_start=1710
+  _globals['_DELTA']._serialized_end=1921
+  _globals['_LOADUPDATE']._serialized_start=1923
+  _globals['_LOADUPDATE']._serialized_end=1990
+  _globals['_STATEUPDATE']._serialized_start=1993
+  _globals['_STATEUPDATE']._serialized_end=2129
+  _globals['_USAGECOUNTERS']._serialized_start=2132
+  _globals['_USAGECOUNTERS']._serialized_end=2296
+  _globals['_REPORTROW']._serialized_start=2298
+  _globals['_REPORTROW']._serialized_end=2406
+  _globals['_MODELHEALTH']._serialized_start=2408
+  _globals['_MODELHEALTH']._serialized_end=2480
+  _globals['_PROXYREPORT']._serialized_start=2483
+  _globals['_PROXYREPORT']._serialized_end=2624
+  _globals['_REPORTACK']._serialized_start=2626
+  _globals['_REPORTACK']._serialized_end=2654
+  _globals['_ROUTINGSTATE']._serialized_start=2794
+  _globals['_ROUTINGSTATE']._serialized_end=2930
 # @@protoc_insertion_point(module_scope)

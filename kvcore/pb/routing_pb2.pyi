@@ -86,7 +86,7 @@ class RoutingConfig(_message.Message):
     def __init__(self, revision: _Optional[int] = ..., workloads: _Optional[_Iterable[_Union[Workload, _Mapping]]] = ..., api_keys: _Optional[_Iterable[_Union[ApiKey, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[Model, _Mapping]]] = ..., rules_json: _Optional[str] = ...) -> None: ...
 
 class Replica(_message.Message):
-    __slots__ = ("ordinal", "replica_id", "pool", "base_url", "model", "served_names", "engine_kind", "block_size", "status", "load", "labels", "capacity_seqs", "state_incomplete", "engine_block_size")
+    __slots__ = ("ordinal", "replica_id", "pool", "base_url", "model", "served_names", "engine_kind", "block_size", "status", "load", "labels", "capacity_seqs", "state_incomplete", "engine_block_size", "role", "bootstrap_port")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,8 @@ class Replica(_message.Message):
     CAPACITY_SEQS_FIELD_NUMBER: _ClassVar[int]
     STATE_INCOMPLETE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    BOOTSTRAP_PORT_FIELD_NUMBER: _ClassVar[int]
     ordinal: int
     replica_id: str
     pool: str
@@ -122,7 +124,9 @@ class Replica(_message.Message):
     capacity_seqs: int
     state_incomplete: bool
     engine_block_size: int
-    def __init__(self, ordinal: _Optional[int] = ..., replica_id: _Optional[str] = ..., pool: _Optional[str] = ..., base_url: _Optional[str] = ..., model: _Optional[str] = ..., served_names: _Optional[_Iterable[str]] = ..., engine_kind: _Optional[_Union[_events_pb2.EngineKind, str]] = ..., block_size: _Optional[int] = ..., status: _Optional[_Union[ReplicaStatus, str]] = ..., load: _Optional[_Union[_events_pb2.LoadReport, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., capacity_seqs: _Optional[int] = ..., state_incomplete: _Optional[bool] = ..., engine_block_size: _Optional[int] = ...) -> None: ...
+    role: _events_pb2.ReplicaRole
+    bootstrap_port: int
+    def __init__(self, ordinal: _Optional[int] = ..., replica_id: _Optional[str] = ..., pool: _Optional[str] = ..., base_url: _Optional[str] = ..., model: _Optional[str] = ..., served_names: _Optional[_Iterable[str]] = ..., engine_kind: _Optional[_Union[_events_pb2.EngineKind, str]] = ..., block_size: _Optional[int] = ..., status: _Optional[_Union[ReplicaStatus, str]] = ..., load: _Optional[_Union[_events_pb2.LoadReport, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., capacity_seqs: _Optional[int] = ..., state_incomplete: _Optional[bool] = ..., engine_block_size: _Optional[int] = ..., role: _Optional[_Union[_events_pb2.ReplicaRole, str]] = ..., bootstrap_port: _Optional[int] = ...) -> None: ...
 
 class ReplicaBlocks(_message.Message):
     __slots__ = ("ordinal", "keys")

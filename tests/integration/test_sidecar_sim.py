@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 
 from kvcore.keys import block_keys
+from kvcore.pb import events_pb2
 from kvroute.servers import NatsServer, free_port
 from tests.integration.controlplane_harness import server_certificate
 from tests.integration.sidecar_harness import (
@@ -73,8 +74,8 @@ async def converged(sim: SimProcess, book: PromptBook, watcher: Watcher) -> set[
 
 @pytest.fixture
 async def sim(request: pytest.FixtureRequest) -> AsyncIterator[SimProcess]:
-    event_format, block_size, num_blocks = request.param
-    process = await SimProcess(event_format, block_size, num_blocks).start()
+    event_format, block_size, num_blocks, *extra = request.param
+    process = await SimProcess(event_format, block_size, num_blocks, extra=tuple(*extra)).start()
     yield process
     await process.stop()
 
@@ -454,3 +455,29 @@ async def test_the_announced_url_is_the_advertised_host_with_the_engines_port(
     async with running_sidecar(settings) as service:
         await wait_until(lambda: bool(watcher.announces) and service.engine_status.up)
         assert watcher.announces[-1].base_url == f"http://10.20.30.40:{port}"
+
+
+@pytest.mark.parametrize(
+    "sim",
+    [("sglang", 1, 4096, ("--disaggregation-mode", "prefill"))],
+    indirect=True,
+    ids=["sglang-prefill"],
+)
+async def test_an_sglang_prefill_server_is_announced_as_prefill_with_its_bootstrap_port(
+    nats_server: NatsServer, watcher: Watcher, sim: SimProcess
+) -> None:
+    async with running_sidecar(settings_for(sim, nats_server.url, watcher)):
+        await wait_until(lambda: any(a.role for a in watcher.announces))
+        announce = watcher.announces[-1]
+        assert announce.role == events_pb2.REPLICA_ROLE_PREFILL
+        assert announce.bootstrap_port == int(sim.http_url.rsplit(":", 1)[1])
+
+
+@pytest.mark.parametrize("sim", [("vllm", 16, 4096)], indirect=True, ids=["vllm"])
+async def test_the_role_flag_names_a_vllm_decode_replica(
+    nats_server: NatsServer, watcher: Watcher, sim: SimProcess
+) -> None:
+    """vLLM does not tell its ``kv_role`` over HTTP: the sidecar's flag says it."""
+    async with running_sidecar(settings_for(sim, nats_server.url, watcher, role="decode")):
+        await wait_until(lambda: bool(watcher.announces))
+        assert watcher.announces[-1].role == events_pb2.REPLICA_ROLE_DECODE
