@@ -44,6 +44,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "bench.faults.__main__:main",
         "NATS killed under steady load: failed requests, time to route by events again",
     ),
+    "chaos": (
+        "bench.chaos.__main__:main",
+        "every fault in turn on kvroute up's HA fleet, then a soak: failures, convergence",
+    ),
 }
 SIM_TOKENIZER = "sim"  # --tokenizer's name for enginesim's SIM_MODEL_DIR
 DEMO_NUM_BLOCKS = 768  # 16 system prompts of ~125 blocks: 4 fit one replica, all fit 4

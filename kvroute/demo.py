@@ -104,6 +104,7 @@ class Answer:
     prefix_blocks: str = ""  # x-kvroute-prefix-blocks: "predicted/prompt" blocks
     decision: str = ""  # x-kvroute-decision
     total_s: float = 0.0  # until the answer's end
+    error: str = ""  # the error event that ended the stream after its first token, if any
 
 
 @dataclass
@@ -237,6 +238,7 @@ async def send_one(
     started = time.perf_counter()
     first: float | None = None
     usage: dict[str, Any] = {}
+    error = ""
     url = f"{proxy}/v1/chat/completions"
     try:
         async with session.post(url, json=body, headers=headers) as response:
@@ -252,6 +254,7 @@ async def send_one(
                 if first is None and _has_token(chunk):
                     first = time.perf_counter() - started
                 usage = chunk.get("usage") or usage
+                error = _stream_error(chunk) or error
     except (aiohttp.ClientError, TimeoutError, ValueError):
         result.errors += 1
         return
@@ -269,12 +272,21 @@ async def send_one(
         answered.get("x-kvroute-prefix-blocks", ""),
         answered.get("x-kvroute-decision", ""),
         time.perf_counter() - started,
+        error,
     )
     result.answers.append(answer)
     result.ttft_s.append(first)
     result.by_replica[answer.replica] = result.by_replica.get(answer.replica, 0) + 1
     result.prompt_tokens += answer.prompt_tokens
     result.cached_tokens += answer.cached_tokens
+
+
+def _stream_error(chunk: dict[str, Any]) -> str:
+    """The message of an error event (a stream ended by an error after its status), or ''."""
+    body = chunk.get("error")
+    if not body:
+        return ""
+    return str(body.get("message") or body) if isinstance(body, dict) else str(body)
 
 
 def _has_token(chunk: dict[str, Any]) -> bool:

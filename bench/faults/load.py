@@ -61,13 +61,16 @@ class SteadyLoad:
             await self._pacer
         await asyncio.gather(*self._requests)
 
+    def body(self, index: int) -> dict[str, Any]:
+        """The ``index``-th request's body (its prompt, for whoever must know it)."""
+        return chat(self.systems[index % len(self.systems)], f"Steady question {index}?")
+
     async def _pace(self) -> None:
         start = time.perf_counter()
         while True:
             index = self.sent
-            body = chat(self.systems[index % len(self.systems)], f"Steady question {index}?")
             self.sent += 1
-            request = send_one(self.session, self.proxy, body, self.result, index)
+            request = send_one(self.session, self.proxy, self.body(index), self.result, index)
             self._requests.append(asyncio.create_task(request))
             next_at = start + self.sent / self.rate
             await asyncio.sleep(max(0.0, next_at - time.perf_counter()))  # the load's pace
