@@ -292,6 +292,7 @@ class SoakResult:
                 p.name: [(round(t, 1), round(s.rss_kib / 1024, 1)) for t, s in p.samples]
                 for p in self.processes
             },
+            "fd_series": {p.name: [s.fds for _, s in p.samples] for p in self.processes},
             "trace": self.checks,
         }
 
