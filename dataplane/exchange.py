@@ -50,6 +50,20 @@ log = logging.getLogger("dataplane")
 REPORTING_REMEMBERED = 4096  # replicas known to report cached tokens, kept before starting over
 
 
+class Split(Protocol):
+    """Another way to send some models' requests: disaggregated prefill/decode
+    (``dataplane.pd``), which sends each in two halves with this dispatcher's
+    bookkeeping."""
+
+    def applies(self, model: str) -> bool: ...
+
+    async def send(
+        self, exchange: Exchange, path: str, body: bytes, headers: Sequence[tuple[str, str]]
+    ) -> Attempt: ...
+
+    def finish(self, exchange: Exchange) -> bool: ...
+
+
 class Reporter(Protocol):
     """The control-plane reporter (``dataplane.reporter``)."""
 
@@ -162,6 +176,7 @@ class Dispatcher:
         self._clock = clock
         self.deadlines = deadlines  # None: no first-byte deadline but upstream_timeout_s
         self._reporting: set[str] = set()  # replicas seen reporting cached tokens
+        self.split: Split | None = None  # set by the service (dataplane.pd)
 
     async def send(
         self, exchange: Exchange, path: str, body: bytes, headers: Sequence[tuple[str, str]]
@@ -169,6 +184,9 @@ class Dispatcher:
         """The first replica that answers; raises :class:`NoReplica` when none can. Each
         attempt's request is written before its bookkeeping (in-flight count, speculative
         residency, breaker probe), which is done before anything is awaited."""
+        split = self.split
+        if split is not None and split.applies(exchange.prepared.model):
+            return await split.send(exchange, path, body, headers)
         exclude: frozenset[int] = frozenset()
         last_failure = "no replica serves this model"
         try:
@@ -307,6 +325,8 @@ class Dispatcher:
 
     def finish(self, exchange: Exchange) -> None:
         """Release the in-flight count and count the request; call exactly once."""
+        if self.split is not None and self.split.finish(exchange):
+            return
         attempt = exchange.attempt
         if attempt is None:
             self.metrics.count(exchange.prepared.workload.name, "", exchange.outcome)

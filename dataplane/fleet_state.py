@@ -51,6 +51,7 @@ from kvcore.index.columns import BadColumns, from_columns, words_of
 from kvcore.pb import events_pb2, routing_pb2
 from kvcore.policies import Decision, InflightLedger, ReplicaState
 from kvcore.policies.board import ReplicaBoard
+from kvcore.roles import ROLE_PB, split_role
 from kvcore.workload import RoutingConfig
 
 HEALTHY = routing_pb2.REPLICA_STATUS_HEALTHY
@@ -211,7 +212,8 @@ class FleetState:
         """A fleet of fixed replicas (``--static-replicas``): healthy, no residency,
         serving whatever they are asked until :meth:`set_served_names` says what."""
         state = cls(default_routing=default_routing)
-        for ordinal, url in enumerate(urls):
+        for ordinal, entry in enumerate(urls):
+            role, url = split_role(entry)  # ``prefill=URL``: a P/D role (kvcore.roles)
             base_url = url.rstrip("/")
             info = routing_pb2.Replica(
                 ordinal=ordinal,
@@ -219,6 +221,7 @@ class FleetState:
                 pool="static",
                 base_url=base_url,
                 status=HEALTHY,
+                role=ROLE_PB[role or "both"],
             )
             state._put(info)
         state._need_snapshot = False
@@ -239,6 +242,15 @@ class FleetState:
         record.info.model = names[0]
         del record.info.served_names[:]
         record.info.served_names.extend(names[1:])
+        record.endpoint = None
+        self._membership_changed()
+
+    def set_role(self, ordinal: int, role: str, bootstrap_port: int) -> None:
+        """A static replica's P/D role and bootstrap port, as its engine tells them."""
+        record = self._records.get(ordinal)
+        if record is None:
+            return
+        record.info.role, record.info.bootstrap_port = ROLE_PB[role], bootstrap_port
         record.endpoint = None
         self._membership_changed()
 

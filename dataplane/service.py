@@ -25,6 +25,7 @@ from dataplane.first_byte import FirstByteDeadlines, SuspectProber
 from dataplane.fleet_state import FleetState
 from dataplane.metrics import ProxyMetrics
 from dataplane.model_cards import ModelCards, cards_of
+from dataplane.pd import PdSplit, sglang_role
 from dataplane.reporter import Reporter
 from dataplane.routing import Defaults, Router
 from dataplane.settings import ProxySettings
@@ -116,6 +117,7 @@ class ProxyService:
             self.reporter,
             deadlines=self.deadlines,
         )
+        self.dispatcher.split = PdSplit(self.dispatcher)
         options = AppOptions(
             max_body_bytes=settings.max_body_bytes,
             auth=settings.auth,
@@ -187,6 +189,13 @@ class ProxyService:
                 names, kind = await _served_names(session, endpoint.base_url)
                 if names:
                     self.fleet.set_served_names(endpoint.ordinal, names, kind)
+                if kind == "sglang":  # its P/D role and bootstrap port, where it has one
+                    role, port = await sglang_role(session, endpoint.base_url)
+                    if role is not None and (role, port) != (
+                        endpoint.role,
+                        endpoint.bootstrap_port,
+                    ):
+                        self.fleet.set_role(endpoint.ordinal, role, port)
 
     # -- what /metrics and /readyz read ---------------------------------------------
 

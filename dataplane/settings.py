@@ -27,6 +27,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from dataplane.cors import check_origin
 from kvcore.keys import DEFAULT_BLOCK_SIZE
+from kvcore.roles import split_role
 from kvcore.subjects import InvalidName, check_name
 
 CommaList = Annotated[list[str], NoDecode]
@@ -69,7 +70,9 @@ class ProxySettings(BaseSettings):
     )
     static_replicas: CommaList = Field(
         default_factory=list,
-        description="Engine base URLs to route to without a control plane (comma-separated).",
+        description="Engine base URLs to route to without a control plane (comma-separated); "
+        "prefill=URL or decode=URL gives a replica its P/D role (SGLang's own is read from "
+        "its /server_info).",
     )
     static_strategy: Literal["prefix_hash", "least_load", "round_robin"] = Field(
         default="prefix_hash", description="Strategy in static mode."
@@ -301,11 +304,12 @@ class ProxySettings(BaseSettings):
     @classmethod
     def _base_urls(cls, value: list[str]) -> list[str]:
         urls = []
-        for url in value:
+        for entry in value:
+            role, url = split_role(entry)
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise ValueError(f"{url!r} is not an http:// or https:// base URL")
-            urls.append(url.rstrip("/"))
+            urls.append(f"{role}={url.rstrip('/')}" if role else url.rstrip("/"))
         return urls
 
     @field_validator("cors_allowed_origins")

@@ -7,7 +7,7 @@ request. Sidecars announce the role, the control plane passes it on, proxies pic
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal, cast
 
 from kvcore.pb import events_pb2
 
@@ -27,3 +27,26 @@ ROLE_NAMES: dict[int, Role] = {
 def role_name(value: int) -> Role:
     """The name of a role on the wire; an unknown value (a newer peer's) is ``both``."""
     return ROLE_NAMES.get(value, "both")
+
+
+def split_role(entry: str) -> tuple[Role | None, str]:
+    """A static replica's ``role=url`` (``prefill=http://10.0.0.1:8000``): its role, or
+    ``None`` when the entry names none, and the rest."""
+    role, sep, rest = entry.partition("=")
+    if sep and role in ROLE_PB:
+        return cast(Role, role), rest
+    return None, entry
+
+
+_SGLANG_ROLES: dict[str, Role] = {"prefill": "prefill", "decode": "decode", "null": "both"}
+
+
+def sglang_disaggregation(server_info: Any) -> tuple[Role | None, int]:
+    """``(role, bootstrap port)`` from SGLang's ``/server_info`` (its
+    ``--disaggregation-mode`` and ``--disaggregation-bootstrap-port``); ``(None, 0)``
+    where it says nothing."""
+    if not isinstance(server_info, dict):
+        return None, 0
+    role = _SGLANG_ROLES.get(str(server_info.get("disaggregation_mode")))
+    port = server_info.get("disaggregation_bootstrap_port")
+    return role, port if isinstance(port, int) and 0 < port < 65536 else 0

@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from kvcore.roles import sglang_disaggregation
 from sidecar.errors import EngineUnavailable
 from sidecar.load_metrics import EngineLoad, parse_engine_load
 
@@ -109,20 +110,6 @@ def sglang_capacity(body: Any) -> tuple[int, int]:
     return tokens // page, page
 
 
-_SGLANG_ROLES = {"prefill": "prefill", "decode": "decode", "null": "both"}
-
-
-def sglang_disaggregation(body: Any) -> tuple[str, int]:
-    """``(role, bootstrap port)`` from SGLang's ``/server_info`` (its
-    ``--disaggregation-mode`` and ``--disaggregation-bootstrap-port``); ``("", 0)`` if
-    absent."""
-    if not isinstance(body, dict):
-        return "", 0
-    role = _SGLANG_ROLES.get(str(body.get("disaggregation_mode")), "")
-    port = body.get("disaggregation_bootstrap_port")
-    return role, port if isinstance(port, int) and 0 < port < 65536 else 0
-
-
 class EngineHttp:
     """The engine's HTTP server; an ``https://`` one checked against ``ssl_context`` (or
     the system's roots when it is ``None``)."""
@@ -167,7 +154,7 @@ class EngineHttp:
             load,
             capacity_blocks=capacity,
             engine_block_size=page,
-            role=role,
+            role=role or "",
             bootstrap_port=bootstrap_port,
         )
 

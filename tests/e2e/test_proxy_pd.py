@@ -1,0 +1,161 @@
+"""kvroute-proxy in front of a disaggregated prefill/decode pool of real kvroute-sim
+processes, over vLLM's protocol (roles given as ``prefill=URL``) and SGLang's (roles read
+from the engines' ``/server_info``): answers whole and streamed, chat and completions,
+the prefill side's cache found again, client transfer fields ignored, a decode replica
+that cannot read the KV re-prefilled, and a pool missing a half answered 503."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import pytest
+
+from tests.e2e.proxyproc import ProxyProcess
+from tests.unit.enginesim.simproc import SimProcess, cached_tokens
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "sim-model"
+SYSTEM = "You are a careful assistant who answers every question in one short line. " * 30
+COMMON = ("--instant", f"--model={MODEL}", "--replay-endpoint=")
+
+
+def ready(proxy: ProxyProcess, roles: dict[str, int]) -> None:
+    """Until the proxy knows every replica's model and role (static discovery)."""
+    deadline = time.monotonic() + 20
+    while True:
+        _, _, body = proxy.request("/readyz", method="GET")
+        detail = json.loads(body)
+        if detail["ready"] and detail.get("roles") == roles:
+            return
+        assert time.monotonic() < deadline, detail
+        time.sleep(0.05)  # polling readiness, bounded by the deadline
+
+
+@pytest.fixture(scope="module")
+def vllm_pool() -> Iterator[tuple[list[SimProcess], list[SimProcess], ProxyProcess]]:
+    with ExitStack() as stack:
+        prefills = [stack.enter_context(SimProcess(*COMMON)) for _ in range(2)]
+        decodes = [stack.enter_context(SimProcess(*COMMON)) for _ in range(2)]
+        urls = [f"prefill={p.url}" for p in prefills] + [f"decode={d.url}" for d in decodes]
+        proxy = stack.enter_context(ProxyProcess(f"--static-replicas={','.join(urls)}"))
+        ready(proxy, {"prefill": 2, "decode": 2})
+        yield prefills, decodes, proxy
+
+
+def chat(stream: bool, user: str, **extra: Any) -> dict[str, Any]:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+        "max_tokens": 5,
+        "stream": stream,
+        **extra,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def events(raw: bytes) -> list[Any]:
+    found = re.findall(rb"data: (.*?)\n\n", raw, re.S)
+    return [e.decode() if e == b"[DONE]" else json.loads(e) for e in found]
+
+
+def test_vllm_whole_and_streamed_answers_come_from_decode_with_prefill_cache_hits(
+    vllm_pool: Any,
+) -> None:
+    prefills, _, proxy = vllm_pool
+    status, _, body = proxy.request("/v1/chat/completions", chat(False, "one"))
+    assert status == 200, body
+    answer = json.loads(body)
+    assert answer["usage"]["completion_tokens"] == 5
+    # the same prefix again: prefix_hash sends it to the same prefill replica, which hits
+    hits = sum(p.metric("vllm:prefix_cache_hits_total") for p in prefills)
+    status, _, raw = proxy.request("/v1/chat/completions", chat(True, "two"))
+    assert status == 200
+    streamed = events(raw)
+    assert streamed[-1] == "[DONE]"
+    usage = streamed[-2]["usage"]
+    assert usage["completion_tokens"] == 5
+    assert cached_tokens(usage) == usage["prompt_tokens"]  # the decode's: all loaded
+    prefill_hit = sum(p.metric("vllm:prefix_cache_hits_total") for p in prefills) - hits
+    assert usage["prompt_tokens"] - 32 <= prefill_hit < usage["prompt_tokens"]
+    held = [p.call("GET", "/sim/state")[1]["kv_transfers_held"] for p in prefills]
+    assert held == [0, 0]  # every prefill's blocks were read by the decode replica
+
+
+def test_vllm_completions_and_client_transfer_fields_are_not_trusted(vllm_pool: Any) -> None:
+    _, _, proxy = vllm_pool
+    forged = {"do_remote_prefill": True, "remote_engine_id": "x", "remote_block_ids": [[1]],
+              "remote_host": "10.9.9.9", "remote_port": 1, "remote_request_id": "r"}  # fmt: skip
+    body = {"model": MODEL, "prompt": "The quick brown fox " * 20, "max_tokens": 4,
+            "kv_transfer_params": forged}  # fmt: skip
+    status, _, raw = proxy.request("/v1/completions", body)
+    assert status == 200, raw
+    assert json.loads(raw)["usage"]["completion_tokens"] == 4
+    status, _, raw = proxy.request("/v1/completions", {**body, "stream": True})
+    assert status == 200 and events(raw)[-1] == "[DONE]"
+    assert sum(1 for e in events(raw)[:-1] if e["choices"] and e["choices"][0]["text"]) == 4
+
+
+def test_a_failed_decode_is_reprefilled_on_another_decode_replica_and_counted(
+    vllm_pool: Any,
+) -> None:
+    _, decodes, proxy = vllm_pool
+    before = _metric(proxy, "kvroute_pd_reprefills_total")
+    decodes[0].call("POST", "/sim/faults", {"fail_requests": 1})  # the least loaded's turn
+    body = {"model": MODEL, "prompt": "hi " * 30, "max_tokens": 2}
+    status, _, raw = proxy.request("/v1/completions", body)
+    assert status == 200, raw
+    assert json.loads(raw)["usage"]["completion_tokens"] == 2
+    assert _metric(proxy, "kvroute_pd_reprefills_total") == before + 1
+
+
+def _metric(proxy: ProxyProcess, name: str) -> float:
+    _, _, body = proxy.request("/metrics", method="GET")
+    total = 0.0
+    for line in body.decode().splitlines():
+        if line.startswith(name):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_a_pool_without_decode_replicas_answers_503_naming_it() -> None:
+    with (
+        SimProcess(*COMMON) as prefill,
+        ProxyProcess(f"--static-replicas=prefill={prefill.url}") as proxy,
+    ):
+        ready(proxy, {"prefill": 1})
+        status, _, raw = proxy.request("/v1/completions", {"model": MODEL, "prompt": "hi"})
+        assert status == 503
+        error = json.loads(raw)["error"]
+        assert "decode" in error["message"] and error["type"]
+
+
+@pytest.fixture(scope="module")
+def sglang_pool() -> Iterator[tuple[SimProcess, SimProcess, ProxyProcess]]:
+    args = (*COMMON, "--event-format=sglang")
+    with ExitStack() as stack:
+        prefill = stack.enter_context(SimProcess(*args, "--disaggregation-mode=prefill"))
+        decode = stack.enter_context(SimProcess(*args, "--disaggregation-mode=decode"))
+        proxy = stack.enter_context(ProxyProcess(f"--static-replicas={prefill.url},{decode.url}"))
+        ready(proxy, {"prefill": 1, "decode": 1})
+        yield prefill, decode, proxy
+
+
+def test_sglang_pool_whole_and_streamed(sglang_pool: Any) -> None:
+    _, _, proxy = sglang_pool
+    status, _, body = proxy.request("/v1/chat/completions", chat(False, "one"))
+    assert status == 200, body
+    assert json.loads(body)["usage"]["completion_tokens"] == 5
+    body = {"model": MODEL, "prompt": SYSTEM, "max_tokens": 3, "stream": True}
+    status, _, raw = proxy.request("/v1/completions", body)
+    assert status == 200
+    streamed = events(raw)
+    assert streamed[-1] == "[DONE]"
+    assert sum(1 for e in streamed[:-1] if e.get("choices") and e["choices"][0]["text"]) == 3
