@@ -11,7 +11,7 @@ import pytest
 from dataplane.breaker import CircuitBreakers
 from dataplane.endpoints import Endpoint
 from dataplane.first_byte import FirstByteDeadlines, SuspectProber
-from dataplane.upstream import Opened, Retriable, Upstream
+from dataplane.upstream import Opened, Retriable
 
 
 def deadlines() -> FirstByteDeadlines:
@@ -119,7 +119,10 @@ class Fleet:
         return self.by_ordinal.get(ordinal)
 
 
-class Unreachable(Upstream):
+class Unreachable:
+    """An upstream every probe fails to reach (duck-typed: ``Upstream`` is compiled by
+    mypyc in a native build, and an interpreted class cannot inherit from it)."""
+
     async def open(self, method: str, url: str, body: bytes, headers: Any) -> Opened:
         raise Retriable(f"cannot reach {url}", "connect")
 
@@ -129,7 +132,7 @@ async def test_a_suspect_gone_from_the_fleet_or_renumbered_is_forgotten_not_prob
     for replica, ordinal in (("r0", 0), ("r1", 1), ("r2", 2)):
         breakers.suspect(replica, ordinal, f"http://h/{replica}", now=0.0)
     fleet = Fleet(r0=0, r9=1)  # r1's ordinal now names r9; r2 left
-    prober = SuspectProber(breakers, fleet, Unreachable(1.0, 1.0), 0.5, 1.0, clock=lambda: 1.0)
+    prober = SuspectProber(breakers, fleet, Unreachable(), 0.5, 1.0, clock=lambda: 1.0)
     await prober.probe_all()
     assert list(breakers.suspects()) == ["r0"]  # still unreachable: still out
     assert breakers.excluded(1.0) == {0}

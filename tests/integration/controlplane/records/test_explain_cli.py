@@ -58,7 +58,7 @@ async def test_kvroute_explain_prints_the_choice_and_each_replicas_figures(
         status, out, err = await kvroute(*argv, "--token-file", str(token_file))
         assert status == 0, err
         lines = out.splitlines()
-        assert lines[0] == "replica r1 by kv_aware, workload default"
+        assert lines[0] == "replica r1 by kv_cost, workload default"
         assert lines[1].endswith(f"{len(tokens)} prompt tokens, {len(keys)} blocks of 16")
         chosen = next(line for line in lines if line.startswith("* "))
         assert chosen.split()[1:3] == ["r1", str(len(keys))]
