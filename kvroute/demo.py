@@ -1,4 +1,4 @@
-"""``kvroute up --demo``: the same shared-prefix chat workload, round-robin then kv_aware.
+"""``kvroute up --demo``: the same shared-prefix chat workload, round-robin then the default strategy (kv_cost).
 
 Several groups of chat requests share long system prompts (the shared-prefix workload
 of SGLang's and llm-d's benchmarks, scaled to a laptop), with more groups than one
@@ -38,7 +38,7 @@ from rich.table import Table
 from dataplane.metrics import PREFIX
 from sidecar.load_metrics import EngineLoad, parse_engine_load
 
-PHASES = ("round_robin", "kv_aware")
+PHASES = ("round_robin", "kv_cost")  # the default workload's strategy
 _WORDS = (
     *("cache", "prefix", "token", "block", "replica", "router", "engine", "prompt"),
     *("batch", "decode", "prefill", "latency", "tenant", "request", "stream", "system"),
@@ -477,7 +477,7 @@ async def _phase(
 
 
 def comparison_table(results: list[PhaseResult]) -> Table:
-    table = Table(title="round_robin vs kv_aware: same requests, same fleet")
+    table = Table(title=f"{PHASES[0]} vs {PHASES[1]}: same requests, same fleet")
     table.add_column("figure")
     for result in results:
         table.add_column(result.strategy, justify="right")
