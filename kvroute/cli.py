@@ -97,6 +97,10 @@ def _add_up(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "Ctrl-C. Exit status: 0 stopped, 1 a part died, 2 a problem to fix first.",
     )
     up.add_argument("--replicas", type=_positive_int, default=4, help="simulated engines (4)")
+    up.add_argument(
+        "--pd", type=_pd, metavar="P:D",
+        help="disaggregated prefill/decode: P prefill and D decode sims (in place of --replicas)",
+    )  # fmt: skip
     up.add_argument("--proxies", type=_positive_int, default=1, help="proxies (1)")
     up.add_argument("--ha", action="store_true", help="two control-plane instances")
     up.add_argument(
@@ -143,7 +147,7 @@ def up_options(args: argparse.Namespace) -> UpOptions:
     demo = args.demo or args.demo_only
     blocks = args.num_blocks or (DEMO_NUM_BLOCKS if demo else 8192)
     return UpOptions(
-        replicas=len(args.engines) if args.engines else args.replicas,
+        replicas=len(args.engines) if args.engines else sum(args.pd or (args.replicas,)),
         proxies=args.proxies,
         ha=args.ha,
         event_format=args.event_format,
@@ -156,7 +160,18 @@ def up_options(args: argparse.Namespace) -> UpOptions:
         num_blocks=blocks,
         demo=demo,
         demo_only=args.demo_only,
+        pd=args.pd,
     )
+
+
+def _pd(value: str) -> tuple[int, int]:
+    """``P:D``: how many prefill and decode sims, at least one of each."""
+    prefill, sep, decode = value.partition(":")
+    if not sep or not prefill.isdigit() or not decode.isdigit():
+        raise argparse.ArgumentTypeError(f"{value!r} is not P:D (such as 2:2)")
+    if int(prefill) < 1 or int(decode) < 1:
+        raise argparse.ArgumentTypeError("--pd needs at least one prefill and one decode sim")
+    return int(prefill), int(decode)
 
 
 def _tokenizer(spec: str | None, *, builtin: bool) -> str:

@@ -64,6 +64,13 @@ class UpOptions:
     demo: bool = False
     demo_only: bool = False
     debug_headers: bool = True  # x-kvroute-* on every answer (the demo shows them)
+    pd: tuple[int, int] | None = None  # P prefill and D decode sims instead of ``replicas``
+
+    def role(self, index: int) -> str | None:
+        """The P/D role of engine ``index`` (``--pd``: the first P prefill), or None."""
+        if self.pd is None:
+            return None
+        return "prefill" if index < self.pd[0] else "decode"
 
 
 @dataclass
@@ -196,6 +203,10 @@ class LocalFleet:
             self.fleet.models.append(SIM_MODEL)
             self._sim_lines.append(child.ready_text)
         self.say(f"  engines     {', '.join(self.fleet.engines)}")
+        if self.options.pd is not None:
+            prefill = self.options.pd[0]
+            self.say(f"  P/D         prefill {', '.join(self.fleet.engines[:prefill])}")
+            self.say(f"              decode  {', '.join(self.fleet.engines[prefill:])}")
         if not self.options.engines:
             self.say(f"  model       {SIM_MODEL}  tokenizer {self.options.tokenizer}")
 
@@ -211,6 +222,9 @@ class LocalFleet:
             "--time-scale", str(self.options.time_scale),
             "--num-blocks", str(self.options.num_blocks),
         ]  # fmt: skip
+        role = self.options.role(index)
+        if role is not None and self.options.event_format == "sglang":
+            argv += ["--disaggregation-mode", role]  # its sidecar reads it from the engine
         return ChildSpec(f"sim-{index}", argv, ready_line="kvroute-sim ready")
 
     def _common_env(self) -> dict[str, str]:
@@ -252,6 +266,9 @@ class LocalFleet:
                 "--model", self.fleet.models[index],
                 "--port", str(port),
             ]  # fmt: skip
+            role = self.options.role(index)
+            if role is not None:
+                argv += ["--role", role]
             if sims:
                 argv += ["--kv-events-endpoint", ready_field(sims[index], "events")]
                 argv += ["--replay-endpoint", ready_field(sims[index], "replay")]

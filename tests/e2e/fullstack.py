@@ -53,13 +53,16 @@ class FullStack:
         run_dir: Path,
         env: dict[str, str],
         engine_kind: str = "vllm",
+        pd: tuple[int, int] | None = None,
     ) -> None:
+        """``pd``: the first P engines are prefill replicas, the next D decode ones."""
         self.engines = engines
         self.options = UpOptions(
             engines=tuple(sim.url for sim in engines),
             port=free_port(),
             data_dir=run_dir,
             engine_kind=engine_kind,
+            pd=pd,
         )
         self.env = env
         self.loop = asyncio.new_event_loop()

@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -264,3 +265,33 @@ def test_bad_flag_is_one_line_and_exit_2(flag: list[str], complaint: str) -> Non
     assert result.returncode == 2
     assert complaint in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("event_format", ["vllm", "sglang"])
+def test_up_pd_runs_a_disaggregated_fleet(event_format: str) -> None:
+    """``--pd 1:1``: a prefill and a decode sim, their roles announced, requests served
+    by both halves (the prefill's blocks read by the decode sim, whole and streamed)."""
+    port = free_port()
+    flags = ["--pd", "1:1", "--port", str(port), "--time-scale", "0"]
+    with kvroute_up(*flags, "--event-format", event_format) as up:
+        up.read_until("kvroute is up")
+        run_dir = Path(up.value(r"run folder (\S+?)\)"))
+        prefill = up.value(r"P/D\s+prefill (\S+)")
+        proxy = f"http://127.0.0.1:{port}"
+        with urllib.request.urlopen(f"{proxy}/readyz", timeout=10) as response:
+            assert json.loads(response.read())["roles"] == {"prefill": 1, "decode": 1}
+        assert _complete(proxy, "hello through a disaggregated fleet")["choices"]
+        client = openai.OpenAI(base_url=f"{proxy}/v1", api_key="none", max_retries=0)
+        stream = client.completions.create(
+            model="kvroute/sim-model", prompt="a streamed hello", max_tokens=4, stream=True
+        )
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        client.close()
+        prompts = (
+            "vllm:prompt_tokens_total" if event_format == "vllm" else "sglang:prompt_tokens_total"
+        )
+        with urllib.request.urlopen(f"{prefill}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        counted = [line for line in text.splitlines() if line.startswith(prompts)]
+        assert counted and float(counted[0].rsplit(" ", 1)[1]) > 0  # the prefill sim computed
+        _stop_and_check(up, run_dir)

@@ -1,0 +1,122 @@
+"""A disaggregated prefill/decode fleet as ``kvroute up --pd`` runs it (NATS, etcd,
+control plane, a sidecar announcing each replica's role, the proxy) in front of real
+vLLM-mode sims: the prefill replicas' cached tokens equal the proxy's prediction within
+2% on a shared prefix, and a prefill or a decode replica killed under load loses no
+request that had not started streaming (the module's last test kills them)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from typing import Any
+
+import pytest
+
+from tests.e2e.fullstack import FullStack, wait_for
+from tests.e2e.test_fullstack import fidelity, matched_blocks
+from tests.unit.enginesim.simproc import SimProcess
+
+pytestmark = [pytest.mark.e2e, pytest.mark.integration]
+
+MODEL = "sim-model"
+SYSTEM = "You are a careful assistant who answers every question in one short line. " * 60
+SIM_ARGS = ("--instant", "--max-model-len=8192", f"--model={MODEL}")
+ENV = {"KVROUTE_ANNOUNCE_INTERVAL_S": "600", "KVROUTE_LOAD_INTERVAL_S": "0.2"}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FullStack]:
+    with ExitStack() as started:
+        sims = [started.enter_context(SimProcess(*SIM_ARGS)) for _ in range(4)]
+        run_dir = tmp_path_factory.mktemp("fleet")
+        fleet = started.enter_context(FullStack(sims, run_dir, ENV, pd=(2, 2)))
+        roles = {"prefill": 2, "decode": 2}
+        wait_for(lambda: fleet.readyz().get("roles") == roles, "every replica's role")
+        yield fleet
+
+
+def ask(stack: FullStack, question: str) -> tuple[int, dict[str, str], Any]:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 2}
+    status, got, answer = stack.request("/v1/chat/completions", body)
+    return status, got, json.loads(answer)
+
+
+def prefill_hits(stack: FullStack) -> float:
+    return sum(sim.metric("vllm:prefix_cache_hits_total") for sim in stack.engines[:2])
+
+
+def test_the_prefill_replicas_cache_what_the_proxy_predicted(stack: FullStack) -> None:
+    assert ask(stack, "First question?")[0] == 200
+    # the prefill engine's events reach the proxy through sidecar, NATS and control plane
+    wait_for(lambda: matched_blocks(ask(stack, "Is it cached yet?")[1]) > 0, "residency")
+    counted_before, hits_before = fidelity(stack), prefill_hits(stack)
+    predicted = 0
+    for i in range(8):
+        status, headers, answer = ask(stack, f"Question number {i}: why?")
+        assert status == 200 and answer["usage"]["completion_tokens"] == 2
+        predicted += matched_blocks(headers) * 16
+    measured = prefill_hits(stack) - hits_before  # what the prefill engines found cached
+    assert measured > 8 * 600
+    assert abs(predicted - measured) <= 0.02 * measured
+    counted = [a - b for a, b in zip(fidelity(stack), counted_before, strict=True)]
+    assert counted == [predicted, measured]  # the proxy counts the prefill side's report
+
+
+def complete(stack: FullStack, i: int, stream: bool) -> tuple[bool, int]:
+    """One request: whether it ended well, and how many tokens its client saw."""
+    body = {"model": MODEL, "prompt": f"request {i} " * 20, "max_tokens": 8, "stream": stream}
+    try:
+        status, _, answer = stack.request("/v1/completions", body)
+    except http.client.IncompleteRead as cut:
+        status, answer = 200, cut.partial
+    if not stream:
+        return status == 200, 8 if status == 200 else 0
+    events = [e[6:] for e in answer.decode().split("\n\n") if e.startswith("data: ")]
+    tokens = sum(1 for e in events if e != "[DONE]" and "choices" in json.loads(e))
+    return status == 200 and events[-1:] == ["[DONE]"], tokens
+
+
+def queries(sim: SimProcess) -> float:
+    return sim.metric("vllm:prefix_cache_queries_total")
+
+
+def under_load(stack: FullStack, half: list[SimProcess], first: int) -> list[tuple[bool, int]]:
+    """60 requests on 8 threads, half streamed; once 20 have started, the busiest replica
+    of ``half`` so far is killed."""
+    started = threading.Event()
+
+    def one(i: int) -> tuple[bool, int]:
+        if i == first + 20:
+            started.set()
+        return complete(stack, i, stream=i % 2 == 1)
+
+    before = [queries(sim) for sim in half]
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(one, i) for i in range(first, first + 60)]
+        assert started.wait(30)
+        served = [queries(sim) - b for sim, b in zip(half, before, strict=True)]
+        victim = half[served.index(max(served))]
+        assert max(served) > 0  # it was serving this load
+        assert victim.proc is not None
+        victim.proc.kill()
+        return [f.result() for f in futures]
+
+
+@pytest.mark.parametrize("half", ["prefill", "decode"])
+def test_a_replica_killed_under_load_loses_no_request_that_had_not_started_streaming(
+    stack: FullStack, half: str
+) -> None:
+    replicas = stack.engines[:2] if half == "prefill" else stack.engines[2:]  # one of each stays
+    for sim in stack.engines:
+        if sim.proc is not None and sim.proc.poll() is None:
+            sim.post("/sim/faults", {"delay_ms": 5})
+    results = under_load(stack, replicas, 1000 if half == "prefill" else 2000)
+    lost = [i for i, (ok, tokens) in enumerate(results) if not ok and tokens == 0]
+    assert lost == []
+    cut = [i for i, (ok, _) in enumerate(results) if not ok]
+    assert all(i % 2 == 1 for i in cut) and len(cut) <= 8  # only streams already under way
