@@ -111,6 +111,13 @@ class Bootstrap:
     port: int
     room: int
 
+    @classmethod
+    def of(cls, host: str | None, port: int | None, room: int | None) -> Bootstrap | None:
+        """A request's routing fields, when it has all three (else it is not paired)."""
+        if host and port and room is not None:
+            return cls(host, port, room)
+        return None
+
     def pull_body(self) -> dict[str, Any]:
         return {"bootstrap_room": self.room}
 

@@ -77,6 +77,7 @@ from enginesim import protocol as p
 from enginesim import sglang_api as sg
 from enginesim import sglang_rids as sr
 from enginesim.choices import Choices
+from enginesim.pd import Bootstrap
 from enginesim.sglang_serving import Sampling, SglangServing
 
 DEFAULT_MAX_NEW_TOKENS = 128  # ``SamplingParams.max_new_tokens``
@@ -130,6 +131,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     rid: msgspec.Raw = p.ABSENT  # ``sglang_rids.body_rid``
     cache_salt: str | None = None
     return_logprob: bool | list[bool] | None = None
+    bootstrap_host: str | None = None  # P/D (``pd.py``)
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
 
 class GenerateSampling(msgspec.Struct):
@@ -185,13 +189,16 @@ class NativeGenerate:
         rids = sr.plan(given_rid, len(given), n, batch=batch)
         prompts = await self.app.prompt_ids([*given])
         salt = body.cache_salt or None  # ``_normalize_single_inputs``: "" is none
-        ask = Sampling(params.max_new_tokens, params.temperature, body.stream, salt)
+        bootstrap = Bootstrap.of(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room)
+        ask = Sampling(
+            params.max_new_tokens, params.temperature, body.stream, salt, None, bootstrap
+        )
         ids_given = isinstance(given[0], list)
         choices = await self.serving.start(rids, prompts, ask, max(n, 1), ids_given=ids_given)
         text_of = self.app.tokenizer.text_of
         if body.stream:
             return _stream(choices, text_of, batch), choices
-        await choices.until_done()
+        await self.serving.until_done(choices)
         outputs = [_output(choices, k, text_of, first=True) for k in range(len(choices.handles))]
         return outputs if batch else outputs[0]
 

@@ -44,9 +44,7 @@ class Sampling:
     @classmethod
     def of(cls, body: p._Sampling) -> Sampling:
         salt = body.cache_salt or None
-        bootstrap = None
-        if body.bootstrap_host and body.bootstrap_port and body.bootstrap_room is not None:
-            bootstrap = Bootstrap(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room)
+        bootstrap = Bootstrap.of(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room)
         return cls(body.max_tokens, body.temperature, body.stream, salt, body.model, bootstrap)
 
 
@@ -87,7 +85,7 @@ class SglangServing:
         model, text_of = _model(body), self.app.tokenizer.text_of
         if body.stream:
             return sg.completion_chunks(choices, n, model, text_of, usage), choices
-        await self._until_done(choices)
+        await self.until_done(choices)
         return sg.completion_body(choices, n, model, text_of)
 
     async def chat(self, body: sg.ChatRequest, override_rid: str | None = None) -> Answer:
@@ -107,10 +105,10 @@ class SglangServing:
         model, text_of = _model(body), self.app.tokenizer.text_of
         if body.stream:
             return sg.chat_chunks(choices, n, model, text_of, usage), choices
-        await self._until_done(choices)
+        await self.until_done(choices)
         return sg.chat_body(choices, n, model, text_of)
 
-    async def _until_done(self, choices: Choices) -> None:
+    async def until_done(self, choices: Choices) -> None:
         """Until the answer is whole: a P/D prefill's once its decode server has read
         the KV (SGLang answers the prefill when the transfer is done), or 500 after the
         waiting timeout."""

@@ -159,3 +159,14 @@ def test_sglang_pool_whole_and_streamed(sglang_pool: Any) -> None:
     streamed = events(raw)
     assert streamed[-1] == "[DONE]"
     assert sum(1 for e in streamed[:-1] if e.get("choices") and e["choices"][0]["text"]) == 3
+
+
+def test_sglang_pool_serves_the_native_generate(sglang_pool: Any) -> None:
+    prefill, _, proxy = sglang_pool
+    prompts = prefill.metric("sglang:prompt_tokens_total")
+    body = {"text": SYSTEM + " native", "sampling_params": {"max_new_tokens": 4}}
+    status, _, raw = proxy.request("/generate", body)
+    assert status == 200, raw
+    answer = json.loads(raw)
+    assert answer["meta_info"]["completion_tokens"] == 4
+    assert prefill.metric("sglang:prompt_tokens_total") > prompts  # prefilled there
