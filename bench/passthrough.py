@@ -6,7 +6,7 @@ that forwards every request body to ``UPSTREAM_URL`` with ``CLIENT`` (``aiohttp`
 keep-alive ``ClientSession``; ``raw``: one keep-alive HTTP/1.1 connection per concurrent
 request over asyncio streams, Content-Length bodies only) and answers with the
 upstream's body; with ``SERVER`` ``own``, kvroute-proxy's own stack does the same
-(``dataplane.http_server`` on uvloop, ``dataplane.http_client``; ``CLIENT`` is ignored);
+(``dataplane.transport.server`` on uvloop, ``dataplane.transport.client``; ``CLIENT`` is ignored);
 with ``SERVER`` ``relay``, a thread per client connection copies bytes both ways between
 it and its own upstream connection, blocked in ``poll`` (no HTTP, no event loop: what one
 more hop on loopback costs any proxy on this machine). ``bench.proxy`` starts it to
@@ -30,8 +30,8 @@ import uvicorn
 import uvloop
 
 from bench.enginesim_capacity import _read_response, _request
-from dataplane.http_client import ConnectionPool
-from dataplane.http_server import HttpServer, Request, Response
+from dataplane.transport.client import ConnectionPool
+from dataplane.transport.server import HttpServer, Request, Response
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict[str, Any]]]

@@ -53,10 +53,10 @@ from typing import Any
 import uvloop
 
 from bench.proxy import short_prompt
-from dataplane.http_client import ConnectionPool, _Connection
-from dataplane.http_server import HttpServer, Request, Response
 from dataplane.service import ProxyService
 from dataplane.settings import ProxySettings
+from dataplane.transport.client import ConnectionPool, _Connection
+from dataplane.transport.server import HttpServer, Request, Response
 from kvcore.keys import root_key
 from kvcore.pb import events_pb2, routing_pb2
 from kvcore.request import prompt_keys

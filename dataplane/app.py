@@ -1,4 +1,4 @@
-"""The proxy's HTTP face: the handler ``dataplane.http_server`` runs for every request.
+"""The proxy's HTTP face: the handler ``dataplane.transport.server`` runs for every request.
 
 | method | path | what |
 |---|---|---|
@@ -10,7 +10,7 @@
 | GET | ``/healthz`` | 200 while the process serves |
 | GET | ``/readyz`` | 200 when some replica is routable and the state is usable; details as JSON |
 | GET | ``/metrics`` | Prometheus (``metrics.py``); on ``--metrics-port`` instead when set |
-| OPTIONS | any | a CORS preflight, when origins are allowed (``cors.py``) |
+| OPTIONS | any | a CORS preflight, when origins are allowed (``transport/cors.py``) |
 
 A handler is parse -> select -> stream. ``x-request-id`` is kept (or created: a random
 per-process prefix and a counter, cheaper than a UUID) and sent both ways;
@@ -39,10 +39,8 @@ from urllib.parse import parse_qs, unquote
 import msgspec
 from opentelemetry.trace import Span
 
-from dataplane.cors import Cors
 from dataplane.exchange import Attempt, Dispatcher, Exchange
 from dataplane.fleet_state import FleetState
-from dataplane.http_client import ConnectionFailed, ResponseBroken
 from dataplane.http_errors import (
     ApiError,
     BadRequest,
@@ -51,7 +49,6 @@ from dataplane.http_errors import (
     StreamBroken,
     Unauthorized,
 )
-from dataplane.http_server import Request, Response
 from dataplane.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from dataplane.metrics import ProxyMetrics
 from dataplane.model_cards import ModelCards, own_card
@@ -59,6 +56,9 @@ from dataplane.openai_request import InferenceRequest, Kind, decode_object, pars
 from dataplane.relay import GenerateRelay, SseRelay, generate_usage_of, usage_of
 from dataplane.routing import Prepared, Router
 from dataplane.tracing import Tracing, describe, traceparent_of
+from dataplane.transport.client import ConnectionFailed, ResponseBroken
+from dataplane.transport.cors import Cors
+from dataplane.transport.server import Request, Response
 from kvcore.pb import routing_pb2
 from kvcore.tenancy import own_namespace, tenant_salt
 from kvcore.workload.classify import WORKLOAD_HEADER

@@ -25,7 +25,7 @@ whole decode, which nothing the proxy knows bounds.
 The deadlines are kept by one task that looks every ``tick_s`` (:meth:`FirstByteDeadlines.run`)
 and cancels the requests past theirs, rather than a loop timer per request: arming and
 cancelling one costs several times what keeping a request in a dict does (as with
-``http_client.ReadDeadlines``), and a deadline of a second or more may fire a tick late.
+``transport.client.ReadDeadlines``), and a deadline of a second or more may fire a tick late.
 """
 
 from __future__ import annotations

@@ -24,10 +24,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from dataplane import native
-from dataplane.http_server import HttpServer
 from dataplane.service import ProxyService
 from dataplane.settings import ProxySettings
-from dataplane.worker_metrics import WorkerGroup
+from dataplane.transport.server import HttpServer
+from dataplane.transport.worker_metrics import WorkerGroup
 from kvruntime.flags import flag_name, flags_given, settings_parser
 from kvruntime.gc_tuning import tune_gc
 from kvruntime.jsonlog import configure_logging

@@ -1,5 +1,5 @@
 """The proxy's Prometheus metrics, in one registry per worker process (a proxy of several
-workers answers a scrape with all of theirs merged: :mod:`dataplane.worker_metrics`).
+workers answers a scrape with all of theirs merged: :mod:`dataplane.transport.worker_metrics`).
 
 Names (prefix ``kvroute_proxy_``):
 

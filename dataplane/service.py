@@ -32,8 +32,8 @@ from dataplane.settings import ProxySettings
 from dataplane.state_client import StateClient
 from dataplane.tokenizer_probe import TokenizerProbe
 from dataplane.tracing import Tracing
+from dataplane.transport.worker_metrics import Siblings, WorkerGroup
 from dataplane.upstream import Upstream
-from dataplane.worker_metrics import Siblings, WorkerGroup
 from kvcore.index import READ_ALWAYS_INDEXES
 from kvcore.workload import RoutingConfig, parse_workload
 from kvruntime.tasks import BackgroundTasks

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, FilePath, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from dataplane.cors import check_origin
+from dataplane.transport.cors import check_origin
 from kvcore.keys import DEFAULT_BLOCK_SIZE
 from kvcore.roles import split_role
 from kvcore.subjects import InvalidName, check_name

@@ -1,6 +1,6 @@
 """Requests to the replicas, read up to their first body bytes so failures can be retried.
 
-The connections are ``http_client.ConnectionPool``'s (chosen by measurement over aiohttp,
+The connections are ``transport.client.ConnectionPool``'s (chosen by measurement over aiohttp,
 see docs/architecture.md, "Proxy stack"). Bodies are passed through as bytes: nothing
 decompressed (``accept-encoding: identity`` upstream), nothing re-chunked.
 
@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 from mypy_extensions import mypyc_attr
 
 from dataplane.errors import DataplaneError
-from dataplane.http_client import (
+from dataplane.transport.client import (
     ConnectionFailed,
     ConnectionPool,
     Response,
@@ -109,7 +109,7 @@ class Opened:
 
 
 class Upstream:
-    """Keep-alive connections to every replica (``http_client.ConnectionPool``)."""
+    """Keep-alive connections to every replica (``transport.client.ConnectionPool``)."""
 
     def __init__(
         self,

@@ -31,12 +31,12 @@ from dataplane.epp.settings import EppSettings
 from dataplane.epp.stream import ProtocolViolation, RequestStream, StreamOptions
 from dataplane.exchange import Dispatcher, Policies
 from dataplane.fleet_state import FleetState
-from dataplane.http_server import HttpServer, Request, Response
 from dataplane.metrics import CONTENT_TYPE, ProxyMetrics
 from dataplane.reporter import Reporter
 from dataplane.routing import Defaults, Router
 from dataplane.state_client import StateClient
 from dataplane.tokenizer_probe import TokenizerProbe
+from dataplane.transport.server import HttpServer, Request, Response
 from dataplane.upstream import Upstream
 from kvruntime.sockets import bind_tcp
 from kvruntime.tasks import BackgroundTasks

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from dataplane.http_client import ConnectionFailed, ConnectionPool
+from dataplane.transport.client import ConnectionFailed, ConnectionPool
 from tests.unit.enginesim.simproc import SimProcess
 
 pytestmark = pytest.mark.e2e

@@ -20,9 +20,9 @@ import aiohttp
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from dataplane.http_server import HttpServer
 from dataplane.service import ProxyService
 from dataplane.settings import ProxySettings
+from dataplane.transport.server import HttpServer
 from kvcore.pb import routing_pb2
 from tests.unit.dataplane.state_messages import config, load, model_entry, replica, snapshot
 from tests.unit.enginesim.simproc import SimProcess, cached_tokens

@@ -23,11 +23,11 @@ from bench.proxy_path import MemoryTransport
 from dataplane import service as service_module
 from dataplane.breaker import CircuitBreakers
 from dataplane.fleet_state import FleetState
-from dataplane.http_client import ConnectionPool, _Connection
-from dataplane.http_server import HttpServer
 from dataplane.metrics import ProxyMetrics
 from dataplane.service import ProxyService
 from dataplane.settings import ProxySettings
+from dataplane.transport.client import ConnectionPool, _Connection
+from dataplane.transport.server import HttpServer
 
 T = TypeVar("T")
 MODEL = "m"

@@ -22,8 +22,8 @@ import httptools
 import pytest
 import uvloop
 
-from dataplane import http_server
-from dataplane.http_server import MAX_HEAD_BYTES, HttpServer, Request, Response
+from dataplane.transport import server as http_server
+from dataplane.transport.server import MAX_HEAD_BYTES, HttpServer, Request, Response
 
 LIMIT = 4096
 JSON = [(b"content-type", b"application/json")]

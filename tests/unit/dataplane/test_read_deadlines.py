@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from dataplane.http_client import ConnectionPool, ReadDeadlines
+from dataplane.transport.client import ConnectionPool, ReadDeadlines
 
 
 @pytest.fixture

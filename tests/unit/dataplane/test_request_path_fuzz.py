@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.proxy_path import MODEL, PROMPTS, MemoryTransport, _MemoryReplicas, _service
-from dataplane.http_server import HttpServer
+from dataplane.transport.server import HttpServer
 from tests.request_bodies import request_bodies
 
 PATHS = ["/v1/chat/completions", "/v1/completions", "/generate"]

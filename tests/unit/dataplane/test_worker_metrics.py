@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dataplane.http_errors import ServiceUnavailable
 from dataplane.metrics import PREFIX, ProxyMetrics
-from dataplane.worker_metrics import Siblings, WorkerGroup, families, merge, render
+from dataplane.transport.worker_metrics import Siblings, WorkerGroup, families, merge, render
 
 # one request: worker, replica, outcome, decision seconds, prompt tokens, cached (or unknown)
 REQUESTS = st.lists(

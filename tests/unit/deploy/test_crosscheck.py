@@ -34,10 +34,10 @@ from controlplane.settings import ControlPlaneSettings
 from dataplane.epp.main import load_settings as load_epp_settings
 from dataplane.epp.service import METRICS_PAGES as EPP_PAGES
 from dataplane.epp.settings import EppSettings
-from dataplane.http_server import HttpServer
 from dataplane.main import load_settings as load_proxy_settings
 from dataplane.service import ProxyService
 from dataplane.settings import ProxySettings
+from dataplane.transport.server import HttpServer
 from enginesim.http import SimApp
 from enginesim.settings import SimSettings, parse_settings
 from sidecar.main import load_settings as load_sidecar_settings
