@@ -1,4 +1,4 @@
-"""``python -m bench.pd``: disaggregated prefill/decode through real processes.
+"""``kvroute bench pd``: disaggregated prefill/decode through real processes.
 
 One ``kvroute up`` fleet of time-scaled ``kvroute-sim`` engines with ``--pd P:D`` roles
 (their sidecars, NATS, etcd, the control plane, the proxy) serves the demo's grouped
@@ -113,7 +113,7 @@ def markdown(rows: list[dict[str, Any]], workload: DemoWorkload, time_scale: flo
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.pd", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="kvroute bench pd", description=__doc__.splitlines()[0])
     parser.add_argument("--pd", default="2:2", help="prefill:decode sims (2:2)")
     parser.add_argument("--num-blocks", type=int, default=768, help="KV blocks per sim (768)")
     parser.add_argument("--time-scale", type=float, default=0.2, help="sim time scale (0.2)")

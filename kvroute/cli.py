@@ -36,6 +36,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "sidecar": ("bench.sidecar_throughput:main", "sidecar events/s and publish latency"),
     "enginesim": ("bench.enginesim_capacity:main", "one kvroute-sim's request capacity"),
     "epp": ("bench.epp:main", "kvroute-epp's pick latency and held streams, as Envoy drives it"),
+    "pd": (
+        "bench.pd:main",
+        "disaggregated prefill/decode: kv_cost vs round-robin prefill, colocated",
+    ),
     "controlplane": (
         "bench.controlplane.__main__:main",
         "control-plane ingest, memory, snapshot and publish-to-watcher latency",
