@@ -1,4 +1,4 @@
-"""``kvroute up --demo``: the same shared-prefix chat workload, round-robin then the default strategy (kv_cost).
+"""``kvroute up --demo``: one shared-prefix chat workload, round-robin then the default (kv_cost).
 
 Several groups of chat requests share long system prompts (the shared-prefix workload
 of SGLang's and llm-d's benchmarks, scaled to a laptop), with more groups than one
