@@ -91,11 +91,11 @@ def _row(options: UpOptions, result: PhaseResult) -> dict[str, Any]:
     }
 
 
-def markdown(rows: list[dict[str, Any]], workload: DemoWorkload, time_scale: float) -> str:
+def markdown(rows: list[dict[str, Any]], workload: DemoWorkload, args: argparse.Namespace) -> str:
     lines = [
-        f"# P/D: {workload.groups} groups x {workload.prompts_per_group} prompts, "
-        f"~{workload.system_tokens}-token shared system prompts, concurrency "
-        f"{workload.concurrency}, sims at --time-scale {time_scale}",
+        f"# P/D ({args.event_format}): {workload.groups} groups x {workload.prompts_per_group} "
+        f"prompts, ~{workload.system_tokens}-token shared system prompts, concurrency "
+        f"{workload.concurrency}, sims at --time-scale {args.time_scale}",
         "",
         "hit rate: the prefill engines' own prefix-cache hits / queries (every engine's, "
         "colocated)",
@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pd", default="2:2", help="prefill:decode sims (2:2)")
     parser.add_argument("--num-blocks", type=int, default=768, help="KV blocks per sim (768)")
     parser.add_argument("--time-scale", type=float, default=0.2, help="sim time scale (0.2)")
+    parser.add_argument("--event-format", choices=("vllm", "sglang"), default="vllm",
+                        help="the sims' engine: its P/D protocol too (vllm)")  # fmt: skip
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--prompts-per-group", type=int, default=8)
     parser.add_argument("--out", type=Path, help="write pd.json and pd.md here")
@@ -127,7 +129,8 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     prefill, decode = (int(n) for n in args.pd.split(":"))
     workload = DemoWorkload(groups=args.groups, prompts_per_group=args.prompts_per_group)
     common = {"num_blocks": args.num_blocks, "time_scale": args.time_scale,
-              "tokenizer": "builtin", "debug_headers": False}  # fmt: skip
+              "tokenizer": "builtin", "debug_headers": False,
+              "event_format": args.event_format}  # fmt: skip
     pd = UpOptions(replicas=prefill + decode, pd=(prefill, decode), port=free_port(), **common)
     rows = await measure(pd, ("kv_cost", "round_robin"), workload)
     colocated = UpOptions(replicas=prefill + decode, port=free_port(), **common)
@@ -139,12 +142,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     rows = asyncio.run(run(args))
     workload = DemoWorkload(groups=args.groups, prompts_per_group=args.prompts_per_group)
-    text = markdown(rows, workload, args.time_scale)
+    text = markdown(rows, workload, args)
     print(text)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "pd.json").write_text(json.dumps(rows, indent=2) + "\n")
-        (args.out / "pd.md").write_text(text)
+        name = "pd" if args.event_format == "vllm" else f"pd-{args.event_format}"
+        (args.out / f"{name}.json").write_text(json.dumps(rows, indent=2) + "\n")
+        (args.out / f"{name}.md").write_text(text)
     return 0
 
 
