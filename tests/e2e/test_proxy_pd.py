@@ -170,3 +170,17 @@ def test_sglang_pool_serves_the_native_generate(sglang_pool: Any) -> None:
     answer = json.loads(raw)
     assert answer["meta_info"]["completion_tokens"] == 4
     assert prefill.metric("sglang:prompt_tokens_total") > prompts  # prefilled there
+
+
+def test_a_failed_prefill_is_retried_on_the_other_prefill_replica(vllm_pool: Any) -> None:
+    prefills, _, proxy = vllm_pool
+    prefills[0].call("POST", "/sim/faults", {"fail_requests": 1})
+    answers = [
+        proxy.request(
+            "/v1/completions", {"model": MODEL, "prompt": f"prefill {i} " * 40, "max_tokens": 2}
+        )
+        for i in range(8)
+    ]
+    assert [status for status, _, _ in answers] == [200] * 8
+    # the failure was served: some request met it, and another prefill replica took it
+    assert prefills[0].call("GET", "/sim/faults")[1]["fail_requests"] == 0
