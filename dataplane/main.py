@@ -13,12 +13,10 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import socket
 import sys
-import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pydantic import ValidationError
@@ -28,6 +26,7 @@ from dataplane.service import ProxyService
 from dataplane.settings import ProxySettings
 from dataplane.transport.server import HttpServer
 from dataplane.transport.worker_metrics import WorkerGroup
+from dataplane.transport.workers import supervise
 from kvruntime.flags import flag_name, flags_given, settings_parser
 from kvruntime.gc_tuning import tune_gc
 from kvruntime.jsonlog import configure_logging
@@ -135,84 +134,16 @@ def run_worker(
 
 
 def run_workers(settings: ProxySettings) -> int:
-    """Fork ``settings.workers`` processes on one port; print one ready line for all. The
-    workers find each other (for one ``/metrics``) in a directory removed after them."""
+    """``settings.workers`` processes on one port (:func:`transport.workers.supervise`);
+    the port is held bound until they all serve, so a port of 0 is chosen once."""
     placeholder = bind(settings.host, settings.port, reuse_port=True)
-    line = ready_line(placeholder)
     port = placeholder.getsockname()[1]
-    read_end, write_end = os.pipe()
-    with tempfile.TemporaryDirectory(prefix="kvroute-proxy-") as directory:
-        groups = [WorkerGroup(directory, i, settings.workers) for i in range(settings.workers)]
-        children = [_fork_worker(settings, port, write_end, read_end, g) for g in groups]
-        os.close(write_end)
-        stop = _forward_signals(children)
-        ready = b""
-        while len(ready) < settings.workers:
-            piece = os.read(read_end, settings.workers)
-            if not piece:
-                break
-            ready += piece
-        os.close(read_end)
-        placeholder.close()
-        if len(ready) == settings.workers and not stop:
-            print(line, flush=True)
-        return _wait(children)
 
-
-def _fork_worker(
-    settings: ProxySettings, port: int, write_end: int, read_end: int, group: WorkerGroup
-) -> int:
-    pid = os.fork()
-    if pid:
-        return pid
-    os.close(read_end)
-    status = 0
-    try:
+    def worker(group: WorkerGroup, on_ready: Callable[[], object]) -> None:
         sock = bind(settings.host, port, reuse_port=True)
-        run_worker(settings.for_worker(group.index), sock, lambda: os.write(write_end, b"1"), group)
-    except BaseException as exc:
-        if not isinstance(exc, KeyboardInterrupt | SystemExit):
-            log.exception("worker failed")
-            status = 1
-    os._exit(status)
+        run_worker(settings.for_worker(group.index), sock, on_ready, group)
 
-
-def _forward_signals(children: list[int]) -> list[int]:
-    stopped: list[int] = []
-
-    def forward(signum: int, frame: object) -> None:
-        stopped.append(signum)
-        for pid in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    return stopped
-
-
-def _wait(children: list[int]) -> int:
-    """Reap the workers; one that fails (not stopped by a signal we sent) stops the rest."""
-    status = 0
-    remaining = set(children)
-    while remaining:
-        try:
-            pid, code = os.wait()
-        except ChildProcessError:
-            break
-        remaining.discard(pid)
-        if os.waitstatus_to_exitcode(code) in _STOPPED:
-            continue
-        status = 1  # a worker died: stop the rest, let the supervisor restart us
-        for other in remaining:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(other, signal.SIGTERM)
-    return status
-
-
-# a worker stopped by SIGTERM/SIGINT ends with status 0 (or by the signal, if it came
-# before the worker's handlers were installed)
-_STOPPED = frozenset({0, -signal.SIGTERM, -signal.SIGINT})
+    return supervise(settings.workers, worker, placeholder, ready_line(placeholder))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
