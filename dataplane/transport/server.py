@@ -321,6 +321,10 @@ class _Connection(asyncio.Protocol):
         cancelled and the engine stops generating for nobody."""
         self._client_done = True
         if self.task is not None and not self.waiting:
+            # abort, not close: a close waits to flush the unsent answer, which nobody
+            # reads, and only then reports the connection lost (never, for a stream)
+            assert self.transport is not None
+            self.transport.abort()
             return False
         return not (self._broken or self.idle())  # False: the transport closes now
 
