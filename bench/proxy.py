@@ -4,7 +4,7 @@
 replicas on loopback (KV pools of ``REPLICA_BLOCKS``, which do not cycle in a run) and,
 in front of them, every router of :mod:`bench.proxy_routers`: ``kvroute round_robin``
 (static mode), ``kvroute kv_aware`` (one proxy of a local fleet with its control plane
-and sidecars, debug headers off as deploy/ runs it), ``sglang-router`` and
+and sidecars, debug headers off as deploy/ runs it), ``sglang-router``, ``smg`` and
 ``vllm-router`` with ``round_robin`` and ``cache_aware`` (installed from PyPI into their
 own virtual environments on first use). Every router is
 pinned to the first CPU, the replicas, the fleet's other processes and this load
@@ -24,7 +24,7 @@ could not be checked (a router that did not run is reported with the reason):
    alone, 0.15 ms beside the fleet on one machine), which would count against routers
    that spread requests:
    kvroute's <= 0.3 ms and no worse than sglang-router's with the like policy
-   (vllm-router's printed beside them);
+   (vllm-router's and smg's printed beside them);
 2. throughput: ``--concurrency`` keep-alive clients for ``--duration`` seconds through each
    router in turn, ``--repeats`` times over (the median kept), and spread over the
    replicas directly (their ceiling), with each router's CPU share and requests per CPU-

@@ -25,7 +25,7 @@ IDLE_NOTE = 0.02  # the idle routers' CPU share worth a note beside a router's t
 # (kvroute's contender, the peer policy it is judged against): like for like
 PAIRS = (("round_robin", "round_robin"), ("kv_aware", "cache_aware"))
 JUDGE = "sglang-router"  # the peer the targets name
-PEERS = ("sglang-router", "vllm-router")
+PEERS = ("sglang-router", "vllm-router", "smg")  # bench.e2e.peers, in its order
 
 
 def floor_name(label: str) -> str:

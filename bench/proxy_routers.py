@@ -5,7 +5,7 @@ one worker: no control plane to ask), ``kvroute kv_aware`` (one ``kvroute-proxy`
 whole local fleet as ``kvroute up --engines`` runs it: NATS, etcd, the control plane and
 a sidecar per replica, the ``default`` workload's ``kv_aware``; without the debug headers
 the demo shows, as deploy/ runs a proxy), and the peer routers
-``sglang-router`` and ``vllm-router`` with their ``round_robin`` and ``cache_aware``
+``sglang-router``, ``vllm-router`` and ``smg`` with their ``round_robin`` and ``cache_aware``
 policies (installed into their own virtual environments by :mod:`bench.e2e.peers`).
 
 Same CPU budget: the benchmark process pins itself (and so everything it starts) to all

@@ -69,9 +69,9 @@ class DemoWorkload:
         rng = random.Random(self.seed)
         pairs = []
         for group in range(self.groups):
-            system = f"You are assistant number {group}. " + _text(rng, self.system_tokens)
+            system = f"You are assistant number {group}. " + words(rng, self.system_tokens)
             for prompt in range(self.prompts_per_group):
-                question = f"Question {prompt}: " + _text(rng, self.question_tokens)
+                question = f"Question {prompt}: " + words(rng, self.question_tokens)
                 body = {
                     "model": model,
                     "messages": [
@@ -87,8 +87,9 @@ class DemoWorkload:
         return pairs
 
 
-def _text(rng: random.Random, words: int) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(words))
+def words(rng: random.Random, count: int) -> str:
+    """``count`` words of the demo's vocabulary (about one simulated-model token each)."""
+    return " ".join(rng.choice(_WORDS) for _ in range(count))
 
 
 @dataclass(frozen=True)

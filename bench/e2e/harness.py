@@ -4,9 +4,15 @@ One fleet of ``kvroute-sim`` engines (time-scaled, with less KV cache than the w
 shared prefixes need, so routing decides what stays cached) serves every contender in
 turn: kvroute's proxy with each strategy (its control plane, sidecars, NATS and etcd
 started by ``kvroute up``'s launcher in ``--engines`` mode), four kvroute proxies behind
-a round-robin L4 balancer, and the peer routers (``sglang-router``, ``vllm-router``) with
-their ``round_robin`` and ``cache_aware`` policies, one instance and four behind the same
-balancer. Between contenders every engine's cache is emptied, so each starts cold.
+a round-robin L4 balancer, and the peer routers (``sglang-router``, ``vllm-router``,
+``smg``) with their ``round_robin`` and ``cache_aware`` policies, one instance and four
+behind the same balancer (``smg``'s four sharing their state over its mesh). Between
+contenders every engine's cache is emptied, so each starts cold.
+
+The many-proxies curve (``E2EConfig.proxies``) runs instead 1, 2, 4, 8... routers of each
+kind behind the balancer, on the multi-turn chat workload (:mod:`bench.e2e.chat`) and on
+the shared-prefix one, and counts the requests each engine served: one router's view of
+the fleet is all a proxy has of its own sends, so what several proxies lose shows here.
 
 What is measured is measured outside the routers: the engines' own prefix-cache counters
 (hit rate), the ``cached_tokens`` each response reports, and this client's clock (TTFT,
@@ -29,7 +35,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from bench.e2e.balancer import RoundRobinBalancer
-from bench.e2e.peers import PEERS, Peer, PeerUnavailable
+from bench.e2e.chat import ChatWorkload, run_conversations
+from bench.e2e.peers import PEERS, Peer, PeerUnavailable, mesh_argv
 from kvroute.demo import AdminClient, DemoWorkload, EngineWatch, PhaseResult, run_phase
 from kvroute.servers import free_port
 from kvroute.supervisor import ChildSpec, Supervisor
@@ -37,6 +44,10 @@ from kvroute.up import SIM_MODEL, LocalFleet, UpOptions, venv_tool_or_fail
 
 RESET_ATTEMPTS = 200
 PINNED = "pinned"  # the reference contender's router: no router at all
+SHARED = "shared-prefix"  # the workloads a contender can be sent
+CHAT = "chat"
+MESH_PEER = "smg"  # the peer the curve runs, with and without its mesh
+SERVED = "vllm:e2e_request_latency_seconds_count"  # an engine's requests finished
 
 
 @dataclass(frozen=True)
@@ -44,13 +55,15 @@ class Contender:
     router: str  # "kvroute", a peer's name, or PINNED
     policy: str
     instances: int = 1
+    mesh: bool = False  # the instances share routing state (a peer's mesh)
+    workload: str = SHARED
 
     @property
     def name(self) -> str:
         if self.router == PINNED:
             return "no router, each group pinned to one engine"
         suffix = f" x{self.instances}" if self.instances > 1 else ""
-        return f"{self.router} {self.policy}{suffix}"
+        return f"{self.router} {self.policy}{suffix}{' mesh' if self.mesh else ''}"
 
 
 @dataclass(frozen=True)
@@ -63,20 +76,57 @@ class E2EConfig:
     kvroute_policies: tuple[str, ...] = (
         "round_robin", "least_load", "prefix_hash", "kv_aware", "kv_cost",
     )  # fmt: skip
-    peers: tuple[str, ...] = ("sglang-router", "vllm-router")
+    peers: tuple[str, ...] = ("sglang-router", "vllm-router", "smg")
     peer_policies: tuple[str, ...] = ("round_robin", "cache_aware")
     pinned_reference: bool = True  # the floor: groups sent straight to engines, no router
+    proxies: tuple[int, ...] = ()  # the many-proxies curve's router counts, instead
+    curve_policies: tuple[str, ...] = ("kv_aware", "kv_cost")
+    chat: ChatWorkload = field(default_factory=ChatWorkload)
 
     def contenders(self) -> list[Contender]:
+        if self.proxies:
+            return self.curve()
         chosen = [Contender(PINNED, "groups")] if self.pinned_reference else []
         chosen += [Contender("kvroute", p) for p in self.kvroute_policies]
         if "kv_aware" in self.kvroute_policies and self.scaled_instances > 1:
             chosen.append(Contender("kvroute", "kv_aware", self.scaled_instances))
         for peer in self.peers:
             chosen += [Contender(peer, p) for p in self.peer_policies]
-            if peer == "sglang-router" and self.scaled_instances > 1:
+            if self.scaled_instances > 1 and peer == "sglang-router":
                 chosen.append(Contender(peer, "cache_aware", self.scaled_instances))
+            if self.scaled_instances > 1 and PEERS[peer].has_mesh:
+                chosen.append(Contender(peer, "cache_aware", self.scaled_instances, mesh=True))
         return chosen
+
+    def curve(self) -> list[Contender]:
+        """Each router count of the curve: kvroute's proxies, smg with and without its mesh."""
+        chosen = []
+        for workload in (CHAT, SHARED):
+            for n in self.proxies:
+                chosen += [
+                    Contender("kvroute", p, n, workload=workload) for p in self.curve_policies
+                ]
+                if MESH_PEER not in self.peers:
+                    continue
+                chosen.append(Contender(MESH_PEER, "cache_aware", n, n > 1, workload))
+                if n > 1:
+                    chosen.append(Contender(MESH_PEER, "cache_aware", n, workload=workload))
+        return chosen
+
+    def kvroute_proxies(self) -> int:
+        """How many proxies the kvroute fleet needs (0: no kvroute contender)."""
+        return max((c.instances for c in self.contenders() if c.router == "kvroute"), default=0)
+
+    def expected_requests(self, contender: Contender) -> int:
+        if contender.workload == CHAT:
+            return self.chat.request_count()
+        return len(self.workload.request_groups())
+
+    def request_groups(self, contender: Contender) -> list[int]:
+        """Each request's group: its shared prefix's (or its conversation's)."""
+        if contender.workload == CHAT:
+            return self.chat.request_groups()
+        return self.workload.request_groups()
 
 
 @dataclass
@@ -84,6 +134,7 @@ class ContenderResult:
     contender: Contender
     phase: PhaseResult | None = None
     unavailable: str = ""  # why the contender could not run
+    served: list[int] = field(default_factory=list)  # requests each engine finished
 
     @property
     def name(self) -> str:
@@ -115,11 +166,13 @@ class E2EBench:
                 ChildSpec(f"sim-{index}", argv, ready_line="kvroute-sim ready")
             )
             self.engines.append(child.ready_text.split("http=")[1].split()[0])
-        if any(c.router == "kvroute" for c in self.config.contenders()):
+        proxies = self.config.kvroute_proxies()
+        if proxies:
+            proxies = max(proxies, self.config.scaled_instances)
             options = UpOptions(
                 engines=tuple(self.engines),
-                proxies=self.config.scaled_instances,
-                port=_free_port_run(self.config.scaled_instances),
+                proxies=proxies,
+                port=_free_port_run(proxies),
                 data_dir=self.run_dir / "kvroute",
             )
             self.fleet = LocalFleet(options, say=lambda _: None)
@@ -148,9 +201,10 @@ class E2EBench:
                 if isinstance(url, str):
                     await _wait_answering(session, url, SIM_MODEL)
                 await _reset_when_idle(session, self.engines)
-                return ContenderResult(
-                    contender, await self._measure(session, watch, url, contender)
-                )
+                before = await _served(session, self.engines)
+                phase = await self._measure(session, watch, url, contender)
+                served = await _served_since(session, self.engines, before, len(phase.ttft_s))
+                return ContenderResult(contender, phase, served=served)
         except PeerUnavailable as exc:
             self.console.print(f"[yellow]{contender.name}: not run: {exc}")
             return ContenderResult(contender, unavailable=str(exc))
@@ -162,20 +216,27 @@ class E2EBench:
         url: str | Callable[[int], str],
         contender: Contender,
     ) -> PhaseResult:
-        bodies = self.config.workload.requests(SIM_MODEL)
         result = PhaseResult(contender.name)
         baseline = dict(await watch.scrape())
+        label = f"{contender.name} ({contender.workload})"
         progress = Progress(
-            TextColumn(f"{contender.name:>28}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn(f"{label:>40}"), BarColumn(), MofNCompleteColumn(),
             console=self.console,
         )  # fmt: skip
-        task = progress.add_task(contender.name, total=len(bodies))
+        task = progress.add_task(label, total=self.config.expected_requests(contender))
         started = time.perf_counter()
         with progress:
-            await run_phase(
-                session, url, bodies, result, self.config.workload.concurrency,
-                lambda: progress.advance(task),
-            )  # fmt: skip
+            if contender.workload == CHAT:
+                assert isinstance(url, str)
+                await run_conversations(
+                    session, url, self.config.chat, SIM_MODEL, result,
+                    lambda: progress.advance(task),
+                )  # fmt: skip
+            else:
+                await run_phase(
+                    session, url, self.config.workload.requests(SIM_MODEL), result,
+                    self.config.workload.concurrency, lambda: progress.advance(task),
+                )  # fmt: skip
         result.wall_s = time.perf_counter() - started
         if contender.router == PINNED:
             self._label_pinned(result)
@@ -208,9 +269,10 @@ class E2EBench:
         peer = PEERS[contender.router]
         await asyncio.to_thread(peer.ensure_installed)
         supervisor = Supervisor(self.run_dir)
+        mesh = [free_port() for _ in range(contender.instances)] if contender.mesh else []
         try:
             urls = [
-                await self._start_peer(supervisor, peer, contender, i)
+                await self._start_peer(supervisor, peer, contender, i, mesh)
                 for i in range(contender.instances)
             ]
             async with _behind_balancer(urls) as url:
@@ -231,12 +293,21 @@ class E2EBench:
         result.by_replica = dict(Counter(a.replica for a in result.answers))
 
     async def _start_peer(
-        self, supervisor: Supervisor, peer: Peer, contender: Contender, index: int
+        self,
+        supervisor: Supervisor,
+        peer: Peer,
+        contender: Contender,
+        index: int,
+        mesh: list[int],
     ) -> str:
+        """One instance; with ``mesh`` (every instance's mesh port) joined to the others."""
         port = free_port()
         argv = peer.argv(port, self.engines, contender.policy, free_port())
+        name = f"{peer.name}-{contender.policy}-{index}"
+        if mesh:
+            argv += mesh_argv(name, mesh[index], mesh[:index] + mesh[index + 1 :])
         spec = ChildSpec(
-            f"{peer.name}-{contender.policy}-{index}",
+            name,
             argv,
             env={"HF_HUB_OFFLINE": "1"},
             ready_url=f"http://127.0.0.1:{port}/health",
@@ -270,6 +341,31 @@ async def _wait_answering(session: aiohttp.ClientSession, url: str, model: str) 
                     return
         await asyncio.sleep(0.1)  # polling a router until it routes
     raise PeerUnavailable(f"{url} did not answer a completion within 60 s")
+
+
+async def _served(session: aiohttp.ClientSession, engines: list[str]) -> list[int]:
+    """The requests each engine has finished, by its own counter (the replicas' shares)."""
+    counts = []
+    for engine in engines:
+        async with session.get(f"{engine}/metrics") as response:
+            text = await response.text()
+        found = (line.rsplit(" ", 1)[1] for line in text.splitlines() if line.startswith(SERVED))
+        counts.append(round(sum(float(value) for value in found)))
+    return counts
+
+
+async def _served_since(
+    session: aiohttp.ClientSession, engines: list[str], before: list[int], answered: int
+) -> list[int]:
+    """The requests each engine finished since ``before``, once they add up to the
+    ``answered`` ones (an engine counts a request a moment after its last byte is sent)."""
+    deadline = time.monotonic() + 10
+    while True:
+        after = await _served(session, engines)
+        served = [a - b for a, b in zip(after, before, strict=True)]
+        if sum(served) >= answered or time.monotonic() > deadline:
+            return served
+        await asyncio.sleep(0.05)  # the engines are recording their last requests
 
 
 async def _reset_when_idle(session: aiohttp.ClientSession, engines: list[str]) -> None:

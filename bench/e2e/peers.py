@@ -1,13 +1,17 @@
 """The peer routers: installed from PyPI into their own virtual environments, run on loopback.
 
-``sglang-router`` and ``vllm-router`` are Rust binaries shipped in wheels; each goes
+``sglang-router``, ``vllm-router`` and ``smg`` (the SGLang Model Gateway, sglang-router's
+successor) are Rust binaries shipped in wheels; each goes
 into its own venv under the cache folder (``~/.cache/kvroute/peers`` unless
 ``KVROUTE_PEERS_DIR`` says otherwise) the first time the benchmark needs it, so kvroute's
 own environment never sees their dependencies. A peer that cannot be installed is
 reported as such (:class:`PeerUnavailable`), never silently left out of a report.
 
-Both are told to listen on 127.0.0.1 only (their defaults are 0.0.0.0) and to keep
-their Prometheus endpoints on loopback too.
+Each is told to listen on 127.0.0.1 only (their defaults are 0.0.0.0) and to keep its
+Prometheus endpoint on loopback too. ``smg`` would load the workers' model's tokenizer by
+name (a download); it is given the simulated model's tokenizer on disk instead. Several
+``smg`` instances can share their routing state over its mesh (``--enable-mesh``), bound
+to loopback and each told every other one's address.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from enginesim.sim_model import SIM_MODEL_DIR
 
 INSTALL_TIMEOUT_S = 900
 
@@ -32,6 +38,9 @@ class Peer:
     version: str
     binary: str
     log_level: str  # each spells "warning" its own way
+    subcommand: str = ""  # "launch" for the SGLang routers
+    extra: tuple[str, ...] = ()  # what it needs besides the common flags
+    has_mesh: bool = False  # instances can share routing state (``mesh_argv``)
 
     def venv(self) -> Path:
         root = os.environ.get("KVROUTE_PEERS_DIR") or Path.home() / ".cache" / "kvroute" / "peers"
@@ -68,8 +77,8 @@ class Peer:
 
     def argv(self, port: int, workers: list[str], policy: str, metrics_port: int) -> list[str]:
         argv = [str(self.executable())]
-        if self.binary == "sglang-router":
-            argv.append("launch")
+        if self.subcommand:
+            argv.append(self.subcommand)
         argv += [
             "--host", "127.0.0.1",
             "--port", str(port),
@@ -78,10 +87,24 @@ class Peer:
             "--prometheus-host", "127.0.0.1",
             "--prometheus-port", str(metrics_port),
             "--log-level", self.log_level,
+            *self.extra,
         ]  # fmt: skip
         return argv
 
 
-SGLANG_ROUTER = Peer("sglang-router", "sglang-router", "0.3.2", "sglang-router", "warn")
+def mesh_argv(name: str, port: int, peer_ports: list[int]) -> list[str]:
+    """An ``smg`` instance's mesh flags: listen on loopback ``port``, join the others."""
+    argv = ["--enable-mesh", "--mesh-server-name", name, "--mesh-host", "127.0.0.1"]
+    argv += ["--mesh-advertise-host", "127.0.0.1", "--mesh-port", str(port)]
+    return [*argv, "--mesh-peer-urls", *(f"127.0.0.1:{p}" for p in peer_ports)]
+
+
+SGLANG_ROUTER = Peer(
+    "sglang-router", "sglang-router", "0.3.2", "sglang-router", "warn", subcommand="launch"
+)
 VLLM_ROUTER = Peer("vllm-router", "vllm-router", "0.1.17", "vllm-router", "warning")
-PEERS = {peer.name: peer for peer in (SGLANG_ROUTER, VLLM_ROUTER)}
+SMG = Peer(
+    "smg", "smg", "1.13.0", "smg", "warn", subcommand="launch",
+    extra=("--tokenizer-path", str(SIM_MODEL_DIR)), has_mesh=True,
+)  # fmt: skip
+PEERS = {peer.name: peer for peer in (SGLANG_ROUTER, VLLM_ROUTER, SMG)}
