@@ -50,7 +50,7 @@ def test_every_worker_ready_prints_the_line_once(capfd: pytest.CaptureFixture[st
 
 
 def test_a_failed_worker_stops_the_others_and_the_exit_is_1(
-    capfd: pytest.CaptureFixture[str],
+    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def first_fails(group: WorkerGroup, on_ready: Callable[[], object]) -> None:
         if group.index == 0:
@@ -60,6 +60,16 @@ def test_a_failed_worker_stops_the_others_and_the_exit_is_1(
     def took_too_long(signum: int, frame: object) -> None:
         raise TimeoutError("the parent still waits for a worker that failed")
 
+    forked: list[int] = []
+    real_fork = os.fork
+
+    def recording_fork() -> int:
+        pid = real_fork()
+        if pid:
+            forked.append(pid)
+        return pid
+
+    monkeypatch.setattr(os, "fork", recording_fork)
     signal.signal(signal.SIGALRM, took_too_long)
     signal.alarm(5)
     try:
@@ -67,5 +77,7 @@ def test_a_failed_worker_stops_the_others_and_the_exit_is_1(
     finally:
         signal.alarm(0)
     assert "kvroute-proxy ready" not in capfd.readouterr().out
-    with pytest.raises(ChildProcessError):
-        os.wait()  # every worker reaped
+    assert len(forked) == 2
+    for pid in forked:  # every worker reaped (not os.wait(): the suite's servers are children too)
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
