@@ -21,6 +21,7 @@ from pydantic import Field, FilePath, SecretStr, field_validator, model_validato
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from kvcore.subjects import DEFAULT_ETCD_PREFIX, EtcdKeys, InvalidName, check_name
+from kvruntime.flags import comma_list
 
 MiB = 1024 * 1024
 
@@ -222,9 +223,7 @@ class ControlPlaneSettings(BaseSettings):
     @field_validator("etcd_endpoints", "pools", mode="before")
     @classmethod
     def _comma_list(cls, value: object) -> object:
-        if isinstance(value, str):
-            return [item.strip() for item in value.split(",") if item.strip()]
-        return value
+        return comma_list(value)
 
     @field_validator("etcd_endpoints")
     @classmethod

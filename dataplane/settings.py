@@ -29,6 +29,7 @@ from dataplane.transport.cors import check_origin
 from kvcore.keys import DEFAULT_BLOCK_SIZE
 from kvcore.roles import split_role
 from kvcore.subjects import InvalidName, check_name
+from kvruntime.flags import comma_list
 
 CommaList = Annotated[list[str], NoDecode]
 LIST_FIELDS = frozenset({"controlplane", "pools", "static_replicas", "cors_allowed_origins"})
@@ -269,9 +270,7 @@ class ProxySettings(BaseSettings):
     @field_validator(*LIST_FIELDS, mode="before")
     @classmethod
     def _comma_list(cls, value: object) -> object:
-        if isinstance(value, str):
-            return [item.strip() for item in value.split(",") if item.strip()]
-        return value
+        return comma_list(value)
 
     @field_validator("controlplane")
     @classmethod

@@ -112,3 +112,11 @@ def _default(field: FieldInfo) -> str:
 
 def _is_list(field: FieldInfo) -> bool:
     return get_origin(field.annotation) in (list, tuple)
+
+
+def comma_list(value: object) -> object:
+    """A list setting given as one string (a flag or an environment variable): its
+    comma-separated items, blanks dropped; anything else as it came, for pydantic."""
+    if isinstance(value, str):
+        return [item.strip() for item in value.split(",") if item.strip()]
+    return value

@@ -17,6 +17,7 @@ from pydantic import Field, FilePath, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from dataplane.settings import ProxySettings
+from kvruntime.flags import comma_list
 
 CommaList = Annotated[list[str], NoDecode]
 LIST_FIELDS = ("controlplane", "pools", "sheddable_objectives")
@@ -98,9 +99,7 @@ class EppSettings(BaseSettings):
     @field_validator(*LIST_FIELDS, mode="before")
     @classmethod
     def _comma_list(cls, value: object) -> object:
-        if isinstance(value, str):
-            return [item.strip() for item in value.split(",") if item.strip()]
-        return value
+        return comma_list(value)
 
     @model_validator(mode="after")
     def _complete(self) -> EppSettings:
