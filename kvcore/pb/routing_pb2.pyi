@@ -86,7 +86,7 @@ class RoutingConfig(_message.Message):
     def __init__(self, revision: _Optional[int] = ..., workloads: _Optional[_Iterable[_Union[Workload, _Mapping]]] = ..., api_keys: _Optional[_Iterable[_Union[ApiKey, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[Model, _Mapping]]] = ..., rules_json: _Optional[str] = ...) -> None: ...
 
 class Replica(_message.Message):
-    __slots__ = ("ordinal", "replica_id", "pool", "base_url", "model", "served_names", "engine_kind", "block_size", "status", "load", "labels", "capacity_seqs", "state_incomplete", "engine_block_size", "role", "bootstrap_port")
+    __slots__ = ("ordinal", "replica_id", "pool", "base_url", "model", "served_names", "engine_kind", "block_size", "status", "load", "labels", "capacity_seqs", "state_incomplete", "engine_block_size", "role", "bootstrap_port", "warmup")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,7 @@ class Replica(_message.Message):
     ENGINE_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     BOOTSTRAP_PORT_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_FIELD_NUMBER: _ClassVar[int]
     ordinal: int
     replica_id: str
     pool: str
@@ -126,7 +127,16 @@ class Replica(_message.Message):
     engine_block_size: int
     role: _events_pb2.ReplicaRole
     bootstrap_port: int
-    def __init__(self, ordinal: _Optional[int] = ..., replica_id: _Optional[str] = ..., pool: _Optional[str] = ..., base_url: _Optional[str] = ..., model: _Optional[str] = ..., served_names: _Optional[_Iterable[str]] = ..., engine_kind: _Optional[_Union[_events_pb2.EngineKind, str]] = ..., block_size: _Optional[int] = ..., status: _Optional[_Union[ReplicaStatus, str]] = ..., load: _Optional[_Union[_events_pb2.LoadReport, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., capacity_seqs: _Optional[int] = ..., state_incomplete: _Optional[bool] = ..., engine_block_size: _Optional[int] = ..., role: _Optional[_Union[_events_pb2.ReplicaRole, str]] = ..., bootstrap_port: _Optional[int] = ...) -> None: ...
+    warmup: WarmupState
+    def __init__(self, ordinal: _Optional[int] = ..., replica_id: _Optional[str] = ..., pool: _Optional[str] = ..., base_url: _Optional[str] = ..., model: _Optional[str] = ..., served_names: _Optional[_Iterable[str]] = ..., engine_kind: _Optional[_Union[_events_pb2.EngineKind, str]] = ..., block_size: _Optional[int] = ..., status: _Optional[_Union[ReplicaStatus, str]] = ..., load: _Optional[_Union[_events_pb2.LoadReport, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., capacity_seqs: _Optional[int] = ..., state_incomplete: _Optional[bool] = ..., engine_block_size: _Optional[int] = ..., role: _Optional[_Union[_events_pb2.ReplicaRole, str]] = ..., bootstrap_port: _Optional[int] = ..., warmup: _Optional[_Union[WarmupState, _Mapping]] = ...) -> None: ...
+
+class WarmupState(_message.Message):
+    __slots__ = ("warming", "pending_keys")
+    WARMING_FIELD_NUMBER: _ClassVar[int]
+    PENDING_KEYS_FIELD_NUMBER: _ClassVar[int]
+    warming: bool
+    pending_keys: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, warming: _Optional[bool] = ..., pending_keys: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReplicaBlocks(_message.Message):
     __slots__ = ("ordinal", "keys")
@@ -263,18 +273,36 @@ class ModelHealth(_message.Message):
     def __init__(self, model: _Optional[str] = ..., tokenizer_mismatch: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class ProxyReport(_message.Message):
-    __slots__ = ("proxy_id", "ts", "interval_s", "rows", "models")
+    __slots__ = ("proxy_id", "ts", "interval_s", "rows", "models", "hot_prefixes")
     PROXY_ID_FIELD_NUMBER: _ClassVar[int]
     TS_FIELD_NUMBER: _ClassVar[int]
     INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    HOT_PREFIXES_FIELD_NUMBER: _ClassVar[int]
     proxy_id: str
     ts: float
     interval_s: float
     rows: _containers.RepeatedCompositeFieldContainer[ReportRow]
     models: _containers.RepeatedCompositeFieldContainer[ModelHealth]
-    def __init__(self, proxy_id: _Optional[str] = ..., ts: _Optional[float] = ..., interval_s: _Optional[float] = ..., rows: _Optional[_Iterable[_Union[ReportRow, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelHealth, _Mapping]]] = ...) -> None: ...
+    hot_prefixes: _containers.RepeatedCompositeFieldContainer[HotPrefix]
+    def __init__(self, proxy_id: _Optional[str] = ..., ts: _Optional[float] = ..., interval_s: _Optional[float] = ..., rows: _Optional[_Iterable[_Union[ReportRow, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelHealth, _Mapping]]] = ..., hot_prefixes: _Optional[_Iterable[_Union[HotPrefix, _Mapping]]] = ...) -> None: ...
+
+class HotPrefix(_message.Message):
+    __slots__ = ("workload", "model", "token_ids", "key", "requests_per_s", "block_size")
+    WORKLOAD_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    workload: str
+    model: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    key: int
+    requests_per_s: float
+    block_size: int
+    def __init__(self, workload: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., key: _Optional[int] = ..., requests_per_s: _Optional[float] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class ReportAck(_message.Message):
     __slots__ = ("reports",)

@@ -26,6 +26,7 @@ from kvcore.workload.model import (
     WorkloadBase,
 )
 from kvcore.workload.model_spec import ModelSpec
+from kvcore.workload.warmup import WarmupSettings
 
 __all__ = [
     "STRATEGIES",
@@ -43,6 +44,7 @@ __all__ = [
     "RoutingConfig",
     "SessionAffinityWorkload",
     "UnknownWorkload",
+    "WarmupSettings",
     "Workload",
     "WorkloadBase",
     "WorkloadError",

@@ -14,6 +14,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kvcore.workload.warmup import WarmupSettings
+
 FallbackStrategy = Literal["round_robin", "least_load", "prefix_hash"]
 NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 _SESSION_KEY = re.compile(r"^(?:body\.[A-Za-z0-9_]{1,64}|[A-Za-z0-9-]{1,128})$")
@@ -50,6 +52,11 @@ class WorkloadBase(_Settings):
         description="Salt block keys with the tenant's namespace so that tenants never "
         "share cached blocks (and set cache_salt upstream). The tenant is the API key's, or "
         "without keys the proxy's tenant header; a client's cache_salt only subdivides it.",
+    )
+    warmup: WarmupSettings = Field(
+        default_factory=WarmupSettings,
+        description="Hot prefixes kept by the proxies and replayed into replicas that join "
+        "empty (see docs/operations.md, Warm-up and drain).",
     )
 
 

@@ -49,6 +49,10 @@ def test_each_strategy_parses_to_its_own_model_with_defaults() -> None:
         ({}, "strategy"),
         ({"strategy": "kv_aware", "name": "has space"}, "name"),
         ({"strategy": "kv_aware", "tenant_isolation": "maybe"}, "tenant_isolation"),
+        ({"strategy": "kv_cost", "warmup": {"min_requests": 1}}, "warmup.min_requests"),
+        ({"strategy": "kv_cost", "warmup": {"new_prefix_share": 1.5}}, "warmup.new_prefix_share"),
+        ({"strategy": "kv_cost", "warmup": {"tokens_per_s": 0}}, "warmup.tokens_per_s"),
+        ({"strategy": "kv_cost", "warmup": {"enabeld": True}}, "warmup.enabeld"),
     ],
 )
 def test_every_invalid_value_is_refused_naming_its_field(
@@ -71,6 +75,15 @@ def test_workloads_are_frozen_and_round_trip_through_json() -> None:
     workload = KvCostWorkload(name="batch", locality_weight=0.4)
     with pytest.raises(ValueError, match="frozen"):
         workload.locality_weight = 0.9  # type: ignore[misc]
+    assert parse_workload(workload.model_dump_json()) == workload
+
+
+def test_warmup_is_off_by_default_and_round_trips_per_workload() -> None:
+    assert parse_workload({"strategy": "kv_cost"}).warmup.enabled is False
+    workload = parse_workload(
+        {"strategy": "prefix_hash", "warmup": {"enabled": True, "min_requests": 4}}
+    )
+    assert workload.warmup.enabled and workload.warmup.min_requests == 4
     assert parse_workload(workload.model_dump_json()) == workload
 
 
