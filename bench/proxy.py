@@ -3,10 +3,10 @@
 ``python -m bench.proxy`` (or ``kvroute bench proxy``) starts two ``kvroute-sim --instant``
 replicas on loopback (KV pools of ``REPLICA_BLOCKS``, which do not cycle in a run) and,
 in front of them, every router of :mod:`bench.proxy_routers`: ``kvroute round_robin``
-(static mode), ``kvroute kv_aware`` (one proxy of a local fleet with its control plane
-and sidecars, debug headers off as deploy/ runs it), ``sglang-router``, ``smg`` and
-``vllm-router`` with ``round_robin`` and ``cache_aware`` (installed from PyPI into their
-own virtual environments on first use). Every router is
+(static mode), ``kvroute kv_cost`` (the default strategy: one proxy of a local fleet with
+its control plane and sidecars, debug headers off as deploy/ runs it), ``sglang-router``,
+``smg`` and ``vllm-router`` with ``round_robin`` and ``cache_aware`` (installed from PyPI
+into their own virtual environments on first use). Every router is
 pinned to the first CPU, the replicas, the fleet's other processes and this load
 generator to the others (``--no-pin`` leaves affinity alone), so each router has the
 same CPU budget. It prints each figure beside
@@ -29,8 +29,8 @@ could not be checked (a router that did not run is reported with the reason):
    router in turn, ``--repeats`` times over (the median kept), and spread over the
    replicas directly (their ceiling), with each router's CPU share and requests per CPU-
    second: kvroute's >= 0.9x sglang-router's, ``round_robin`` vs ``round_robin`` and
-   ``kv_aware`` vs ``cache_aware``; every prompt of these runs is first sent once to
-   every replica, so no router's runs pay for filling the caches (nor, for kv_aware,
+   ``kv_cost`` vs ``cache_aware``; every prompt of these runs is first sent once to
+   every replica, so no router's runs pay for filling the caches (nor, for kv_cost,
    for the fleet's events while they fill). The replicas and this load generator share
    the other CPU, and that CPU, not the router, is what usually runs out first here; so
    the same runs are repeated with each router in turn under a CPU limit as Kubernetes
@@ -96,6 +96,7 @@ from bench.micro.decision_inputs import REPLICAS, chat, decision_fleet, hold, te
 from bench.micro.model_files import write_tiny_model
 from bench.micro.report import Figure
 from bench.proxy_report import (
+    FLEET_STRATEGY,
     PEERS,
     Measured,
     Results,
@@ -256,7 +257,7 @@ def throughput_body(client: int, i: int) -> dict[str, Any]:
 
 async def warm(replicas: list[str], concurrency: int) -> int:
     """Every throughput request sent once to every replica, so that no router's phase pays
-    for filling the caches (and, for kv_aware, the fleet's events while they fill);
+    for filling the caches (and, for kv_cost, the fleet's events while they fill);
     the number of requests that failed."""
 
     async def client(url: str, wid: int) -> int:
@@ -314,7 +315,7 @@ class Run:
     errors: int
     share: float | None  # of a core, the router under load
     idle_share: float  # of a core, every other router (idle, pinned to the same CPU)
-    helpers_share: float  # of a core, kv_aware's fleet beside the replicas (any router's run)
+    helpers_share: float  # of a core, kv_cost's fleet beside the replicas (any router's run)
 
 
 def direct_targets(replicas: list[str], targets: list[Target]) -> list[Target]:
@@ -370,7 +371,7 @@ async def measure(
     targets = [target for target in targets if not target.latency_only]
     if failed := await warm(replicas, args.concurrency):
         raise SystemExit(f"the replicas failed {failed} requests while their caches were warmed")
-    # kv_aware's sidecars, control plane, NATS and etcd handle the replicas' KV events
+    # kv_cost's sidecars, control plane, NATS and etcd handle the replicas' KV events
     # whichever router sent the requests: their CPU beside the replicas, in every run
     fleet = tuple(pid for target in targets for pid in target.helpers)
     runs: dict[str, list[Run]] = {}
@@ -465,7 +466,7 @@ async def _loaded(
     helpers: tuple[int, ...] = (),
 ) -> Run:
     """One throughput run: req/s, errors, and the CPU share of the router ``pid``, of
-    the ``others`` (which should stay idle) and of the router's ``helpers`` (kv_aware's
+    the ``others`` (which should stay idle) and of the router's ``helpers`` (kv_cost's
     control plane, NATS, etcd and sidecars, which share the replicas' CPU)."""
     before = tree_cpu_seconds(pid) if pid else 0.0
     others_before = sum(tree_cpu_seconds(other) for other in others)
@@ -733,7 +734,7 @@ async def _measure_routers(
             print(f"{name}: request-path modules compiled {compiled}", flush=True)
         context["kvroute_compiled"] = dict(routers.compiled)
         results = await measure(args, urls, targets, split)
-        await _check_strategy(routers, "kvroute kv_aware", "kv_aware")
+        await _check_strategy(routers, f"kvroute {FLEET_STRATEGY}", FLEET_STRATEGY)
     finally:
         await routers.aclose()
     for name, why in routers.not_run.items():

@@ -22,8 +22,10 @@ THROUGHPUT_VS_SGLANG = 0.9  # kvroute's throughput / sglang-router's, at least
 CEILING_SHARE = 0.9  # a router this close to the replicas' own throughput is not the limit
 IDLE_NOTE = 0.02  # the idle routers' CPU share worth a note beside a router's throughput
 
+# the strategy of the default workload, what the proxy of ``kvroute up`` routes with
+FLEET_STRATEGY = "kv_cost"
 # (kvroute's contender, the peer policy it is judged against): like for like
-PAIRS = (("round_robin", "round_robin"), ("kv_aware", "cache_aware"))
+PAIRS = (("round_robin", "round_robin"), (FLEET_STRATEGY, "cache_aware"))
 JUDGE = "sglang-router"  # the peer the targets name
 PEERS = ("sglang-router", "vllm-router", "smg")  # bench.e2e.peers, in its order
 
@@ -41,14 +43,14 @@ HOP = floor_name("byte relay, no HTTP (the hop itself)")
 class Measured:
     """One router's figures from one run (``unavailable``: why it did not run)."""
 
-    name: str  # "kvroute kv_aware", "sglang-router cache_aware", ...
+    name: str  # "kvroute kv_cost", "sglang-router cache_aware", ...
     added_ms: float | None = None  # p50 over calling a replica directly
     rps: float | None = None
     cpu_share: float | None = None  # of one core, while under the throughput load
     errors: int = 0
     unavailable: str = ""
     idle_routers_share: float | None = None  # the other routers' CPU while this one ran
-    helpers_share: float | None = None  # kv_aware's fleet's CPU beside the replicas meanwhile
+    helpers_share: float | None = None  # the fleet's CPU beside the replicas meanwhile
     # the same load with the router under a CPU limit (``Results.cpu_limit``)
     limited_rps: float | None = None
     limited_share: float | None = None

@@ -1,9 +1,9 @@
 """The routers ``bench.proxy`` puts in front of the same replicas, each on the same CPU budget.
 
 Contenders, all on loopback: ``kvroute round_robin`` (``kvroute-proxy --static-replicas``,
-one worker: no control plane to ask), ``kvroute kv_aware`` (one ``kvroute-proxy`` of a
+one worker: no control plane to ask), ``kvroute kv_cost`` (one ``kvroute-proxy`` of a
 whole local fleet as ``kvroute up --engines`` runs it: NATS, etcd, the control plane and
-a sidecar per replica, the ``default`` workload's ``kv_aware``; without the debug headers
+a sidecar per replica, the ``default`` workload's strategy, ``kv_cost``; without the debug headers
 the demo shows, as deploy/ runs a proxy), and the peer routers
 ``sglang-router``, ``vllm-router`` and ``smg`` with their ``round_robin`` and ``cache_aware``
 policies (installed into their own virtual environments by :mod:`bench.e2e.peers`).
@@ -26,6 +26,7 @@ import aiohttp
 
 from bench.e2e.harness import _wait_answering
 from bench.e2e.peers import PEERS, PeerUnavailable
+from bench.proxy_report import FLEET_STRATEGY
 from kvroute.servers import free_port
 from kvroute.supervisor import ChildFailed, ChildSpec, Supervisor
 from kvroute.up import LocalFleet, UpError, UpOptions, ready_field, venv_tool_or_fail
@@ -163,7 +164,7 @@ class Routers:
         self.compiled["kvroute round_robin"] = ready_field(child.ready_text, "compiled")
 
     async def _start_fleet(self) -> None:
-        """kv_aware needs the residency map: one proxy of a whole local fleet."""
+        """The default strategy needs the residency map: one proxy of a whole local fleet."""
         options = UpOptions(
             engines=tuple(self.replicas), proxies=1, port=free_port(),
             data_dir=self.run_dir / "kvroute-fleet", debug_headers=False,
@@ -172,13 +173,13 @@ class Routers:
         try:
             fleet = await self.fleet.start()
         except (UpError, ChildFailed) as exc:
-            self.not_run["kvroute kv_aware"] = f"the local fleet did not start: {exc}"
+            self.not_run[f"kvroute {FLEET_STRATEGY}"] = f"the local fleet did not start: {exc}"
             return
         children = self.fleet.supervisor.children
         child = next(c for c in children if c.name == FLEET_PROXY)
         helpers = tuple(c.proc.pid for c in children if c is not child)
-        self._add("kvroute kv_aware", fleet.proxy_urls[0], child.proc.pid, helpers)
-        self.compiled["kvroute kv_aware"] = ready_field(child.ready_text, "compiled")
+        self._add(f"kvroute {FLEET_STRATEGY}", fleet.proxy_urls[0], child.proc.pid, helpers)
+        self.compiled[f"kvroute {FLEET_STRATEGY}"] = ready_field(child.ready_text, "compiled")
 
     async def _start_peer(self, name: str, policy: str) -> None:
         peer = PEERS[name]

@@ -25,6 +25,7 @@ from bench.proxy import (
     warm,
 )
 from bench.proxy_report import (
+    FLEET_STRATEGY,
     HOP,
     Measured,
     Results,
@@ -39,6 +40,7 @@ from bench.proxy_report import (
     write_json,
 )
 from bench.proxy_routers import descendants, pin_tree, split_cpus, tree_cpu_seconds
+from controlplane.records.config_store import default_workload_json
 
 OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}"
 
@@ -64,7 +66,7 @@ def _results(**routers: Measured) -> Results:
 def _everyone(kv_rps: float, kv_ms: float) -> Results:
     return _results(
         a=Measured("kvroute round_robin", added_ms=0.25, rps=1900.0),
-        b=Measured("kvroute kv_aware", added_ms=kv_ms, rps=kv_rps),
+        b=Measured("kvroute kv_cost", added_ms=kv_ms, rps=kv_rps),
         c=Measured("sglang-router round_robin", added_ms=0.26, rps=2000.0),
         d=Measured("sglang-router cache_aware", added_ms=0.27, rps=1000.0),
         e=Measured("vllm-router round_robin", added_ms=0.6, rps=1500.0),
@@ -80,21 +82,27 @@ def test_throughput_is_judged_like_for_like_against_sglang_router() -> None:
     rows = throughput_rows(_everyone(kv_rps=850.0, kv_ms=0.2), 32)
     rr = _row(rows, "kvroute round_robin / sglang-router round_robin")
     assert (round(rr.value or 0, 3), rr.verdict) == (0.95, "met")
-    kv = _row(rows, "kvroute kv_aware / sglang-router cache_aware")
+    kv = _row(rows, "kvroute kv_cost / sglang-router cache_aware")
     assert (round(kv.value or 0, 3), kv.verdict) == (0.85, "MISSED")
-    beside = _row(rows, "kvroute kv_aware / vllm-router cache_aware")
+    beside = _row(rows, "kvroute kv_cost / vllm-router cache_aware")
     assert beside.target is None and beside.verdict == ""  # vllm-router: printed, not judged
     assert "ceiling" in _row(rows, "throughput, sglang-router round_robin").note
     assert not all_met(rows)
 
 
-def test_kv_awares_fleet_cpu_beside_the_replicas_is_shown_with_its_throughput() -> None:
+def test_the_fleet_is_measured_with_the_default_workloads_strategy() -> None:
+    """A user's ``kvroute up`` proxy routes with the default workload's strategy: the
+    figures published as kvroute's must be that strategy's, not one they must choose."""
+    assert json.loads(default_workload_json())["strategy"] == FLEET_STRATEGY
+
+
+def test_the_fleets_cpu_beside_the_replicas_is_shown_with_its_throughput() -> None:
     results = _everyone(kv_rps=850.0, kv_ms=0.2)
-    results.routers["kvroute kv_aware"].helpers_share = 0.37
+    results.routers["kvroute kv_cost"].helpers_share = 0.37
     results.routers["sglang-router cache_aware"].helpers_share = 0.35
     rows = throughput_rows(results, 32)
     assert "took 37% of a core beside the replicas" in (
-        _row(rows, "throughput, kvroute kv_aware").note
+        _row(rows, "throughput, kvroute kv_cost").note
     )
     assert "took 35% of a core beside the replicas" in (
         _row(rows, "throughput, sglang-router cache_aware").note
@@ -104,8 +112,8 @@ def test_kv_awares_fleet_cpu_beside_the_replicas_is_shown_with_its_throughput() 
 
 def test_added_latency_needs_both_the_bound_and_sglang_routers_figure() -> None:
     rows = latency_rows(_everyone(kv_rps=1000.0, kv_ms=0.28))
-    assert _row(rows, "added latency p50, kvroute kv_aware").verdict == "met"  # <= 0.3 ms
-    assert _row(rows, "kvroute kv_aware / sglang-router cache_aware").verdict == "MISSED"
+    assert _row(rows, "added latency p50, kvroute kv_cost").verdict == "met"  # <= 0.3 ms
+    assert _row(rows, "kvroute kv_cost / sglang-router cache_aware").verdict == "MISSED"
     assert _row(rows, "kvroute round_robin / sglang-router round_robin").verdict == "met"
     assert all_met(latency_rows(_everyone(kv_rps=1000.0, kv_ms=0.27)))
 
@@ -150,7 +158,7 @@ def test_throughput_under_a_cpu_limit_is_judged_like_for_like_too() -> None:
     for name, rps in (
         ("kvroute round_robin", 900.0),
         ("sglang-router round_robin", 1000.0),
-        ("kvroute kv_aware", 700.0),
+        ("kvroute kv_cost", 700.0),
         ("sglang-router cache_aware", 1000.0),
     ):
         results.routers[name].limited_rps = rps
@@ -159,10 +167,10 @@ def test_throughput_under_a_cpu_limit_is_judged_like_for_like_too() -> None:
     rows = limited_rows(results, 32)  # fmt: skip
     rr = _row(rows, "kvroute round_robin / sglang-router round_robin, under a CPU limit of 400m")
     assert (round(rr.value or 0, 3), rr.verdict) == (0.9, "met")
-    kv = _row(rows, "kvroute kv_aware / sglang-router cache_aware, under a CPU limit of 400m")
+    kv = _row(rows, "kvroute kv_cost / sglang-router cache_aware, under a CPU limit of 400m")
     assert (round(kv.value or 0, 3), kv.verdict) == (0.7, "MISSED")
     assert "stalled by the limit in 30 periods" in (
-        _row(rows, "throughput under a CPU limit of 400m, kvroute kv_aware").note
+        _row(rows, "throughput under a CPU limit of 400m, kvroute kv_cost").note
     )
     vllm = _row(rows, "throughput under a CPU limit of 400m, vllm-router cache_aware")
     assert vllm.value is None and vllm.verdict == "not run"
@@ -174,7 +182,7 @@ def test_a_machine_where_no_cpu_limit_can_be_set_says_why_and_is_not_met() -> No
     assert limited_rows(results, 32) == []  # no limit asked for (--cpu-limit 0)
     results.limit_unavailable = "cannot make the cgroup: Permission denied"
     rows = limited_rows(results, 32)
-    ratio = _row(rows, "kvroute kv_aware / sglang-router cache_aware, under a CPU limit")
+    ratio = _row(rows, "kvroute kv_cost / sglang-router cache_aware, under a CPU limit")
     assert ratio.verdict == "NOT RUN" and "Permission denied" in ratio.note
     assert not all_met(rows)
 
@@ -186,7 +194,7 @@ def test_json_keeps_every_figure_with_its_verdict(tmp_path: Path) -> None:
     document = json.loads((tmp_path / "p" / "proxy.json").read_text())
     assert document["all_met"] is True and document["command"] == ["x"]
     assert len(document["figures"]) == len(rows)
-    assert document["results"]["routers"]["kvroute kv_aware"]["rps"] == 950.0
+    assert document["results"]["routers"]["kvroute kv_cost"]["rps"] == 950.0
 
 
 def test_cpus_split_gives_routers_one_and_the_rest_the_others() -> None:
@@ -321,7 +329,7 @@ def test_the_hops_own_cost_is_printed_with_the_direct_latency_and_decides_nothin
     rows = latency_rows(results)
     hop = rows[3]  # right after the pooled and each replica's direct latency
     assert "the hop alone" in hop.name and hop.value == 0.31 and hop.target is None
-    assert _row(rows, "added latency p50, kvroute kv_aware").verdict == "MISSED"  # still judged
+    assert _row(rows, "added latency p50, kvroute kv_cost").verdict == "MISSED"  # still judged
     assert not all_met(rows)
     # not repeated among the other routers, and no throughput row it was not timed for
     assert extra_rows(results, paired_names()) == []
