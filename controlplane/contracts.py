@@ -53,6 +53,8 @@ class ReplicaInfo:
     stale: bool = False
     role: str = "both"  # "both" | "prefill" | "decode" (kvcore.roles)
     bootstrap_port: int = 0  # an SGLang prefill server's bootstrap server; 0: none
+    # the LoRA adapters the engine has loaded: name -> the path it was loaded from
+    lora_adapters: dict[str, str] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float | None:

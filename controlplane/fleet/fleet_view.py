@@ -62,6 +62,7 @@ def replica_pb(record: ReplicaRecord) -> routing_pb2.Replica:
         msg.engine_block_size = announce.engine_block_size
         msg.role, msg.bootstrap_port = announce.role, announce.bootstrap_port
         msg.labels.update(announce.labels)
+        msg.lora_adapters.update(announce.lora_adapters)
     if record.load is not None:
         msg.load.CopyFrom(record.load)
     return msg
@@ -107,6 +108,7 @@ def replica_info(record: ReplicaRecord, resident_blocks: int) -> ReplicaInfo:
         stale=record.stale,
         role=role_name(announce.role) if announce else "both",
         bootstrap_port=announce.bootstrap_port if announce else 0,
+        lora_adapters=dict(announce.lora_adapters) if announce else {},
     )
 
 

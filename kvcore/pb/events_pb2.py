@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvroute/v1/events.proto\x12\nkvroute.v1\"\xd5\x03\n\x0fReplicaAnnounce\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x10\n\x08\x62\x61se_url\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x14\n\x0cserved_names\x18\x05 \x03(\t\x12+\n\x0b\x65ngine_kind\x18\x06 \x01(\x0e\x32\x16.kvroute.v1.EngineKind\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x19\n\x11\x65ngine_block_size\x18\x08 \x01(\r\x12\x17\n\x0f\x63\x61pacity_blocks\x18\t \x01(\x04\x12\x15\n\rsidecar_epoch\x18\n \x01(\x04\x12\x37\n\x06labels\x18\x0b \x03(\x0b\x32\'.kvroute.v1.ReplicaAnnounce.LabelsEntry\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x18\n\x10state_incomplete\x18\r \x01(\x08\x12\n\n\x02ts\x18\x0e \x01(\x01\x12%\n\x04role\x18\x0f \x01(\x0e\x32\x17.kvroute.v1.ReplicaRole\x12\x16\n\x0e\x62ootstrap_port\x18\x10 \x01(\r\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"h\n\x0c\x42locksStored\x12\x17\n\nparent_key\x18\x01 \x01(\x06H\x00\x88\x01\x01\x12\x0c\n\x04keys\x18\x02 \x03(\x06\x12\"\n\x06medium\x18\x03 \x01(\x0e\x32\x12.kvroute.v1.MediumB\r\n\x0b_parent_key\"A\n\rBlocksRemoved\x12\x0c\n\x04keys\x18\x01 \x03(\x06\x12\"\n\x06medium\x18\x02 \x01(\x0e\x32\x12.kvroute.v1.Medium\"\x12\n\x10\x41llBlocksCleared\"\x9c\x01\n\x07KvEvent\x12*\n\x06stored\x18\x01 \x01(\x0b\x32\x18.kvroute.v1.BlocksStoredH\x00\x12,\n\x07removed\x18\x02 \x01(\x0b\x32\x19.kvroute.v1.BlocksRemovedH\x00\x12/\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x1c.kvroute.v1.AllBlocksClearedH\x00\x42\x06\n\x04kind\"\xbb\x01\n\x0cKvEventBatch\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12#\n\x06\x65vents\x18\x05 \x03(\x0b\x32\x13.kvroute.v1.KvEvent\x12\x10\n\x08snapshot\x18\x06 \x01(\x08\x12\x15\n\rsnapshot_done\x18\x07 \x01(\x08\x12\x13\n\x0bsnapshot_id\x18\x08 \x01(\x04\x12\n\n\x02ts\x18\t \x01(\x01\"\xc9\x01\n\nLoadReport\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x10\n\x08kv_usage\x18\x06 \x01(\x01\x12\x1c\n\x14prefix_cache_queries\x18\x07 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x08 \x01(\x04\x12\x11\n\tengine_up\x18\t \x01(\x08\x12\n\n\x02ts\x18\n \x01(\x01\"G\n\rResyncRequest\x12\x11\n\trequester\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0bsnapshot_id\x18\x03 \x01(\x04\"P\n\x0bResyncReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\tfirst_seq\x18\x03 \x01(\x04\x12\r\n\x05\x65rror\x18\x04 \x01(\t*W\n\nEngineKind\x12\x1b\n\x17\x45NGINE_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10\x45NGINE_KIND_VLLM\x10\x01\x12\x16\n\x12\x45NGINE_KIND_SGLANG\x10\x02*W\n\x0bReplicaRole\x12\x15\n\x11REPLICA_ROLE_BOTH\x10\x00\x12\x18\n\x14REPLICA_ROLE_PREFILL\x10\x01\x12\x17\n\x13REPLICA_ROLE_DECODE\x10\x02*K\n\x06Medium\x12\x0e\n\nMEDIUM_GPU\x10\x00\x12\x0e\n\nMEDIUM_CPU\x10\x01\x12\x0f\n\x0bMEDIUM_DISK\x10\x02\x12\x10\n\x0cMEDIUM_OTHER\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvroute/v1/events.proto\x12\nkvroute.v1\"\xd0\x04\n\x0fReplicaAnnounce\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x10\n\x08\x62\x61se_url\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x14\n\x0cserved_names\x18\x05 \x03(\t\x12+\n\x0b\x65ngine_kind\x18\x06 \x01(\x0e\x32\x16.kvroute.v1.EngineKind\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x19\n\x11\x65ngine_block_size\x18\x08 \x01(\r\x12\x17\n\x0f\x63\x61pacity_blocks\x18\t \x01(\x04\x12\x15\n\rsidecar_epoch\x18\n \x01(\x04\x12\x37\n\x06labels\x18\x0b \x03(\x0b\x32\'.kvroute.v1.ReplicaAnnounce.LabelsEntry\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x18\n\x10state_incomplete\x18\r \x01(\x08\x12\n\n\x02ts\x18\x0e \x01(\x01\x12%\n\x04role\x18\x0f \x01(\x0e\x32\x17.kvroute.v1.ReplicaRole\x12\x16\n\x0e\x62ootstrap_port\x18\x10 \x01(\r\x12\x44\n\rlora_adapters\x18\x11 \x03(\x0b\x32-.kvroute.v1.ReplicaAnnounce.LoraAdaptersEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x33\n\x11LoraAdaptersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"h\n\x0c\x42locksStored\x12\x17\n\nparent_key\x18\x01 \x01(\x06H\x00\x88\x01\x01\x12\x0c\n\x04keys\x18\x02 \x03(\x06\x12\"\n\x06medium\x18\x03 \x01(\x0e\x32\x12.kvroute.v1.MediumB\r\n\x0b_parent_key\"A\n\rBlocksRemoved\x12\x0c\n\x04keys\x18\x01 \x03(\x06\x12\"\n\x06medium\x18\x02 \x01(\x0e\x32\x12.kvroute.v1.Medium\"\x12\n\x10\x41llBlocksCleared\"\x9c\x01\n\x07KvEvent\x12*\n\x06stored\x18\x01 \x01(\x0b\x32\x18.kvroute.v1.BlocksStoredH\x00\x12,\n\x07removed\x18\x02 \x01(\x0b\x32\x19.kvroute.v1.BlocksRemovedH\x00\x12/\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x1c.kvroute.v1.AllBlocksClearedH\x00\x42\x06\n\x04kind\"\xbb\x01\n\x0cKvEventBatch\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12#\n\x06\x65vents\x18\x05 \x03(\x0b\x32\x13.kvroute.v1.KvEvent\x12\x10\n\x08snapshot\x18\x06 \x01(\x08\x12\x15\n\rsnapshot_done\x18\x07 \x01(\x08\x12\x13\n\x0bsnapshot_id\x18\x08 \x01(\x04\x12\n\n\x02ts\x18\t \x01(\x01\"\xc9\x01\n\nLoadReport\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x10\n\x08kv_usage\x18\x06 \x01(\x01\x12\x1c\n\x14prefix_cache_queries\x18\x07 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x08 \x01(\x04\x12\x11\n\tengine_up\x18\t \x01(\x08\x12\n\n\x02ts\x18\n \x01(\x01\"G\n\rResyncRequest\x12\x11\n\trequester\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0bsnapshot_id\x18\x03 \x01(\x04\"P\n\x0bResyncReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\tfirst_seq\x18\x03 \x01(\x04\x12\r\n\x05\x65rror\x18\x04 \x01(\t*W\n\nEngineKind\x12\x1b\n\x17\x45NGINE_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10\x45NGINE_KIND_VLLM\x10\x01\x12\x16\n\x12\x45NGINE_KIND_SGLANG\x10\x02*W\n\x0bReplicaRole\x12\x15\n\x11REPLICA_ROLE_BOTH\x10\x00\x12\x18\n\x14REPLICA_ROLE_PREFILL\x10\x01\x12\x17\n\x13REPLICA_ROLE_DECODE\x10\x02*K\n\x06Medium\x12\x0e\n\nMEDIUM_GPU\x10\x00\x12\x0e\n\nMEDIUM_CPU\x10\x01\x12\x0f\n\x0bMEDIUM_DISK\x10\x02\x12\x10\n\x0cMEDIUM_OTHER\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,30 +33,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REPLICAANNOUNCE_LABELSENTRY']._loaded_options = None
   _globals['_REPLICAANNOUNCE_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_ENGINEKIND']._serialized_start=1412
-  _globals['_ENGINEKIND']._serialized_end=1499
-  _globals['_REPLICAROLE']._serialized_start=1501
-  _globals['_REPLICAROLE']._serialized_end=1588
-  _globals['_MEDIUM']._serialized_start=1590
-  _globals['_MEDIUM']._serialized_end=1665
+  _globals['_REPLICAANNOUNCE_LORAADAPTERSENTRY']._loaded_options = None
+  _globals['_REPLICAANNOUNCE_LORAADAPTERSENTRY']._serialized_options = b'8\001'
+  _globals['_ENGINEKIND']._serialized_start=1535
+  _globals['_ENGINEKIND']._serialized_end=1622
+  _globals['_REPLICAROLE']._serialized_start=1624
+  _globals['_REPLICAROLE']._serialized_end=1711
+  _globals['_MEDIUM']._serialized_start=1713
+  _globals['_MEDIUM']._serialized_end=1788
   _globals['_REPLICAANNOUNCE']._serialized_start=40
-  _globals['_REPLICAANNOUNCE']._serialized_end=509
-  _globals['_REPLICAANNOUNCE_LABELSENTRY']._serialized_start=464
-  _globals['_REPLICAANNOUNCE_LABELSENTRY']._serialized_end=509
-  _globals['_BLOCKSSTORED']._serialized_start=511
-  _globals['_BLOCKSSTORED']._serialized_end=615
-  _globals['_BLOCKSREMOVED']._serialized_start=617
-  _globals['_BLOCKSREMOVED']._serialized_end=682
-  _globals['_ALLBLOCKSCLEARED']._serialized_start=684
-  _globals['_ALLBLOCKSCLEARED']._serialized_end=702
-  _globals['_KVEVENT']._serialized_start=705
-  _globals['_KVEVENT']._serialized_end=861
-  _globals['_KVEVENTBATCH']._serialized_start=864
-  _globals['_KVEVENTBATCH']._serialized_end=1051
-  _globals['_LOADREPORT']._serialized_start=1054
-  _globals['_LOADREPORT']._serialized_end=1255
-  _globals['_RESYNCREQUEST']._serialized_start=1257
-  _globals['_RESYNCREQUEST']._serialized_end=1328
-  _globals['_RESYNCREPLY']._serialized_start=1330
-  _globals['_RESYNCREPLY']._serialized_end=1410
+  _globals['_REPLICAANNOUNCE']._serialized_end=632
+  _globals['_REPLICAANNOUNCE_LABELSENTRY']._serialized_start=534
+  _globals['_REPLICAANNOUNCE_LABELSENTRY']._serialized_end=579
+  _globals['_REPLICAANNOUNCE_LORAADAPTERSENTRY']._serialized_start=581
+  _globals['_REPLICAANNOUNCE_LORAADAPTERSENTRY']._serialized_end=632
+  _globals['_BLOCKSSTORED']._serialized_start=634
+  _globals['_BLOCKSSTORED']._serialized_end=738
+  _globals['_BLOCKSREMOVED']._serialized_start=740
+  _globals['_BLOCKSREMOVED']._serialized_end=805
+  _globals['_ALLBLOCKSCLEARED']._serialized_start=807
+  _globals['_ALLBLOCKSCLEARED']._serialized_end=825
+  _globals['_KVEVENT']._serialized_start=828
+  _globals['_KVEVENT']._serialized_end=984
+  _globals['_KVEVENTBATCH']._serialized_start=987
+  _globals['_KVEVENTBATCH']._serialized_end=1174
+  _globals['_LOADREPORT']._serialized_start=1177
+  _globals['_LOADREPORT']._serialized_end=1378
+  _globals['_RESYNCREQUEST']._serialized_start=1380
+  _globals['_RESYNCREQUEST']._serialized_end=1451
+  _globals['_RESYNCREPLY']._serialized_start=1453
+  _globals['_RESYNCREPLY']._serialized_end=1533
 # @@protoc_insertion_point(module_scope)

@@ -37,8 +37,15 @@ MEDIUM_DISK: Medium
 MEDIUM_OTHER: Medium
 
 class ReplicaAnnounce(_message.Message):
-    __slots__ = ("replica_id", "pool", "base_url", "model", "served_names", "engine_kind", "block_size", "engine_block_size", "capacity_blocks", "sidecar_epoch", "labels", "draining", "state_incomplete", "ts", "role", "bootstrap_port")
+    __slots__ = ("replica_id", "pool", "base_url", "model", "served_names", "engine_kind", "block_size", "engine_block_size", "capacity_blocks", "sidecar_epoch", "labels", "draining", "state_incomplete", "ts", "role", "bootstrap_port", "lora_adapters")
     class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class LoraAdaptersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +68,7 @@ class ReplicaAnnounce(_message.Message):
     TS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     BOOTSTRAP_PORT_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     pool: str
     base_url: str
@@ -77,7 +85,8 @@ class ReplicaAnnounce(_message.Message):
     ts: float
     role: ReplicaRole
     bootstrap_port: int
-    def __init__(self, replica_id: _Optional[str] = ..., pool: _Optional[str] = ..., base_url: _Optional[str] = ..., model: _Optional[str] = ..., served_names: _Optional[_Iterable[str]] = ..., engine_kind: _Optional[_Union[EngineKind, str]] = ..., block_size: _Optional[int] = ..., engine_block_size: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., sidecar_epoch: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., draining: _Optional[bool] = ..., state_incomplete: _Optional[bool] = ..., ts: _Optional[float] = ..., role: _Optional[_Union[ReplicaRole, str]] = ..., bootstrap_port: _Optional[int] = ...) -> None: ...
+    lora_adapters: _containers.ScalarMap[str, str]
+    def __init__(self, replica_id: _Optional[str] = ..., pool: _Optional[str] = ..., base_url: _Optional[str] = ..., model: _Optional[str] = ..., served_names: _Optional[_Iterable[str]] = ..., engine_kind: _Optional[_Union[EngineKind, str]] = ..., block_size: _Optional[int] = ..., engine_block_size: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., sidecar_epoch: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., draining: _Optional[bool] = ..., state_incomplete: _Optional[bool] = ..., ts: _Optional[float] = ..., role: _Optional[_Union[ReplicaRole, str]] = ..., bootstrap_port: _Optional[int] = ..., lora_adapters: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class BlocksStored(_message.Message):
     __slots__ = ("parent_key", "keys", "medium")

@@ -86,8 +86,15 @@ class RoutingConfig(_message.Message):
     def __init__(self, revision: _Optional[int] = ..., workloads: _Optional[_Iterable[_Union[Workload, _Mapping]]] = ..., api_keys: _Optional[_Iterable[_Union[ApiKey, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[Model, _Mapping]]] = ..., rules_json: _Optional[str] = ...) -> None: ...
 
 class Replica(_message.Message):
-    __slots__ = ("ordinal", "replica_id", "pool", "base_url", "model", "served_names", "engine_kind", "block_size", "status", "load", "labels", "capacity_seqs", "state_incomplete", "engine_block_size", "role", "bootstrap_port", "warmup")
+    __slots__ = ("ordinal", "replica_id", "pool", "base_url", "model", "served_names", "engine_kind", "block_size", "status", "load", "labels", "capacity_seqs", "state_incomplete", "engine_block_size", "role", "bootstrap_port", "warmup", "lora_adapters")
     class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class LoraAdaptersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +118,7 @@ class Replica(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     BOOTSTRAP_PORT_FIELD_NUMBER: _ClassVar[int]
     WARMUP_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     ordinal: int
     replica_id: str
     pool: str
@@ -128,7 +136,8 @@ class Replica(_message.Message):
     role: _events_pb2.ReplicaRole
     bootstrap_port: int
     warmup: WarmupState
-    def __init__(self, ordinal: _Optional[int] = ..., replica_id: _Optional[str] = ..., pool: _Optional[str] = ..., base_url: _Optional[str] = ..., model: _Optional[str] = ..., served_names: _Optional[_Iterable[str]] = ..., engine_kind: _Optional[_Union[_events_pb2.EngineKind, str]] = ..., block_size: _Optional[int] = ..., status: _Optional[_Union[ReplicaStatus, str]] = ..., load: _Optional[_Union[_events_pb2.LoadReport, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., capacity_seqs: _Optional[int] = ..., state_incomplete: _Optional[bool] = ..., engine_block_size: _Optional[int] = ..., role: _Optional[_Union[_events_pb2.ReplicaRole, str]] = ..., bootstrap_port: _Optional[int] = ..., warmup: _Optional[_Union[WarmupState, _Mapping]] = ...) -> None: ...
+    lora_adapters: _containers.ScalarMap[str, str]
+    def __init__(self, ordinal: _Optional[int] = ..., replica_id: _Optional[str] = ..., pool: _Optional[str] = ..., base_url: _Optional[str] = ..., model: _Optional[str] = ..., served_names: _Optional[_Iterable[str]] = ..., engine_kind: _Optional[_Union[_events_pb2.EngineKind, str]] = ..., block_size: _Optional[int] = ..., status: _Optional[_Union[ReplicaStatus, str]] = ..., load: _Optional[_Union[_events_pb2.LoadReport, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., capacity_seqs: _Optional[int] = ..., state_incomplete: _Optional[bool] = ..., engine_block_size: _Optional[int] = ..., role: _Optional[_Union[_events_pb2.ReplicaRole, str]] = ..., bootstrap_port: _Optional[int] = ..., warmup: _Optional[_Union[WarmupState, _Mapping]] = ..., lora_adapters: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class WarmupState(_message.Message):
     __slots__ = ("warming", "pending_keys")
