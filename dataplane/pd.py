@@ -45,6 +45,7 @@ from dataplane.fleet_state import Endpoint, InflightTicket
 from dataplane.http_errors import NoReplica
 from dataplane.relay import usage_of
 from dataplane.upstream import Opened, Retriable
+from kvcore.decode_choice import DecodeCandidate, choose_decode
 from kvcore.policies import Decision
 from kvcore.roles import Role, sglang_disaggregation
 
@@ -137,7 +138,7 @@ class PdSplit:
         try:
             for tries in range(1, self.d.policies.retry_attempts + 2):
                 prefill, decision, predicted = self._pick_prefill(exchange, prefills, tried_p)
-                decode = self._pick_decode(exchange.prepared.model, decodes, tried_d)
+                decode = self._pick_decode(exchange, decodes, tried_d)
                 if prefill is None or decode is None:
                     break
                 try:
@@ -198,17 +199,35 @@ class PdSplit:
         endpoint = None if decision.ordinal is None else self.fleet.endpoint(decision.ordinal)
         return endpoint, decision, predicted
 
-    def _pick_decode(self, model: str, decodes: list[Endpoint], tried: set[int]) -> Endpoint | None:
-        """The least-loaded decode replica not tried yet, the most KV headroom breaking
-        ties."""
-        held_out = self.breakers.excluded(self._clock())
-        states = {r.ordinal: r for r in self.fleet.view(model).replicas()}
-        ranked = [
-            (states[e.ordinal].load, states[e.ordinal].kv_usage, e.ordinal, e)
+    def _pick_decode(
+        self, exchange: Exchange, decodes: list[Endpoint], tried: set[int]
+    ) -> Endpoint | None:
+        """The decode replica by load, KV headroom and, where decode replicas report
+        residency, the prompt they hold (:func:`kvcore.decode_choice.choose_decode`)."""
+        now = self._clock()
+        held_out = self.breakers.excluded(now)
+        states = {r.ordinal: r for r in self.fleet.view(exchange.prepared.model).replicas()}
+        usable = {
+            e.ordinal: e
             for e in decodes
             if e.ordinal not in tried and e.ordinal not in held_out and e.ordinal in states
-        ]
-        return min(ranked, key=lambda row: row[:3])[3] if ranked else None
+        }
+        runs = self._resident(exchange, usable, now)
+        ordinal = choose_decode(
+            [DecodeCandidate(o, states[o].load, states[o].kv_usage, runs.get(o, 0)) for o in usable]
+        )
+        return None if ordinal is None else usable[ordinal]
+
+    def _resident(
+        self, exchange: Exchange, usable: dict[int, Endpoint], now: float
+    ) -> dict[int, int]:
+        """The prompt's leading blocks each usable decode replica reported holding."""
+        keys = exchange.prepared.block_keys
+        if not keys or not usable:
+            return {}
+        view = self.fleet.view(exchange.prepared.model)
+        runs = view.leading_runs(keys, now=now)
+        return {o: n for o, n in runs.items() if o in usable}
 
     # -- the two halves ------------------------------------------------------------------
 
