@@ -90,7 +90,10 @@ class FleetView(Protocol):
         delta; the other instance learns it through etcd membership."""
         ...
 
-    def residency_summary(self, top: int = 20) -> ResidencySummary: ...
+    async def residency_summary(self, top: int = 20) -> ResidencySummary:
+        """Keys per replica and the ``top`` keys held by the most replicas; the event
+        loop runs while the residency is ranked."""
+        ...
 
     def state_view(self, pool: str | None = None) -> StateView:
         """A kvcore view of the fleet (replicas with load, residency) for explain."""

@@ -87,6 +87,13 @@ class ResidencyIndex(Protocol):
         a snapshot's contents without a Python object per key. A copy."""
         ...
 
+    def residency_chunks(self, rows: int = 1 << 18) -> Iterator[tuple[U64, U64]]:
+        """:meth:`residency` in pieces of about ``rows`` rows at most, so that an event
+        loop can run between them. The index may change between pieces: each key comes
+        at most once, as it was when its piece was read (or, after a rebuild of the
+        index's storage, when the rebuild began)."""
+        ...
+
     def reserve(self, keys: int) -> None:
         """Room for ``keys`` distinct keys in all, made at once (a snapshot about to be
         loaded); an index that has nothing to make ignores it."""

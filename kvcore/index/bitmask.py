@@ -45,7 +45,7 @@ from itertools import accumulate, count, groupby, repeat, takewhile
 from operator import and_
 
 from kvcore.index.base import U64, check_replica
-from kvcore.index.columns import add_by_replica, from_holdings
+from kvcore.index.columns import add_by_replica, from_holdings, holdings_chunks
 
 _NOTHING: dict[int, int] = {}
 
@@ -233,6 +233,11 @@ class BitmaskResidencyIndex:
 
     def residency(self) -> tuple[U64, U64]:
         return from_holdings(self.holdings())
+
+    def residency_chunks(self, rows: int = 1 << 18) -> Iterator[tuple[U64, U64]]:
+        """Pieces of the keys as they were when it began (a copy of the dict's keys, at
+        C speed), each key's mask read when its piece is."""
+        return holdings_chunks(list(self._masks), self._masks, self._hidden, rows)
 
     def reserve(self, keys: int) -> None:
         return None

@@ -17,6 +17,7 @@ Rules:
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from itertools import repeat
 
 import numpy as np
 import numpy.typing as npt
@@ -59,6 +60,54 @@ def from_holdings(holdings: Iterable[tuple[int, int]]) -> tuple[U64, U64]:
     words = max(1, max((mask.bit_length() + 63) // 64 for _, mask in pairs)) if pairs else 1
     keys = np.array([key for key, _ in pairs], dtype=np.uint64)
     return keys, rows_of([mask for _, mask in pairs], words).reshape(len(pairs), words)
+
+
+def holdings_chunks(
+    keys: list[int], masks: dict[int, int], hidden: int, rows: int
+) -> Iterator[tuple[U64, U64]]:
+    """Columns of ``keys`` (a copy of a dict index's keys) in pieces of ``rows``, each
+    key's mask read from ``masks`` when its piece is; keys no visible replica holds
+    (any more) skipped."""
+    visible = ~hidden
+    for start in range(0, len(keys), rows):
+        piece = keys[start : start + rows]
+        held = zip(piece, map(masks.get, piece, repeat(0)), strict=True)
+        yield from_holdings((key, mask & visible) for key, mask in held if mask & visible)
+
+
+class MostShared:
+    """The keys held by the most replicas (at least two) among rows given piece by
+    piece: the ``top`` with the most holders, in the order given among equals. Each
+    piece is ranked in array operations (a holder count per row, then a threshold), so
+    millions of rows cost milliseconds, not a Python loop over every key."""
+
+    def __init__(self, top: int) -> None:
+        self.top = top
+        self._best: list[tuple[int, int, int]] = []  # (holders, key, mask), best first
+
+    def add(self, keys: U64, masks: U64) -> None:
+        if not self.top or not keys.size:
+            return
+        counts = np.bitwise_count(masks).sum(axis=1, dtype=np.int64)
+        floor = self._best[-1][0] if len(self._best) == self.top else 1
+        rows = np.flatnonzero(counts > floor)  # what can still enter the ranking
+        if rows.size > self.top:  # the top-th largest count, then the first at it
+            cut = int(np.partition(counts[rows], rows.size - self.top)[rows.size - self.top])
+            above = rows[counts[rows] > cut]
+            at = rows[counts[rows] == cut][: self.top - above.size]
+            rows = np.sort(np.concatenate([above, at]))
+        found = [
+            (int(count), int(key), joined(row))
+            for count, key, row in zip(
+                counts[rows].tolist(), keys[rows].tolist(), masks[rows].tolist(), strict=True
+            )
+        ]
+        # (a stable sort: earlier pieces and rows first among equals)
+        self._best = sorted(self._best + found, key=lambda held: -held[0])[: self.top]
+
+    def result(self) -> list[tuple[int, int]]:
+        """``(key, mask)`` pairs, most holders first."""
+        return [(key, mask) for _, key, mask in self._best]
 
 
 def restricted(keys: U64, masks: U64, ordinals: Iterable[int]) -> tuple[U64, U64]:

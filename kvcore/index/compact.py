@@ -274,6 +274,21 @@ class CompactResidencyIndex:
             masks = np.concatenate([words_of(zero, masks.shape[1])[None, :], masks])
         return keys, masks
 
+    def residency_chunks(self, rows: int = 1 << 18) -> Iterator[tuple[U64, U64]]:
+        """Slot ranges of ``rows`` slots: key 0 (if held) first, then each range's live
+        rows. A rebuild between pieces (the table grew) leaves the rest read from the
+        table as it was, whose keys are each in one slot."""
+        self._apply_pending()
+        table = self._table
+        zero = self._zero & ~self._hidden
+        if zero:
+            yield np.zeros(1, dtype=np.uint64), words_of(zero, table.words)[None, :]
+        for start in range(0, table.capacity, rows):
+            if table is self._table:
+                self._apply_pending()
+            hidden = words_of(self._hidden, table.words) if self._hidden else None
+            yield table.live_rows(hidden, start, start + rows)
+
     def reserve(self, keys: int) -> None:
         """A rebuild now, to hold ``keys`` in all, instead of one per doubling."""
         self._apply_pending()

@@ -188,11 +188,14 @@ class KeyTable:
         table.masks[slots] = self.masks[: self.capacity][used]
         return table
 
-    def live_rows(self, hidden: U64 | None = None) -> tuple[U64, U64]:
+    def live_rows(
+        self, hidden: U64 | None = None, start: int = 0, stop: int | None = None
+    ) -> tuple[U64, U64]:
         """The keys with a bit set (outside ``hidden``, words of replicas) and their
-        bitsets, in slot order."""
-        masks = self.masks[: self.capacity]
+        bitsets, in slot order, of slots ``start`` to ``stop`` (all by default)."""
+        stop = self.capacity if stop is None else min(stop, self.capacity)
+        masks = self.masks[start:stop]
         if hidden is not None:
             masks = masks & ~hidden
         used = masks.any(axis=1)
-        return self.keys[: self.capacity][used], masks[used]
+        return self.keys[start:stop][used], masks[used]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 
 from kvcore.index.base import U64, check_replica
-from kvcore.index.columns import add_by_replica, from_holdings
+from kvcore.index.columns import add_by_replica, from_holdings, holdings_chunks
 
 
 class ReferenceResidencyIndex:
@@ -84,6 +84,10 @@ class ReferenceResidencyIndex:
 
     def residency(self) -> tuple[U64, U64]:
         return from_holdings(self.holdings())
+
+    def residency_chunks(self, rows: int = 1 << 18) -> Iterator[tuple[U64, U64]]:
+        masks = dict(self.holdings())
+        return holdings_chunks(list(masks), masks, 0, rows)
 
     def reserve(self, keys: int) -> None:
         return None

@@ -76,9 +76,7 @@ async def test_control_plane_ingests_over_nats_tls_with_a_token(
         await wait_until(
             lambda: [r.replica_id for r in control_plane.view.replicas()] == ["tls-r1"]
         )
-        await wait_until(
-            lambda: control_plane.view.residency_summary().per_replica.get("tls-r1") == 32
-        )
+        await wait_until(lambda: [r.resident_blocks for r in control_plane.view.replicas()] == [32])
     finally:
         await sidecar.stop()
         await control_plane.aclose()

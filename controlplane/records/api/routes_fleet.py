@@ -83,7 +83,7 @@ async def undrain(
 async def residency(
     context: Context, _: Reader, top: Annotated[int, Query(ge=0, le=1000)] = 20
 ) -> dict[str, Any]:
-    summary = context.fleet.residency_summary(top)
+    summary = await context.fleet.residency_summary(top)
     return {
         "total_keys": summary.total_keys,
         "per_replica": summary.per_replica,

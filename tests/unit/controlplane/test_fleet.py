@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import numpy as np
 import pytest
 
 from controlplane.fleet.fleet import Fleet, ReplicaRecord
@@ -177,20 +180,53 @@ def test_changes_are_net_per_replica(fleet: Fleet) -> None:
     assert (net.cleared, net.added, net.removed) == (False, {1}, {3})
 
 
-def test_view_for_explain_and_the_admin_api(fleet: Fleet) -> None:
+async def test_view_for_explain_and_the_admin_api(fleet: Fleet) -> None:
     fleet.on_announce(announce("a"), now=0.0)
     fleet.on_announce(announce("b", pool="other"), now=0.0)
     feed(fleet, batch(0, stored=[[1, 2]], replica="a"))
     feed(fleet, batch(0, stored=[[1]], replica="b", pool="other"))
     fleet.on_load(load("a", running=3), "default", now=0.0)
     view = LiveFleetView(fleet)
-    summary = view.residency_summary()
+    summary = await view.residency_summary()
     assert summary.total_keys == 2 and summary.per_replica == {"a": 2, "b": 1}
     assert [(p.key, set(p.holders)) for p in summary.most_shared] == [(1, {"a", "b"})]
     state = view.state_view("default")
     assert [r.replica_id for r in state.replicas()] == ["a"]
     assert state.replicas()[0].running == 3
     assert state.leading_runs([1, 2], now=None)[fleet.by_id["a"].ordinal] == 2
+
+
+async def test_the_residency_summary_of_many_keys_lets_events_in_while_it_ranks(
+    fleet: Fleet,
+) -> None:
+    """An operator asking for the most shared keys of a large index does not stop the
+    control plane: events that arrive meanwhile are applied before the answer, which
+    ranks every key (the same as ranking them all at once)."""
+    for name in "abcd":
+        fleet.on_announce(announce(name), now=0.0)
+        feed(fleet, batch(0, stored=[[1]], replica=name))
+    ordinals = [fleet.by_id[name].ordinal for name in "abcd"]
+    keys = np.arange(2, 600_002, dtype=np.uint64)
+    fleet.index.add(ordinals[0], keys)  # 600,000 keys, some held by more replicas
+    fleet.index.add(ordinals[1], keys[::1000])
+    fleet.index.add(ordinals[2], keys[::7000])
+    view = LiveFleetView(fleet)
+    view.summary_rows = 65_536  # (pieces of the ~1M-slot table)
+    late = batch(1, stored=[[900_001, 900_002]], replica="d")
+
+    async def events_meanwhile() -> int:
+        feed(fleet, late)
+        return fleet.index.key_count(ordinals[3])
+
+    arriving = asyncio.ensure_future(events_meanwhile())
+    summary = await view.residency_summary(top=50)
+    assert arriving.done() and arriving.result() == 3
+    assert summary.total_keys == 600_003 and summary.per_replica["d"] == 3
+    held, masks = fleet.index.residency()  # ranked at once: the most holders first
+    expected = held[np.argsort(-np.bitwise_count(masks).sum(axis=1), kind="stable")][:50]
+    assert [p.key for p in summary.most_shared] == expected.tolist()
+    assert set(summary.most_shared[0].holders) == {"a", "b", "c", "d"}
+    assert {len(p.holders) for p in summary.most_shared[1:]} == {3}
 
 
 async def test_drain_is_persisted_then_seen(fleet: Fleet) -> None:

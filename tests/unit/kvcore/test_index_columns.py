@@ -15,7 +15,13 @@ from kvcore.index import (
     ReferenceResidencyIndex,
     ResidencyIndex,
 )
-from kvcore.index.columns import BadColumns, from_columns, restricted, to_columns
+from kvcore.index.columns import (
+    BadColumns,
+    MostShared,
+    from_columns,
+    restricted,
+    to_columns,
+)
 from kvcore.pb import routing_pb2
 
 IMPLEMENTATIONS: list[Callable[[], ResidencyIndex]] = [
@@ -55,6 +61,53 @@ def test_columns_carry_one_index_into_another_key_for_key(
         assert index.key_count(replica) == original.key_count(replica)
     assert index.key_count() == original.key_count() == 3003  # those 0 lost, 70 holds
     assert index.leading_runs([0, 1, BIG]) == original.leading_runs([0, 1, BIG])
+
+
+def _rows(pieces: list[tuple[np.ndarray, np.ndarray]]) -> dict[int, tuple[int, ...]]:
+    rows: dict[int, tuple[int, ...]] = {}
+    for keys, masks in pieces:
+        for key, row in zip(keys.tolist(), masks.tolist(), strict=True):
+            assert key not in rows  # each key once
+            rows[key] = tuple(row) + (0,) * (2 - len(row))
+    return rows
+
+
+def test_residency_in_pieces_is_the_residency(index: ResidencyIndex) -> None:
+    _filled(index)
+    keys, masks = index.residency()
+    assert _rows(list(index.residency_chunks(rows=500))) == _rows([(keys, masks)])
+
+
+def test_residency_in_pieces_gives_each_key_once_while_the_index_grows(
+    index: ResidencyIndex,
+) -> None:
+    _filled(index)
+    before = dict(index.holdings())
+    pieces = []
+    for number, piece in enumerate(index.residency_chunks(rows=256)):
+        pieces.append(piece)
+        if number == 2:  # (the compact table is rebuilt, larger)
+            index.add(3, range(10**6, 10**6 + 20_000))
+    rows = _rows(pieces)
+    assert set(before) <= set(rows) | set(range(10**6, 10**6 + 20_000))
+    assert all(key in before or key >= 10**6 for key in rows)
+
+
+@pytest.mark.parametrize("top", [0, 1, 7, 40])
+def test_the_most_shared_keys_ranked_piece_by_piece_are_those_ranked_at_once(top: int) -> None:
+    rng = np.random.default_rng(top)
+    keys = rng.integers(1, 2**63, 5_000, dtype=np.uint64)
+    masks = rng.integers(0, 2**64, (5_000, 2), dtype=np.uint64)
+    masks &= rng.integers(0, 2**64, (5_000, 2), dtype=np.uint64)  # holder counts vary
+    masks[rng.random((5_000, 2)) < 0.8] = 0  # many held by one or no replica...
+    masks[::50, 0] = 0b111  # ...and ties
+    ranking = MostShared(top)
+    for start in range(0, 5_000, 333):
+        ranking.add(keys[start : start + 333], masks[start : start + 333])
+    counts = np.bitwise_count(masks).sum(axis=1)
+    order = [i for i in np.argsort(-counts, kind="stable").tolist() if counts[i] > 1][:top]
+    expected = [(int(keys[i]), int(masks[i, 0]) | int(masks[i, 1]) << 64) for i in order]
+    assert ranking.result() == expected
 
 
 def test_rows_add_to_what_an_index_holds(index: ResidencyIndex) -> None:

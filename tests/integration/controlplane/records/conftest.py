@@ -55,7 +55,7 @@ class InTestFleet:
         self.infos[replica_id] = info
         return info
 
-    def residency_summary(self, top: int = 20) -> ResidencySummary:
+    async def residency_summary(self, top: int = 20) -> ResidencySummary:
         per_replica = {rid: self.index.key_count(self.ordinal(rid)) for rid in self.infos}
         ids = list(self.infos)
         shared = sorted(
