@@ -51,7 +51,7 @@ from enginesim.errors import PoolExhausted
 from enginesim.kv_manager import AllCleared, BlockEvicted, BlocksStored, PoolEvent
 
 if TYPE_CHECKING:
-    from enginesim.request import SimRequest
+    from enginesim.request import LoraTag, SimRequest
 
 __all__ = ["BlockPool", "KVBlock", "RequestBlocks", "VllmKVCacheManager"]
 
@@ -184,6 +184,7 @@ class BlockPool:
         parent: bytes | None,
         token_ids: Sequence[int],
         salt: str | None,
+        lora: LoraTag | None = None,
     ) -> None:
         """Cache newly full ``blocks`` (their digests and tokens given in order)."""
         if not blocks:
@@ -191,7 +192,7 @@ class BlockPool:
         for block, digest in zip(blocks, digests, strict=True):
             block.digest = digest
             self._cached.setdefault(digest, {})[block.block_id] = block
-        self._events.append(BlocksStored(tuple(digests), parent, tuple(token_ids), salt))
+        self._events.append(BlocksStored(tuple(digests), parent, tuple(token_ids), salt, lora))
 
     def _evict(self, block: KVBlock) -> None:
         digest = block.digest
@@ -325,5 +326,7 @@ class VllmKVCacheManager:
         parent = req.digests[start - 1] if start else None
         salt = req.salt if start == 0 else None
         tokens = req.tokens[start * bs : full * bs]
-        self.pool.cache_run(held.blocks[start:full], req.digests[start:full], parent, tokens, salt)
+        self.pool.cache_run(
+            held.blocks[start:full], req.digests[start:full], parent, tokens, salt, req.lora
+        )
         held.num_cached = full

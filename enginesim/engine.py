@@ -21,11 +21,12 @@ from enginesim.blockpool import VllmKVCacheManager
 from enginesim.errors import EngineRestarted
 from enginesim.faults import FaultInjector, FaultUpdate
 from enginesim.kv_manager import KVCacheManager
+from enginesim.lora import WarmAdapters
 from enginesim.metrics import CacheConfig, EngineMetrics, LoadSnapshot, make_metrics
 from enginesim.pd import KvTransfers
 from enginesim.publisher import EventPublisher, PublisherConfig
 from enginesim.radix_cache import SglangRadixCache
-from enginesim.request import SimRequest
+from enginesim.request import LoraTag, SimRequest
 from enginesim.scheduler import CoreLimits, EngineCore, StepOutput
 from enginesim.settings import SimSettings
 from enginesim.wire import make_format
@@ -74,10 +75,17 @@ class Engine:
         self.settings = settings
         self.format = make_format(settings.event_format, settings.block_size)
         limits = CoreLimits(
-            settings.block_size, settings.num_blocks, settings.max_num_seqs, settings.model_len
+            settings.block_size,
+            settings.num_blocks,
+            settings.max_num_seqs,
+            settings.model_len,
+            settings.max_loras if settings.enable_lora else 0,
         )
         kv = _KV_MANAGERS[settings.event_format](settings.num_blocks, settings.block_size)
         self.core = EngineCore(limits, self.format.hasher, settings.timing(), kv, filler)
+        if settings.enable_lora and settings.event_format != "sglang":
+            self.core.warm = WarmAdapters(settings.max_cpu_loras or settings.max_loras)
+            self.core.lora_load_s = settings.lora_load_ms / 1000
         self.publisher = EventPublisher(
             PublisherConfig(
                 endpoint=settings.kv_events_endpoint,
@@ -147,9 +155,9 @@ class Engine:
         arrival = time.perf_counter()
         for req in reqs:
             self.core.check(len(req.prompt), req.max_tokens)
-        hashed: dict[tuple[int, str | None], list[bytes]] = {}
+        hashed: dict[tuple[int, str | None, LoraTag | None], list[bytes]] = {}
         for req in reqs:
-            key = (id(req.prompt), req.salt)
+            key = (id(req.prompt), req.salt, req.lora)
             if key in hashed:
                 continue
             if len(req.prompt) > THREAD_HASH_TOKENS:
@@ -160,7 +168,7 @@ class Engine:
         handles = []
         for req in reqs:
             handle = RequestHandle(req, stream, arrival, progress=progress)
-            self.core.add(req, list(hashed[id(req.prompt), req.salt]))  # each extends its own
+            self.core.add(req, list(hashed[id(req.prompt), req.salt, req.lora]))  # its own copy
             self._handles[req] = handle
             handles.append(handle)
         self._wake.set()

@@ -7,7 +7,8 @@ of requests a second on a small machine (see ``bench/enginesim_capacity.py``). R
 |---|---|---|
 | POST | ``/v1/completions``, ``/v1/chat/completions`` | OpenAI API, SSE when ``stream`` |
 | POST PUT | ``/generate`` (SGLang mode only) | SGLang's native API (``sglang_generate.py``) |
-| GET | ``/v1/models`` | the one served model (SGLang mode: also ``/v1/models/{model}``) |
+| GET | ``/v1/models`` | the model and its adapters (SGLang mode: also ``/v1/models/{model}``) |
+| POST | ``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter`` | adapters (``lora_api.py``) |
 | GET | ``/health``, ``/ping`` | 200 while serving |
 | POST | ``/tokenize`` (SGLang mode: also ``/v1/tokenize``) | ``{prompt}`` or ``{messages}`` → ids |
 | POST | ``/reset_prefix_cache`` (SGLang: ``/flush_cache``, GET too) | drop the cache if idle |
@@ -55,9 +56,10 @@ from enginesim.choices import DISCONNECTED, Choices
 from enginesim.engine import Engine
 from enginesim.errors import RequestRejected
 from enginesim.faults import CRASH_EXIT_CODE, FaultUpdate
+from enginesim.lora_api import VLLM_LOAD_PATH, VLLM_UNLOAD_PATH, Adapters, LoraAnswer, Route
 from enginesim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from enginesim.pd import PULL_PATH, KvLoadFailed, RemotePrefill
-from enginesim.request import SimRequest
+from enginesim.request import LoraTag, SimRequest
 from enginesim.settings import SimSettings
 from enginesim.sglang_generate import GenerateAnswer, NativeGenerate
 from enginesim.sglang_serving import Answer, SglangServing
@@ -187,6 +189,7 @@ class SimApp:
         self.tokenizer = tokenizer
         self.sglang = SglangServing(self) if settings.event_format == "sglang" else None
         self.native = NativeGenerate(self.sglang) if self.sglang is not None else None
+        self.adapters = Adapters(settings, engine)
         self._engine_ids = itertools.count()  # what keeps engine request ids unique
         self.routes: dict[str, dict[str, Handler]] = {}
         self._register()
@@ -221,6 +224,8 @@ class SimApp:
             del table["/reset_prefix_cache"]  # vLLM's name; SGLang's is /flush_cache
             table["/flush_cache"] = {"GET": self.flush_cache, "POST": self.flush_cache}
             table["/generate"] = {"POST": self.generate, "PUT": self.generate}
+        for path, route in self.adapters.routes().items():
+            table[path] = {"POST": _adapter_handler(route)}
         self.routes.update(table)
 
     # -- ASGI ----------------------------------------------------------------------------
@@ -326,7 +331,7 @@ class SimApp:
             return EventStream(self._completion_chunks(choices, usage), choices)
         await choices.until_done()
         texts = choices.texts(self.tokenizer.text_of)
-        rid, model = choices.request_id, self.settings.model
+        rid, model = choices.request_id, self._answer_model(choices)
         answer = p.completion_batch_body(rid, model, texts, choices.final_usage())
         return json_response(self._with_transfer(answer, choices))
 
@@ -354,7 +359,7 @@ class SimApp:
             return EventStream(self._chat_chunks(choices, usage), choices)
         await choices.until_done()
         texts = choices.texts(self.tokenizer.text_of)
-        rid, model = choices.request_id, self.settings.model
+        rid, model = choices.request_id, self._answer_model(choices)
         answer = p.chat_body(rid, model, texts, choices.final_usage())
         return json_response(self._with_transfer(answer, choices))
 
@@ -373,7 +378,7 @@ class SimApp:
         (serving), then the token ids of prompts given as ids (the engine's input
         processor, which runs when the request's generator is first read:
         ``EngineInputError``)."""
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         p.check_salt(body.cache_salt)
         max_tokens = body.max_tokens or p.DEFAULT_MAX_TOKENS
         try:
@@ -394,7 +399,9 @@ class SimApp:
             external, unique = rid if chat else f"{rid}-{i}", next(self._engine_ids)
             for j in range(n):
                 req_id = _engine_request_id(external, unique, j, n)
-                req = SimRequest(req_id, prompt, max_tokens, body.cache_salt, hold_kv=hold)
+                req = SimRequest(
+                    req_id, prompt, max_tokens, body.cache_salt, hold_kv=hold, lora=lora
+                )
                 req.loaded_tokens = len(prompt) if loaded else 0
                 reqs.append(req)
         try:
@@ -418,7 +425,7 @@ class SimApp:
     async def _completion_chunks(
         self, choices: Choices, usage: p.UsageAsked
     ) -> AsyncIterator[bytes]:
-        rid, model = choices.request_id, self.settings.model
+        rid, model = choices.request_id, self._answer_model(choices)
         generated = [0] * len(choices.handles)  # each choice's tokens so far
         async for delta in choices.deltas(self.tokenizer.text_of):
             if delta is None:
@@ -437,7 +444,7 @@ class SimApp:
         yield b"data: [DONE]\n\n"
 
     async def _chat_chunks(self, choices: Choices, usage: p.UsageAsked) -> AsyncIterator[bytes]:
-        rid, model = choices.request_id, self.settings.model
+        rid, model = choices.request_id, self._answer_model(choices)
         prompt = len(choices.handles[0].req.prompt) if choices.handles else 0
         generated = [0] * len(choices.handles)  # each choice's tokens so far
         roles = []  # no comprehension: no cells in this frame
@@ -507,11 +514,31 @@ class SimApp:
         except TokenizerError as exc:
             raise p.BadRequest(str(exc)) from exc
 
-    def check_model(self, model: str | None) -> None:
-        """404 for a model name not served; none, null or empty is the served model's
-        (vLLM's ``_is_model_supported`` tests the name's truth)."""
-        if model and model != self.settings.model:
+    def check_model(self, model: str | None) -> LoraTag | None:
+        """The adapter a model name is, or None for the base model; 404 for a name not
+        served; none, null or empty is the served model's (vLLM's
+        ``_is_model_supported`` tests the name's truth)."""
+        if not model or model == self.settings.model:
+            return None
+        lora = self.adapters.use(model)
+        if lora is None:
             raise p.NotFound(f"The model `{model}` does not exist.", "model")
+        return lora
+
+    def sglang_adapter(self, name: str) -> LoraTag:
+        """The adapter an SGLang request names (``base:adapter`` or ``lora_path``)."""
+        if not self.adapters.enabled:
+            raise sg.lora_disabled(name)
+        lora = self.adapters.use(name)
+        if lora is None:
+            raise sg.lora_not_loaded(name, list(self.adapters.registry.paths()))
+        return lora
+
+    def _answer_model(self, choices: Choices) -> str:
+        """The model an answer names: the adapter's name for a LoRA request (vLLM's
+        ``model_name(lora_request)``)."""
+        lora = choices.handles[0].req.lora if choices.handles else None
+        return lora.name if lora is not None else self.settings.model
 
     # -- engine-side routes ----------------------------------------------------------------
 
@@ -519,7 +546,12 @@ class SimApp:
         """The engines' ``ModelCard`` (vLLM's ``entrypoints/openai/engine/protocol.py``,
         SGLang's ``entrypoints/openai/protocol.py``), made when asked; vLLM's with one
         default ``ModelPermission`` (``show_available_models``)."""
-        return json_response({"object": "list", "data": [self._model_card(int(time.time()))]})
+        now = int(time.time())
+        cards = self.adapters.cards(now)
+        if self.sglang is None:
+            for card in cards:
+                card["permission"] = [_model_permission(now)]
+        return json_response({"object": "list", "data": [self._model_card(now), *cards]})
 
     def _model_card(self, now: int) -> dict[str, Any]:
         card: dict[str, Any] = {
@@ -712,7 +744,17 @@ class SimApp:
 _INFERENCE_PATHS = ("/v1/completions", "/v1/chat/completions")
 _MODEL_PATH = "/v1/models/"
 # the routes both engines guard with their ``validate_json_request`` dependency
-_JSON_BODY_PATHS = frozenset({*_INFERENCE_PATHS, "/tokenize", "/v1/tokenize"})
+_JSON_BODY_PATHS = frozenset(
+    {*_INFERENCE_PATHS, "/tokenize", "/v1/tokenize", VLLM_LOAD_PATH, VLLM_UNLOAD_PATH}
+)
+
+
+def _adapter_handler(route: Route) -> Handler:
+    async def handle(request: Request) -> Result:
+        answer: LoraAnswer = await route(request.body)
+        return Response(answer.status, answer.body, answer.content_type)
+
+    return handle
 
 
 def _check_json_media(request: Request, sglang: bool) -> None:

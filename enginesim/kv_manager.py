@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from enginesim.request import SimRequest
+from enginesim.request import LoraTag, SimRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +39,7 @@ class BlocksStored:
     parent: bytes | None  # the digest of the block before the run; None at block 0
     token_ids: tuple[int, ...]
     salt: str | None  # vLLM: on a salted request's first block's run; SGLang: on every run
+    lora: LoraTag | None = None  # the adapter the blocks were computed with (every run)
 
 
 @dataclass(frozen=True, slots=True)

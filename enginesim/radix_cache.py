@@ -13,8 +13,9 @@ cache, no speculative decoding.
 
 **The tree.** A node holds a run of tokens, always a whole number of pages (``page_size``
 tokens each, 1 by default), and each page's digest (``hashing.py``: SGLang's chained
-SHA-256). Children are keyed by their first page (by ``(cache_salt, page)`` for a
-salted request, so salted and unsalted requests share nothing). A lookup or an insert
+SHA-256). Children are keyed by their first page (by ``(scope, page)`` for a salted
+or LoRA request, the scope being its salt and adapter, so requests of different scopes
+share nothing). A lookup or an insert
 that ends inside a node splits it in two (the new upper node takes the lower node's lock
 count). Every lookup and insert stamps the nodes it passes with one clock reading; a
 node made by a split or an insert is stamped when it is made.
@@ -79,6 +80,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from enginesim.kv_manager import AllCleared, BlockEvicted, BlocksStored, PoolEvent
+from enginesim.request import LoraTag
+
+# A request's namespace in the tree: SGLang keys children under ``(extra_key, page)``,
+# its ``extra_key`` being the salt and the adapter's id; None for neither.
+Scope = tuple[str | None, LoraTag | None] | None
 
 RETRACT_DECODE_STEPS = 20  # SGLANG_RETRACT_DECODE_STEPS: tokens kept free per request
 CLIP_MAX_NEW_TOKENS = 4096  # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
@@ -94,6 +100,7 @@ class CacheRequest(Protocol):
     output: list[int]
     max_tokens: int
     salt: str | None
+    lora: LoraTag | None
     digests: list[bytes]  # of every full page of ``tokens``
     hit_tokens: int
 
@@ -107,7 +114,7 @@ class RadixNode:
     digests: list[bytes]
     parent: RadixNode | None
     stamp: int  # the clock reading of its last lookup or insert (LRU order)
-    salt: str | None = None
+    scope: Scope = None
     lock_ref: int = 0
     children: dict[Hashable, RadixNode] = field(default_factory=dict)
     born: int = field(init=False)  # its first stamp: breaks ties in the LRU heap
@@ -251,7 +258,7 @@ class SglangRadixCache:
         if not self._rows:
             budget.ratio = INIT_NEW_TOKEN_RATIO  # the engine ran dry: the ratio starts over
         tokens = req.tokens
-        hit, node = self._match(tokens[: self._aligned(len(tokens) - 1)], req.salt)
+        hit, node = self._match(tokens[: self._aligned(len(tokens) - 1)], _scope(req))
         self._lock(node)
         extend = len(tokens) - hit
         room = self._free * self.block_size + self._evictable_tokens
@@ -330,14 +337,13 @@ class SglangRadixCache:
         pages = key_len // self.block_size
         if len(req.digests) < pages:
             raise ValueError("the request's digests do not cover its full pages")
-        in_tree, _ = self._insert(tokens[:key_len], req.digests[:pages], req.salt)
+        scope = _scope(req)
+        in_tree, _ = self._insert(tokens[:key_len], req.digests[:pages], scope)
         self._free += (in_tree - row.protected) // self.block_size
         prompt_len = self._aligned(len(req.prompt))
         if 0 < prompt_len < key_len:  # split the leaf at the prompt's end
-            self._insert(
-                tokens[:prompt_len], req.digests[: prompt_len // self.block_size], req.salt
-            )
-        _, node = self._match(tokens[:key_len], req.salt)
+            self._insert(tokens[:prompt_len], req.digests[: prompt_len // self.block_size], scope)
+        _, node = self._match(tokens[:key_len], scope)
         row.protected = key_len
         self._unlock(row.node)
         self._lock(node)
@@ -371,11 +377,11 @@ class SglangRadixCache:
     def _pages(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
 
-    def _child_key(self, tokens: Sequence[int], salt: str | None, at: int = 0) -> Hashable:
-        """A child's key in its parent: its first page, under the salt if any."""
+    def _child_key(self, tokens: Sequence[int], scope: Scope, at: int = 0) -> Hashable:
+        """A child's key in its parent: its first page, under the scope if any."""
         size = self.block_size
         page: Hashable = tokens[at] if size == 1 else tuple(tokens[at : at + size])
-        return page if salt is None else (salt, page)
+        return page if scope is None else (scope, page)
 
     def _common(self, node_tokens: Sequence[int], key: Sequence[int], at: int) -> int:
         """Page-aligned length of the common prefix of a node's tokens and ``key[at:]``."""
@@ -384,54 +390,54 @@ class SglangRadixCache:
             n += 1
         return n // self.block_size * self.block_size
 
-    def _walk(self, key: Sequence[int], salt: str | None) -> tuple[int, RadixNode]:
+    def _walk(self, key: Sequence[int], scope: Scope) -> tuple[int, RadixNode]:
         """Follow ``key`` (page-aligned) down the tree, stamping the nodes passed and
         splitting the one it ends inside: how far it got, and the node there."""
         stamp = next(self._clock)
         node, pos = self.root, 0
         while pos < len(key):
-            child = node.children.get(self._child_key(key, salt, pos))
+            child = node.children.get(self._child_key(key, scope, pos))
             if child is None:
                 break
             child.stamp = stamp
             n = self._common(child.tokens, key, pos)
             pos += n
             if n < len(child.tokens):
-                return pos, self._split(child, n, salt)
+                return pos, self._split(child, n, scope)
             node = child
         return pos, node
 
-    def _match(self, key: Sequence[int], salt: str | None) -> tuple[int, RadixNode]:
+    def _match(self, key: Sequence[int], scope: Scope) -> tuple[int, RadixNode]:
         """The longest cached prefix of ``key`` (page-aligned): its length and last node."""
-        return self._walk(key, salt) if key else (0, self.root)
+        return self._walk(key, scope) if key else (0, self.root)
 
     def _insert(
-        self, key: Sequence[int], digests: Sequence[bytes], salt: str | None
+        self, key: Sequence[int], digests: Sequence[bytes], scope: Scope
     ) -> tuple[int, RadixNode]:
         """Insert ``key`` (page-aligned); returns how much of it was already cached."""
-        pos, node = self._walk(key, salt)
+        pos, node = self._walk(key, scope)
         if pos == len(key):
             return pos, node
         first = pos // self.block_size
-        leaf = RadixNode(tuple(key[pos:]), list(digests[first:]), node, next(self._clock), salt)
-        node.children[self._child_key(key, salt, pos)] = leaf
+        leaf = RadixNode(tuple(key[pos:]), list(digests[first:]), node, next(self._clock), scope)
+        node.children[self._child_key(key, scope, pos)] = leaf
         self._evictable_tokens += len(leaf.tokens)
         self._update_leaf(node)
         self._update_leaf(leaf)
-        self._record_store(leaf, salt)
+        self._record_store(leaf, scope)
         return pos, leaf
 
-    def _split(self, child: RadixNode, n: int, salt: str | None) -> RadixNode:
+    def _split(self, child: RadixNode, n: int, scope: Scope) -> RadixNode:
         """Cut ``child`` after ``n`` tokens; returns the new upper node."""
         parent = child.parent
         assert parent is not None
         k = n // self.block_size
         upper = RadixNode(
-            child.tokens[:n], child.digests[:k], parent, next(self._clock), salt, child.lock_ref
+            child.tokens[:n], child.digests[:k], parent, next(self._clock), scope, child.lock_ref
         )
-        parent.children[self._child_key(child.tokens, salt)] = upper
+        parent.children[self._child_key(child.tokens, scope)] = upper
         child.tokens, child.digests, child.parent = child.tokens[n:], child.digests[k:], upper
-        upper.children[self._child_key(child.tokens, salt)] = child
+        upper.children[self._child_key(child.tokens, scope)] = child
         return upper
 
     def _lock(self, node: RadixNode) -> None:
@@ -466,7 +472,7 @@ class SglangRadixCache:
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
             assert parent is not None
-            del parent.children[self._child_key(leaf.tokens, leaf.salt)]
+            del parent.children[self._child_key(leaf.tokens, leaf.scope)]
             self._leaves.discard(leaf)
             self._evictable_tokens -= len(leaf.tokens)
             self._free += len(leaf.digests)
@@ -476,18 +482,30 @@ class SglangRadixCache:
                 heapq.heappush(heap, (parent.stamp, parent.born, parent))
             self._events.extend(BlockEvicted(d) for d in leaf.digests)
 
-    def _record_store(self, leaf: RadixNode, salt: str | None) -> None:
+    def _record_store(self, leaf: RadixNode, scope: Scope) -> None:
         parent = leaf.parent
         above = parent.digests[-1] if parent is not None and parent.digests else None
         tail = self._events[-1] if self._events else None
         if (
             isinstance(tail, BlocksStored)
             and above is not None
-            and tail.salt == salt
+            and (tail.salt, tail.lora) == _salt_and_lora(scope)
             and tail.digests[-1] == above
         ):
             self._events[-1] = BlocksStored(
-                tail.digests + tuple(leaf.digests), tail.parent, tail.token_ids + leaf.tokens, salt
+                tail.digests + tuple(leaf.digests),
+                tail.parent,
+                tail.token_ids + leaf.tokens,
+                *_salt_and_lora(scope),
             )
             return
-        self._events.append(BlocksStored(tuple(leaf.digests), above, leaf.tokens, salt))
+        stored = BlocksStored(tuple(leaf.digests), above, leaf.tokens, *_salt_and_lora(scope))
+        self._events.append(stored)
+
+
+def _scope(req: CacheRequest) -> Scope:
+    return None if req.salt is None and req.lora is None else (req.salt, req.lora)
+
+
+def _salt_and_lora(scope: Scope) -> tuple[str | None, LoraTag | None]:
+    return (None, None) if scope is None else scope

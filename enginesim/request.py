@@ -10,6 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True, slots=True)
+class LoraTag:
+    """The LoRA adapter a request runs with, as the engine keys its blocks by it: vLLM's
+    ``LoRARequest`` (``lora_name``, ``lora_int_id``, ``lora_path``); SGLang's ``LoRARef``
+    (its ``lora_id`` is the simulator's ``int_id`` as text)."""
+
+    name: str
+    int_id: int
+    path: str
+
+
 @dataclass(eq=False)
 class SimRequest:
     request_id: str
@@ -26,6 +37,7 @@ class SimRequest:
     bootstrap_room: int | None = None  # SGLang's P/D: the room its prefill's KV is held in
     output: list[int] = field(default_factory=list)
     finished: bool = False
+    lora: LoraTag | None = None  # the adapter it runs with; its blocks are keyed by it
 
     @property
     def num_tokens(self) -> int:

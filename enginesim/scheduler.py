@@ -19,6 +19,10 @@ requests run. One ``step()`` follows vLLM v1's ``Scheduler.schedule`` and
    requests that reached ``max_tokens`` finish and release their blocks, in the order
    they were scheduled.
 
+With ``max_loras`` set, admission skips a LoRA request whose adapter would make more
+adapters run at once than that (vLLM's ``scheduled_loras`` check); it stays at the head
+of the queue.
+
 Differences from vLLM, on purpose: prefill is not chunked and there is no token budget
 per step; scheduling is synchronous (no async scheduling's one-step overlap);
 generation always runs to ``max_tokens`` (filler tokens, no EOS).
@@ -34,7 +38,8 @@ from dataclasses import dataclass, field
 from enginesim.errors import RequestRejected
 from enginesim.hashing import BlockHasher, prompt_digests
 from enginesim.kv_manager import KVCacheManager
-from enginesim.request import SimRequest
+from enginesim.lora import WarmAdapters
+from enginesim.request import LoraTag, SimRequest
 from enginesim.timing import TimingModel
 
 DEFAULT_FILLER = tuple(range(1000, 1064))
@@ -56,6 +61,7 @@ class CoreLimits:
     num_blocks: int
     max_num_seqs: int
     max_model_len: int
+    max_loras: int = 0  # most adapters among running requests (vLLM's --max-loras); 0: any
 
 
 class EngineCore:
@@ -79,6 +85,9 @@ class EngineCore:
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self._ids = itertools.count()
+        # vLLM's CPU cache of adapters' weights; a cold adapter's load adds to the step
+        self.warm: WarmAdapters | None = None
+        self.lora_load_s = 0.0
 
     @property
     def has_work(self) -> bool:
@@ -108,7 +117,7 @@ class EngineCore:
 
     def prompt_digests(self, req: SimRequest) -> list[bytes]:
         """The digests of ``req``'s full prompt blocks (pure; safe to run in a thread)."""
-        return prompt_digests(self.hasher, req.prompt, self.limits.block_size, req.salt)
+        return prompt_digests(self.hasher, req.prompt, self.limits.block_size, req.salt, req.lora)
 
     def add(self, req: SimRequest, digests: list[bytes] | None = None) -> None:
         """Queue ``req``; ``digests`` may be precomputed with ``prompt_digests``."""
@@ -142,7 +151,20 @@ class EngineCore:
         prefills = [self._prefill(req, out) for req in admitted]
         self._finish_done(out)
         out.duration = self.timing.step_seconds(prefills, len(decoding))
+        out.duration += self._adapter_loads(admitted) * self.lora_load_s
         return out
+
+    def warm_adapter(self, lora: LoraTag) -> None:
+        """An adapter loaded through the API: its weights are in memory."""
+        if self.warm is not None:
+            self.warm.touch(lora.int_id)
+
+    def _adapter_loads(self, admitted: Sequence[SimRequest]) -> int:
+        """Adapters the step's admissions had to load into memory first."""
+        warm = self.warm
+        if warm is None:
+            return 0
+        return sum(1 for req in admitted if req.lora is not None and warm.touch(req.lora.int_id))
 
     def _schedule_running(self, out: StepOutput) -> list[SimRequest]:
         """Room for every running request's next token, in order."""
@@ -171,19 +193,42 @@ class EngineCore:
         out.preempted.append(req)
 
     def _admit(self, out: StepOutput) -> list[SimRequest]:
+        """Waiting requests in order while there is room; a LoRA request whose adapter
+        would exceed ``max_loras`` adapters among the running ones is skipped and keeps
+        its place at the head of the queue, as vLLM's scheduler skips it."""
         admitted: list[SimRequest] = []
+        skipped: list[SimRequest] = []
+        loras = self._running_loras()
         while self.waiting and len(self.running) < self.limits.max_num_seqs:
             req = self.waiting[0]
+            if self._over_loras(req, loras):
+                skipped.append(self.waiting.popleft())
+                continue
             if not self.kv.admit(req):
                 break
             self.waiting.popleft()
             self.running.append(req)
             admitted.append(req)
+            if loras is not None and req.lora is not None:
+                loras.add(req.lora.int_id)
             if req.num_preemptions:
                 out.resumed.append(req)
             else:
                 req.num_cached_tokens = max(req.hit_tokens, req.loaded_tokens)
+        self.waiting.extendleft(reversed(skipped))
         return admitted
+
+    def _over_loras(self, req: SimRequest, loras: set[int] | None) -> bool:
+        """Whether admitting ``req`` would run more adapters than ``max_loras``."""
+        if loras is None or req.lora is None or req.lora.int_id in loras:
+            return False
+        return len(loras) >= self.limits.max_loras
+
+    def _running_loras(self) -> set[int] | None:
+        """The adapters of the running requests; None when adapters are not bounded."""
+        if not self.limits.max_loras:
+            return None
+        return {req.lora.int_id for req in self.running if req.lora is not None}
 
     def _prefill(self, req: SimRequest, out: StepOutput) -> tuple[int, int]:
         """Sample ``req``'s first token (or its next, when resumed); returns the tokens
@@ -211,7 +256,8 @@ class EngineCore:
         tokens = req.tokens
         parent = req.digests[-1] if k else None
         salt = req.salt if k == 0 else None
-        req.digests.append(self.hasher.block_digest(parent, tokens[k * bs : (k + 1) * bs], salt))
+        block = tokens[k * bs : (k + 1) * bs]
+        req.digests.append(self.hasher.block_digest(parent, block, salt, req.lora))
 
     def _finish_done(self, out: StepOutput) -> None:
         done = [r for r in self.running if len(r.output) >= r.max_tokens]

@@ -16,6 +16,7 @@ from pydantic import Field, FilePath, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from enginesim.errors import SettingsError
+from enginesim.lora import parse_modules
 from enginesim.timing import TimingModel
 from kvruntime.flags import flags_given, settings_parser
 
@@ -74,6 +75,40 @@ class SimSettings(BaseSettings):
         description="SGLang mode: a chat's x-override-rid header names it, as "
         "SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=1 makes SGLang do",
     )
+    enable_lora: bool = Field(
+        False, description="serve LoRA adapters (vLLM's and SGLang's --enable-lora)"
+    )
+    lora_modules: str = Field(
+        "",
+        description="vLLM mode: adapters loaded at start, space-separated 'name=path' or "
+        "JSON {name, path, base_model_name} items (vLLM's --lora-modules forms)",
+    )
+    lora_paths: str = Field(
+        "",
+        description="SGLang mode: adapters loaded at start, space-separated 'name=path', "
+        "'path' or JSON {lora_name, lora_path, pinned} items (SGLang's --lora-paths forms)",
+    )
+    max_loras: int = Field(
+        1,
+        ge=1,
+        description="most adapters among running requests (vLLM's --max-loras; SGLang's "
+        "--max-loras-per-batch)",
+    )
+    max_cpu_loras: int | None = Field(
+        None,
+        ge=1,
+        description="vLLM mode: adapters whose weights stay in memory, least recently used "
+        "out; a request for a cold one waits for its load (max_loras when unset)",
+    )
+    max_loaded_loras: int | None = Field(
+        None,
+        ge=1,
+        description="SGLang mode: adapters registered at once; loading one more unloads the "
+        "least recently used unpinned one (SGLang's --max-loaded-loras)",
+    )
+    lora_load_ms: float = Field(
+        20.0, ge=0, description="modelled time to load one adapter's weights"
+    )
     ssl_keyfile: FilePath | None = Field(
         None, description="serve HTTPS with this private key (PEM), as vLLM's and SGLang's flag"
     )
@@ -85,6 +120,25 @@ class SimSettings(BaseSettings):
     def _check_tls(self) -> SimSettings:
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("ssl_keyfile and ssl_certfile go together")
+        return self
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> SimSettings:
+        sglang = self.event_format == "sglang"
+        if self.lora_modules and sglang:
+            raise ValueError("lora_modules is vLLM's: SGLang mode takes lora_paths")
+        if self.lora_paths and not sglang:
+            raise ValueError("lora_paths is SGLang's: vLLM mode takes lora_modules")
+        if (self.lora_modules or self.lora_paths) and not self.enable_lora:
+            raise ValueError("adapters at start need enable_lora")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+        try:
+            parse_modules(self.lora_paths or self.lora_modules, sglang=sglang)
+        except ValueError as exc:
+            raise ValueError(f"lora_{'paths' if sglang else 'modules'}: {exc}") from None
         return self
 
     @model_validator(mode="after")

@@ -188,19 +188,31 @@ def check_max_new_tokens(max_tokens: int | None) -> None:
         )
 
 
-def check_lora(model: str | None, served: str) -> None:
-    """``_parse_model_parameter``'s adapter, refused as a server without LoRA refuses it."""
+def adapter_named(model: str | None, served: str) -> str | None:
+    """``_parse_model_parameter``'s adapter: what follows ``base:``, if anything."""
     if model is None or ":" not in model or model == served:
-        return
+        return None
     named = model[len(served) + 1 :] if model.startswith(f"{served}:") else model.split(":", 1)[1]
-    adapter = named.strip()
-    if adapter:
-        raise p.BadRequest(
-            f"LoRA adapter '{adapter}' was requested, but LoRA is not enabled. Please launch "
-            "the server with --enable-lora flag and preload adapters using --lora-paths or "
-            "/load_lora_adapter endpoint.",
-            sglang_type="BadRequestError",
-        )
+    return named.strip() or None
+
+
+def lora_disabled(adapter: str) -> p.BadRequest:
+    """``_validate_and_resolve_lora`` on a server without ``--enable-lora``."""
+    return p.BadRequest(
+        f"LoRA adapter '{adapter}' was requested, but LoRA is not enabled. Please launch "
+        "the server with --enable-lora flag and preload adapters using --lora-paths or "
+        "/load_lora_adapter endpoint.",
+        sglang_type="BadRequestError",
+    )
+
+
+def lora_not_loaded(adapter: str, loaded: Sequence[str]) -> p.BadRequest:
+    """``_resolve_lora_path`` for an adapter never loaded (or unloaded)."""
+    return p.BadRequest(
+        f"Got LoRA adapter that has never been loaded: {adapter}\n"
+        f"All loaded adapters: {list(loaded)}.",
+        sglang_type="BadRequestError",
+    )
 
 
 class ChatRequest(p.ChatRequest, kw_only=True):

@@ -134,6 +134,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     bootstrap_host: str | None = None  # P/D (``pd.py``)
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
+    lora_path: str | None = None  # the adapter's name (a list per prompt: not simulated)
 
 
 class GenerateSampling(msgspec.Struct):
@@ -191,7 +192,13 @@ class NativeGenerate:
         salt = body.cache_salt or None  # ``_normalize_single_inputs``: "" is none
         bootstrap = Bootstrap.of(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room)
         ask = Sampling(
-            params.max_new_tokens, params.temperature, body.stream, salt, None, bootstrap
+            params.max_new_tokens,
+            params.temperature,
+            body.stream,
+            salt,
+            None,
+            bootstrap,
+            body.lora_path,
         )
         ids_given = isinstance(given[0], list)
         choices = await self.serving.start(rids, prompts, ask, max(n, 1), ids_given=ids_given)

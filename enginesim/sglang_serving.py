@@ -21,7 +21,7 @@ from enginesim.choices import Choices
 from enginesim.engine import Engine
 from enginesim.errors import RequestRejected
 from enginesim.pd import Bootstrap, KvLoadFailed
-from enginesim.request import SimRequest
+from enginesim.request import LoraTag, SimRequest
 from enginesim.settings import SimSettings
 from enginesim.tokens import PromptTokenizer
 
@@ -40,6 +40,7 @@ class Sampling:
     salt: str | None  # ``cache_salt``; SGLang takes "" for none
     model: str | None = None  # an OpenAI request's model name, which may name a LoRA adapter
     bootstrap: Bootstrap | None = None  # P/D: where the prefill's KV is read (``pd.py``)
+    lora_path: str | None = None  # ``/generate``'s adapter name (a model name's wins)
 
     @classmethod
     def of(cls, body: p._Sampling) -> Sampling:
@@ -62,6 +63,8 @@ class ServingApp(Protocol):
     async def chat_prompt_ids(
         self, messages: list[dict[str, Any]], tools: Any, add_generation_prompt: bool
     ) -> list[int]: ...
+
+    def sglang_adapter(self, name: str) -> LoraTag: ...
 
 
 class SglangServing:
@@ -136,8 +139,11 @@ class SglangServing:
         then the LoRA check, then the engine requests; the rids given back if it fails."""
         self.rids.reserve(rids.held)
         try:
-            sg.check_lora(ask.model, self.app.settings.model)
-            return await self._submit(rids, prompts, ask, n, batch=batch, ids_given=ids_given)
+            adapter = sg.adapter_named(ask.model, self.app.settings.model) or ask.lora_path
+            lora = self.app.sglang_adapter(adapter) if adapter else None
+            return await self._submit(
+                rids, prompts, ask, n, batch=batch, ids_given=ids_given, lora=lora
+            )
         except BaseException:
             self.rids.release(rids.held)
             raise
@@ -151,6 +157,7 @@ class SglangServing:
         *,
         batch: bool,
         ids_given: bool,
+        lora: LoraTag | None = None,
     ) -> Choices:
         """SGLang's engine requests: one per prompt, or for ``n > 1`` a warm-up per prompt
         (``max_tokens`` 0, awaited in turn) and then ``n`` samples each; checked in
@@ -177,12 +184,14 @@ class SglangServing:
             await self._read_prefill(ask.bootstrap, prompts)
         if n > 1:
             for prompt in prompts:  # ``_handle_batch_request``: cache the common prefix
-                warm = SimRequest(sg.request_id(), prompt, 0, salt)
+                warm = SimRequest(sg.request_id(), prompt, 0, salt, lora=lora)
                 handle = await engine.submit(warm, stream=False)
                 await Choices(warm.request_id, [handle]).until_done()
             self.rids.release(rids.held)  # the samples are named anew
         reqs = [
-            SimRequest(sg.request_id(), prompt, _max_tokens(ask, len(prompt), context), salt)
+            SimRequest(
+                sg.request_id(), prompt, _max_tokens(ask, len(prompt), context), salt, lora=lora
+            )
             for prompt in prompts
             for _ in range(max(n, 1))
         ]

@@ -10,7 +10,7 @@ present::
 
     {"type": "BlockStored", "block_hashes": [u64...], "parent_block_hash": u64|nil,
      "token_ids": [...], "block_size": 16, "lora_id": nil, "medium": "GPU",
-     "lora_name": nil, ["extra_keys": [[salt] | nil, ...],] "group_idx": 0,
+     "lora_name": nil, ["extra_keys": [[lora_name?, salt?] | nil, ...],] "group_idx": 0,
      "kv_cache_spec_kind": "full_attention"}
     {"type": "BlockRemoved", "block_hashes": [u64], "medium": "GPU", "group_idx": 0}
     {"type": "AllBlocksCleared"}
@@ -29,9 +29,13 @@ consecutive removals are coalesced into one event, as SGLang's recorder does::
 
     {"type": "BlockStored", "block_hashes": [i64...], "parent_block_hash": i64|nil,
      "token_ids": [...], "block_size": P, "lora_id": nil, "medium": "GPU",
-     ["cache_salt": salt]}
+     ["cache_salt": salt,] ["lora_name": name]}
     {"type": "BlockRemoved", "block_hashes": [i64...], "medium": "GPU"}
     {"type": "AllBlocksCleared"}
+
+A LoRA request's blocks carry its adapter: vLLM's ``lora_id`` (the adapter's int id) and
+``lora_name``, and the name first in each block's ``extra_keys``; SGLang's ``lora_name``
+(its ``lora_id`` stays nil, as SGLang's recorder leaves it).
 
 vLLM publishes one removal per evicted block; the batch's rank is 0 (one engine core).
 
@@ -170,9 +174,15 @@ class _Batch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 
 
 def _extra_keys(event: BlocksStored) -> list[list[str] | None] | None:
-    if event.salt is None:
+    """Each block's extra keys as vLLM publishes them, untagged: the adapter's name on
+    every block of a LoRA request, then the salt on a salted request's first block."""
+    lora, salt = event.lora, event.salt
+    if salt is None and lora is None:
         return None
-    return [[event.salt]] + [None] * (len(event.digests) - 1)
+    keys: list[list[str] | None] = [[lora.name] if lora else None for _ in event.digests]
+    if salt is not None:
+        keys[0] = [*(keys[0] or []), salt]
+    return keys
 
 
 class _Base:
@@ -242,9 +252,9 @@ class VllmFormat(_Base):
             parent_block_hash=self._parent(event),
             token_ids=list(event.token_ids),
             block_size=self.block_size,
-            lora_id=None,
+            lora_id=event.lora.int_id if event.lora else None,
             medium=MEDIUM,
-            lora_name=None,
+            lora_name=event.lora.name if event.lora else None,
             extra_keys=_extra_keys(event),
             group_idx=0,
             kv_cache_spec_kind=SPEC_KIND,
@@ -286,6 +296,7 @@ class SglangFormat(_Base):
             lora_id=None,
             medium=MEDIUM,
             cache_salt=event.salt,
+            lora_name=event.lora.name if event.lora else None,
         )
 
     def removed(self, digests: Sequence[bytes]) -> _SgBlockRemoved:

@@ -44,9 +44,11 @@ Event = tuple[object, ...]
 class FastHasher:
     """A cheap chained block hash (the hash function is not under test here)."""
 
-    def block_digest(self, parent: bytes | None, tokens: Sequence[int], salt: str | None) -> bytes:
+    def block_digest(
+        self, parent: bytes | None, tokens: Sequence[int], salt: str | None, lora: object = None
+    ) -> bytes:
         h = hashlib.blake2b(parent or b"root", digest_size=12)
-        h.update(repr((tuple(tokens), salt)).encode())
+        h.update(repr((tuple(tokens), salt, lora)).encode())
         return h.digest()
 
     def event_id(self, digest: bytes) -> int:
