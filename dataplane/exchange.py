@@ -6,8 +6,8 @@ holds and those this request already tried); a :class:`~dataplane.upstream.Retri
 failure (nothing reached the client yet) tries the next-best replica, at most
 ``retry_attempts`` times and only while the :class:`~dataplane.breaker.RetryBudget`
 allows. No replica left -> 503 with ``Retry-After``. A streamed request whose first
-bytes miss their deadline (``dataplane.first_byte``) is such a failure too, and makes its
-replica suspect.
+bytes miss their deadline, or a whole one whose replica stays silent that long
+(``dataplane.first_byte``), is such a failure too, and makes its replica suspect.
 
 The critical path is kept short: what the upstream request need not wait for (the
 decision's latency, the retry budget, the in-flight count, speculative residency) is done
@@ -208,7 +208,7 @@ class Dispatcher:
                     pending.close()
                     raise
                 try:
-                    if self.deadlines is None or not exchange.request.stream:
+                    if self.deadlines is None:
                         opened = await pending.opened()
                     else:
                         opened = await self._first_bytes(pending, exchange, endpoint, predicted)
@@ -236,13 +236,18 @@ class Dispatcher:
     async def _first_bytes(
         self, pending: Pending, exchange: Exchange, endpoint: Endpoint, predicted: int
     ) -> Opened:
-        """A streamed answer's first bytes within their deadline, past which the replica
-        is suspect and the request :class:`Retriable` elsewhere."""
+        """The answer's first bytes (a whole answer's head) within their deadline (for a
+        whole answer: before its replica has been silent that long,
+        ``dataplane.first_byte``), past which the replica is suspect and the request
+        :class:`Retriable` elsewhere."""
         deadlines = self.deadlines
         assert deadlines is not None
         uncached = exchange.prepared.prompt_tokens - predicted
         deadline_s = deadlines.deadline_s(endpoint.replica_id, uncached)
-        task = deadlines.begin(deadline_s)
+        if exchange.request.stream:
+            task = deadlines.begin(deadline_s)
+        else:
+            task = deadlines.begin_whole(endpoint, deadline_s)
         try:
             opened = await pending.opened()
         except asyncio.CancelledError:
@@ -309,10 +314,14 @@ class Dispatcher:
         """:meth:`answered`'s work, for a caller without an :class:`Attempt` (the
         endpoint picker, which sees the answer pass through the gateway)."""
         self.fleet.on_first_byte(ticket, status, streaming)
-        self.breakers.on_success(replica, self._clock())
+        now = self._clock()
+        self.breakers.on_success(replica, now)
         self.metrics.first_byte(replica, ttfb_s)
-        if self.deadlines is not None and streaming and status < 400:
-            self.deadlines.answered(replica, ttfb_s)
+        deadlines = self.deadlines
+        if deadlines is not None:
+            deadlines.heard_from(replica, now)
+            if streaming and status < 400:
+                deadlines.answered(replica, ttfb_s)
 
     def _may_retry(self, failure: Retriable, tries: int) -> bool:
         if tries > self.policies.retry_attempts:

@@ -19,8 +19,20 @@ deadline nothing has reached the client: the request moves to another replica
 request goes to it until a probe of its ``/health`` answers (:class:`SuspectProber`,
 Envoy's active health checking), or a request it still had answers.
 
-Whole (non-streamed) answers have no such deadline: their first bytes come after the
-whole decode, which nothing the proxy knows bounds.
+A whole (non-streamed) answer's first bytes are its response head, which an engine
+sends only once the whole decode is done: a legitimate answer of 4,000 tokens takes
+minutes, and nothing the proxy knows bounds it (``max_tokens`` may be absent, and a
+loaded engine decodes slower). So for a whole answer the deadline bounds the replica's
+*silence*, not the answer: the request waits as long as its replica shows it is alive,
+and moves once the replica has said nothing, to anyone, for that request's deadline
+(the same ``deadline_s``) since the later of the request's sending and the replica's
+last sign of life. A sign of life is any answer's first bytes from the replica
+(:meth:`FirstByteDeadlines.heard_from`) or an answer to a ``/health`` probe, which the
+deadlines ask for (:meth:`SuspectProber.ask`, once per replica at a time) when a waiting
+whole request has heard nothing for half its deadline. A hung engine answers neither, so
+a whole request costs it what a streamed one does: its deadline, then another replica;
+a long generation on a live engine costs a probe per half deadline while nothing else
+comes back from it. Like the suspect probe, this trusts the engine's ``/health``.
 
 The deadlines are kept by one task that looks every ``tick_s`` (:meth:`FirstByteDeadlines.run`)
 and cancels the requests past theirs, rather than a loop timer per request: arming and
@@ -32,7 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from dataplane.breaker import CircuitBreakers
@@ -42,6 +54,19 @@ from dataplane.upstream import Retriable, Upstream
 log = logging.getLogger("dataplane")
 SMOOTHING = 0.2  # weight of the newest time to first byte in a replica's typical one
 HEALTH_PATH = "/health"  # vLLM's, SGLang's and kvroute-sim's
+NEVER = float("-inf")
+
+
+class Silence:
+    """A whole request waiting for its answer: it moves once its replica has been silent
+    for ``deadline_s`` since ``since`` (its sending, or a later sign of life)."""
+
+    __slots__ = ("deadline_s", "endpoint", "since")
+
+    def __init__(self, endpoint: Endpoint, since: float, deadline_s: float) -> None:
+        self.endpoint = endpoint
+        self.since = since
+        self.deadline_s = deadline_s
 
 
 class FirstByteDeadlines:
@@ -49,8 +74,8 @@ class FirstByteDeadlines:
     the requests waiting for their first bytes."""
 
     __slots__ = (
-        "_clock", "_expired", "_typical", "_waiting",
-        "cap_s", "factor", "floor_s", "slowest_tokens_per_s", "tick_s",
+        "_asked", "_asking", "_clock", "_expired", "_heard", "_typical", "_waiting",
+        "_whole", "ask", "cap_s", "factor", "floor_s", "slowest_tokens_per_s", "tick_s",
     )  # fmt: skip
 
     def __init__(
@@ -60,20 +85,26 @@ class FirstByteDeadlines:
         slowest_tokens_per_s: float,
         cap_s: float,
         clock: Callable[[], float],
+        ask: Callable[[Endpoint], Awaitable[bool]] | None = None,
     ) -> None:
         self.floor_s = floor_s
         self.factor = factor
         self.slowest_tokens_per_s = slowest_tokens_per_s
         self.cap_s = cap_s
         self.tick_s = min(0.1, floor_s / 4)
+        self.ask = ask  # None: whole requests move after their deadline whatever happens
         self._clock = clock
         self._typical: dict[str, float] = {}  # replica id -> seconds
         self._waiting: dict[asyncio.Task[Any], float] = {}  # request -> deadline (clock)
+        self._whole: dict[asyncio.Task[Any], Silence] = {}  # whole requests waiting
+        self._heard: dict[str, float] = {}  # replica id -> its last sign of life (clock)
+        self._asked: dict[str, float] = {}  # replica id -> when its last probe went out
+        self._asking: set[asyncio.Task[None]] = set()  # probes out
         self._expired: set[asyncio.Task[Any]] = set()  # cancelled here, not yet told
 
     def deadline_s(self, replica_id: str, uncached_tokens: int) -> float:
-        """Seconds a streamed request sent now to ``replica_id`` may wait for its first
-        bytes."""
+        """Seconds a request sent now to ``replica_id`` may wait for its first bytes
+        (streamed), or for a sign of life from its replica (whole)."""
         typical = self._typical.get(replica_id, 0.0)
         waited = max(self.floor_s, self.factor * typical)
         return min(self.cap_s, waited + max(uncached_tokens, 0) / self.slowest_tokens_per_s)
@@ -86,6 +117,12 @@ class FirstByteDeadlines:
         else:
             self._typical[replica_id] = typical + SMOOTHING * (ttfb_s - typical)
 
+    def heard_from(self, replica_id: str, at: float) -> None:
+        """The replica was alive at ``at`` (clock): an answer's first bytes came from it,
+        or it answered a probe sent then."""
+        if at > self._heard.get(replica_id, NEVER):
+            self._heard[replica_id] = at
+
     def begin(self, deadline_s: float) -> asyncio.Task[Any]:
         """The running request waits for first bytes from now on, ``deadline_s`` at most;
         past it, :meth:`run` cancels it. Call :meth:`end` once it stops waiting."""
@@ -94,10 +131,20 @@ class FirstByteDeadlines:
         self._waiting[task] = self._clock() + deadline_s
         return task
 
+    def begin_whole(self, endpoint: Endpoint, deadline_s: float) -> asyncio.Task[Any]:
+        """The running request waits for a whole answer from ``endpoint``: :meth:`run`
+        cancels it once the replica has been silent for ``deadline_s``. Call
+        :meth:`end` once it stops waiting."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._whole[task] = Silence(endpoint, self._clock(), deadline_s)
+        return task
+
     def end(self, task: asyncio.Task[Any]) -> bool:
         """The request stopped waiting; whether it was because its deadline passed (then
         its cancellation is taken back: the caller goes on with another replica)."""
-        self._waiting.pop(task, None)
+        if self._waiting.pop(task, None) is None:
+            self._whole.pop(task, None)
         if task not in self._expired:
             return False
         self._expired.discard(task)
@@ -106,14 +153,57 @@ class FirstByteDeadlines:
 
     async def run(self) -> None:
         """Cancel every request past its deadline, each ``tick_s``."""
-        while True:
-            await asyncio.sleep(self.tick_s)  # the deadlines' resolution
-            now = self._clock()
-            late = [task for task, at in self._waiting.items() if at <= now]
-            for task in late:
-                del self._waiting[task]
-                self._expired.add(task)
-                task.cancel()
+        try:
+            while True:
+                await asyncio.sleep(self.tick_s)  # the deadlines' resolution
+                now = self._clock()
+                late = [task for task, at in self._waiting.items() if at <= now]
+                for task in late:
+                    del self._waiting[task]
+                    self._expire(task)
+                if self._whole:
+                    self._watch_silences(now)
+        finally:
+            for probe in list(self._asking):
+                probe.cancel()
+
+    def _expire(self, task: asyncio.Task[Any]) -> None:
+        self._expired.add(task)
+        task.cancel()
+
+    def _watch_silences(self, now: float) -> None:
+        """Cancel the whole requests whose replica has been silent too long; ask the
+        replicas silent for half a request's deadline whether they are alive."""
+        heard = self._heard
+        late = []
+        for task, silence in self._whole.items():
+            replica_id = silence.endpoint.replica_id
+            since = max(silence.since, heard.get(replica_id, silence.since))
+            if now >= since + silence.deadline_s:
+                late.append(task)
+            elif (
+                now >= since + silence.deadline_s / 2
+                and self._asked.get(replica_id, NEVER) <= since
+            ):  # half its deadline heard nothing, and no probe out since
+                self._probe(silence.endpoint, now)
+        for task in late:
+            del self._whole[task]
+            self._expire(task)
+
+    def _probe(self, endpoint: Endpoint, now: float) -> None:
+        ask = self.ask
+        if ask is None:
+            return
+        self._asked[endpoint.replica_id] = now
+        probe = asyncio.create_task(self._hear(ask, endpoint, now))
+        self._asking.add(probe)
+        probe.add_done_callback(self._asking.discard)
+
+    async def _hear(
+        self, ask: Callable[[Endpoint], Awaitable[bool]], endpoint: Endpoint, sent: float
+    ) -> None:
+        if await ask(endpoint):
+            self.heard_from(endpoint.replica_id, sent)
 
 
 class Replicas(Protocol):
@@ -160,15 +250,23 @@ class SuspectProber:
         await asyncio.gather(*probes)
 
     async def _probe(self, replica_id: str, base_url: str) -> None:
+        if await self.healthy(replica_id, base_url):
+            log.info("suspect replica answers its probe", extra={"replica": replica_id})
+            self.breakers.on_probe_answered(replica_id, self._clock())
+
+    async def ask(self, endpoint: Endpoint) -> bool:
+        """Whether ``endpoint`` is alive: its ``/health`` answered 2xx within
+        ``timeout_s`` (:class:`FirstByteDeadlines`' question for a silent replica)."""
+        return await self.healthy(endpoint.replica_id, endpoint.base_url)
+
+    async def healthy(self, replica_id: str, base_url: str) -> bool:
         try:
             async with asyncio.timeout(self.timeout_s):
                 opened = await self.upstream.open("GET", base_url + HEALTH_PATH, b"", ())
         except (Retriable, TimeoutError):
-            return
+            return False
         except Exception:  # a bug here must not end the probes: the replica stays out
             log.exception("probe failed", extra={"replica": replica_id})
-            return
+            return False
         opened.release()
-        if opened.status < 300:
-            log.info("suspect replica answers its probe", extra={"replica": replica_id})
-            self.breakers.on_probe_answered(replica_id, self._clock())
+        return opened.status < 300

@@ -91,13 +91,6 @@ class ProxyService:
             settings.connect_timeout_s, settings.upstream_timeout_s, self.replica_tls
         )
         self.breakers = CircuitBreakers(settings.breaker_failures, settings.breaker_open_s)
-        self.deadlines = FirstByteDeadlines(
-            settings.first_byte_floor_s,
-            settings.first_byte_factor,
-            settings.first_byte_tokens_per_s,
-            settings.upstream_timeout_s,
-            time.monotonic,
-        )
         self.prober = SuspectProber(
             self.breakers,
             self.fleet,
@@ -105,6 +98,14 @@ class ProxyService:
             settings.probe_interval_s,
             settings.probe_timeout_s,
             time.monotonic,
+        )
+        self.deadlines = FirstByteDeadlines(
+            settings.first_byte_floor_s,
+            settings.first_byte_factor,
+            settings.first_byte_tokens_per_s,
+            settings.upstream_timeout_s,
+            time.monotonic,
+            ask=self.prober.ask,
         )
         self.dispatcher = Dispatcher(
             self.fleet,

@@ -145,13 +145,16 @@ class ProxySettings(BaseSettings):
         "before it moves to another replica and its replica is suspect (the deadline is "
         "the longer of this and first_byte_factor times the replica's typical time to "
         "first byte, plus the request's uncached tokens at first_byte_tokens_per_s; "
-        "upstream_timeout_s caps it).",
+        "upstream_timeout_s caps it). A whole (non-streamed) answer may take longer: it "
+        "moves once its replica has been silent that long (no answer's first bytes, no "
+        "/health probe answered, one asked after half of it).",
     )
     first_byte_factor: float = Field(
         default=10.0,
         ge=1,
         description="How many times its replica's typical time to first byte a streamed "
-        "request waits (room for the requests queued ahead of it).",
+        "request waits (room for the requests queued ahead of it); a whole one, how long "
+        "its replica may stay silent.",
     )
     first_byte_tokens_per_s: float = Field(
         default=1000.0,

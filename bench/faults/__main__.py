@@ -2,12 +2,13 @@
 under steady load on ``kvroute up``'s fleet, each run's figures beside issue 46's
 targets. ``nats``: ``nats-server`` killed -9 for each ``--outages`` length (0 failed
 requests; a new prefix routed by its KV events within 2 s of NATS's return). ``hung``:
-one engine SIGSTOPped for each ``--stops`` length (0 failed; nothing started 2 s after
-the stop takes over 3 s; the engine serves again within 2 s of SIGCONT). Loopback only;
-every run stops by itself.
+one engine SIGSTOPped for each ``--stops`` length, under streamed then whole
+(non-streamed) requests (0 failed; nothing started 2 s after the stop takes over 3 s; the
+engine serves again within 2 s of SIGCONT). Loopback only; every run stops by itself.
 
-Options: ``--outages 5,10,30,120`` and ``--stops 10`` (seconds), ``--rate 10``
-(requests/s, open loop), ``--replicas 3``, ``--out DIR`` (a JSON of each fault's runs).
+Options: ``--outages 5,10,30,120`` and ``--stops 10`` (seconds), ``--answers
+streamed,whole`` (the hung fault's loads), ``--rate 10`` (requests/s, open loop),
+``--replicas 3``, ``--out DIR`` (a JSON of each fault's runs).
 Exit status 1 when a target is missed.
 """
 
@@ -47,8 +48,10 @@ def nats_row(r: OutageResult) -> str:
 
 
 def hung_row(r: HungResult) -> str:
+    answers = "streamed" if r.stream else "whole   "
     return (
-        f"engine stopped {r.stop_s:>4.0f} s   failed {r.failed:>4} / {r.sent:<5} (target 0)   "
+        f"engine stopped {r.stop_s:>4.0f} s, {answers}   "
+        f"failed {r.failed:>4} / {r.sent:<5} (target 0)   "
         f"over 3 s among the {r.settled} started 2 s after the stop: {r.slow_after_settled} "
         f"(target 0)   serving again {_seconds(r.back_s):>7} after SIGCONT "
         f"(target <= {BACK_TARGET_S:.0f} s)   TTFT p99 while stopped "
@@ -70,6 +73,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("faults", nargs="*", default=["nats", "hung"], help="nats, hung")
     parser.add_argument("--outages", default="5,10,30,120")
     parser.add_argument("--stops", default="10")
+    parser.add_argument("--answers", default="streamed,whole")
     parser.add_argument("--rate", type=float, default=10.0)
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
@@ -77,6 +81,9 @@ def main(argv: list[str]) -> int:
     unknown = set(args.faults) - {"nats", "hung"}
     if unknown:
         parser.error(f"unknown fault(s) {sorted(unknown)}; choose from nats, hung")
+    answers = args.answers.split(",")
+    if set(answers) - {"streamed", "whole"}:
+        parser.error(f"--answers {args.answers!r}: choose from streamed, whole")
     met = True
     report: dict[str, Any] = {"rate": args.rate, "replicas": args.replicas}
     if "nats" in args.faults:
@@ -90,8 +97,9 @@ def main(argv: list[str]) -> int:
         report["nats_outage"] = runs
     if "hung" in args.faults:
         runs = []
-        for stop_s in (float(s) for s in args.stops.split(",")):
-            hung = HungConfig(stop_s=stop_s, rate=args.rate, replicas=args.replicas)
+        loads = [(float(s), a == "streamed") for s in args.stops.split(",") for a in answers]
+        for stop_s, stream in loads:
+            hung = HungConfig(stop_s=stop_s, rate=args.rate, replicas=args.replicas, stream=stream)
             result_h = _in_a_run_dir(functools.partial(run_hung, hung))
             print(hung_row(result_h), flush=True)
             runs.append(result_h.summary())

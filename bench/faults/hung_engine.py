@@ -3,9 +3,10 @@ kernel still accepts its connections, nothing answers) and resumed (SIGCONT).
 
 On ``kvroute up``'s fleet (three engines with their sidecars, a control plane, a proxy, all
 on 127.0.0.1), the steady load of :mod:`bench.faults.load` runs before, through and after
-the stop. Measured from outside: requests that failed out of those sent; the requests
-started 2 s or more after the stop that took over 3 s to their end; TTFT p99 while the
-engine was stopped; and how long after SIGCONT the engine answered a request again.
+the stop, streamed or whole (non-streamed: its first token is its whole answer's).
+Measured from outside: requests that failed out of those sent; the requests started 2 s
+or more after the stop that took over 3 s to their end; TTFT p99 while the engine was
+stopped; and how long after SIGCONT the engine answered a request again.
 
 Targets (issue 46): 0 failed; none over 3 s among those started 2 s or more after the
 stop; traffic on the engine again within 2 s of SIGCONT.
@@ -40,11 +41,13 @@ class HungConfig:
     system_prompts: int = 3
     before_s: float = 3.0
     after_s: float = 5.0
+    stream: bool = True  # False: whole answers
 
 
 @dataclass
 class HungResult:
     stop_s: float
+    stream: bool
     sent: int
     failed: int
     slow_after_settled: int  # started >= SETTLED_S after the stop, took over SLOW_S
@@ -61,6 +64,7 @@ class HungResult:
     def summary(self) -> dict[str, Any]:
         return {
             "stop_s": self.stop_s,
+            "stream": self.stream,
             "sent": self.sent,
             "failed": self.failed,
             "slow_after_settled": self.slow_after_settled,
@@ -80,7 +84,9 @@ async def run_hung(config: HungConfig, run_dir: Path) -> HungResult:
         timeout = aiohttp.ClientTimeout(total=120)
         async with (
             aiohttp.ClientSession(timeout=timeout) as session,
-            SteadyLoad(session, fleet.proxy_urls[0], config.rate, config.system_prompts) as load,
+            SteadyLoad(
+                session, fleet.proxy_urls[0], config.rate, config.system_prompts, config.stream
+            ) as load,
         ):
             await asyncio.sleep(config.before_s)  # steady load first: the fault's schedule
             stopped_at = time.perf_counter()
@@ -105,6 +111,7 @@ async def run_hung(config: HungConfig, run_dir: Path) -> HungResult:
     failed = load.result.errors  # every failure counts, whenever it was sent
     return HungResult(
         config.stop_s,
+        config.stream,
         load.sent,
         failed,
         slow,

@@ -1,6 +1,7 @@
-"""The steady load a fault runs under: streamed chat requests on a few shared system
-prompts, open loop (one every ``1/rate`` s, whatever the answers take), each request's
-answer or failure kept in one :class:`~kvroute.demo.PhaseResult`."""
+"""The steady load a fault runs under: chat requests on a few shared system prompts,
+streamed (or whole: ``stream=False``), open loop (one every ``1/rate`` s, whatever the
+answers take), each request's answer or failure kept in one
+:class:`~kvroute.demo.PhaseResult`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 
 import aiohttp
 
-from kvroute.demo import PhaseResult, send_one
+from kvroute.demo import Answer, PhaseResult, send_one
 from kvroute.supervisor import Child
 from kvroute.up import SIM_MODEL
 
@@ -41,9 +42,14 @@ class SteadyLoad:
     the block ends, then every one sent is waited for."""
 
     def __init__(
-        self, session: aiohttp.ClientSession, proxy: str, rate: float, prompts: int
+        self,
+        session: aiohttp.ClientSession,
+        proxy: str,
+        rate: float,
+        prompts: int,
+        stream: bool = True,
     ) -> None:
-        self.session, self.proxy, self.rate = session, proxy, rate
+        self.session, self.proxy, self.rate, self.stream = session, proxy, rate, stream
         self.systems = [system_prompt(f"shared{i}") for i in range(prompts)]
         self.result = PhaseResult("load")  # every request's answer, or its failure
         self.sent = 0
@@ -63,17 +69,53 @@ class SteadyLoad:
 
     def body(self, index: int) -> dict[str, Any]:
         """The ``index``-th request's body (its prompt, for whoever must know it)."""
-        return chat(self.systems[index % len(self.systems)], f"Steady question {index}?")
+        body = chat(self.systems[index % len(self.systems)], f"Steady question {index}?")
+        if not self.stream:
+            del body["stream_options"]
+            body["stream"] = False
+        return body
 
     async def _pace(self) -> None:
         start = time.perf_counter()
         while True:
             index = self.sent
             self.sent += 1
-            request = send_one(self.session, self.proxy, self.body(index), self.result, index)
+            send = send_one if self.stream else send_whole
+            request = send(self.session, self.proxy, self.body(index), self.result, index)
             self._requests.append(asyncio.create_task(request))
             next_at = start + self.sent / self.rate
             await asyncio.sleep(max(0.0, next_at - time.perf_counter()))  # the load's pace
+
+
+async def send_whole(
+    session: aiohttp.ClientSession,
+    proxy: str,
+    body: dict[str, Any],
+    result: PhaseResult,
+    index: int,
+) -> None:
+    """One whole (non-streamed) chat request, kept as :func:`~kvroute.demo.send_one`
+    keeps a stream: its time to first token is the whole answer's, by this clock."""
+    started = time.perf_counter()
+    try:
+        async with session.post(f"{proxy}/v1/chat/completions", json=body) as response:
+            answer = await response.json() if response.status == 200 else None
+            replica = response.headers.get("x-kvroute-replica", "?")
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        answer = None
+    if not answer or not answer.get("choices"):
+        result.errors += 1
+        return
+    took = time.perf_counter() - started
+    usage = answer.get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    cached = int(details.get("cached_tokens") or 0)
+    prompt = int(usage.get("prompt_tokens", 0))
+    result.answers.append(Answer(index, started, took, prompt, cached, replica, total_s=took))
+    result.ttft_s.append(took)
+    result.by_replica[replica] = result.by_replica.get(replica, 0) + 1
+    result.prompt_tokens += prompt
+    result.cached_tokens += cached
 
 
 def p99(values: list[float]) -> float | None:

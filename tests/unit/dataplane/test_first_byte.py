@@ -136,3 +136,67 @@ async def test_a_suspect_gone_from_the_fleet_or_renumbered_is_forgotten_not_prob
     await prober.probe_all()
     assert list(breakers.suspects()) == ["r0"]  # still unreachable: still out
     assert breakers.excluded(1.0) == {0}
+
+
+async def wait_for_whole_answer(
+    deadlines: FirstByteDeadlines, endpoint: Endpoint, answer: asyncio.Future[str]
+) -> str:
+    """What ``Dispatcher._first_bytes`` does around a replica's whole answer."""
+    task = deadlines.begin_whole(endpoint, 0.2)
+    try:
+        got = await answer
+    except asyncio.CancelledError:
+        if deadlines.end(task):
+            return "moved elsewhere"
+        raise
+    deadlines.end(task)
+    return got
+
+
+class Replies:
+    """Health probes answered (or not) per replica, counted."""
+
+    def __init__(self, alive: set[str]) -> None:
+        self.alive = alive
+        self.asked: list[str] = []
+
+    async def ask(self, endpoint: Endpoint) -> bool:
+        self.asked.append(endpoint.replica_id)
+        return endpoint.replica_id in self.alive
+
+
+async def test_a_whole_answer_waits_while_its_replica_answers_probes_and_no_longer() -> None:
+    """Deadline 0.2 s: a live replica's answer after 0.7 s (over three deadlines) is
+    waited for; a silent replica's is let go at its deadline, as a stream would be."""
+    replies = Replies(alive={"live"})
+    d = FirstByteDeadlines(0.2, 10.0, 1000.0, 60.0, clock=time.monotonic, ask=replies.ask)
+    keeper = asyncio.create_task(d.run())
+    try:
+        loop = asyncio.get_running_loop()
+        slow, never = loop.create_future(), loop.create_future()
+        live, hung = Fleet(live=0, hung=1).by_ordinal.values()
+        started = time.monotonic()
+        silent = asyncio.create_task(wait_for_whole_answer(d, hung, never))
+        assert await silent == "moved elsewhere"
+        assert 0.2 <= time.monotonic() - started < 0.2 + 2 * d.tick_s + 0.2
+        loop.call_later(0.7, slow.set_result, "answered")
+        assert await wait_for_whole_answer(d, live, slow) == "answered"
+        assert 3 <= replies.asked.count("live") <= 8  # one probe per half deadline of silence
+    finally:
+        keeper.cancel()
+
+
+async def test_an_answer_from_the_replica_to_another_request_is_a_sign_of_life() -> None:
+    replies = Replies(alive=set())  # probes never answer
+    d = FirstByteDeadlines(0.2, 10.0, 1000.0, 60.0, clock=time.monotonic, ask=replies.ask)
+    keeper = asyncio.create_task(d.run())
+    try:
+        loop = asyncio.get_running_loop()
+        slow = loop.create_future()
+        (busy,) = Fleet(busy=0).by_ordinal.values()
+        for at in (0.1, 0.25, 0.4, 0.55):  # other requests' first bytes
+            loop.call_later(at, lambda: d.heard_from("busy", time.monotonic()))
+        loop.call_later(0.6, slow.set_result, "answered")
+        assert await wait_for_whole_answer(d, busy, slow) == "answered"
+    finally:
+        keeper.cancel()
