@@ -106,6 +106,15 @@ class Answer:
     decision: str = ""  # x-kvroute-decision
     total_s: float = 0.0  # until the answer's end
     error: str = ""  # the error event that ended the stream after its first token, if any
+    completion_tokens: int = 0  # the usage's, or the chunks that carried a token
+    last_token_s: float = 0.0  # when the last token arrived, from the request's start
+
+    @property
+    def itl_s(self) -> float | None:
+        """The mean gap between tokens after the first, by this clock (None: one token)."""
+        if self.completion_tokens < 2:
+            return None
+        return (self.last_token_s - self.ttft_s) / (self.completion_tokens - 1)
 
 
 @dataclass
@@ -238,6 +247,7 @@ async def send_one(
     """One streamed chat request; TTFT is the first content chunk, by this clock."""
     started = time.perf_counter()
     first: float | None = None
+    last, chunks = 0.0, 0
     usage: dict[str, Any] = {}
     error = ""
     url = f"{proxy}/v1/chat/completions"
@@ -252,8 +262,9 @@ async def send_one(
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
-                if first is None and _has_token(chunk):
-                    first = time.perf_counter() - started
+                if _has_token(chunk):
+                    last, chunks = time.perf_counter() - started, chunks + 1
+                    first = last if first is None else first
                 usage = chunk.get("usage") or usage
                 error = _stream_error(chunk) or error
     except (aiohttp.ClientError, TimeoutError, ValueError):
@@ -274,6 +285,8 @@ async def send_one(
         answered.get("x-kvroute-decision", ""),
         time.perf_counter() - started,
         error,
+        int(usage.get("completion_tokens") or chunks),
+        last,
     )
     result.answers.append(answer)
     result.ttft_s.append(first)

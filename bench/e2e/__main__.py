@@ -5,6 +5,8 @@
 balancer, and the peer routers. ``--proxies`` runs the many-proxies curve instead
 (``proxies.md``): that many kvroute proxies, and smg instances with and without their
 mesh, behind the balancer, on a multi-turn chat workload and the shared-prefix one.
+``--pd`` runs disaggregated prefill/decode instead (:mod:`bench.pd`: kvroute beside
+smg's and vllm-router's P/D modes, on vLLM and SGLang sims).
 Exit status 1 when a request was lost.
 """
 
@@ -42,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-peers", action="store_true", help="leave the peer routers out")
     parser.add_argument("--proxies", type=_counts, default=(),
                         help="the many-proxies curve at these router counts: 1,2,4,8")  # fmt: skip
+    parser.add_argument("--pd", action="store_true",
+                        help="P/D instead: kvroute beside the peers' P/D modes, both "
+                        "protocols (bench.pd)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench-results/e2e"))
     return parser
 
@@ -68,6 +73,10 @@ async def run(config: E2EConfig, console: Console) -> list[ContenderResult]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.pd:
+        from bench import pd  # only this mode needs it
+
+        return pd.e2e(args.out)
     config = QUICK if args.quick else E2EConfig()
     if args.no_peers:
         config = dataclasses.replace(config, peers=())

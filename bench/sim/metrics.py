@@ -42,6 +42,9 @@ class RunMetrics:
     decision_us: float  # mean wall time of one routing decision
     wall_s: float  # wall time of the whole run
     cpu_s: float  # CPU time of the whole run (on a shared machine, what a quiet one would take)
+    # inter-token latency: each answer's mean gap between tokens after its first
+    itl_mean_s: float = math.nan  # over the answers of more than one token
+    itl_p99_s: float = math.nan
     ttft_cdf: list[float] = field(default_factory=list, repr=False)  # 101 quantiles
 
     @property
@@ -57,6 +60,11 @@ def summarize(policy: str, outcome: RunOutcome, block_size: int) -> RunMetrics:
     routed = [r for r in outcome.requests if r.replica >= 0]
     prompt = sum(r.prompt_tokens for r in done)
     ttfts = sorted(r.ttft for r in done)
+    itls = sorted(
+        (r.finished_at - r.first_token_at) / (r.output_tokens - 1)
+        for r in done
+        if r.output_tokens > 1
+    )
     first = min((r.arrival for r in outcome.requests), default=0.0)
     span = max(outcome.end - first, 1e-9)
     busy = outcome.busy_s
@@ -83,5 +91,7 @@ def summarize(policy: str, outcome: RunOutcome, block_size: int) -> RunMetrics:
         decision_us=outcome.decide_s / max(len(routed), 1) * 1e6,
         wall_s=outcome.wall_s,
         cpu_s=outcome.cpu_s,
+        itl_mean_s=sum(itls) / len(itls) if itls else math.nan,
+        itl_p99_s=percentile(itls, 0.99),
         ttft_cdf=[percentile(ttfts, q / 100) for q in range(101)],
     )

@@ -84,22 +84,23 @@ def _scenario_markdown(result: ScenarioResult) -> list[str]:
     if result.skipped:
         return [*lines, f"Skipped: {result.skipped}.", ""]
     lines += [
-        "| policy | hit rate | / oracle | TTFT mean | p50 | p90 | p99 | output tok/s | "
+        "| policy | hit rate | / oracle | TTFT mean | p50 | p90 | p99 | ITL mean | output tok/s | "
         "imbalance | busy (prefill) | decision | lost |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result.runs:
         lines.append(
             f"| `{r.policy}` | {r.hit_rate:.1%} | {_fmt(r.oracle_ratio, '.1%')} | "
             f"{_fmt(r.ttft_mean_s, '.3f')} s | {_fmt(r.ttft_p50_s, '.3f')} s | "
             f"{_fmt(r.ttft_p90_s, '.3f')} s | {_fmt(r.ttft_p99_s, '.3f')} s | "
-            f"{r.throughput_tok_s:,.0f} | {_fmt(r.load_imbalance, '.2f')} | "
+            f"{_fmt(r.itl_mean_s * 1e3, '.1f')} ms | {r.throughput_tok_s:,.0f} | "
+            f"{_fmt(r.load_imbalance, '.2f')} | "
             f"{r.busy_share:.0%} ({r.prefill_share:.0%}) | {r.decision_us:.0f} us | {r.lost} |"
         )
     if result.runs:
         lines.append(
             f"| oracle (one unlimited cache) | {result.runs[0].oracle_hit_rate:.1%} | "
-            "100% | | | | | | | | | |"
+            "100% | | | | | | | | | | |"
         )
     lines += ["", *(f"- {g.verdict}: {g.goal} ({g.detail})" for g in result.goals), ""]
     return lines

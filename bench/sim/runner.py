@@ -16,6 +16,7 @@ from typing import Any
 
 from bench.sim.contenders import DEFAULT, PEER_MODELS, router_factory
 from bench.sim.metrics import RunMetrics, summarize
+from bench.sim.pd import PdSimulation, is_pd
 from bench.sim.scenarios import Inputs, Scenario
 from bench.sim.simulator import SimConfig, Simulation
 
@@ -87,10 +88,13 @@ def run_scenario(
     for spec in policies or scenario.policies:
         workload = scenario.workload(inputs)
         assert workload is not None
-        factory = router_factory(
-            spec, config.shape, seed=inputs.seed, load_period_s=config.load_period_s
-        )
-        outcome = Simulation(config, workload, factory).run()
+        if is_pd(spec):  # a prefill and a decode pool (bench/sim/pd.py)
+            outcome = PdSimulation(config, workload, spec, inputs.seed).run()
+        else:
+            factory = router_factory(
+                spec, config.shape, seed=inputs.seed, load_period_s=config.load_period_s
+            )
+            outcome = Simulation(config, workload, factory).run()
         metrics = summarize(spec, outcome, config.shape.block_size)
         result.runs.append(metrics)
         progress(_progress_line(scenario.name, metrics))
@@ -237,7 +241,37 @@ def _speed(result: ScenarioResult) -> GoalCheck:
     return GoalCheck(goal, run.requests >= 100_000 and run.wall_s < 60, detail)
 
 
+def _pd_beats_rr(result: ScenarioResult) -> GoalCheck:
+    goal = "P/D: kvroute's pairs (pd:kv_cost) beat round-robin prefill on hit rate and mean TTFT"
+    return _beats(goal, result.run("pd:kv_cost"), result.run("pd:round_robin"))
+
+
+def _pd_ahead_of_smg(result: ScenarioResult) -> GoalCheck:
+    goal = "P/D: kvroute's pairs (pd:kv_cost) beat smg's PD router model on mean TTFT"
+    ours, smg = result.run("pd:kv_cost"), result.run("smg-pd:cache_aware")
+    if ours is None or smg is None:
+        return GoalCheck(goal, None, "pd:kv_cost or smg-pd:cache_aware not run")
+    detail = (
+        f"TTFT {ours.ttft_mean_s:.3f} s vs {smg.ttft_mean_s:.3f} s; "
+        f"hit {ours.hit_rate:.1%} vs {smg.hit_rate:.1%}"
+    )
+    return GoalCheck(goal, ours.ttft_mean_s < smg.ttft_mean_s, detail)
+
+
+def _beats(goal: str, ours: RunMetrics | None, theirs: RunMetrics | None) -> GoalCheck:
+    if ours is None or theirs is None:
+        return GoalCheck(goal, None, "a contender it compares was not run")
+    met = ours.hit_rate > theirs.hit_rate and ours.ttft_mean_s < theirs.ttft_mean_s
+    detail = (
+        f"hit {ours.hit_rate:.1%} vs {theirs.hit_rate:.1%}; "
+        f"TTFT {ours.ttft_mean_s:.3f} s vs {theirs.ttft_mean_s:.3f} s"
+    )
+    return GoalCheck(goal, met, detail)
+
+
 GOALS: dict[str, Callable[[ScenarioResult], GoalCheck]] = {
+    "pd_beats_rr": _pd_beats_rr,
+    "pd_ahead_of_smg": _pd_ahead_of_smg,
     "hit_vs_oracle": _hit_vs_oracle,
     "ahead_of_sglang": _ahead_of_sglang,
     "kv_beats_rr": _kv_beats_rr,

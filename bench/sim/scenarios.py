@@ -21,6 +21,12 @@ SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"  # 
 DEFAULT_TRACE = SHARED_DATA / "mooncake_conversation_trace.jsonl"
 DEFAULT_SHAREGPT = SHARED_DATA / "sharegpt_v3_partial_turn_lengths.jsonl"
 LINEUP = (*KVROUTE, "kv_cost:locality_weight=0.5", *PEERS)  # 0.5: the plain predicted TTFT
+# P/D (bench/sim/pd.py): kvroute's pairs, decode residency ignored, round-robin prefill, smg's
+# PD router; then the same replicas colocated
+PD_LINEUP = (
+    "pd:kv_cost", "pd-load:kv_cost", "pd:kv_aware", "pd:round_robin", "smg-pd:cache_aware",
+    "kv_aware", "kv_cost",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -196,6 +202,26 @@ SCENARIOS: dict[str, Scenario] = {
             ),
         ),
         Scenario(
+            "pd_shared_prefix",
+            "the shared-prefix stream onto 8 replicas of 4,096 blocks: P/D contenders 4 "
+            "prefill + 4 decode (KV read at 0.05 ms a block), colocated ones all 8",
+            SimConfig(replicas=8, shape=_shape(4096), prefill_replicas=4),
+            _shared_prefix,
+            policies=PD_LINEUP,
+            goals=("pd_beats_rr", "pd_ahead_of_smg"),
+            in_default_run=False,
+        ),
+        Scenario(
+            "pd_mooncake",
+            "the Mooncake trace (compressed 3x) onto 16 replicas of 65,536 blocks: P/D "
+            "contenders 8 prefill + 8 decode (KV read at 0.05 ms a block), colocated all 16",
+            SimConfig(replicas=16, shape=_shape(65536), prefill_replicas=8),
+            _mooncake,
+            policies=PD_LINEUP,
+            goals=("pd_beats_rr", "pd_ahead_of_smg"),
+            in_default_run=False,
+        ),
+        Scenario(
             "no_reuse",
             "unique 1,024-token prompts (negative control), 8 replicas of 4,096 blocks",
             SimConfig(replicas=8, shape=_shape(4096)),
@@ -216,9 +242,13 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 QUICK_POLICIES = ("round_robin", DEFAULT)
+QUICK_PD_POLICIES = ("pd:round_robin", f"pd:{DEFAULT}", "smg-pd:cache_aware", DEFAULT)
 
 
 def quick(scenario: Scenario) -> Scenario:
-    """The CI-sized version: kvroute's round_robin and the default only, at most 4 replicas."""
-    config = replace(scenario.config, replicas=min(scenario.config.replicas, 4))
-    return replace(scenario, config=config, policies=QUICK_POLICIES)
+    """The CI-sized version: kvroute's round_robin and the default only (P/D: the pairs of
+    each, smg's and the default colocated), at most 4 replicas (P/D: 2 + 2)."""
+    config = scenario.config
+    pd = config.prefill_replicas > 0
+    config = replace(config, replicas=min(config.replicas, 4), prefill_replicas=2 if pd else 0)
+    return replace(scenario, config=config, policies=QUICK_PD_POLICIES if pd else QUICK_POLICIES)

@@ -23,7 +23,7 @@ import heapq
 import itertools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 
@@ -31,7 +31,7 @@ from bench.sim.engine import EngineShape, ReplicaModel
 from bench.sim.workloads import Request, Workload
 from enginesim.kv_manager import BlockEvicted, BlocksStored, PoolEvent
 
-_ARRIVAL, _WAKE, _RESIDENCY, _LOAD, _FIRST_TOKEN = 0, 1, 2, 3, 4
+ARRIVAL, _WAKE, _RESIDENCY, _LOAD, _FIRST_TOKEN = 0, 1, 2, 3, 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +86,11 @@ class SimConfig:
     router_instances: int = 1
     residency_delay_s: float = 0.05
     load_period_s: float = 0.5
+    # P/D contenders (bench/sim/pd.py): the first ``prefill_replicas`` of ``replicas`` are
+    # prefill replicas, the rest decode ones (0: the scenario has none); a decode replica
+    # reads a prompt's KV at this many seconds a block (enginesim's --kv-transfer-block-ms)
+    prefill_replicas: int = 0
+    kv_transfer_block_s: float = 0.00005
 
 
 @dataclass
@@ -102,6 +107,86 @@ class RunOutcome:
     wall_s: float
     cpu_s: float  # this process's CPU time during the run (wall time less waiting for a core)
     end: float
+
+    @classmethod
+    def of(
+        cls,
+        replicas: Sequence[ReplicaModel],
+        requests: list[Request],
+        rejected: int,
+        decide_s: float,
+        wall_s: float,
+        cpu_s: float,
+        end: float,
+    ) -> RunOutcome:
+        """What a run on ``replicas`` produced."""
+        return cls(
+            requests=requests,
+            rejected=rejected,
+            busy_s=[r.busy_s for r in replicas],
+            prefill_s=[r.prefill_s for r in replicas],
+            served=[r.served for r in replicas],
+            routed=len(requests) - rejected,
+            decide_s=decide_s,
+            wall_s=wall_s,
+            cpu_s=cpu_s,
+            end=end,
+        )
+
+
+def residency_batches(events: list[PoolEvent]) -> Iterator[tuple[list[int], list[int]]]:
+    """An engine's events as (stored keys, then the removals that followed them) batches,
+    in order, as routers apply them."""
+    stored: list[int] = []
+    removed: list[int] = []
+    for event in events:
+        if isinstance(event, BlocksStored):
+            if removed:
+                yield stored, removed
+                stored, removed = [], []
+            stored.extend(event.digests)  # type: ignore[arg-type]  # router keys
+        elif isinstance(event, BlockEvicted):
+            removed.append(event.digest)  # type: ignore[arg-type]
+    yield stored, removed
+
+
+def too_large(req: Request, shape: EngineShape) -> bool:
+    """Whether ``req`` needs more blocks than one replica has (no engine could run it)."""
+    return -(-(req.prompt_tokens + req.output_tokens - 1) // shape.block_size) > shape.num_blocks
+
+
+Dispatch = Callable[[int, object, float], None]  # (kind, payload, time)
+
+
+def drain(
+    arrivals: Iterable[Request],
+    heap: list[tuple[float, int, int, object]],
+    period: float,
+    sample: Callable[[float], None],
+    dispatch: Dispatch,
+) -> float:
+    """The event loop: each arrival (kind ``ARRIVAL``) or heap event in time order to
+    ``dispatch``, the load sampled every ``period`` (at every event when 0); the time of
+    the last event."""
+    pending_arrivals = iter(arrivals)
+    pending = next(pending_arrivals, None)
+    next_sample = period if period > 0 else math.inf
+    now = 0.0
+    payload: object
+    while pending is not None or heap:
+        if pending is not None and (not heap or pending.arrival <= heap[0][0]):
+            at, kind, payload = pending.arrival, ARRIVAL, pending
+            pending = next(pending_arrivals, None)
+        else:
+            at, _, kind, payload = heapq.heappop(heap)
+        while next_sample <= at:
+            sample(next_sample)
+            next_sample += period
+        now = at
+        if period <= 0:
+            sample(now)
+        dispatch(kind, payload, now)
+    return now
 
 
 class Simulation:
@@ -145,21 +230,9 @@ class Simulation:
             self._push(at + delay, _RESIDENCY, (replica, events))
 
     def _apply_residency(self, replica: int, events: list[PoolEvent]) -> None:
-        stored: list[int] = []
-        removed: list[int] = []
-        for event in events:
-            if isinstance(event, BlocksStored):
-                if removed:
-                    self._deliver(replica, stored, removed)
-                    stored, removed = [], []
-                stored.extend(event.digests)  # type: ignore[arg-type]  # router keys
-            elif isinstance(event, BlockEvicted):
-                removed.append(event.digest)  # type: ignore[arg-type]
-        self._deliver(replica, stored, removed)
-
-    def _deliver(self, replica: int, stored: list[int], removed: list[int]) -> None:
-        for router in self._feeds:
-            router.apply_residency(replica, stored, removed)
+        for stored, removed in residency_batches(events):
+            for router in self._feeds:
+                router.apply_residency(replica, stored, removed)
 
     # -- callbacks from replicas ---------------------------------------------------------
 
@@ -172,15 +245,13 @@ class Simulation:
         self._owner.pop(req.rid).on_finished(req, now)
         follow = self.workload.follow_up(req, now)
         if follow is not None:
-            self._push(follow.arrival, _ARRIVAL, follow)
+            self._push(follow.arrival, ARRIVAL, follow)
 
     # -- the loop ----------------------------------------------------------------------------
 
     def _arrive(self, req: Request, now: float) -> None:
         self.requests.append(req)
-        shape = self.config.shape
-        needed = -(-(req.prompt_tokens + req.output_tokens - 1) // shape.block_size)
-        if needed > shape.num_blocks:
+        if too_large(req, self.config.shape):
             self.rejected += 1
             return
         router = self.routers[len(self.requests) % len(self.routers)]
@@ -193,34 +264,25 @@ class Simulation:
 
     def run(self) -> RunOutcome:
         started, cpu = time.perf_counter(), time.process_time()
-        arrivals = iter(self.workload.arrivals())
-        pending = next(arrivals, None)
         period = min([self.config.load_period_s, *(r.load_period_s for r in self.routers)])
-        next_sample = period if period > 0 else math.inf
-        now = 0.0
-        heap = self._heap
-        payload: object
-        while pending is not None or heap:
-            if pending is not None and (not heap or pending.arrival <= heap[0][0]):
-                at, kind, payload = pending.arrival, _ARRIVAL, pending
-                pending = next(arrivals, None)
-            else:
-                at, _, kind, payload = heapq.heappop(heap)
-            while next_sample <= at:
-                self.readout.sample(next_sample)
-                next_sample += period
-            now = at
-            if period <= 0:
-                self.readout.sample(now)
-            self._dispatch(kind, payload, now)
-        return self._outcome(now, time.perf_counter() - started, time.process_time() - cpu)
+        arrivals = self.workload.arrivals()
+        end = drain(arrivals, self._heap, period, self.readout.sample, self._dispatch)
+        return RunOutcome.of(
+            self.replicas,
+            self.requests,
+            self.rejected,
+            self._decide_s,
+            time.perf_counter() - started,
+            time.process_time() - cpu,
+            end,
+        )
 
     def _dispatch(self, kind: int, payload: object, now: float) -> None:
         if kind == _WAKE:
             replica, step, version = cast(tuple[ReplicaModel, int, int], payload)
             if version == replica.version:
                 replica.wake(now, step)
-        elif kind == _ARRIVAL:
+        elif kind == ARRIVAL:
             self._arrive(cast(Request, payload), now)
         elif kind == _FIRST_TOKEN:
             req = cast(Request, payload)
@@ -230,17 +292,3 @@ class Simulation:
         elif kind == _RESIDENCY:
             ordinal, events = cast(tuple[int, list[PoolEvent]], payload)
             self._apply_residency(ordinal, events)
-
-    def _outcome(self, end: float, wall_s: float, cpu_s: float) -> RunOutcome:
-        return RunOutcome(
-            requests=self.requests,
-            rejected=self.rejected,
-            busy_s=[r.busy_s for r in self.replicas],
-            prefill_s=[r.prefill_s for r in self.replicas],
-            served=[r.served for r in self.replicas],
-            routed=len(self.requests) - self.rejected,
-            decide_s=self._decide_s,
-            wall_s=wall_s,
-            cpu_s=cpu_s,
-            end=end,
-        )
