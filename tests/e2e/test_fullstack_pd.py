@@ -1,8 +1,10 @@
 """A disaggregated prefill/decode fleet as ``kvroute up --pd`` runs it (NATS, etcd,
 control plane, a sidecar announcing each replica's role, the proxy) in front of real
-vLLM-mode sims: the prefill replicas' cached tokens equal the proxy's prediction within
-2% on a shared prefix, and a prefill or a decode replica killed under load loses no
-request that had not started streaming (the module's last test kills them)."""
+sims, over each protocol (vLLM's ``kv_transfer_params``; SGLang's bootstrap room, the
+roles read from the engines): the prefill replicas' cached tokens equal the proxy's
+prediction within 2% on a shared prefix, and a prefill or a decode replica killed under
+load loses no request that had not started streaming (each fleet's last tests kill
+them)."""
 
 from __future__ import annotations
 
@@ -28,12 +30,31 @@ SIM_ARGS = ("--instant", "--max-model-len=8192", f"--model={MODEL}")
 ENV = {"KVROUTE_ANNOUNCE_INTERVAL_S": "600", "KVROUTE_LOAD_INTERVAL_S": "0.2"}
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FullStack]:
+# each engine's (prefix-cache hits, prompt tokens looked up) counters
+COUNTERS = {
+    "vllm": ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"),
+    "sglang": ("sglang:cached_tokens_total", "sglang:prompt_tokens_total"),
+}
+
+
+def sim_args(kind: str, role: str) -> tuple[str, ...]:
+    if kind == "vllm":
+        return SIM_ARGS  # vLLM's role is per request (kv_transfer_params)
+    return (*SIM_ARGS, "--event-format=sglang", f"--disaggregation-mode={role}")
+
+
+@pytest.fixture(scope="module", params=["vllm", "sglang"])
+def stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[FullStack]:
+    kind = request.param
     with ExitStack() as started:
-        sims = [started.enter_context(SimProcess(*SIM_ARGS)) for _ in range(4)]
+        sims = [
+            started.enter_context(SimProcess(*sim_args(kind, role)))
+            for role in ("prefill", "prefill", "decode", "decode")
+        ]
         run_dir = tmp_path_factory.mktemp("fleet")
-        fleet = started.enter_context(FullStack(sims, run_dir, ENV, pd=(2, 2)))
+        fleet = started.enter_context(FullStack(sims, run_dir, ENV, kind, pd=(2, 2)))
         roles = {"prefill": 2, "decode": 2}
         wait_for(lambda: fleet.readyz().get("roles") == roles, "every replica's role")
         yield fleet
@@ -47,7 +68,8 @@ def ask(stack: FullStack, question: str) -> tuple[int, dict[str, str], Any]:
 
 
 def prefill_hits(stack: FullStack) -> float:
-    return sum(sim.metric("vllm:prefix_cache_hits_total") for sim in stack.engines[:2])
+    hits = COUNTERS[stack.options.engine_kind][0]
+    return sum(sim.metric(hits) for sim in stack.engines[:2])
 
 
 def test_the_prefill_replicas_cache_what_the_proxy_predicted(stack: FullStack) -> None:
@@ -81,8 +103,8 @@ def complete(stack: FullStack, i: int, stream: bool) -> tuple[bool, int]:
     return status == 200 and events[-1:] == ["[DONE]"], tokens
 
 
-def queries(sim: SimProcess) -> float:
-    return sim.metric("vllm:prefix_cache_queries_total")
+def queries(stack: FullStack, sim: SimProcess) -> float:
+    return sim.metric(COUNTERS[stack.options.engine_kind][1])
 
 
 def under_load(stack: FullStack, half: list[SimProcess], first: int) -> list[tuple[bool, int]]:
@@ -95,11 +117,11 @@ def under_load(stack: FullStack, half: list[SimProcess], first: int) -> list[tup
             started.set()
         return complete(stack, i, stream=i % 2 == 1)
 
-    before = [queries(sim) for sim in half]
+    before = [queries(stack, sim) for sim in half]
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(one, i) for i in range(first, first + 60)]
         assert started.wait(30)
-        served = [queries(sim) - b for sim, b in zip(half, before, strict=True)]
+        served = [queries(stack, sim) - b for sim, b in zip(half, before, strict=True)]
         victim = half[served.index(max(served))]
         assert max(served) > 0  # it was serving this load
         assert victim.proc is not None

@@ -149,12 +149,25 @@ def sglang_pool() -> Iterator[tuple[SimProcess, SimProcess, ProxyProcess]]:
 
 
 def test_sglang_pool_whole_and_streamed(sglang_pool: Any) -> None:
-    _, _, proxy = sglang_pool
+    prefill, _, proxy = sglang_pool
     status, _, body = proxy.request("/v1/chat/completions", chat(False, "one"))
     assert status == 200, body
     assert json.loads(body)["usage"]["completion_tokens"] == 5
-    body = {"model": MODEL, "prompt": SYSTEM, "max_tokens": 3, "stream": True}
+    cached = prefill.metric("sglang:cached_tokens_total")
+    status, _, raw = proxy.request("/v1/chat/completions", chat(True, "two"))
+    assert status == 200
+    streamed = events(raw)
+    assert streamed[-1] == "[DONE]"
+    usage = streamed[-2]["usage"]
+    assert usage["completion_tokens"] == 5
+    assert cached_tokens(usage) == usage["prompt_tokens"]  # the decode's: all read
+    prefill_hit = prefill.metric("sglang:cached_tokens_total") - cached
+    assert usage["prompt_tokens"] - 32 <= prefill_hit < usage["prompt_tokens"]
+    body = {"model": MODEL, "prompt": SYSTEM, "max_tokens": 3}
     status, _, raw = proxy.request("/v1/completions", body)
+    assert status == 200, raw
+    assert json.loads(raw)["usage"]["completion_tokens"] == 3
+    status, _, raw = proxy.request("/v1/completions", {**body, "stream": True})
     assert status == 200
     streamed = events(raw)
     assert streamed[-1] == "[DONE]"
