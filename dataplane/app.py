@@ -49,6 +49,8 @@ from dataplane.http_errors import (
     StreamBroken,
     Unauthorized,
 )
+from dataplane.lora import ROUTES as LORA_ROUTES
+from dataplane.lora import LoraPlacement
 from dataplane.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from dataplane.metrics import ProxyMetrics
 from dataplane.model_cards import ModelCards, own_card
@@ -129,6 +131,7 @@ class ProxyApp:
         tracing: Tracing | None = None,
         scrape: Callable[[], Awaitable[bytes]] | None = None,
         cards: ModelCards | None = None,
+        lora: LoraPlacement | None = None,
     ) -> None:
         self.options = options
         self.fleet = fleet
@@ -139,6 +142,7 @@ class ProxyApp:
         self.tracing = tracing
         self.scrape = scrape  # the whole proxy's metrics, where it has several workers
         self.cards = cards  # the engines' model cards (else the proxy's own)
+        self.lora = lora  # LoRA adapters loaded on demand and the pool's load routes
         self.cors = Cors(options.cors_allowed_origins) if options.cors_allowed_origins else None
         self._ids = RequestIds()
         tenant_header = router.defaults.tenant_header
@@ -188,6 +192,11 @@ class ProxyApp:
             _allow(method, "GET", path)
             self._authenticate(request.headers)
             response.json(await self._model(unquote(path[len(MODEL_PATH) :])))
+        elif path in LORA_ROUTES and self.lora is not None:
+            _allow(method, "POST", path)
+            self._authenticate(request.headers)
+            text = await self.lora.admin(path, request.body, request.headers)
+            response.send(200, text.encode(), b"text/plain; charset=utf-8")
         elif path.startswith("/v1/") or path in ENGINE_ROUTES:
             await self._forward(request, response)
         elif path in ("/healthz", "/health"):  # /health: the engines' own, for their probes
@@ -243,6 +252,11 @@ class ProxyApp:
         span: Span | None,
     ) -> None:
         started = time.perf_counter()
+        lora = self.lora
+        adapter_on = None
+        if lora is not None and lora.names_adapter(inference.model):
+            workload = self.router.classify(inference, request.path, request.headers, api_key)
+            adapter_on = await lora.place(inference.model, workload)
         if self._prepares_inline(inference):
             prepared = self.router.prepare(
                 inference,
@@ -252,6 +266,7 @@ class ProxyApp:
                 request_id=response.id,
                 # keyed when read here; a long prompt always is (never keyed on the loop)
                 keys_read=self.options.debug_headers or span is not None,
+                adapter_on=adapter_on,
             )
         else:
             prepared = await asyncio.to_thread(
@@ -261,6 +276,7 @@ class ProxyApp:
                 headers=request.headers,
                 api_key=api_key,
                 request_id=response.id,
+                adapter_on=adapter_on,
             )
         decision_s = time.perf_counter() - started
         body = inference.upstream_body(
@@ -284,6 +300,9 @@ class ProxyApp:
             raise
         finally:
             self.dispatcher.finish(exchange)
+            if lora is not None and prepared.lora_name:
+                attempt = exchange.attempt
+                lora.routed(prepared.lora_name, attempt.endpoint.ordinal if attempt else None)
             if span is not None:
                 describe(span, _span_attributes(exchange), failed=exchange.outcome != "ok")
 

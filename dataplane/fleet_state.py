@@ -182,6 +182,7 @@ class FleetState:
         self._reloaded: set[int] = set()  # of those, the ones with a new load report
         self._views: dict[str, FleetView] = {}
         self._canonical: dict[str, str] = {}
+        self._adapters: dict[str, str] = {}  # LoRA adapter -> its base model
         self._block_sizes: dict[str, int] = {}  # canonical model -> announced router block size
         self._base_models: list[str] = []  # the replicas' own models (not aliases), sorted
         self._index = index()
@@ -469,13 +470,16 @@ class FleetState:
         """Recompute served names, routable states and canonical names; drop views."""
         aliases = self._config.aliases
         canonical: dict[str, str] = dict(aliases)
+        adapters: dict[str, str] = {}
         block_sizes: dict[str, Counter[int]] = {}
         self._states = {}
         self._books.configure(self._config.routing)
         for ordinal, record in self._records.items():
             info = record.info
-            served = {info.model, *info.served_names} - {""}
+            served = {info.model, *info.served_names, *info.lora_adapters} - {""}
             served |= self._config.aliases_of(info.model)
+            for adapter in info.lora_adapters:  # a LoRA adapter: a name only its holders serve
+                adapters.setdefault(adapter, info.model)
             record.served = frozenset(served)
             for name in sorted(served):
                 canonical.setdefault(name, info.model or name)
@@ -484,6 +488,7 @@ class FleetState:
                 if info.block_size:
                     block_sizes.setdefault(info.model, Counter())[info.block_size] += 1
         self._canonical = canonical
+        self._adapters = adapters
         self._base_models = sorted({r.info.model for r in self._records.values()} - {""})
         self._block_sizes = {m: sizes.most_common(1)[0][0] for m, sizes in block_sizes.items()}
         self._dirty.clear()
@@ -598,6 +603,24 @@ class FleetState:
         if canonical is None and any(not state.models for state in self._states.values()):
             return name
         return canonical
+
+    def adapter_base(self, name: str) -> str | None:
+        """The base model of the LoRA adapter ``name`` when a replica announces it loaded
+        (whatever its status); ``None`` for any other name."""
+        return self._adapters.get(name)
+
+    def replica_info(self, ordinal: int) -> routing_pb2.Replica | None:
+        """The replica as the control plane last described it."""
+        record = self._records.get(ordinal)
+        return record.info if record is not None else None
+
+    def adapter_paths(self) -> dict[str, str]:
+        """Every adapter some replica announces loaded: name -> the path it came from."""
+        return {
+            name: path
+            for record in self._records.values()
+            for name, path in record.info.lora_adapters.items()
+        }
 
     def block_size(self, name: str) -> int | None:
         """The router block size the routable replicas serving ``name`` key their blocks

@@ -83,6 +83,8 @@ class Prepared:
     # a completion batch's prompts after the first, keyed only while the fleet keeps
     # prefill books (what else the batch asks its replica to prefill)
     later: tuple[Encoded, ...] = ()
+    lora_name: str = ""  # the LoRA adapter the request names (its keys' root names it)
+    only: int | None = None  # the replica an adapter was just loaded onto: route there
 
     def __init__(  # written out: one per request (see dataplane/native.py)
         self,
@@ -99,6 +101,8 @@ class Prepared:
         request_id: str,
         keyed: bool = True,
         later: tuple[Encoded, ...] = (),
+        lora_name: str = "",
+        only: int | None = None,
     ) -> None:
         self.workload = workload
         self.policy = policy
@@ -113,6 +117,8 @@ class Prepared:
         self.request_id = request_id
         self.keyed = keyed
         self.later = later
+        self.lora_name = lora_name
+        self.only = only
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +130,10 @@ class _ModelRoute:
     key_model: str | None  # the canonical model id (None: nobody serves the name)
     spec: str  # the tokenizer spec
     block_size: int
+    lora: str = ""  # the LoRA adapter the name is ("" for a model name)
+
+
+_NOBODY = _ModelRoute(-1, "", None, "", 0)
 
 
 class TokenizerPool:
@@ -168,7 +178,7 @@ class Router:
         self._rng = rng or random.Random()
         self._config: RoutingConfig | None = None
         self._policies: dict[str, Policy] = {}
-        self._roots: dict[tuple[str, str], int] = {}
+        self._roots: dict[tuple[str, str, str], int] = {}
         self._models: dict[str, _ModelRoute] = {}
         self._refusing: set[str] = set()  # models whose tokenizer refused a prompt
         self._forward_workload = parse_workload({"name": "forward", "strategy": "least_load"})
@@ -191,6 +201,12 @@ class Router:
     def _resolve(self, name: str) -> _ModelRoute:
         fleet, defaults = self.fleet, self.defaults
         generation = fleet.generation  # read first: a change after it is seen next time
+        base = fleet.adapter_base(name)
+        if base is not None:  # a LoRA adapter: keyed under it, routed to its holders
+            route = self._resolve(base)
+            return _ModelRoute(
+                generation, name, route.key_model, route.spec, route.block_size, name
+            )
         if fleet.canonical_model(name) is None:
             name = fleet.any_name_model() or name  # behind SGLang, any name: its model
         entry = fleet.model_entry(name)
@@ -208,8 +224,12 @@ class Router:
         api_key: routing_pb2.ApiKey | None,
         request_id: str,
         keys_read: bool = True,
+        adapter_on: int | None = None,
     ) -> Prepared:
         """Workload, tenant, tokens and keys of ``request``; 400/404 when it cannot route.
+
+        ``adapter_on``: the replica the request's LoRA adapter was just loaded onto
+        (``dataplane.lora``), routed to before its sidecar announces the adapter.
 
         ``keys_read`` false: the caller reads no keys of its own (no debug header, no
         trace). The prompt is then not tokenized at all when nothing else would read its
@@ -220,6 +240,10 @@ class Router:
         is about a fifth of such a proxy's CPU per request, and the engine still checks
         the prompt it gets."""
         route = self._model(request.model)
+        if adapter_on is not None:
+            route = self._loaded_adapter(request.model, adapter_on)
+        elif route.lora and not self.fleet.view(route.name).replicas():
+            route = _NOBODY  # every replica holding the adapter is down or draining
         key_model, block_size = route.key_model, route.block_size
         if key_model is None:
             raise NotFound(
@@ -241,12 +265,24 @@ class Router:
             session_id=session_id(workload, headers, request.body),
             request_id=request_id,
             keyed=False,
+            lora_name=route.lora,
+            only=adapter_on,
         )
         if keys_read or policy.reads_keys or not self.fleet.static or request.fans_out:
             self._key(prepared, request, route.spec)
             if request.is_batch and self.fleet.keeps_books:
                 self._key_later(prepared, request, route.spec)
         return prepared
+
+    def _loaded_adapter(self, name: str, ordinal: int) -> _ModelRoute:
+        """The route of an adapter loaded onto ``ordinal`` that no announce shows yet:
+        its base model's replicas (of which the request takes ``ordinal``)."""
+        endpoint = self.fleet.endpoint(ordinal)
+        base = endpoint.model if endpoint is not None else ""
+        route = self._model(base)
+        return _ModelRoute(
+            route.generation, route.name, route.key_model, route.spec, route.block_size, name
+        )
 
     def key(self, prepared: Prepared, request: InferenceRequest) -> None:
         """Tokens and keys of a request :meth:`prepare` left unkeyed (400 if the prompt
@@ -255,14 +291,14 @@ class Router:
             self._key(prepared, request, self._model(request.model).spec)
 
     def _key(self, prepared: Prepared, request: InferenceRequest, spec: str) -> None:
-        root = self._root(prepared.key_model, prepared.namespace)
+        root = self._root(prepared.key_model, prepared.namespace, prepared.lora_name)
         prompt = self._prompt(request, spec, root, prepared.block_size)
         prepared.prompt_tokens, prepared.block_keys = prompt.count, prompt.keys
         prepared.keyed = True
 
     def _key_later(self, prepared: Prepared, request: InferenceRequest, spec: str) -> None:
         cache = self.tokenizers.token_cache(spec)
-        root = self._root(prepared.key_model, prepared.namespace)
+        root = self._root(prepared.key_model, prepared.namespace, prepared.lora_name)
         size = prepared.block_size
         # a later prompt the tokenizer refuses is the engine's to refuse (the whole batch)
         with contextlib.suppress(TokenizerError):
@@ -292,6 +328,9 @@ class Router:
     ) -> tuple[Decision, int]:
         """The policy's decision and the predicted cached tokens on its replica."""
         keys = prepared.block_keys
+        view = self.fleet.view(prepared.model)
+        if prepared.only is not None:  # an adapter just loaded there: no other replica
+            exclude |= {r.ordinal for r in view.replicas() if r.ordinal != prepared.only}
         ctx = RouteContext(
             workload=prepared.workload,
             model=prepared.key_model,
@@ -302,7 +341,6 @@ class Router:
             exclude=exclude,
             request_id=prepared.request_id,
         )
-        view = self.fleet.view(prepared.model)
         if not keys:  # nothing to look up, nothing predicted
             return prepared.policy.select(ctx, view), 0
         runs = _RunsOnce(view)
@@ -345,14 +383,15 @@ class Router:
         except UnknownWorkload as exc:
             raise BadRequest(str(exc), WORKLOAD_HEADER, "unknown_workload") from None
 
-    def _root(self, model: str, namespace: str) -> int:
-        """The block keys' root for a model and tenant (remembered: hashing it costs a
-        short prompt as much as keying its blocks)."""
-        root = self._roots.get((model, namespace))
+    def _root(self, model: str, namespace: str, lora: str = "") -> int:
+        """The block keys' root for a model, tenant and LoRA adapter (remembered: hashing
+        it costs a short prompt as much as keying its blocks)."""
+        root = self._roots.get((model, namespace, lora))
         if root is None:
             if len(self._roots) >= ROOTS_REMEMBERED:
                 self._roots.clear()
-            root = self._roots[model, namespace] = root_key(model=model, namespace=namespace)
+            root = root_key(model=model, lora_name=lora, namespace=namespace)
+            self._roots[model, namespace, lora] = root
         return root
 
     def _policy(self, workload: Workload) -> Policy:

@@ -23,6 +23,7 @@ from dataplane.breaker import CircuitBreakers, RetryBudget
 from dataplane.exchange import Dispatcher, Policies
 from dataplane.first_byte import FirstByteDeadlines, SuspectProber
 from dataplane.fleet_state import FleetState
+from dataplane.lora import LoraPlacement
 from dataplane.metrics import ProxyMetrics
 from dataplane.model_cards import ModelCards, cards_of
 from dataplane.pd import PdSplit, sglang_role
@@ -138,6 +139,7 @@ class ProxyService:
             self.tracing,
             None if self.siblings is None else self.siblings.render,
             ModelCards(self.upstream),
+            LoraPlacement(self.fleet, self.upstream),
         )
         self.metrics.watch(self._state_age, self._open_breakers, self.probe.mismatches)
         self.metrics.in_flight.set_function(self.fleet.inflight_total)

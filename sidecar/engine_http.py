@@ -4,6 +4,10 @@ Everything the sidecar asks the engine over HTTP goes through :class:`EngineHttp
 keeps one keep-alive session and turns every aiohttp failure into
 :class:`~sidecar.errors.EngineUnavailable`.
 
+LoRA adapters: ``GET /v1/models``, the cards with a ``parent`` (vLLM's and SGLang's), read
+with every load scrape so that a load or an unload is announced within one
+``load_interval_s``.
+
 Discovery, when no ``--kv-events-endpoint`` is given:
 
 - vLLM (0.33+): ``GET /kv_event_sources`` -> ``{dp_rank: KVEventsConfig}``; each rank's
@@ -100,6 +104,19 @@ def sglang_endpoints(body: Any, engine_url: str) -> list[EventEndpoints]:
     ]
 
 
+def lora_adapters(body: Any) -> dict[str, str]:
+    """The LoRA adapters in ``/v1/models`` (vLLM's and SGLang's cards with a ``parent``):
+    name -> path (the card's ``root``)."""
+    cards = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(cards, list):
+        raise EngineUnavailable("/v1/models returned no model list")
+    return {
+        card["id"]: str(card.get("root") or "")
+        for card in cards
+        if isinstance(card, dict) and isinstance(card.get("id"), str) and card.get("parent")
+    }
+
+
 def sglang_capacity(body: Any) -> tuple[int, int]:
     """``(capacity in pages, page size)`` from SGLang's ``/server_info``; zeros if absent."""
     if not isinstance(body, dict):
@@ -157,6 +174,10 @@ class EngineHttp:
             role=role or "",
             bootstrap_port=bootstrap_port,
         )
+
+    async def adapters(self) -> dict[str, str]:
+        """The LoRA adapters the engine has loaded, from ``/v1/models``."""
+        return lora_adapters(await self._get("/v1/models", json=True))
 
     async def discover(self, engine_kind: str) -> list[EventEndpoints]:
         if engine_kind == "sglang":

@@ -11,9 +11,10 @@ engine, publish what is pending, drain NATS. Tasks:
   or a snapshot when one is due (after drops, after a NATS reconnection, after a rebuild);
 - ``_announce``: ``ReplicaAnnounce`` on start, every ``announce_interval_s``, on change,
   after a NATS reconnection and after a resync;
-- ``_report_load``: scrapes ``/metrics`` every ``load_interval_s`` and publishes a
-  ``LoadReport``; an engine that becomes reachable (first contact or after an outage),
-  or that has sent nothing for ``restart_probe_s``, triggers a probe through replay;
+- ``_report_load``: scrapes ``/metrics`` (and ``/v1/models`` for the LoRA adapters,
+  announced on change) every ``load_interval_s`` and publishes a ``LoadReport``; an
+  engine that becomes reachable (first contact or after an outage), or that has sent
+  nothing for ``restart_probe_s``, triggers a probe through replay;
 - resync requests are answered with a ``ResyncReply``, then a snapshot and an announce
   (a control plane that restarted learns the replica's base URL at once, not one
   ``announce_interval_s`` later).
@@ -25,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvcore import subjects
 from kvcore.pb import events_pb2
@@ -58,6 +59,7 @@ class EngineStatus:
     up: bool = False
     ever_up: bool = False
     load: EngineLoad | None = None
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA name -> path
 
 
 class SidecarService:
@@ -307,6 +309,7 @@ class SidecarService:
             ts=time.time(),
             role=ROLE_PB[self.role()],
             bootstrap_port=s.bootstrap_port or (load.bootstrap_port if load else 0),
+            lora_adapters=self.engine_status.adapters,
         )
 
     def role(self) -> str:
@@ -362,12 +365,24 @@ class SidecarService:
             load.engine_block_size,
         ):
             self._wake_announce.set()  # the announce carries capacity and block size
+        await self._scrape_adapters()
         came_up = not status.up
         status.up = status.ever_up = True
         if came_up:  # first contact, or back after being unreachable
             log.info("engine reachable: probing its replay buffer")
             for source in self.sources:
                 source.request_restart_probe()
+
+    async def _scrape_adapters(self) -> None:
+        """The engine's LoRA adapters; a change is announced at once (a replica that
+        unloaded an adapter stops being chosen for it within one load interval)."""
+        try:
+            adapters = await self.engine.adapters()
+        except EngineUnavailable:
+            return  # an engine without /v1/models: none known; keep the last list
+        if adapters != self.engine_status.adapters:
+            self.engine_status.adapters = adapters
+            self._wake_announce.set()
 
     def load_report(self) -> events_pb2.LoadReport:
         load = self.engine_status.load or EngineLoad()

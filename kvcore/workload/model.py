@@ -58,6 +58,28 @@ class WorkloadBase(_Settings):
         description="Hot prefixes kept by the proxies and replayed into replicas that join "
         "empty (see docs/operations.md, Warm-up and drain).",
     )
+    lora_on_miss: Literal["refuse", "load"] = Field(
+        "refuse",
+        description="A request naming a LoRA adapter no routable replica has loaded: "
+        "'refuse' answers OpenAI's 404 model_not_found; 'load' loads it (its path as a "
+        "replica announced it) onto the least-loaded replica of its base model through the "
+        "engine's API and routes there; 'load' also loads it onto another replica when "
+        "every holder is at load_threshold.",
+    )
+    lora_max_per_replica: int = Field(
+        8,
+        ge=1,
+        le=1024,
+        description="With lora_on_miss 'load': adapters a replica keeps loaded; loading one "
+        "more first unloads the one this proxy routed to least recently.",
+    )
+    lora_load_replicas: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="POST /v1/load_lora_adapter through the proxy loads the adapter onto "
+        "this many replicas of the model, least loaded first; 0: every one.",
+    )
 
 
 class RoundRobinWorkload(WorkloadBase):

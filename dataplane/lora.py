@@ -1,0 +1,258 @@
+"""LoRA adapters across the pool: loading one where a workload says to, and the load and
+unload routes acting on the pool.
+
+Routing by adapter needs nothing here: a replica's sidecar announces the adapters its
+engine has loaded (name -> path, from the engine's ``/v1/models``), the fleet state
+counts each as a name only its holders serve, and the router keys an adapter's prompt
+under the adapter as the engine keys its blocks (``kvcore.keys``), so a request naming
+one goes only to its holders, scored by their residency. This module covers the rest:
+
+- a request naming an adapter no routable replica holds, in a workload with
+  ``lora_on_miss: load`` (the default ``refuse`` answers OpenAI's 404): the adapter is
+  loaded (its path as a replica announced it, or as loaded through this proxy) onto the
+  least-loaded replica of its base model, through the engine's own API (vLLM
+  ``/v1/load_lora_adapter``, SGLang ``/load_lora_adapter``), and the request goes
+  there; so does any request for it until the replica's announce shows the adapter
+  (``PLACED_TTL_S``). A replica already holding ``lora_max_per_replica`` adapters first
+  unloads the one this proxy routed to least recently. When every holder is at the
+  workload's ``load_threshold``, ``load`` adds a replica the same way.
+- ``POST /v1/load_lora_adapter`` through the proxy loads onto ``lora_load_replicas``
+  replicas of the model (least loaded first; 0: all), ``/v1/unload_lora_adapter``
+  unloads from every holder; never one replica picked at random. A name an engine would
+  not take as a model name (``ADAPTER_NAME``) is a 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from dataplane.endpoints import Endpoint
+from dataplane.fleet_state import FleetState
+from dataplane.http_errors import ApiError, BadRequest, NotFound
+from dataplane.upstream import Retriable, Upstream
+from kvcore.policies import ReplicaState
+from kvcore.workload import Workload
+from kvcore.workload.classify import WORKLOAD_HEADER
+
+log = logging.getLogger("dataplane")
+PLACED_TTL_S = 5.0  # a load this proxy made routes its adapter until announced
+PATHS_REMEMBERED = 4096
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$")
+LOAD_PATHS = {"vllm": "/v1/load_lora_adapter", "sglang": "/load_lora_adapter"}
+UNLOAD_PATHS = {"vllm": "/v1/unload_lora_adapter", "sglang": "/unload_lora_adapter"}
+ROUTES = frozenset({*LOAD_PATHS.values(), *UNLOAD_PATHS.values()})
+
+
+class AdapterLoadFailed(ApiError):
+    """An engine refused to load or unload an adapter: its status and words, passed on."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message, None, "adapter_load_failed")
+        self.status = status
+
+
+class LoraPlacement:
+    """What one proxy knows and does about adapters beyond the fleet's announces."""
+
+    def __init__(
+        self, fleet: FleetState, upstream: Upstream, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.fleet = fleet
+        self.upstream = upstream
+        self.clock = clock
+        self._paths: OrderedDict[str, str] = OrderedDict()  # every adapter path seen
+        self._placed: dict[str, tuple[int, float]] = {}  # adapter -> (ordinal, until)
+        self._used: dict[int, OrderedDict[str, None]] = {}  # per replica, LRU first
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.loads = 0  # adapters this proxy loaded onto replicas
+
+    # -- requests ------------------------------------------------------------------
+
+    def names_adapter(self, model: str) -> bool:
+        """Whether ``model`` is an adapter this proxy knows of (cheap: every request)."""
+        return self.fleet.adapter_base(model) is not None or model in self._paths
+
+    async def place(self, model: str, workload: Workload) -> int | None:
+        """The replica a request for adapter ``model`` must go to because this proxy
+        loads (or just loaded) it there; None: route as usual (to its holders, or 404)."""
+        holders = self.fleet.view(model).replicas()
+        placed = self._placed.get(model)
+        if placed is not None and (self.clock() >= placed[1] or holders):
+            placed = self._placed.pop(model, None) if self.clock() >= placed[1] else placed
+        if holders and not _all_saturated(holders, workload):
+            return None
+        if placed is not None and self.fleet.endpoint(placed[0]) is not None:
+            return placed[0]
+        if workload.lora_on_miss != "load":
+            return None
+        path = self._path_of(model)
+        if path is None:
+            return None  # never seen loaded anywhere: nothing to load from (404)
+        async with self._locks.setdefault(model, asyncio.Lock()):
+            placed = self._placed.get(model)
+            if placed is not None and self.clock() < placed[1]:
+                return placed[0]
+            target = self._target(model, {h.ordinal for h in holders})
+            if target is None:
+                return None
+            await self._load_onto(target, model, path, workload.lora_max_per_replica)
+            self._placed[model] = (target.ordinal, self.clock() + PLACED_TTL_S)
+            return target.ordinal
+
+    def routed(self, model: str, ordinal: int | None) -> None:
+        """A request for adapter ``model`` went to ``ordinal`` (least recently used order)."""
+        if ordinal is not None:
+            used = self._used.setdefault(ordinal, OrderedDict())
+            used[model] = None
+            used.move_to_end(model)
+
+    def _path_of(self, model: str) -> str | None:
+        announced = self.fleet.adapter_paths()
+        for name, path in announced.items():
+            self._remember(name, path)
+        return self._paths.get(model)
+
+    def _remember(self, name: str, path: str) -> None:
+        if path:
+            self._paths[name] = path
+            self._paths.move_to_end(name)
+            while len(self._paths) > PATHS_REMEMBERED:
+                self._paths.popitem(last=False)
+
+    def _target(self, model: str, holders: set[int]) -> Endpoint | None:
+        """The least-loaded replica of the adapter's base model without it."""
+        base = self.fleet.adapter_base(model) or self._base_model()
+        states = [s for s in self.fleet.view(base).replicas() if s.ordinal not in holders]
+        if not states:
+            return None
+        best = min(states, key=lambda s: (s.load, len(self._used.get(s.ordinal, ()))))
+        return self.fleet.endpoint(best.ordinal)
+
+    def _base_model(self) -> str:
+        models = self.fleet.base_models()
+        return models[0] if len(models) == 1 else ""
+
+    async def _load_onto(self, endpoint: Endpoint, model: str, path: str, bound: int) -> None:
+        """Load ``model`` onto ``endpoint``, first unloading its least recently used
+        adapter(s) while it holds ``bound`` or more."""
+        holding = self._holding(endpoint)
+        used = self._used.setdefault(endpoint.ordinal, OrderedDict())
+        while len(holding) >= bound:
+            victim = next((n for n in used if n in holding), None) or next(iter(holding))
+            await self._engine_call(endpoint, UNLOAD_PATHS, {"lora_name": victim})
+            holding.discard(victim)
+            used.pop(victim, None)
+        await self._engine_call(endpoint, LOAD_PATHS, {"lora_name": model, "lora_path": path})
+        self.loads += 1
+        log.info("loaded LoRA adapter", extra={"adapter": model, "replica": endpoint.replica_id})
+
+    def _holding(self, endpoint: Endpoint) -> set[str]:
+        record = self.fleet.replica_info(endpoint.ordinal)
+        held = set(record.lora_adapters) if record is not None else set()
+        held |= {name for name, (o, until) in self._placed.items() if o == endpoint.ordinal}
+        return held
+
+    async def _engine_call(
+        self, endpoint: Endpoint, paths: Mapping[str, str], body: dict[str, Any]
+    ) -> None:
+        path = paths.get(endpoint.engine_kind, paths["vllm"])
+        headers = [("content-type", "application/json")]
+        try:
+            opened = await self.upstream.open(
+                "POST", endpoint.base_url + path, json.dumps(body).encode(), headers
+            )
+        except Retriable as exc:
+            raise AdapterLoadFailed(503, f"replica {endpoint.replica_id}: {exc}") from None
+        text = opened.first
+        while chunk := await opened.next_chunk():
+            text += chunk
+        opened.release()
+        if opened.status != 200:
+            words = text.decode("utf-8", "replace")[:500]
+            raise AdapterLoadFailed(
+                opened.status, f"replica {endpoint.replica_id} refused {path}: {words}"
+            )
+
+    # -- the load and unload routes ----------------------------------------------------
+
+    async def admin(self, path: str, body: bytes, headers: Mapping[str, str]) -> str:
+        """``/v1/load_lora_adapter`` or ``/v1/unload_lora_adapter`` (or SGLang's) on the
+        pool; vLLM's success text; raises an OpenAI-shaped error."""
+        fields = _fields(body)
+        name = fields.get("lora_name")
+        if not isinstance(name, str) or not ADAPTER_NAME.match(name):
+            raise BadRequest(
+                f"'lora_name' must be an adapter name an engine takes as a model name "
+                f"(letters, digits and ._:@+-, at most 128): {name!r}.",
+                "lora_name",
+                "invalid_lora_name",
+            )
+        if path in UNLOAD_PATHS.values():
+            return await self._unload_everywhere(name)
+        lora_path = fields.get("lora_path")
+        if not isinstance(lora_path, str) or not lora_path:
+            raise BadRequest("Both 'lora_name' and 'lora_path' must be provided.", "lora_path")
+        return await self._load_on_pool(name, lora_path, self._workload(headers))
+
+    def _workload(self, headers: Mapping[str, str]) -> Workload:
+        config = self.fleet.routing_config()
+        return config.workload(headers.get(WORKLOAD_HEADER) or config.default_workload)
+
+    async def _load_on_pool(self, name: str, lora_path: str, workload: Workload) -> str:
+        base = self.fleet.adapter_base(name) or self._base_model()
+        holders = {s.ordinal for s in self.fleet.view(name).replicas()}
+        states = sorted(
+            (s for s in self.fleet.view(base).replicas() if s.ordinal not in holders),
+            key=lambda s: s.load,
+        )
+        wanted = workload.lora_load_replicas or len(states) + len(holders)
+        targets = states[: max(wanted - len(holders), 0)]
+        if not targets and not holders:
+            raise NotFound(f"No replica serves a model to load `{name}` onto.", "lora_name")
+        self._remember(name, lora_path)
+        for state in targets:
+            endpoint = self.fleet.endpoint(state.ordinal)
+            if endpoint is not None:
+                bound = workload.lora_max_per_replica
+                await self._load_onto(endpoint, name, lora_path, bound)
+                self._placed[name] = (endpoint.ordinal, self.clock() + PLACED_TTL_S)
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    async def _unload_everywhere(self, name: str) -> str:
+        holders = [s.ordinal for s in self.fleet.view(name).replicas()]
+        placed = self._placed.pop(name, None)
+        if placed is not None and placed[0] not in holders:
+            holders.append(placed[0])
+        if not holders:
+            raise NotFound(f"The lora adapter '{name}' cannot be found.", "lora_name")
+        for ordinal in holders:
+            endpoint = self.fleet.endpoint(ordinal)
+            if endpoint is not None:
+                await self._engine_call(endpoint, UNLOAD_PATHS, {"lora_name": name})
+            self._used.get(ordinal, OrderedDict()).pop(name, None)
+        return f"Success: LoRA adapter '{name}' removed successfully."
+
+
+def _all_saturated(holders: Any, workload: Workload) -> bool:
+    return all(_saturated(h, workload) for h in holders)
+
+
+def _saturated(state: ReplicaState, workload: Workload) -> bool:
+    return state.load >= workload.load_threshold
+
+
+def _fields(body: bytes) -> dict[str, Any]:
+    try:
+        fields = json.loads(body or b"{}")
+    except (ValueError, RecursionError):
+        raise BadRequest("The body is not JSON.") from None
+    if not isinstance(fields, dict):
+        raise BadRequest("The body must be a JSON object.")
+    return fields
