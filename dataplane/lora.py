@@ -72,6 +72,8 @@ class LoraPlacement:
         self._used: dict[int, OrderedDict[str, None]] = {}  # per replica, LRU first
         self._locks: dict[str, asyncio.Lock] = {}
         self.loads = 0  # adapters this proxy loaded onto replicas
+        fleet.subscribe(self._learn_paths)  # kept after the adapter is unloaded everywhere
+        self._learn_paths()
 
     # -- requests ------------------------------------------------------------------
 
@@ -83,28 +85,35 @@ class LoraPlacement:
         """The replica a request for adapter ``model`` must go to because this proxy
         loads (or just loaded) it there; None: route as usual (to its holders, or 404)."""
         holders = self.fleet.view(model).replicas()
-        placed = self._placed.get(model)
-        if placed is not None and (self.clock() >= placed[1] or holders):
-            placed = self._placed.pop(model, None) if self.clock() >= placed[1] else placed
         if holders and not _all_saturated(holders, workload):
             return None
-        if placed is not None and self.fleet.endpoint(placed[0]) is not None:
-            return placed[0]
-        if workload.lora_on_miss != "load":
-            return None
+        placed = self._placement(model)
+        if placed is not None or workload.lora_on_miss != "load":
+            return placed
         path = self._path_of(model)
         if path is None:
             return None  # never seen loaded anywhere: nothing to load from (404)
         async with self._locks.setdefault(model, asyncio.Lock()):
-            placed = self._placed.get(model)
-            if placed is not None and self.clock() < placed[1]:
-                return placed[0]
+            placed = self._placement(model)  # a request before this one may have loaded it
+            if placed is not None:
+                return placed
             target = self._target(model, {h.ordinal for h in holders})
             if target is None:
                 return None
             await self._load_onto(target, model, path, workload.lora_max_per_replica)
             self._placed[model] = (target.ordinal, self.clock() + PLACED_TTL_S)
             return target.ordinal
+
+    def _placement(self, model: str) -> int | None:
+        """The replica this proxy loaded ``model`` onto lately, while it is there."""
+        placed = self._placed.get(model)
+        if placed is None:
+            return None
+        ordinal, until = placed
+        if self.clock() >= until or self.fleet.endpoint(ordinal) is None:
+            del self._placed[model]
+            return None
+        return ordinal
 
     def routed(self, model: str, ordinal: int | None) -> None:
         """A request for adapter ``model`` went to ``ordinal`` (least recently used order)."""
@@ -113,10 +122,12 @@ class LoraPlacement:
             used[model] = None
             used.move_to_end(model)
 
-    def _path_of(self, model: str) -> str | None:
-        announced = self.fleet.adapter_paths()
-        for name, path in announced.items():
+    def _learn_paths(self) -> None:
+        """Remember the path of every adapter announced (on each membership change)."""
+        for name, path in self.fleet.adapter_paths().items():
             self._remember(name, path)
+
+    def _path_of(self, model: str) -> str | None:
         return self._paths.get(model)
 
     def _remember(self, name: str, path: str) -> None:

@@ -81,3 +81,26 @@ def test_the_proxys_load_and_unload_act_on_the_pool(stack: FullStack) -> None:
     assert status == 200
     wait_for(lambda: not holders(stack, "chat"), "chat unloaded everywhere")
     wait_for(lambda: complete(stack, "chat", " Hi?")[0] == 404, "chat no longer routed", 5)
+
+
+def test_a_load_workload_loads_a_missing_adapter_onto_one_replica(stack: FullStack) -> None:
+    workload = {"strategy": "kv_aware", "lora_on_miss": "load"}
+    assert stack.admin("PUT", "/v1/workloads/adapters", workload)[0] in (200, 201)
+    header = {"x-kvroute-workload": "adapters"}
+    engine = stack.engines[2]  # the proxy learns the path from the announce, then it goes
+    engine.post("/v1/load_lora_adapter", {"lora_name": "ops", "lora_path": "/adapters/ops"})
+    wait_for(lambda: bool(holders(stack, "ops")), "ops announced")
+    engine.post("/v1/unload_lora_adapter", {"lora_name": "ops"})
+    wait_for(lambda: not holders(stack, "ops"), "ops unloaded")
+    assert complete(stack, "ops", " Refused?")[0] == 404  # the default workload refuses
+
+    body = {"model": "ops", "prompt": PROMPT + " Loaded?", "max_tokens": 2}
+    wait_for(lambda: stack.request("/v1/completions", body, **header)[0] == 200, "the workload")
+    wait_for(lambda: len(holders(stack, "ops")) == 1, "ops announced by its new holder")
+    (holder,) = holders(stack, "ops")
+    for i in range(4):  # and then routed to that holder as any adapter is
+        status, headers, _ = stack.request(
+            "/v1/completions", {**body, "prompt": PROMPT + f" {i}?"}, **header
+        )
+        assert status == 200 and headers["x-kvroute-replica"] == holder
+    assert len(holders(stack, "ops")) == 1

@@ -1,0 +1,108 @@
+"""``dataplane.lora``: where a workload with ``lora_on_miss: load`` puts an adapter, over
+a real proxy fleet state and an upstream that records the engine calls."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from dataplane.fleet_state import FleetState
+from dataplane.http_errors import BadRequest, NotFound
+from dataplane.lora import LoraPlacement
+from kvcore.workload import parse_workload
+from tests.unit.dataplane.state_messages import replica, snapshot
+
+LOAD = parse_workload({"name": "w", "strategy": "kv_aware", "lora_on_miss": "load",
+                       "lora_max_per_replica": 2})  # fmt: skip
+REFUSE = parse_workload({"name": "w", "strategy": "kv_aware"})
+
+
+class _Opened:
+    def __init__(self, status: int) -> None:
+        self.status, self.first = status, b"ok"
+
+    async def next_chunk(self) -> bytes:
+        return b""
+
+    def release(self) -> None:
+        pass
+
+
+class Engines:
+    """The replicas' engines as the placement calls them: every call recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []  # (url, lora_name)
+
+    async def open(self, method: str, url: str, body: bytes, headers: Any) -> _Opened:
+        await asyncio.sleep(0)  # another request may run meanwhile
+        self.calls.append((url, json.loads(body)["lora_name"]))
+        return _Opened(200)
+
+
+def fleet_of(adapters: dict[int, dict[str, str]], running: dict[int, int]) -> FleetState:
+    state = FleetState()
+    replicas = []
+    for ordinal in range(3):
+        info = replica(ordinal, running=running.get(ordinal, 0), report_ts=1.0, capacity=10)
+        info.lora_adapters.update(adapters.get(ordinal, {}))
+        replicas.append(info)
+    for update in snapshot(1, 1, replicas):
+        state.apply(update)
+    return state
+
+
+def placement(state: FleetState) -> tuple[LoraPlacement, Engines]:
+    engines = Engines()
+    return LoraPlacement(state, engines, clock=lambda: 100.0), engines  # type: ignore[arg-type]
+
+
+async def test_a_missing_adapter_is_loaded_once_onto_the_least_loaded_replica() -> None:
+    state = fleet_of({0: {"sql": "/a/sql"}}, {0: 1, 1: 5, 2: 1})
+    lora, engines = placement(state)
+    unloaded = [
+        replica(o, running=r, report_ts=2.0, capacity=10) for o, r in ((0, 1), (1, 5), (2, 1))
+    ]
+    state.apply(snapshot(2, 1, unloaded)[0])
+    assert lora.names_adapter("sql")  # remembered after its holder unloaded it
+    assert await lora.place("sql", REFUSE) is None  # refused: the router answers 404
+    burst = await asyncio.gather(*(lora.place("sql", LOAD) for _ in range(5)))
+    assert set(burst) in ({0}, {2}) and len(engines.calls) == 1
+    assert engines.calls[0][0].endswith("/v1/load_lora_adapter")
+
+
+async def test_a_replica_at_its_bound_unloads_the_adapter_routed_to_least_recently() -> None:
+    # c's only holder and replica 2 are saturated: c goes to replica 0, at its bound of 2
+    state = fleet_of({0: {"a": "/a", "b": "/b"}, 1: {"c": "/c"}}, {1: 9, 2: 9})
+    lora, engines = placement(state)
+    lora.routed("b", 0)
+    lora.routed("a", 0)  # b is now the least recently routed on replica 0
+    assert await lora.place("c", LOAD) == 0
+    assert [name for _, name in engines.calls] == ["b", "c"]  # unload b, then load c
+    assert engines.calls[0][0].endswith("/v1/unload_lora_adapter")
+
+
+async def test_every_holder_saturated_adds_a_replica() -> None:
+    state = fleet_of({0: {"sql": "/a/sql"}}, {0: 10})
+    lora, engines = placement(state)
+    assert await lora.place("sql", LOAD) in (1, 2)
+    assert [name for _, name in engines.calls] == ["sql"]
+
+
+async def test_the_pool_routes_check_names_and_act_on_every_replica() -> None:
+    state = fleet_of({0: {"sql": "/a/sql"}}, {})
+    lora, engines = placement(state)
+    with pytest.raises(BadRequest):
+        await lora.admin("/v1/load_lora_adapter", b'{"lora_name": "a b", "lora_path": "/x"}', {})
+    text = await lora.admin("/v1/load_lora_adapter", b'{"lora_name": "x", "lora_path": "/x"}', {})
+    assert text == "Success: LoRA adapter 'x' added successfully."
+    assert sorted(url for url, _ in engines.calls) == [
+        f"http://127.0.0.1:{9000 + o}/v1/load_lora_adapter" for o in range(3)
+    ]
+    await lora.admin("/v1/unload_lora_adapter", b'{"lora_name": "sql"}', {})
+    assert engines.calls[-1] == ("http://127.0.0.1:9000/v1/unload_lora_adapter", "sql")
+    with pytest.raises(NotFound):
+        await lora.admin("/v1/unload_lora_adapter", b'{"lora_name": "nowhere"}', {})
