@@ -170,7 +170,7 @@ def _service(strategy: str, debug_headers: bool = True) -> ProxyService:
     if strategy != "kv_aware":
         static = {"static_replicas": REPLICAS, "static_strategy": strategy}
         service = ProxyService(ProxySettings.model_validate({**static, "log_level": "WARNING"}))
-        for endpoint in service.fleet.endpoints():
+        for endpoint in service.fleet.replicas.endpoints():
             service.fleet.set_served_names(endpoint.ordinal, [MODEL])
         return service
     settings = {

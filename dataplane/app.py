@@ -40,7 +40,7 @@ import msgspec
 from opentelemetry.trace import Span
 
 from dataplane.exchange import Attempt, Dispatcher, Exchange
-from dataplane.fleet_state import FleetState
+from dataplane.fleet.state import FleetState
 from dataplane.http_errors import (
     ApiError,
     BadRequest,
@@ -399,7 +399,7 @@ class ProxyApp:
         if scheme.lower() != "bearer" or not token.strip():
             raise Unauthorized("Missing bearer API key.", code="invalid_api_key")
         digest = hashlib.sha256(token.strip().encode()).hexdigest()
-        key = self.fleet.api_keys().get(digest)
+        key = self.fleet.catalogue.api_keys().get(digest)
         if key is None or (key.scopes and "inference" not in key.scopes):
             raise Unauthorized("Incorrect API key provided.", code="invalid_api_key")
         return key
@@ -407,13 +407,13 @@ class ProxyApp:
     # -- other routes ----------------------------------------------------------------
 
     async def _models(self) -> dict[str, Any]:
-        names = self.fleet.served_models()
+        names = self.fleet.catalogue.served_models()
         cards = await self._cards(names)
         return {"object": "list", "data": [cards[name] for name in names]}
 
     async def _model(self, name: str) -> dict[str, Any]:
         """One model of :meth:`_models`, or OpenAI's 404 for a model no replica serves."""
-        if name not in self.fleet.served_models():
+        if name not in self.fleet.catalogue.served_models():
             raise NotFound(
                 f"The model `{name}` does not exist or you do not have access to it.",
                 "model",
@@ -426,7 +426,7 @@ class ProxyApp:
         asked: dict[str, str] = {}
         for name in names:
             ordinal = self.router.least_loaded(name)
-            endpoint = self.fleet.endpoint(ordinal) if ordinal is not None else None
+            endpoint = self.fleet.replicas.endpoint(ordinal) if ordinal is not None else None
             if endpoint is not None:
                 asked[name] = endpoint.base_url
         found = await self.cards.cards(asked) if self.cards is not None else {}
@@ -439,7 +439,7 @@ class ProxyApp:
         fields = _json_fields(request.body)
         model = _model_of(fields, request.query) or self._default_model()
         ordinal = self.router.least_loaded(model)
-        endpoint = self.dispatcher.fleet.endpoint(ordinal) if ordinal is not None else None
+        endpoint = self.dispatcher.fleet.replicas.endpoint(ordinal) if ordinal is not None else None
         if endpoint is None:
             raise NotFound(f"The model `{model}` does not exist.", "model", "model_not_found")
         query = request.query
@@ -475,22 +475,22 @@ class ProxyApp:
         """The model of a request that names none (no ``model``, null or empty): vLLM
         and SGLang then run the model they serve, so the proxy routes it to the fleet's
         only model and forwards the body as it came; 400 where that is ambiguous."""
-        models = self.fleet.base_models()
+        models = self.fleet.catalogue.base_models()
         if len(models) == 1:
             return models[0]
         if models:
             served = ", ".join(models)
             raise BadRequest(f"'model' is required: this proxy serves {served}.", "model")
-        if self.fleet.canonical_model("") is not None:
+        if self.fleet.catalogue.canonical_model("") is not None:
             return ""  # static replicas whose models are not known yet: they take any
         raise BadRequest("'model' is required: no replica has said which model it serves.",
                          "model")  # fmt: skip
 
     def _ready(self) -> dict[str, Any]:
-        models = self.fleet.served_models()
-        age = self.fleet.age_s()
+        models = self.fleet.catalogue.served_models()
+        age = self.fleet.replicas.age_s()
         fresh = self.options.static or age <= self.options.state_max_age_s
-        endpoints = self.fleet.endpoints()
+        endpoints = self.fleet.replicas.endpoints()
         detail: dict[str, Any] = {
             "ready": bool(models) and (self.options.static or age != float("inf")),
             "models": models,

@@ -1,5 +1,6 @@
 """Where a replica is and what it serves: the part of a replica's announcement the
-proxy sends requests by (``FleetState.endpoint``), apart from its load and residency."""
+proxy sends requests by (``dataplane.fleet.replicas.ReplicaTable.endpoint``), apart from
+its load and residency."""
 
 from __future__ import annotations
 

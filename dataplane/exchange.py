@@ -36,8 +36,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from dataplane.breaker import CircuitBreakers, RetryBudget
+from dataplane.endpoints import Endpoint
 from dataplane.first_byte import FirstByteDeadlines
-from dataplane.fleet_state import Endpoint, FleetState, InflightTicket
+from dataplane.fleet.inflight import InflightTicket
+from dataplane.fleet.state import FleetState
 from dataplane.http_errors import ApiError, NoReplica
 from dataplane.metrics import ProxyMetrics
 from dataplane.openai_request import InferenceRequest
@@ -166,6 +168,8 @@ class Dispatcher:
         deadlines: FirstByteDeadlines | None = None,
     ) -> None:
         self.fleet = fleet
+        self.replicas = fleet.replicas  # endpoints, speculative residency
+        self.inflight = fleet.inflight  # tickets and prefill books
         self.router = router
         self.upstream = upstream
         self.metrics = metrics
@@ -198,7 +202,7 @@ class Dispatcher:
                     exchange.prepared, now=now, exclude=excluded
                 )
                 ordinal = decision.ordinal
-                endpoint = None if ordinal is None else self.fleet.endpoint(ordinal)
+                endpoint = None if ordinal is None else self.replicas.endpoint(ordinal)
                 if endpoint is None:
                     break
                 pending = self.upstream.send("POST", endpoint.base_url + path, body, headers)
@@ -213,7 +217,7 @@ class Dispatcher:
                     else:
                         opened = await self._first_bytes(pending, exchange, endpoint, predicted)
                 except Retriable as failure:
-                    self.fleet.on_done(ticket)
+                    self.inflight.on_done(ticket)
                     self.breakers.on_failure(endpoint.replica_id, endpoint.ordinal, self._clock())
                     last_failure = f"{endpoint.replica_id}: {failure}"
                     exclude |= {endpoint.ordinal}
@@ -221,7 +225,7 @@ class Dispatcher:
                         break
                     continue
                 except BaseException:
-                    self.fleet.on_done(ticket)
+                    self.inflight.on_done(ticket)
                     self.breakers.on_abandoned(endpoint.replica_id, self._clock())
                     raise
                 return Attempt(opened, decision, endpoint, predicted, ticket, tries)
@@ -277,11 +281,11 @@ class Dispatcher:
         exchange.tried.append(endpoint.replica_id)
         if first:
             self._routed(exchange)
-        self.fleet.apply_speculative(decision)
+        self.replicas.apply_speculative(decision)
         prepared = exchange.prepared
         uncached = prepared.prompt_tokens - predicted
         later = self.router.later_uncached(prepared, endpoint.ordinal, now) if prepared.later else 0
-        ticket = self.fleet.on_sent(endpoint.ordinal, time.time(), uncached, later)
+        ticket = self.inflight.on_sent(endpoint.ordinal, time.time(), uncached, later)
         self.breakers.on_sent(endpoint.replica_id, endpoint.ordinal, now)
         return ticket
 
@@ -313,7 +317,7 @@ class Dispatcher:
     ) -> None:
         """:meth:`answered`'s work, for a caller without an :class:`Attempt` (the
         endpoint picker, which sees the answer pass through the gateway)."""
-        self.fleet.on_first_byte(ticket, status, streaming)
+        self.inflight.on_first_byte(ticket, status, streaming)
         now = self._clock()
         self.breakers.on_success(replica, now)
         self.metrics.first_byte(replica, ttfb_s)
@@ -341,7 +345,7 @@ class Dispatcher:
             self.metrics.count(exchange.prepared.workload.name, "", exchange.outcome)
             return
         self.answered(attempt)
-        self.fleet.on_done(attempt.ticket)
+        self.inflight.on_done(attempt.ticket)
         self.account(exchange, attempt.endpoint, attempt.predicted, attempt.opened.status)
 
     def account(self, exchange: Exchange, endpoint: Endpoint, predicted: int, status: int) -> None:

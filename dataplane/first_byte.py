@@ -207,7 +207,7 @@ class FirstByteDeadlines:
 
 
 class Replicas(Protocol):
-    """Where the fleet's replicas are now (``FleetState``)."""
+    """Where the fleet's replicas are now (``dataplane.fleet.replicas.ReplicaTable``)."""
 
     def endpoint(self, ordinal: int) -> Endpoint | None: ...
 

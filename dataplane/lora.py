@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from dataplane.endpoints import Endpoint
-from dataplane.fleet_state import FleetState
+from dataplane.fleet.state import FleetState
 from dataplane.http_errors import ApiError, BadRequest, NotFound
 from dataplane.upstream import Retriable, Upstream
 from kvcore.policies import ReplicaState
@@ -79,12 +79,12 @@ class LoraPlacement:
 
     def names_adapter(self, model: str) -> bool:
         """Whether ``model`` is an adapter this proxy knows of (cheap: every request)."""
-        return self.fleet.adapter_base(model) is not None or model in self._paths
+        return self.fleet.catalogue.adapter_base(model) is not None or model in self._paths
 
     async def place(self, model: str, workload: Workload) -> int | None:
         """The replica a request for adapter ``model`` must go to because this proxy
         loads (or just loaded) it there; None: route as usual (to its holders, or 404)."""
-        holders = self.fleet.view(model).replicas()
+        holders = self.fleet.views.view(model).replicas()
         if holders and not _all_saturated(holders, workload):
             return None
         placed = self._placement(model)
@@ -110,7 +110,7 @@ class LoraPlacement:
         if placed is None:
             return None
         ordinal, until = placed
-        if self.clock() >= until or self.fleet.endpoint(ordinal) is None:
+        if self.clock() >= until or self.fleet.replicas.endpoint(ordinal) is None:
             del self._placed[model]
             return None
         return ordinal
@@ -124,7 +124,7 @@ class LoraPlacement:
 
     def _learn_paths(self) -> None:
         """Remember the path of every adapter announced (on each membership change)."""
-        for name, path in self.fleet.adapter_paths().items():
+        for name, path in self.fleet.catalogue.adapter_paths().items():
             self._remember(name, path)
 
     def _path_of(self, model: str) -> str | None:
@@ -139,15 +139,15 @@ class LoraPlacement:
 
     def _target(self, model: str, holders: set[int]) -> Endpoint | None:
         """The least-loaded replica of the adapter's base model without it."""
-        base = self.fleet.adapter_base(model) or self._base_model()
-        states = [s for s in self.fleet.view(base).replicas() if s.ordinal not in holders]
+        base = self.fleet.catalogue.adapter_base(model) or self._base_model()
+        states = [s for s in self.fleet.views.view(base).replicas() if s.ordinal not in holders]
         if not states:
             return None
         best = min(states, key=lambda s: (s.load, len(self._used.get(s.ordinal, ()))))
-        return self.fleet.endpoint(best.ordinal)
+        return self.fleet.replicas.endpoint(best.ordinal)
 
     def _base_model(self) -> str:
-        models = self.fleet.base_models()
+        models = self.fleet.catalogue.base_models()
         return models[0] if len(models) == 1 else ""
 
     async def _load_onto(self, endpoint: Endpoint, model: str, path: str, bound: int) -> None:
@@ -165,7 +165,7 @@ class LoraPlacement:
         log.info("loaded LoRA adapter", extra={"adapter": model, "replica": endpoint.replica_id})
 
     def _holding(self, endpoint: Endpoint) -> set[str]:
-        record = self.fleet.replica_info(endpoint.ordinal)
+        record = self.fleet.replicas.replica_info(endpoint.ordinal)
         held = set(record.lora_adapters) if record is not None else set()
         held |= {name for name, (o, until) in self._placed.items() if o == endpoint.ordinal}
         return held
@@ -213,14 +213,14 @@ class LoraPlacement:
         return await self._load_on_pool(name, lora_path, self._workload(headers))
 
     def _workload(self, headers: Mapping[str, str]) -> Workload:
-        config = self.fleet.routing_config()
+        config = self.fleet.catalogue.routing_config()
         return config.workload(headers.get(WORKLOAD_HEADER) or config.default_workload)
 
     async def _load_on_pool(self, name: str, lora_path: str, workload: Workload) -> str:
-        base = self.fleet.adapter_base(name) or self._base_model()
-        holders = {s.ordinal for s in self.fleet.view(name).replicas()}
+        base = self.fleet.catalogue.adapter_base(name) or self._base_model()
+        holders = {s.ordinal for s in self.fleet.views.view(name).replicas()}
         states = sorted(
-            (s for s in self.fleet.view(base).replicas() if s.ordinal not in holders),
+            (s for s in self.fleet.views.view(base).replicas() if s.ordinal not in holders),
             key=lambda s: s.load,
         )
         wanted = workload.lora_load_replicas or len(states) + len(holders)
@@ -229,7 +229,7 @@ class LoraPlacement:
             raise NotFound(f"No replica serves a model to load `{name}` onto.", "lora_name")
         self._remember(name, lora_path)
         for state in targets:
-            endpoint = self.fleet.endpoint(state.ordinal)
+            endpoint = self.fleet.replicas.endpoint(state.ordinal)
             if endpoint is not None:
                 bound = workload.lora_max_per_replica
                 await self._load_onto(endpoint, name, lora_path, bound)
@@ -237,14 +237,14 @@ class LoraPlacement:
         return f"Success: LoRA adapter '{name}' added successfully."
 
     async def _unload_everywhere(self, name: str) -> str:
-        holders = [s.ordinal for s in self.fleet.view(name).replicas()]
+        holders = [s.ordinal for s in self.fleet.views.view(name).replicas()]
         placed = self._placed.pop(name, None)
         if placed is not None and placed[0] not in holders:
             holders.append(placed[0])
         if not holders:
             raise NotFound(f"The lora adapter '{name}' cannot be found.", "lora_name")
         for ordinal in holders:
-            endpoint = self.fleet.endpoint(ordinal)
+            endpoint = self.fleet.replicas.endpoint(ordinal)
             if endpoint is not None:
                 await self._engine_call(endpoint, UNLOAD_PATHS, {"lora_name": name})
             self._used.get(ordinal, OrderedDict()).pop(name, None)

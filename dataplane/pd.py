@@ -40,8 +40,9 @@ from urllib.parse import urlsplit
 import aiohttp
 from prometheus_client import Counter
 
+from dataplane.endpoints import Endpoint
 from dataplane.exchange import Attempt, Dispatcher, Exchange
-from dataplane.fleet_state import Endpoint, InflightTicket
+from dataplane.fleet.inflight import InflightTicket
 from dataplane.http_errors import NoReplica
 from dataplane.relay import usage_of
 from dataplane.upstream import Opened, Retriable
@@ -115,7 +116,7 @@ class PdSplit:
     def _membership(self) -> None:
         """The models some of whose replicas have a P/D role: what :meth:`applies` to."""
         models: set[str] = set()
-        for endpoint in self.fleet.endpoints():
+        for endpoint in self.fleet.replicas.endpoints():
             if endpoint.role != "both":
                 models.update((endpoint.model, *endpoint.served_names))
         self._models = frozenset(models)
@@ -170,7 +171,7 @@ class PdSplit:
         if prefilled is None or attempt is None:
             return False
         self.d.answered(attempt)
-        self.fleet.on_done(attempt.ticket)
+        self.fleet.inflight.on_done(attempt.ticket)
         if exchange.usage is not None:  # the prediction is the prefill replica's
             exchange.usage = replace(exchange.usage, cached_tokens=prefilled.cached)
         self.d.account(exchange, prefilled.endpoint, attempt.predicted, attempt.opened.status)
@@ -181,7 +182,9 @@ class PdSplit:
     def _roles(self, model: str) -> tuple[list[Endpoint], list[Endpoint]]:
         """The prefill and decode candidates of ``model``'s routable replicas (``both``
         ones in each)."""
-        endpoints = [self.fleet.endpoint(r.ordinal) for r in self.fleet.view(model).replicas()]
+        endpoints = [
+            self.fleet.replicas.endpoint(r.ordinal) for r in self.fleet.views.view(model).replicas()
+        ]
         live = [e for e in endpoints if e is not None]
         prefills = [e for e in live if e.role != "decode"]
         decodes = [e for e in live if e.role != "prefill"]
@@ -193,10 +196,12 @@ class PdSplit:
         """The policy's pick among the prefill replicas not tried yet."""
         now = self._clock()
         allowed = {e.ordinal for e in prefills} - tried
-        others = {r.ordinal for r in self.fleet.view(exchange.prepared.model).replicas()}
+        others = {r.ordinal for r in self.fleet.views.view(exchange.prepared.model).replicas()}
         exclude = frozenset(others - allowed) | self.breakers.excluded(now)
         decision, predicted = self.router.choose(exchange.prepared, now=now, exclude=exclude)
-        endpoint = None if decision.ordinal is None else self.fleet.endpoint(decision.ordinal)
+        endpoint = (
+            None if decision.ordinal is None else self.fleet.replicas.endpoint(decision.ordinal)
+        )
         return endpoint, decision, predicted
 
     def _pick_decode(
@@ -206,7 +211,7 @@ class PdSplit:
         residency, the prompt they hold (:func:`kvcore.decode_choice.choose_decode`)."""
         now = self._clock()
         held_out = self.breakers.excluded(now)
-        states = {r.ordinal: r for r in self.fleet.view(exchange.prepared.model).replicas()}
+        states = {r.ordinal: r for r in self.fleet.views.view(exchange.prepared.model).replicas()}
         usable = {
             e.ordinal: e
             for e in decodes
@@ -225,7 +230,7 @@ class PdSplit:
         keys = exchange.prepared.block_keys
         if not keys or not usable:
             return {}
-        view = self.fleet.view(exchange.prepared.model)
+        view = self.fleet.views.view(exchange.prepared.model)
         runs = view.leading_runs(keys, now=now)
         return {o: n for o, n in runs.items() if o in usable}
 
@@ -283,7 +288,7 @@ class PdSplit:
         if decoding.done() and not decoding.cancelled() and decoding.exception() is None:
             opened, ticket = decoding.result()
             opened.close()
-            self.fleet.on_done(ticket)
+            self.fleet.inflight.on_done(ticket)
 
     async def _prefill(self, pair: _Pair, request: dict[str, Any]) -> Opened:
         """The prefill half's whole answer; its in-flight count ends with it."""
@@ -298,7 +303,7 @@ class PdSplit:
             self.breakers.on_failure(endpoint.replica_id, endpoint.ordinal, self._clock())
             raise _Failed(f"{endpoint.replica_id}: {failure}") from None
         finally:
-            self.fleet.on_done(ticket)
+            self.fleet.inflight.on_done(ticket)
         if 400 <= opened.status < 500:  # the request's fault: the client gets it as is
             raise _Refused(opened)
         opened.release()
@@ -316,12 +321,12 @@ class PdSplit:
         body = json.dumps(request).encode()
         pending = self.upstream.send("POST", endpoint.base_url + pair.path, body, pair.headers)
         now = self._clock()
-        ticket = self.fleet.on_sent(endpoint.ordinal, time.time(), 0, 0)
+        ticket = self.fleet.inflight.on_sent(endpoint.ordinal, time.time(), 0, 0)
         self.breakers.on_sent(endpoint.replica_id, endpoint.ordinal, now)
         try:
             opened = await pending.opened()
         except BaseException as exc:
-            self.fleet.on_done(ticket)
+            self.fleet.inflight.on_done(ticket)
             if isinstance(exc, Retriable):
                 self.breakers.on_failure(endpoint.replica_id, endpoint.ordinal, self._clock())
                 raise _Failed(f"{endpoint.replica_id}: {exc}", reprefill=True) from None
@@ -329,7 +334,7 @@ class PdSplit:
             raise
         if opened.status >= 500 or (opened.streaming and _error_event(opened.first)):
             opened.close()
-            self.fleet.on_done(ticket)
+            self.fleet.inflight.on_done(ticket)
             raise _Failed(f"{endpoint.replica_id}: could not read the KV", reprefill=True)
         return opened, ticket
 

@@ -9,7 +9,7 @@ prompt began with; the explain endpoint reads requests through the same module);
 the workload's policy and may run again with replicas excluded (a retry). Policies are
 built once per workload and rebuilt when the routing config object changes; what a
 requested model name resolves to (canonical id, tokenizer, block size) is remembered
-until the fleet's replicas or config change (:attr:`FleetState.generation`).
+until the fleet's replicas or config change (``ModelCatalogue.generation``).
 
 Tenant namespace (``kvcore.tenancy``): the tenant is who the proxy knows the client to
 be, never what it says: with ``--auth`` the API key's tenant, without it the configured
@@ -29,7 +29,8 @@ from array import array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from dataplane.fleet_state import FleetState, FleetView
+from dataplane.fleet.state import FleetState
+from dataplane.fleet.views import FleetView
 from dataplane.http_errors import BadRequest, NotFound
 from dataplane.openai_request import InferenceRequest
 from kvcore.keys import root_key
@@ -173,6 +174,8 @@ class Router:
         self, fleet: FleetState, defaults: Defaults, rng: random.Random | None = None
     ) -> None:
         self.fleet = fleet
+        self.catalogue = fleet.catalogue  # what names stand for
+        self.views = fleet.views  # what policies read
         self.defaults = defaults
         self.tokenizers = TokenizerPool()
         self._rng = rng or random.Random()
@@ -190,30 +193,29 @@ class Router:
     def _model(self, name: str) -> _ModelRoute:
         """``name``'s canonical id, tokenizer and block size, looked up once per fleet
         generation (five lookups cost a short request as much as tokenizing it)."""
-        fleet = self.fleet
         route = self._models.get(name)
-        if route is None or route.generation != fleet.generation:
+        if route is None or route.generation != self.catalogue.generation:
             if len(self._models) >= MODELS_REMEMBERED:
                 self._models = {}
             route = self._models[name] = self._resolve(name)
         return route
 
     def _resolve(self, name: str) -> _ModelRoute:
-        fleet, defaults = self.fleet, self.defaults
-        generation = fleet.generation  # read first: a change after it is seen next time
-        base = fleet.adapter_base(name)
+        catalogue, defaults = self.catalogue, self.defaults
+        generation = catalogue.generation  # read first: a change after it is seen next time
+        base = catalogue.adapter_base(name)
         if base is not None:  # a LoRA adapter: keyed under it, routed to its holders
             route = self._resolve(base)
             return _ModelRoute(
                 generation, name, route.key_model, route.spec, route.block_size, name
             )
-        if fleet.canonical_model(name) is None:
-            name = fleet.any_name_model() or name  # behind SGLang, any name: its model
-        entry = fleet.model_entry(name)
+        if catalogue.canonical_model(name) is None:
+            name = catalogue.any_name_model() or name  # behind SGLang, any name: its model
+        entry = catalogue.model_entry(name)
         spec = entry.tokenizer if entry is not None and entry.tokenizer else defaults.tokenizer
         block_size = entry.block_size if entry is not None and entry.block_size else None
-        block_size = block_size or fleet.block_size(name) or defaults.block_size
-        return _ModelRoute(generation, name, fleet.canonical_model(name), spec, block_size)
+        block_size = block_size or catalogue.block_size(name) or defaults.block_size
+        return _ModelRoute(generation, name, catalogue.canonical_model(name), spec, block_size)
 
     def prepare(
         self,
@@ -242,7 +244,7 @@ class Router:
         route = self._model(request.model)
         if adapter_on is not None:
             route = self._loaded_adapter(request.model, adapter_on)
-        elif route.lora and not self.fleet.view(route.name).replicas():
+        elif route.lora and not self.views.view(route.name).replicas():
             route = _NOBODY  # every replica holding the adapter is down or draining
         key_model, block_size = route.key_model, route.block_size
         if key_model is None:
@@ -270,14 +272,14 @@ class Router:
         )
         if keys_read or policy.reads_keys or not self.fleet.static or request.fans_out:
             self._key(prepared, request, route.spec)
-            if request.is_batch and self.fleet.keeps_books:
+            if request.is_batch and self.fleet.inflight.keeps_books:
                 self._key_later(prepared, request, route.spec)
         return prepared
 
     def _loaded_adapter(self, name: str, ordinal: int) -> _ModelRoute:
         """The route of an adapter loaded onto ``ordinal`` that no announce shows yet:
         its base model's replicas (of which the request takes ``ordinal``)."""
-        endpoint = self.fleet.endpoint(ordinal)
+        endpoint = self.fleet.replicas.endpoint(ordinal)
         base = endpoint.model if endpoint is not None else ""
         route = self._model(base)
         return _ModelRoute(
@@ -311,7 +313,7 @@ class Router:
         """Tokens a batch's later prompts leave to prefill on ``ordinal`` (after the
         decision's speculative record: a prompt starting as the first does is a hit),
         each prompt also hitting the blocks of the batch's prompts before it."""
-        view, size = self.fleet.view(prepared.model), prepared.block_size
+        view, size = self.views.view(prepared.model), prepared.block_size
         batch: set[int] = set(prepared.block_keys)
         uncached = 0
         for prompt in prepared.later:
@@ -328,7 +330,7 @@ class Router:
     ) -> tuple[Decision, int]:
         """The policy's decision and the predicted cached tokens on its replica."""
         keys = prepared.block_keys
-        view = self.fleet.view(prepared.model)
+        view = self.views.view(prepared.model)
         if prepared.only is not None:  # an adapter just loaded there: no other replica
             exclude |= {r.ordinal for r in view.replicas() if r.ordinal != prepared.only}
         ctx = RouteContext(
@@ -353,7 +355,7 @@ class Router:
         if route.key_model is None:
             return None
         ctx = RouteContext(workload=self._forward_workload, model=route.key_model)
-        return self._least_load.select(ctx, self.fleet.view(route.name)).ordinal
+        return self._least_load.select(ctx, self.views.view(route.name)).ordinal
 
     def classify(
         self,
@@ -363,7 +365,7 @@ class Router:
         api_key: routing_pb2.ApiKey | None,
     ) -> Workload:
         """Header, else the first matching rule, else the key's default, else the config's."""
-        config = self.fleet.routing_config()
+        config = self.catalogue.routing_config()
         keyed = api_key is not None and bool(api_key.default_workload)
         if not config.rules and not keyed and WORKLOAD_HEADER not in headers:
             return config.workload(config.default_workload)  # nothing to match
@@ -395,7 +397,7 @@ class Router:
         return root
 
     def _policy(self, workload: Workload) -> Policy:
-        config = self.fleet.routing_config()
+        config = self.catalogue.routing_config()
         if config is not self._config:
             self._config, self._policies = config, {}
         policy = self._policies.get(workload.name)

@@ -22,7 +22,7 @@ from dataplane.app import AppOptions, ProxyApp
 from dataplane.breaker import CircuitBreakers, RetryBudget
 from dataplane.exchange import Dispatcher, Policies
 from dataplane.first_byte import FirstByteDeadlines, SuspectProber
-from dataplane.fleet_state import FleetState
+from dataplane.fleet.state import FleetState
 from dataplane.lora import LoraPlacement
 from dataplane.metrics import ProxyMetrics
 from dataplane.model_cards import ModelCards, cards_of
@@ -94,7 +94,7 @@ class ProxyService:
         self.breakers = CircuitBreakers(settings.breaker_failures, settings.breaker_open_s)
         self.prober = SuspectProber(
             self.breakers,
-            self.fleet,
+            self.fleet.replicas,
             self.upstream,
             settings.probe_interval_s,
             settings.probe_timeout_s,
@@ -142,8 +142,8 @@ class ProxyService:
             LoraPlacement(self.fleet, self.upstream),
         )
         self.metrics.watch(self._state_age, self._open_breakers, self.probe.mismatches)
-        self.metrics.in_flight.set_function(self.fleet.inflight_total)
-        self.metrics.watch_prefill_rates(self.fleet.prefill_rates)
+        self.metrics.in_flight.set_function(self.fleet.inflight.total)
+        self.metrics.watch_prefill_rates(self.fleet.inflight.prefill_rates)
         self._tasks = BackgroundTasks()
 
     async def start(self) -> None:
@@ -188,7 +188,7 @@ class ProxyService:
         timeout = aiohttp.ClientTimeout(total=self.settings.connect_timeout_s + 2)
         connector = aiohttp.TCPConnector(ssl=self.replica_tls or True)
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-            for endpoint in self.fleet.endpoints():
+            for endpoint in self.fleet.replicas.endpoints():
                 names, kind = await _served_names(session, endpoint.base_url)
                 if names:
                     self.fleet.set_served_names(endpoint.ordinal, names, kind)
@@ -203,7 +203,7 @@ class ProxyService:
     # -- what /metrics and /readyz read ---------------------------------------------
 
     def _state_age(self) -> float:
-        return 0.0 if self.settings.static else self.fleet.age_s()
+        return 0.0 if self.settings.static else self.fleet.replicas.age_s()
 
     def _open_breakers(self) -> float:
         return len(self.breakers.open_ids(time.monotonic()))

@@ -28,7 +28,7 @@ from typing import Any
 import grpc
 
 from dataplane.errors import SnapshotNeeded
-from dataplane.fleet_state import FleetState
+from dataplane.fleet.state import FleetState
 from dataplane.settings import ProxySettings
 from kvcore.pb import routing_pb2
 from kvruntime.tasks import BackgroundTasks
@@ -129,7 +129,7 @@ class StateClient:
             "controlplane": self.connected_to,
             "epoch": epoch,
             "version": version,
-            "age_s": round(self.state.age_s(), 3),
+            "age_s": round(self.state.replicas.age_s(), 3),
             "reconnects": self.reconnects,
             "snapshots": self.snapshots,
             "refused_chunks": self.state.refused,

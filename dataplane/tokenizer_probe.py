@@ -27,7 +27,8 @@ from typing import Literal
 import aiohttp
 import msgspec
 
-from dataplane.fleet_state import Endpoint, FleetState
+from dataplane.endpoints import Endpoint
+from dataplane.fleet.state import FleetState
 from kvcore.pb import routing_pb2
 from kvcore.tokenize import Tokenizer, TokenizerError, load_tokenizer
 from kvruntime.tasks import BackgroundTasks
@@ -158,10 +159,10 @@ class TokenizerProbe:
 
     def _targets(self) -> dict[tuple[str, str], tuple[Endpoint, str]]:
         targets = {}
-        for endpoint in self.state.endpoints():
+        for endpoint in self.state.replicas.endpoints():
             if not endpoint.model:  # a static replica whose models are not known yet
                 continue
-            entry = self.state.model_entry(endpoint.model)
+            entry = self.state.catalogue.model_entry(endpoint.model)
             spec = entry.tokenizer if entry is not None and entry.tokenizer else None
             targets[(endpoint.replica_id, endpoint.model)] = (
                 endpoint,

@@ -33,7 +33,7 @@ from controlplane.fleet.ingest import Ingest
 from controlplane.fleet.routing_server import RoutingStateService, start_server
 from controlplane.service import CountingSink
 from controlplane.settings import ControlPlaneSettings
-from dataplane.fleet_state import FleetState
+from dataplane.fleet.state import FleetState
 from dataplane.settings import ProxySettings
 from dataplane.state_client import Backoff, StateClient
 from kvcore import subjects
@@ -158,8 +158,10 @@ async def column_snapshot_times(distinct_keys: int) -> tuple[float, float, float
     built = time.perf_counter() - start
     broadcaster._snapshot_cache = None  # the timed send builds it again
     state, sent, cpu = await proxy_watch(broadcaster)
-    if state.residency_keys() != fleet.index.key_count():
-        raise AssertionError(f"the proxy holds {state.residency_keys()} keys, not {distinct_keys}")
+    if state.replicas.residency_keys() != fleet.index.key_count():
+        raise AssertionError(
+            f"the proxy holds {state.replicas.residency_keys()} keys, not {distinct_keys}"
+        )
     return built, sent, cpu, len(chunks)
 
 

@@ -11,7 +11,7 @@ import random
 import time
 from typing import Any
 
-from dataplane.fleet_state import FleetState
+from dataplane.fleet.state import FleetState
 from kvcore.pb import events_pb2, routing_pb2
 from kvcore.tokenize import Tokenizer
 

@@ -1,4 +1,4 @@
-"""The proxy's routing state (``dataplane.fleet_state``): its cost per request (with and
+"""The proxy's routing state (``dataplane.fleet``): its cost per request (with and
 without kv_cost's prefill books), and how fast and how smoothly it applies what the
 control plane streams."""
 
@@ -9,7 +9,7 @@ import statistics
 import time
 
 from bench.micro.report import Figure, median_us
-from dataplane.fleet_state import FleetState
+from dataplane.fleet.state import FleetState
 from kvcore.pb import events_pb2, routing_pb2
 
 REPLICAS = 64
@@ -65,13 +65,13 @@ def _delta(version: int, rng: random.Random) -> routing_pb2.StateUpdate:
 
 
 def _request_figures(state: FleetState) -> list[Figure]:
-    cached = median_us(lambda: state.view(MODEL).replicas(), repeat=2000)
+    cached = median_us(lambda: state.views.view(MODEL).replicas(), repeat=2000)
     ordinals = iter(range(10**9))
 
     def one_request() -> None:
-        ticket = state.on_sent(next(ordinals) % REPLICAS, 200.0)
-        state.view(MODEL).replicas()
-        state.on_done(ticket)
+        ticket = state.inflight.on_sent(next(ordinals) % REPLICAS, 200.0)
+        state.views.view(MODEL).replicas()
+        state.inflight.on_done(ticket)
 
     per_request = median_us(one_request, repeat=2000)
     return [
@@ -133,18 +133,18 @@ def _books_figures() -> list[Figure]:
     ordinals = iter(range(10**9))
 
     def one_request() -> None:
-        ticket = state.on_sent(next(ordinals) % REPLICAS, 200.0, 2_000)
-        state.view(MODEL).replicas()
-        state.on_first_byte(ticket, 200, streaming=True)
-        state.on_done(ticket)
+        ticket = state.inflight.on_sent(next(ordinals) % REPLICAS, 200.0, 2_000)
+        state.views.view(MODEL).replicas()
+        state.inflight.on_first_byte(ticket, 200, streaming=True)
+        state.inflight.on_done(ticket)
 
     per_request = median_us(one_request, repeat=2000)
     for ordinal in range(REPLICAS):  # every replica prefilling for minutes
-        state.on_sent(ordinal, 200.0, 10**9)
+        state.inflight.on_sent(ordinal, 200.0, 10**9)
 
     def one_step() -> None:
         clock.now += 0.01  # past the 5 ms step: every replica's state is re-aged
-        state.view(MODEL).replicas()
+        state.views.view(MODEL).replicas()
 
     step = median_us(one_step, repeat=200)
     return [

@@ -9,7 +9,7 @@ residency map in a ``kvcore.index.BitmaskResidencyIndex`` fed by the engines' ev
 calls ``create_policy(workload).select(ctx, view)`` and records the decision's
 speculative residency, exactly as the proxy will. For ``kv_cost`` it also keeps a
 ``PrefillLedger`` (its requests still waiting for a first token, as
-``queued_prefill_tokens``), as the proxy does (``dataplane.prefill_books``).
+``queued_prefill_tokens``), as the proxy does (``dataplane.fleet.prefill_books``).
 
 Policy specs: ``STRATEGY`` or ``STRATEGY:field=value,field=value`` with any field of the
 strategy's workload model (``kv_aware:locality_weight=0.5,min_hit=0.2``).

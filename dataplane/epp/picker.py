@@ -27,9 +27,11 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from dataplane.app import INFERENCE, THREAD_PROMPT_CHARS
+from dataplane.endpoints import Endpoint
 from dataplane.epp.messages import OBJECTIVE_HEADERS
 from dataplane.exchange import Dispatcher, Exchange
-from dataplane.fleet_state import Endpoint, FleetState, InflightTicket
+from dataplane.fleet.inflight import InflightTicket
+from dataplane.fleet.state import FleetState
 from dataplane.http_errors import ApiError, BadRequest, NoReplica, NotFound
 from dataplane.openai_request import InferenceRequest, decode_object, parse_inference
 from dataplane.relay import Usage
@@ -120,7 +122,9 @@ class Picker:
         decision, predicted = self.router.choose(
             prepared, now=now, exclude=exclude | self.dispatcher.breakers.excluded(now)
         )
-        endpoint = None if decision.ordinal is None else self.fleet.endpoint(decision.ordinal)
+        endpoint = (
+            None if decision.ordinal is None else self.fleet.replicas.endpoint(decision.ordinal)
+        )
         if endpoint is None:
             raise NoReplica(
                 NO_SUBSET_REPLICA if subset is not None else "No replica can take the request.",
@@ -158,7 +162,9 @@ class Picker:
         """The replicas the gateway's subset hint leaves out."""
         if subset is None:
             return frozenset()
-        return frozenset(e.ordinal for e in self.fleet.endpoints() if address_of(e) not in subset)
+        return frozenset(
+            e.ordinal for e in self.fleet.replicas.endpoints() if address_of(e) not in subset
+        )
 
     def _shed(
         self, prepared: Prepared, headers: Mapping[str, str], exclude: frozenset[int], now: float
@@ -170,7 +176,7 @@ class Picker:
             return False
         ctx = RouteContext(workload=prepared.workload, model=prepared.key_model, now=now,
                            exclude=exclude)  # fmt: skip
-        screened = screen_rows(ctx, self.fleet.view(prepared.model).replicas())
+        screened = screen_rows(ctx, self.fleet.views.view(prepared.model).replicas())
         return screened.note == ALL_SATURATED
 
     def _fallbacks(
@@ -180,7 +186,7 @@ class Picker:
         then the lowest load, each with the cached tokens predicted there."""
         if not self.fallbacks:
             return [], []
-        view = self.fleet.view(prepared.model)
+        view = self.fleet.views.view(prepared.model)
         ctx = RouteContext(workload=prepared.workload, model=prepared.key_model, now=now,
                            exclude=exclude | {chosen})  # fmt: skip
         eligible = screen_rows(ctx, view.replicas()).usable
@@ -189,7 +195,7 @@ class Picker:
         ranked = sorted(eligible, key=lambda r: (-runs.get(r.ordinal, 0), r.load, r.ordinal))
         endpoints, predicted = [], []
         for replica in ranked[: self.fallbacks]:
-            endpoint = self.fleet.endpoint(replica.ordinal)
+            endpoint = self.fleet.replicas.endpoint(replica.ordinal)
             if endpoint is not None:
                 endpoints.append(endpoint)
                 run = runs.get(replica.ordinal, 0)
@@ -207,14 +213,14 @@ class Picker:
                 named = decode_object(body).get("model")
                 model = named if isinstance(named, str) else ""
         ordinal = self.router.least_loaded(model or self._default_model())
-        endpoint = None if ordinal is None else self.fleet.endpoint(ordinal)
+        endpoint = None if ordinal is None else self.fleet.replicas.endpoint(ordinal)
         if endpoint is None or (subset is not None and address_of(endpoint) not in subset):
             raise NotFound(f"The model `{model}` does not exist.", "model", "model_not_found")
         return Pick([endpoint], [0], None, body)
 
     def _default_model(self) -> str:
         """The fleet's only model, for a request that names none (as the proxy)."""
-        models = self.fleet.base_models()
+        models = self.fleet.catalogue.base_models()
         if len(models) == 1:
             return models[0]
         if models:
@@ -242,12 +248,12 @@ class Picker:
         first = pick.endpoints[pick.served]
         dispatcher = self.dispatcher
         dispatcher.breakers.on_failure(first.replica_id, first.ordinal, time.monotonic())
-        self.fleet.on_done(pick.ticket)
+        self.fleet.inflight.on_done(pick.ticket)
         endpoint = pick.endpoints[index]
         pick.served = index
         pick.exchange.tried.append(endpoint.replica_id)
         uncached = pick.exchange.prepared.prompt_tokens - pick.predicted[index]
-        pick.ticket = self.fleet.on_sent(endpoint.ordinal, time.time(), uncached)
+        pick.ticket = self.fleet.inflight.on_sent(endpoint.ordinal, time.time(), uncached)
 
     def first_byte(self, pick: Pick, status: int, streaming: bool) -> None:
         """The answer's first bytes passed back (once)."""
@@ -266,8 +272,8 @@ class Picker:
         pick.exchange = None
         if not pick.answered:  # ended before any answer: settle its prefill booking
             pick.answered = True
-            self.fleet.on_first_byte(pick.ticket, status, False)
-        self.fleet.on_done(pick.ticket)
+            self.fleet.inflight.on_first_byte(pick.ticket, status, False)
+        self.fleet.inflight.on_done(pick.ticket)
         exchange.outcome = outcome
         exchange.usage = pick.usage
         served = pick.served

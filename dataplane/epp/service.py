@@ -30,7 +30,7 @@ from dataplane.epp.picker import Picker
 from dataplane.epp.settings import EppSettings
 from dataplane.epp.stream import ProtocolViolation, RequestStream, StreamOptions
 from dataplane.exchange import Dispatcher, Policies
-from dataplane.fleet_state import FleetState
+from dataplane.fleet.state import FleetState
 from dataplane.metrics import CONTENT_TYPE, ProxyMetrics
 from dataplane.reporter import Reporter
 from dataplane.routing import Defaults, Router
@@ -133,8 +133,8 @@ class EppService:
         )
         self.servicer = EndpointPicker(self.picker, StreamOptions(settings.max_body_bytes))
         self.health = health.aio.HealthServicer()
-        self.metrics.watch(self.fleet.age_s, self._open_breakers, self.probe.mismatches)
-        self.metrics.in_flight.set_function(self.fleet.inflight_total)
+        self.metrics.watch(self.fleet.replicas.age_s, self._open_breakers, self.probe.mismatches)
+        self.metrics.in_flight.set_function(self.fleet.inflight.total)
         self._servers: list[grpc.aio.Server] = []
         self._metrics_server: HttpServer | None = None
         self._tasks = BackgroundTasks()

@@ -59,12 +59,14 @@ async def complete(
 
 
 def queued(service: ProxyService) -> dict[str, float | None]:
-    return {r.replica_id: r.queued_prefill_tokens for r in service.fleet.view(MODEL).replicas()}
+    return {
+        r.replica_id: r.queued_prefill_tokens for r in service.fleet.views.view(MODEL).replicas()
+    }
 
 
 def open_tickets(service: ProxyService) -> int:
     books = service.fleet._books
-    return sum(books.pending(key) for key in service.fleet._ledger_keys.values())
+    return sum(books.pending(key) for key in service.fleet.replicas._ledger_keys.values())
 
 
 def metrics(service: ProxyService) -> str:
@@ -97,7 +99,7 @@ async def test_a_replica_busy_prefilling_for_this_proxy_is_passed_over(
         long_request = asyncio.ensure_future(
             complete(session, url, SHARED + LONG_TAIL, stream=True)
         )
-        await until(lambda: service.fleet.inflight_total() == 1, "the long prompt sent")
+        await until(lambda: service.fleet.inflight.total() == 1, "the long prompt sent")
         status, landed, _ = await complete(session, url, [*SHARED, *range(20, 70)])
         assert status == 200 and landed != holder
         status, long_replica, _ = await long_request
@@ -118,7 +120,7 @@ async def test_a_batchs_long_later_prompt_counts_on_its_replica(sims: list[SimPr
         status, holder, _ = await complete(session, url, SHARED)  # warm the prefix
         assert status == 200
         batch = asyncio.ensure_future(complete(session, url, [SHARED, SHARED + LONG_TAIL]))
-        await until(lambda: service.fleet.inflight_total() == 1, "the batch sent")
+        await until(lambda: service.fleet.inflight.total() == 1, "the batch sent")
         assert 11_000 < (queued(service)[holder] or 0) <= len(LONG_TAIL) + 16
         status, landed, _ = await complete(session, url, [*SHARED, *range(20, 70)])
         assert status == 200 and landed != holder
@@ -157,7 +159,7 @@ async def test_failed_refused_retried_and_cancelled_requests_leave_no_tokens(
         cancelled = asyncio.ensure_future(complete(session, url, LONG_TAIL, stream=True))
         await until(lambda: (queued(service)["r1"] or 0) > 0, "the long prompt booked")
         cancelled.cancel()
-        await until(lambda: service.fleet.inflight_total() == 0, "the cancelled request ended")
+        await until(lambda: service.fleet.inflight.total() == 0, "the cancelled request ended")
         assert open_tickets(service) == 0
 
 

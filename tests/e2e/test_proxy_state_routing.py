@@ -155,14 +155,18 @@ async def test_a_saturated_replica_overflows_to_the_other(sims: list[SimProcess]
         status, headers, _ = await chat(url, "alpha-secret", "Where do I land?")
         assert status == 200
         owner = headers["x-kvroute-replica"]
-        ordinal = next(e.ordinal for e in service.fleet.endpoints() if e.replica_id == owner)
+        ordinal = next(
+            e.ordinal for e in service.fleet.replicas.endpoints() if e.replica_id == owner
+        )
         delta = routing_pb2.Delta(
             loads=[routing_pb2.LoadUpdate(ordinal=ordinal, load=load(4, 2, ts=now))]
         )
         service.fleet.apply(routing_pb2.StateUpdate(epoch=1, version=2, delta=delta))
         landed = {(await chat(url, "alpha-secret", f"Question {i}?"))[1]["x-kvroute-replica"]
                   for i in range(4)}  # fmt: skip
-    assert landed == {next(e.replica_id for e in service.fleet.endpoints() if e.ordinal != ordinal)}
+    assert landed == {
+        next(e.replica_id for e in service.fleet.replicas.endpoints() if e.ordinal != ordinal)
+    }
 
 
 async def test_a_traced_request_is_one_span_under_the_clients_trace(

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.micro.model_files import write_tiny_model
-from dataplane.fleet_state import FleetState
+from dataplane.fleet.state import FleetState
 from dataplane.tokenizer_probe import TokenizerProbe
 from kvroute.servers import free_port
 from tests.unit.dataplane.state_messages import config, delta, model_entry, replica, snapshot

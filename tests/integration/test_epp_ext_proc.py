@@ -121,7 +121,7 @@ async def test_full_duplex_picks_the_holder_echoes_the_body_and_counts_the_usage
     assert sorted(endpoints.split(",")) == ["127.0.0.1:9000", R1, "127.0.0.1:9002"]
     assert destination_metadata(answer) == endpoints and common.clear_route_cache
     assert echoed == body and max(sizes) <= BODY_CHUNK_BYTES and len(sizes) == 4
-    assert epp.fleet.inflight_total() == 1
+    assert epp.fleet.inflight.total() == 1
     # 48: as vLLM caps a hit, the prompt's last block is computed
     usage = {"prompt_tokens": len(PROMPT), "prompt_tokens_details": {"cached_tokens": 48}}
     answer_body = json.dumps({"choices": [{"text": "hi"}], "usage": usage}).encode()
@@ -135,7 +135,7 @@ async def test_full_duplex_picks_the_holder_echoes_the_body_and_counts_the_usage
     given_back, _, ended = streamed(await call.read(2), "response_body")
     assert given_back == answer_body and ended
     await call.close()
-    assert epp.fleet.inflight_total() == 0
+    assert epp.fleet.inflight.total() == 0
     key = ("default", "r1")
     assert epp.metrics.predicted.values[key] == 48 and epp.metrics.measured.values[key] == 48
     assert epp.metrics.requests.values[("default", "r1", "ok")] == 1
@@ -223,7 +223,7 @@ async def test_a_request_without_a_body_is_picked_from_its_headers(
     await call.send(response_headers(), response_body(b'{"data":[]}', True))
     await call.read(2)
     await call.close()
-    assert epp.fleet.inflight_total() == 0
+    assert epp.fleet.inflight.total() == 0
 
 
 async def test_an_inference_request_with_no_body_is_a_400(
@@ -248,7 +248,7 @@ async def test_a_sheddable_request_gets_429_while_every_replica_is_saturated(
     )
     async with asyncio.timeout(5):
         await epp.state_client.wait_until(
-            lambda s: all(r.load >= 1 for r in s.view(MODEL).replicas())
+            lambda s: all(r.load >= 1 for r in s.views.view(MODEL).replicas())
         )
     body = completion(PROMPT)
     call = ExtProcCall(channel)
@@ -296,11 +296,11 @@ async def test_a_client_gone_mid_answer_releases_the_replica(
     await call.read(1)
     await call.send(response_body(b'data: {"choices":[{"text":"a"}]}\n\n', False))
     await call.read(1)
-    assert epp.fleet.inflight_total() == 1
+    assert epp.fleet.inflight.total() == 1
     call.call.cancel()
     async with asyncio.timeout(5):
         await epp.servicer.wait_idle()
-    assert epp.fleet.inflight_total() == 0
+    assert epp.fleet.inflight.total() == 0
     assert epp.metrics.requests.values[("default", "r1", "cancelled")] == 1
     assert ("default", "r1") not in epp.metrics.predicted.values  # no fidelity for it
 
@@ -326,7 +326,7 @@ async def test_a_malformed_sequence_ends_its_stream_not_the_server(
     with pytest.raises(grpc.aio.AioRpcError) as failure:
         await call.read(1)
     assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert epp.fleet.inflight_total() == 0
+    assert epp.fleet.inflight.total() == 0
     call = ExtProcCall(channel)  # the server still serves
     answer, _, _ = await picked_full_duplex(call, completion(PROMPT))
     assert header_of(answer.request_headers.response, DESTINATION).startswith(R1)  # type: ignore[union-attr]

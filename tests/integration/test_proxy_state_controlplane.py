@@ -11,7 +11,7 @@ import pytest
 
 from controlplane.service import ControlPlane, CountingSink
 from controlplane.settings import ControlPlaneSettings
-from dataplane.fleet_state import FleetState
+from dataplane.fleet.state import FleetState
 from dataplane.reporter import Reporter
 from dataplane.settings import ProxySettings
 from dataplane.state_client import Backoff, StateClient
@@ -24,11 +24,11 @@ KEYS = list(range(1001, 1033))
 
 
 def ids(state: FleetState) -> list[str]:
-    return [r.replica_id for r in state.view(MODEL).replicas()]
+    return [r.replica_id for r in state.views.view(MODEL).replicas()]
 
 
 def held(state: FleetState) -> list[int]:
-    return sorted(state.view(MODEL).leading_runs(KEYS, now=None).values())
+    return sorted(state.views.view(MODEL).leading_runs(KEYS, now=None).values())
 
 
 @pytest.fixture
@@ -69,7 +69,7 @@ async def test_the_proxy_follows_the_control_plane_and_survives_its_restart(
         async with asyncio.timeout(10):
             await client.wait_until(lambda s: held(s) == [len(KEYS)])
         assert ids(state) == ["px-r1"]
-        assert state.view(MODEL).replicas()[0].running == 3
+        assert state.views.view(MODEL).replicas()[0].running == 3
         first_epoch = state.position()[0]
 
         await sidecar.remove(KEYS[16:])

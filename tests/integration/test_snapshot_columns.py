@@ -25,7 +25,7 @@ async def test_a_two_million_key_snapshot_arrives_key_for_key() -> None:
     state, _, _ = await proxy_watch(broadcaster)
     assert broadcaster.stats.snapshots == 1
     sent_keys, sent_masks = _sorted_rows(*fleet.index.residency())
-    got_keys, got_masks = _sorted_rows(*state._index.residency())
+    got_keys, got_masks = _sorted_rows(*state.replicas.index.residency())
     assert sent_keys.size == fleet.index.key_count() == KEYS + 8  # (and 8 replicas' first)
     assert np.array_equal(got_keys, sent_keys)
     assert np.array_equal(got_masks[:, : sent_masks.shape[1]], sent_masks)

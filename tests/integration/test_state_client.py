@@ -11,7 +11,7 @@ import grpc
 import pytest
 import trustme
 
-from dataplane.fleet_state import FleetState
+from dataplane.fleet.state import FleetState
 from dataplane.settings import ProxySettings
 from dataplane.state_client import Backoff, StateClient
 from kvcore.pb import routing_pb2
@@ -29,7 +29,7 @@ def settings(*addresses: str, **fields: object) -> ProxySettings:
 
 
 def ids(state: FleetState) -> list[str]:
-    return [r.replica_id for r in state.view(MODEL).replicas()]
+    return [r.replica_id for r in state.views.view(MODEL).replicas()]
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ async def test_a_snapshot_then_deltas_keep_the_state_current(
 ) -> None:
     state = client.state
     assert ids(state) == ["r0", "r1"]
-    assert state.view(MODEL).leading_runs(KEYS, now=None) == {0: 4, 1: 1}
+    assert state.views.view(MODEL).leading_runs(KEYS, now=None) == {0: 4, 1: 1}
     request = server.watch_requests[0]
     assert (request.proxy_id, list(request.pools)) == ("p1", ["default"])
     assert (request.have_epoch, request.have_version) == (0, 0)
@@ -65,8 +65,8 @@ async def test_a_snapshot_then_deltas_keep_the_state_current(
     version = server.publish(routing_pb2.Delta(residency=[residency_change(1, added=KEYS[1:])]))
     async with asyncio.timeout(10):
         await client.wait_until(lambda s: s.position() == (7, version))
-    assert state.view(MODEL).replicas()[1].load == 0.75
-    assert state.view(MODEL).leading_runs(KEYS, now=None) == {0: 4, 1: 4}
+    assert state.views.view(MODEL).replicas()[1].load == 0.75
+    assert state.views.view(MODEL).leading_runs(KEYS, now=None) == {0: 4, 1: 4}
     assert client.status()["controlplane"] == server.address
 
 
@@ -121,7 +121,7 @@ async def test_a_restarted_control_plane_sends_a_new_snapshot(
         async with asyncio.timeout(10):
             await client.wait_until(lambda s: s.position() == (8, restarted.version))
         assert ids(client.state) == ["r3"]
-        assert client.state.view(MODEL).leading_runs(KEYS, now=None) == {3: 4}
+        assert client.state.views.view(MODEL).leading_runs(KEYS, now=None) == {3: 4}
     finally:
         await restarted.stop()
 

@@ -23,7 +23,8 @@ from bench.proxy_path import (
 )
 from dataplane import native
 from dataplane import service as service_module
-from dataplane.fleet_state import FleetState
+from dataplane.fleet.inflight import Inflight
+from dataplane.fleet.state import FleetState
 
 
 def test_every_request_goes_through_the_proxy_and_each_batch_is_timed() -> None:
@@ -97,11 +98,15 @@ def test_concurrent_clients_keep_several_requests_in_flight_at_the_proxy(
     """--concurrency N: N connections sending at once, as bench.proxy's throughput runs."""
     in_flight: list[int] = []
 
-    class CountedFleet(FleetState):  # a subclass: a compiled object's methods stay as they are
+    class CountedInflight(Inflight):  # a subclass: a compiled object's methods stay as they are
         def on_sent(self, *args: Any, **kwargs: Any) -> Any:
             ticket = super().on_sent(*args, **kwargs)
-            in_flight.append(self.inflight_total())
+            in_flight.append(self.total())
             return ticket
+
+    class CountedFleet(FleetState):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(inflight=CountedInflight, **kwargs)
 
     monkeypatch.setattr(service_module, "FleetState", CountedFleet)
 

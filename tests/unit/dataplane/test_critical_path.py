@@ -22,7 +22,8 @@ import pytest
 from bench.proxy_path import MemoryTransport
 from dataplane import service as service_module
 from dataplane.breaker import CircuitBreakers
-from dataplane.fleet_state import FleetState
+from dataplane.fleet.inflight import Inflight
+from dataplane.fleet.state import FleetState
 from dataplane.metrics import ProxyMetrics
 from dataplane.service import ProxyService
 from dataplane.settings import ProxySettings
@@ -109,16 +110,21 @@ class Proxy:
         self.log: list[str] = []
         # calls are logged by subclasses: the classes may be compiled (dataplane/native.py),
         # and a compiled object's methods cannot be replaced
-        fleet = logged_subclass(FleetState, ["on_sent", "on_first_byte", "on_done"], self.log)
+        inflight = logged_subclass(Inflight, ["on_sent", "on_first_byte", "on_done"], self.log)
+
+        class Fleet(FleetState):
+            def __init__(self, **kwargs: Any) -> None:
+                super().__init__(inflight=inflight, **kwargs)
+
         metrics = logged_subclass(ProxyMetrics, ["decided", "first_byte", "count"], self.log)
         breakers = logged_subclass(CircuitBreakers, ["on_success"], self.log)
         with (
-            mock.patch.object(service_module, "FleetState", fleet),
+            mock.patch.object(service_module, "FleetState", Fleet),
             mock.patch.object(service_module, "ProxyMetrics", metrics),
             mock.patch.object(service_module, "CircuitBreakers", breakers),
         ):
             self.service = ProxyService(ProxySettings.model_validate(settings))
-        for endpoint in self.service.fleet.endpoints():
+        for endpoint in self.service.fleet.replicas.endpoints():
             self.service.fleet.set_served_names(endpoint.ordinal, [MODEL])
         self.server = HttpServer(self.service.app, max_body_bytes=1 << 20)
         self.replicas = _Replicas(self.log, reply)
@@ -186,7 +192,7 @@ async def test_the_upstream_write_and_the_client_write_come_before_the_bookkeepi
     ]  # fmt: skip
     assert proxy.counted("ok") == 3
     assert (proxy.measured_requests(), proxy.measured_cached()) == (3, 9)
-    assert proxy.service.fleet.inflight_total() == 0
+    assert proxy.service.fleet.inflight.total() == 0
     assert sum(sum(row[:-1]) for row in proxy.service.metrics.ttfb.rows.values()) == 3
 
 
@@ -198,7 +204,7 @@ async def test_a_client_gone_right_after_its_answer_is_still_counted_in_full() -
     assert proxy.counted("ok") == 1
     assert proxy.counted("cancelled") == 0
     assert (proxy.measured_requests(), proxy.measured_cached()) == (1, 5)
-    assert proxy.service.fleet.inflight_total() == 0
+    assert proxy.service.fleet.inflight.total() == 0
     assert "on_first_byte" in proxy.log
     await proxy.ask({"prompt": "hello again"})
     await proxy.ask({"prompt": "and again"})
@@ -227,7 +233,7 @@ async def test_a_stream_is_settled_after_its_first_event_is_written_before_any_w
         await asyncio.sleep(0)
     # the proxy waits for the slow client with the first byte already settled
     assert proxy.log[-4:] == ["client write", "on_first_byte", "on_success", "first_byte"]
-    assert proxy.service.fleet.inflight_total() == 1
+    assert proxy.service.fleet.inflight.total() == 1
     connections[0].resume_writing()
     for _ in range(3):
         await asyncio.sleep(0)
@@ -241,7 +247,7 @@ async def test_a_request_no_replica_takes_still_counts_its_decision(held_out: bo
     proxy = Proxy(json_reply(cached=0))
     breakers = proxy.service.dispatcher.breakers
     if held_out:  # every replica's breaker is open: nothing is written
-        for endpoint in proxy.service.fleet.endpoints():
+        for endpoint in proxy.service.fleet.replicas.endpoints():
             for _ in range(breakers.failures):
                 breakers.on_failure(endpoint.replica_id, endpoint.ordinal, time.monotonic())
     else:  # every replica answers 503
@@ -250,4 +256,4 @@ async def test_a_request_no_replica_takes_still_counts_its_decision(held_out: bo
     assert answer.startswith(b"HTTP/1.1 503")
     assert proxy.log.count("decided") == 1
     assert proxy.counted("no_replica") == 1
-    assert proxy.service.fleet.inflight_total() == 0
+    assert proxy.service.fleet.inflight.total() == 0

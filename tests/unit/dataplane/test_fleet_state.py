@@ -9,9 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dataplane import fleet_state
 from dataplane.errors import SnapshotNeeded
-from dataplane.fleet_state import FleetState
+from dataplane.fleet import state as fleet_state
+from dataplane.fleet.state import FleetState
+from dataplane.fleet.views import ViewCache
 from kvcore.keys import block_keys
 from kvcore.pb import events_pb2
 from kvcore.policies import RouteContext, create_policy
@@ -50,13 +51,13 @@ def apply_all(state: FleetState, updates: list) -> None:
 
 
 def ids(state: FleetState, model: str = MODEL) -> list[str]:
-    return [r.replica_id for r in state.view(model).replicas()]
+    return [r.replica_id for r in state.views.view(model).replicas()]
 
 
 def route(state: FleetState, workload: KvAwareWorkload, keys: list[int], now: float = 0.0):
     ctx = RouteContext(workload=workload, model=MODEL, block_keys=keys, now=now)
-    decision = create_policy(workload, rng=random.Random(0)).select(ctx, state.view(MODEL))
-    state.apply_speculative(decision)
+    decision = create_policy(workload, rng=random.Random(0)).select(ctx, state.views.view(MODEL))
+    state.replicas.apply_speculative(decision)
     return decision
 
 
@@ -72,7 +73,7 @@ def test_a_chunked_snapshot_is_invisible_until_its_last_chunk() -> None:
         assert state.position() == (0, 0)
     state.apply(updates[-1])
     assert ids(state) == ["r0", "r1"]
-    assert state.view(MODEL).leading_runs(KEYS, now=None) == {0: 4, 1: 2}
+    assert state.views.view(MODEL).leading_runs(KEYS, now=None) == {0: 4, 1: 2}
     assert state.position() == (7, 40)
 
 
@@ -81,8 +82,8 @@ def test_a_new_snapshot_replaces_everything() -> None:
     apply_all(state, snapshot(1, 5, [replica(0), replica(1)], {0: KEYS, 1: KEYS}))
     apply_all(state, snapshot(2, 1, [replica(0, replica_id="fresh")], {0: KEYS[:1]}))
     assert ids(state) == ["fresh"]
-    assert state.view(MODEL).leading_runs(KEYS, now=None) == {0: 1}
-    assert state.endpoint(1) is None
+    assert state.views.view(MODEL).leading_runs(KEYS, now=None) == {0: 1}
+    assert state.replicas.endpoint(1) is None
     assert state.position() == (2, 1)
 
 
@@ -94,7 +95,7 @@ def test_an_interrupted_snapshot_keeps_the_old_state_and_asks_again() -> None:
     with pytest.raises(SnapshotNeeded, match="chunk 2"):
         state.apply(third)  # chunk 1 was lost
     assert ids(state) == ["r0"]
-    assert state.view(MODEL).leading_runs(KEYS, now=None) == {0: 4}
+    assert state.views.view(MODEL).leading_runs(KEYS, now=None) == {0: 4}
     assert state.position() == (0, 0)
 
 
@@ -106,7 +107,7 @@ def test_deltas_upsert_remove_and_change_residency() -> None:
     apply_all(state, snapshot(1, 10, [replica(0), replica(1)], {0: KEYS, 1: KEYS}))
     state.apply(delta(1, 11, replicas_upserted=[replica(2)], replicas_removed=[1]))
     assert ids(state) == ["r0", "r2"]
-    assert state.view(MODEL).leading_runs(KEYS, now=None) == {0: 4}
+    assert state.views.view(MODEL).leading_runs(KEYS, now=None) == {0: 4}
     state.apply(
         delta(
             1,
@@ -117,7 +118,7 @@ def test_deltas_upsert_remove_and_change_residency() -> None:
             ],
         )
     )
-    assert state.view(MODEL).leading_runs(KEYS, now=None) == {0: 1, 2: 3}
+    assert state.views.view(MODEL).leading_runs(KEYS, now=None) == {0: 1, 2: 3}
     assert state.position() == (1, 12)
 
 
@@ -139,12 +140,12 @@ def test_load_updates_reach_the_view() -> None:
     state = fleet()
     apply_all(state, snapshot(1, 1, [replica(0), replica(1)]))
     state.apply(delta(1, 2, loads=[{"ordinal": 1, "load": load(32, 16, ts=50.0, kv_usage=0.2)}]))
-    r0, r1 = state.view(MODEL).replicas()
+    r0, r1 = state.views.view(MODEL).replicas()
     assert (r1.running, r1.waiting, r1.load) == (32, 16, 0.75)  # 48 of 64 sequences
     assert r0.load == 0.0
     # an upsert without a load (status change) keeps the last load
     state.apply(delta(1, 3, replicas_upserted=[replica(1, capacity=96)]))
-    assert state.view(MODEL).replicas()[1].load == 0.5
+    assert state.views.view(MODEL).replicas()[1].load == 0.5
 
 
 def test_malformed_entries_are_skipped_and_counted() -> None:
@@ -152,7 +153,7 @@ def test_malformed_entries_are_skipped_and_counted() -> None:
     apply_all(state, snapshot(1, 1, [replica(0), replica(5000)], {0: KEYS, 7: KEYS}))
     state.apply(delta(1, 2, residency=[residency_change(9, added=KEYS)], loads=[{"ordinal": 8}]))
     assert ids(state) == ["r0"]
-    assert state.view(MODEL).leading_runs(KEYS, now=None) == {0: 4}
+    assert state.views.view(MODEL).leading_runs(KEYS, now=None) == {0: 4}
     assert state.ignored == 5  # replica 5000, two ReplicaBlocks of 7, residency of 9, load of 8
 
 
@@ -162,10 +163,10 @@ def test_large_updates_are_applied_in_steps(monkeypatch: pytest.MonkeyPatch) -> 
     keys = list(range(1, 1001))
     steps = sum(1 for _ in state.apply_steps(snapshot(1, 1, [replica(0)], {0: keys})[0]))
     assert steps >= 10
-    assert state.residency_keys() == 1000
+    assert state.replicas.residency_keys() == 1000
     clear = delta(1, 2, residency=[residency_change(0, cleared=True)])
     assert sum(1 for _ in state.apply_steps(clear)) >= 10
-    assert state.residency_keys() == 0
+    assert state.replicas.residency_keys() == 0
 
 
 # -- what the views offer ----------------------------------------------------------------
@@ -185,10 +186,10 @@ def test_only_healthy_non_draining_replicas_of_the_model_are_offered() -> None:
     assert ids(state) == ["r0", "r5"]
     assert ids(state, "other") == ["r4"]
     assert ids(state, "nobody-serves-this") == []
-    assert state.served_models() == ["m", "org/m-7b", "other"]
+    assert state.catalogue.served_models() == ["m", "org/m-7b", "other"]
     state.apply(delta(1, 2, replicas_upserted=[replica(0, status=DRAINING)]))
     assert ids(state) == ["r5"]
-    assert [e.replica_id for e in state.endpoints()] == ["r4", "r5"]
+    assert [e.replica_id for e in state.replicas.endpoints()] == ["r4", "r5"]
 
 
 def test_model_registry_names_resolve_to_the_canonical_model() -> None:
@@ -198,10 +199,10 @@ def test_model_registry_names_resolve_to_the_canonical_model() -> None:
     apply_all(state, snapshot(1, 1, [replica(0, model="meta/llama-8b")], routing=routing))
     for name in ("llama", "gpt-4o", "meta/llama-8b"):
         assert ids(state, name) == ["r0"]
-        assert state.canonical_model(name) == "meta/llama-8b"
-        assert state.model_entry(name) == entry
-    assert state.canonical_model("unknown") is None
-    assert state.models() == {"llama": entry}
+        assert state.catalogue.canonical_model(name) == "meta/llama-8b"
+        assert state.catalogue.model_entry(name) == entry
+    assert state.catalogue.canonical_model("unknown") is None
+    assert state.catalogue.models() == {"llama": entry}
 
 
 def sglang(info: Any) -> Any:
@@ -222,7 +223,7 @@ def test_a_request_naming_no_model_or_any_name_goes_where_the_engines_would_take
     for name, replicas in fleets.items():
         state = fleet()
         apply_all(state, snapshot(1, 1, replicas))
-        seen[name] = (state.base_models(), state.any_name_model())
+        seen[name] = (state.catalogue.base_models(), state.catalogue.any_name_model())
     assert seen == {
         "one vLLM model": ([MODEL], None),
         "one SGLang model": ([MODEL], MODEL),
@@ -237,17 +238,19 @@ def test_the_router_block_size_comes_from_the_replicas_announcements() -> None:
     replicas[2].block_size = 32  # one sidecar keys with another size: the majority wins
     replicas.append(replica(3, model="other", status=DRAINING))
     apply_all(state, snapshot(1, 1, replicas))
-    assert state.block_size("m") == state.block_size("org/m-7b") == 16
-    assert state.block_size("other") is None  # not routable: nothing announced that counts
-    assert state.block_size("unknown") is None
+    assert state.catalogue.block_size("m") == state.catalogue.block_size("org/m-7b") == 16
+    assert (
+        state.catalogue.block_size("other") is None
+    )  # not routable: nothing announced that counts
+    assert state.catalogue.block_size("unknown") is None
 
 
 def test_views_are_cached_until_something_they_show_changes() -> None:
     state = fleet()
     apply_all(state, snapshot(1, 1, [replica(0), replica(1), replica(2, model="other")]))
-    view = state.view(MODEL)
+    view = state.views.view(MODEL)
     first = list(view.replicas())
-    assert state.view(MODEL) is view
+    assert state.views.view(MODEL) is view
     state.apply(delta(1, 2, loads=[{"ordinal": 2, "load": load(1, 0, ts=5.0)}]))
     unchanged = view.replicas()  # another model's replica changed: same states
     assert len(unchanged) == 2 and all(a is b for a, b in zip(unchanged, first, strict=True))
@@ -257,7 +260,7 @@ def test_views_are_cached_until_something_they_show_changes() -> None:
     assert second[1] is not first[1] and second[1].running == 1
     assert [r.ordinal for r in view.replicas().by_load()] == [0, 1]  # patched in its orders
     state.apply(delta(1, 4, replicas_upserted=[replica(3)]))
-    assert state.view(MODEL) is not view
+    assert state.views.view(MODEL) is not view
 
 
 # -- config ------------------------------------------------------------------------------
@@ -274,7 +277,7 @@ def test_config_from_the_stream_classifies_requests() -> None:
         "default_workload": "chat",
     }
     apply_all(state, snapshot(1, 1, [replica(0)], routing=config(workloads, rules=rules)))
-    routing = state.routing_config()
+    routing = state.catalogue.routing_config()
     assert routing.classify(RequestInfo("/v1/completions")).name == "batch"
     chat = routing.classify(RequestInfo("/v1/chat/completions"))
     assert chat == parse_workload(workloads[0])
@@ -286,18 +289,18 @@ def test_a_config_the_proxy_cannot_use_is_refused_and_the_last_one_kept() -> Non
     apply_all(state, snapshot(1, 1, [replica(0)], routing=good))
     bad = config([{"name": "default", "strategy": "kv_aware", "locality_weight": 7}], revision=2)
     state.apply(delta(1, 2, config=bad))
-    assert state.routing_config().workload("default").strategy == "least_load"
+    assert state.catalogue.routing_config().workload("default").strategy == "least_load"
     assert "locality_weight" in state.config_error and "revision 2" in state.config_error
     assert state.position() == (1, 2)  # the stream goes on
     state.apply(delta(1, 3, config=config([{"name": "default", "strategy": "round_robin"}])))
-    assert state.routing_config().workload("default").strategy == "round_robin"
+    assert state.catalogue.routing_config().workload("default").strategy == "round_robin"
     assert state.config_error == ""
 
 
 def test_without_workloads_the_default_config_routes() -> None:
     state = fleet()
     apply_all(state, snapshot(1, 1, [replica(0)]))
-    default = state.routing_config().workload("default")
+    default = state.catalogue.routing_config().workload("default")
     assert (default.strategy, default.fallback) == ("kv_cost", "prefix_hash")
 
 
@@ -309,54 +312,54 @@ def test_speculative_residency_lands_a_burst_together() -> None:
     apply_all(state, snapshot(1, 1, [replica(o) for o in range(4)], {3: [1, 2, 3]}))
     workload = KvAwareWorkload(speculative_ttl_s=2.0)
     chosen = route(state, workload, KEYS, now=10.0).replica_id
-    assert state.view(MODEL).leading_runs(KEYS, now=10.5) == {int(chosen[1:]): 4}
+    assert state.views.view(MODEL).leading_runs(KEYS, now=10.5) == {int(chosen[1:]): 4}
     assert {route(state, workload, KEYS, now=10.5 + i / 10).replica_id for i in range(5)} == {
         chosen
     }
-    assert state.view(MODEL).leading_runs(KEYS, now=20.0) == {}  # expired
+    assert state.views.view(MODEL).leading_runs(KEYS, now=20.0) == {}  # expired
 
 
 def test_requests_sent_after_the_engines_report_count_once() -> None:
     state = fleet()
     apply_all(state, snapshot(1, 1, [replica(0, running=10, report_ts=100.0), replica(1)]))
-    before = [state.on_sent(0, 99.0) for _ in range(4)]  # the engine's 10 include these
-    after = [state.on_sent(0, 101.0) for _ in range(6)]
-    assert state.view(MODEL).replicas()[0].requests == 16
+    before = [state.inflight.on_sent(0, 99.0) for _ in range(4)]  # the engine's 10 include these
+    after = [state.inflight.on_sent(0, 101.0) for _ in range(6)]
+    assert state.views.view(MODEL).replicas()[0].requests == 16
     for ticket in after[:2] + before:
-        state.on_done(ticket)
-    state.on_done(after[0])  # twice: ignored
-    assert state.view(MODEL).replicas()[0].requests == 14
+        state.inflight.on_done(ticket)
+    state.inflight.on_done(after[0])  # twice: ignored
+    assert state.views.view(MODEL).replicas()[0].requests == 14
     state.apply(delta(1, 2, loads=[{"ordinal": 0, "load": load(12, 0, ts=102.0)}]))
-    assert state.view(MODEL).replicas()[0].requests == 12  # the report now includes them
+    assert state.views.view(MODEL).replicas()[0].requests == 12  # the report now includes them
 
 
 def test_a_ticket_survives_a_snapshot_that_renumbers_replicas() -> None:
     state = fleet()
     apply_all(state, snapshot(1, 1, [replica(0, replica_id="a"), replica(1, replica_id="b")]))
-    ticket = state.on_sent(1, 10.0)
+    ticket = state.inflight.on_sent(1, 10.0)
     apply_all(state, snapshot(2, 1, [replica(0, replica_id="b"), replica(1, replica_id="a")]))
-    assert [r.requests for r in state.view(MODEL).replicas()] == [1, 0]
-    state.on_done(ticket)
-    assert [r.requests for r in state.view(MODEL).replicas()] == [0, 0]
+    assert [r.requests for r in state.views.view(MODEL).replicas()] == [1, 0]
+    state.inflight.on_done(ticket)
+    assert [r.requests for r in state.views.view(MODEL).replicas()] == [0, 0]
 
 
 def test_stale_state_sends_kv_strategies_to_their_fallback() -> None:
     clock = Clock()
     state = fleet(clock, max_age_s=30.0)
-    assert state.age_s() == float("inf")
+    assert state.replicas.age_s() == float("inf")
     apply_all(state, snapshot(1, 1, [replica(0), replica(1)], {1: KEYS}))
     workload = KvAwareWorkload(speculative_ttl_s=0)
     assert route(state, workload, KEYS).replica_id == "r1"
     clock.now += 30.0  # as old as allowed: still fresh
-    assert not state.is_stale()
-    assert state.view(MODEL).leading_runs(KEYS, now=None) == {1: len(KEYS)}
+    assert not state.replicas.is_stale()
+    assert state.views.view(MODEL).leading_runs(KEYS, now=None) == {1: len(KEYS)}
     clock.now += 1.0
-    assert state.age_s() == 31.0 and state.is_stale()
-    assert state.view(MODEL).leading_runs(KEYS, now=None) == {}
+    assert state.replicas.age_s() == 31.0 and state.replicas.is_stale()
+    assert state.views.view(MODEL).leading_runs(KEYS, now=None) == {}
     decision = route(state, workload, KEYS)
     assert decision.note.startswith("no residency data: fallback")
     state.apply(delta(1, 2))  # an empty delta is a heartbeat
-    assert state.age_s() == 0.0 and not state.is_stale()
+    assert state.replicas.age_s() == 0.0 and not state.replicas.is_stale()
 
 
 BOOKKEEPING = st.lists(
@@ -384,7 +387,7 @@ def test_states_rebuilt_from_the_current_state_equal_states_rebuilt_from_the_rec
     across requests sent and ended, load reports, and replicas upserted (read between a
     delta's steps too), with and without prefill books (a kv_cost workload)."""
     clock = Clock()
-    fast, full = FleetState(clock=clock), RebuildingFleet(clock=clock)
+    fast, full = FleetState(clock=clock), FleetState(clock=clock, views=RebuildingViews)
     tickets: dict[FleetState, list[Any]] = {fast: [], full: []}
     version = 1
     kv_cost = [{"name": "default", "strategy": "kv_cost", "prefill_tokens_per_s": 1_000}]
@@ -407,11 +410,13 @@ def test_states_rebuilt_from_the_current_state_equal_states_rebuilt_from_the_rec
                     pass
         for state in (fast, full):
             if kind == "send":
-                tickets[state].append(state.on_sent(op[1], 100.0 + version, 500))
+                tickets[state].append(state.inflight.on_sent(op[1], 100.0 + version, 500))
             elif kind == "answered" and tickets[state]:
-                state.on_first_byte(tickets[state][op[1] % len(tickets[state])], 200, False)
+                state.inflight.on_first_byte(
+                    tickets[state][op[1] % len(tickets[state])], 200, False
+                )
             elif kind == "done" and tickets[state]:
-                state.on_done(tickets[state].pop(op[1] % len(tickets[state])))
+                state.inflight.on_done(tickets[state].pop(op[1] % len(tickets[state])))
             elif kind == "report":
                 report = load(op[2], 0, ts=100.0 + version - 0.5)
                 state.apply(delta(1, version, loads=[{"ordinal": op[1], "load": report}]))
@@ -425,23 +430,24 @@ def test_states_rebuilt_from_the_current_state_equal_states_rebuilt_from_the_rec
     assert _states(fast) == _states(full)
 
 
-class RebuildingFleet(FleetState):
+class RebuildingViews(ViewCache):
     """The oracle: every changed replica's state rebuilt from its record, as before."""
 
     def _flush(self) -> None:
+        records, states = self.table.records, self.table.states
         for ordinal in self._dirty:
-            record = self._records.get(ordinal)
+            record = records.get(ordinal)
             if record is None:
                 continue
             counts = self._counts(record)
-            current = self._states[ordinal]
+            current = states[ordinal]
             if ordinal not in self._reloaded and counts == (
                 current.unreported,
                 current.queued_prefill_tokens,
                 current.prefill_tokens_per_s,
             ):
                 continue
-            state = self._states[ordinal] = self._replica_state(record, counts)
+            state = states[ordinal] = self._replica_state(record, counts)
             for view in self._views.values():
                 view._replace(state)
         self._dirty.clear()
@@ -449,7 +455,7 @@ class RebuildingFleet(FleetState):
 
 
 def _states(state: FleetState) -> list[tuple[Any, ...]]:
-    return [(r, r.requests, r.load) for r in state.view(MODEL).replicas()]
+    return [(r, r.requests, r.load) for r in state.views.view(MODEL).replicas()]
 
 
 # -- static mode ---------------------------------------------------------------------------
@@ -458,14 +464,14 @@ def _states(state: FleetState) -> list[tuple[Any, ...]]:
 def test_static_replicas_route_without_a_control_plane() -> None:
     state = FleetState.from_static(["http://127.0.0.1:8101/", "http://127.0.0.1:8102"])
     assert ids(state, "anything") == ["127.0.0.1:8101", "127.0.0.1:8102"]
-    assert state.canonical_model("anything") == "anything"
-    assert state.endpoint(0).base_url == "http://127.0.0.1:8101"  # type: ignore[union-attr]
+    assert state.catalogue.canonical_model("anything") == "anything"
+    assert state.replicas.endpoint(0).base_url == "http://127.0.0.1:8101"  # type: ignore[union-attr]
     state.set_served_names(0, ["m", "m-alias"])
     state.set_served_names(1, ["other"])
     assert ids(state, "m-alias") == ["127.0.0.1:8101"]
-    assert state.canonical_model("m-alias") == "m"
-    assert state.canonical_model("anything") is None
-    assert state.served_models() == ["m", "m-alias", "other"]
+    assert state.catalogue.canonical_model("m-alias") == "m"
+    assert state.catalogue.canonical_model("anything") is None
+    assert state.catalogue.served_models() == ["m", "m-alias", "other"]
     workload = KvAwareWorkload(fallback="prefix_hash")
     decision = route(state, workload, KEYS)
     assert decision.replica_id == "127.0.0.1:8101" and "fallback prefix_hash" in decision.note
@@ -479,17 +485,19 @@ def test_a_request_routed_while_a_leaving_replica_is_cleared_sees_the_fleet_as_i
     state = fleet()
     apply_all(state, snapshot(1, 1, [replica(0), replica(1)], {1: KEYS * 600}))
     assert ids(state) == ["r0", "r1"]
-    ticket = state.on_sent(1, 5000.0)
+    ticket = state.inflight.on_sent(1, 5000.0)
     steps = state.apply_steps(delta(1, 2, replicas_removed=[1]))
     next(steps)
     assert ids(state) == ["r0", "r1"]
-    state._views.clear()  # as if no request had been routed since the snapshot
+    state.views._views.clear()  # as if no request had been routed since the snapshot
     assert ids(state) == ["r0", "r1"]
-    assert state.canonical_model(MODEL) == MODEL and state.served_models() == [MODEL]
-    assert [e.replica_id for e in state.endpoints()] == ["r0"]
+    assert state.catalogue.canonical_model(MODEL) == MODEL and state.catalogue.served_models() == [
+        MODEL
+    ]
+    assert [e.replica_id for e in state.replicas.endpoints()] == ["r0"]
     for _ in steps:
         pass
-    state.on_done(ticket)
+    state.inflight.on_done(ticket)
     assert ids(state) == ["r0"]
 
 
@@ -501,18 +509,18 @@ def test_a_request_that_came_and_went_leaves_nothing_for_the_next_one_to_rebuild
     routing = config([{"name": "default", "strategy": "kv_aware"}])
     replicas = [replica(0, running=2, report_ts=100.0), replica(1)]
     apply_all(state, snapshot(1, 1, replicas, routing=routing))
-    assert [r.requests for r in state.view(MODEL).replicas()] == [2, 0]
-    ticket = state.on_sent(0, 101.0)
-    state.on_done(ticket)
-    assert not state._dirty
-    assert [r.requests for r in state.view(MODEL).replicas()] == [2, 0]
-    first, second = state.on_sent(0, 101.0), state.on_sent(0, 101.0)
-    assert [r.requests for r in state.view(MODEL).replicas()] == [4, 0]
-    state.on_done(first)
-    assert state._dirty == {0}  # the state shows 2 unreported, one is left
-    assert [r.requests for r in state.view(MODEL).replicas()] == [3, 0]
-    state.on_done(second)
-    assert [r.requests for r in state.view(MODEL).replicas()] == [2, 0]
+    assert [r.requests for r in state.views.view(MODEL).replicas()] == [2, 0]
+    ticket = state.inflight.on_sent(0, 101.0)
+    state.inflight.on_done(ticket)
+    assert not state.views._dirty
+    assert [r.requests for r in state.views.view(MODEL).replicas()] == [2, 0]
+    first, second = state.inflight.on_sent(0, 101.0), state.inflight.on_sent(0, 101.0)
+    assert [r.requests for r in state.views.view(MODEL).replicas()] == [4, 0]
+    state.inflight.on_done(first)
+    assert state.views._dirty == {0}  # the state shows 2 unreported, one is left
+    assert [r.requests for r in state.views.view(MODEL).replicas()] == [3, 0]
+    state.inflight.on_done(second)
+    assert [r.requests for r in state.views.view(MODEL).replicas()] == [2, 0]
 
 
 OPS = st.lists(
@@ -525,11 +533,11 @@ OPS = st.lists(
 )
 
 
-class _RebuiltOnRead(FleetState):
+class _RebuiltOnRead(ViewCache):
     """The reference: an ended request marks its replica for a rebuild when next read."""
 
-    def _settle(self, ordinal: int, record: Any) -> None:
-        self._refresh(ordinal)
+    def settle(self, ordinal: int, record: Any) -> None:
+        self.refresh(ordinal)
 
 
 @settings(max_examples=300, deadline=None)
@@ -545,7 +553,7 @@ def test_what_routing_reads_is_what_a_rebuild_on_read_gives(
     workloads = [{"name": "default", "strategy": "kv_cost", "prefill_tokens_per_s": 1_000}]
     routing = config(workloads if books else [{"name": "default", "strategy": "kv_aware"}])
     replicas = [replica(o, running=1, report_ts=100.0) for o in range(3)]
-    states = [FleetState(clock=clock), _RebuiltOnRead(clock=clock)]
+    states = [FleetState(clock=clock), FleetState(clock=clock, views=_RebuiltOnRead)]
     for state in states:
         apply_all(state, snapshot(1, 1, replicas, routing=routing))
     tickets: list[list[Any]] = [[], []]
@@ -555,11 +563,11 @@ def test_what_routing_reads_is_what_a_rebuild_on_read_gives(
             version += 1
         for state, sent in zip(states, tickets, strict=True):
             if op == "sent":
-                sent.append(state.on_sent(ordinal, 100.0 + n, uncached_tokens=n * 10))
+                sent.append(state.inflight.on_sent(ordinal, 100.0 + n, uncached_tokens=n * 10))
             elif op == "first_byte" and sent:
-                state.on_first_byte(sent[n % len(sent)], 200, streaming=bool(n % 2))
+                state.inflight.on_first_byte(sent[n % len(sent)], 200, streaming=bool(n % 2))
             elif op == "done" and sent:
-                state.on_done(sent.pop(n % len(sent)))
+                state.inflight.on_done(sent.pop(n % len(sent)))
             elif op == "report":
                 update = {"ordinal": ordinal, "load": load(n, 0, ts=100.0 + n)}
                 state.apply(delta(1, version, loads=[update]))
@@ -567,10 +575,11 @@ def test_what_routing_reads_is_what_a_rebuild_on_read_gives(
             clock.now += n * 0.004
         if op != "read" and n % 2:
             continue  # reads between some steps only: the marks pile up in between
-        read, reference = (list(state.view(MODEL).replicas()) for state in states)
+        read, reference = (list(state.views.view(MODEL).replicas()) for state in states)
         assert read == reference, op
         if not books:
-            assert read == [states[0]._replica_state(states[0]._records[r.ordinal]) for r in read]
+            fresh = states[0].views._replica_state
+            assert read == [fresh(states[0].replicas.records[r.ordinal]) for r in read]
 
 
 def test_a_view_counts_this_proxys_requests_in_flight_to_its_own_replicas() -> None:
@@ -580,8 +589,12 @@ def test_a_view_counts_this_proxys_requests_in_flight_to_its_own_replicas() -> N
     state = fleet()
     apply_all(state, snapshot(1, 1, [replica(0), replica(1), replica(2, model="other")]))
     now = 1000.0
-    first, _, _ = state.on_sent(0, now), state.on_sent(1, now), state.on_sent(2, now)
-    assert state.view(MODEL).inflight() == 2
-    assert state.view("other").inflight() == 1
-    state.on_done(first)
-    assert state.view(MODEL).inflight() == 1
+    first, _, _ = (
+        state.inflight.on_sent(0, now),
+        state.inflight.on_sent(1, now),
+        state.inflight.on_sent(2, now),
+    )
+    assert state.views.view(MODEL).inflight() == 2
+    assert state.views.view("other").inflight() == 1
+    state.inflight.on_done(first)
+    assert state.views.view(MODEL).inflight() == 1

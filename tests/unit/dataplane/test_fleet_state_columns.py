@@ -10,7 +10,7 @@ import pytest
 from controlplane.fleet.broadcast import Broadcaster, EmptyConfig
 from controlplane.fleet.fleet import Fleet
 from dataplane.errors import SnapshotNeeded
-from dataplane.fleet_state import FleetState
+from dataplane.fleet.state import FleetState
 from dataplane.main import SettingsRefused, load_settings
 from dataplane.service import ProxyService
 from kvcore.index import BitmaskResidencyIndex, CompactResidencyIndex, ResidencyIndex
@@ -49,8 +49,8 @@ def test_a_column_snapshot_in_many_chunks_arrives_key_for_key(
     assert all(len(c) < 64 * 1024 for c in chunks)
     state = FleetState(index=index)
     _apply(state, chunks)
-    assert dict(state._index.holdings()) == dict(fleet.index.holdings())
-    assert state.residency_keys() == fleet.index.key_count() == 60_000
+    assert dict(state.replicas.index.holdings()) == dict(fleet.index.holdings())
+    assert state.replicas.residency_keys() == fleet.index.key_count() == 60_000
     assert state.refused == state.ignored == 0
 
 
@@ -63,7 +63,7 @@ def test_the_old_form_is_sent_to_a_watcher_that_did_not_ask_for_columns() -> Non
     assert sum(len(b.keys) for b in update.snapshot.residency) == 300 + 2 * 50
     state = FleetState()
     _apply(state, chunks)
-    assert dict(state._index.holdings()) == dict(fleet.index.holdings())
+    assert dict(state.replicas.index.holdings()) == dict(fleet.index.holdings())
 
 
 def _column_snapshot(keys: list[int], masks: list[int], **header: int) -> routing_pb2.StateUpdate:
@@ -83,33 +83,35 @@ def test_a_chunk_whose_buffers_do_not_match_its_header_is_refused_and_the_state_
 ) -> None:
     state = FleetState(index=CompactResidencyIndex)
     state.apply(_column_snapshot(KEYS, [1, 1, 3, 3]))
-    before = state.view(MODEL).leading_runs(KEYS, now=None)
+    before = state.views.view(MODEL).leading_runs(KEYS, now=None)
     assert before == {0: 4}
     with pytest.raises(SnapshotNeeded, match="refused"):
         state.apply(_column_snapshot([20, 21, 22, 23], [2, 2, 2, 2], **header))
     assert state.refused == 1
-    assert state.view(MODEL).leading_runs(KEYS, now=None) == before
+    assert state.views.view(MODEL).leading_runs(KEYS, now=None) == before
     assert state.position() == (0, 0)  # a new snapshot is asked for
     state.apply(_column_snapshot([20, 21], [2, 2]))
-    assert state.view(MODEL).leading_runs([20, 21], now=None) == {1: 2}
+    assert state.views.view(MODEL).leading_runs([20, 21], now=None) == {1: 2}
 
 
 def test_bits_of_replicas_the_snapshot_does_not_list_are_dropped_and_counted() -> None:
     state = FleetState(index=CompactResidencyIndex)
     state.apply(_column_snapshot(KEYS, [1, 1 | 1 << 9, 1 << 9, 1]))
     assert state.ignored == 2
-    assert dict(state._index.holdings()) == {7: 1, 8: 1, 10: 1}
+    assert dict(state.replicas.index.holdings()) == {7: 1, 8: 1, 10: 1}
 
 
 def test_a_proxy_keeps_its_residency_in_the_index_its_settings_name() -> None:
     compact = ProxyService(
         load_settings(["--controlplane", "127.0.0.1:9", "--residency-index", "compact"])
     )
-    assert isinstance(compact.fleet._index, CompactResidencyIndex)
+    assert isinstance(compact.fleet.replicas.index, CompactResidencyIndex)
     compact.fleet.apply(_column_snapshot(KEYS, [1, 1, 1, 1]))
     compact.fleet.apply(delta(2, 6, residency=[residency_change(1, added=[7, 8])]))
-    assert compact.fleet._index._pending.count == 0  # applied by the delta, not by a request
+    assert (
+        compact.fleet.replicas.index._pending.count == 0
+    )  # applied by the delta, not by a request
     default = ProxyService(load_settings(["--controlplane", "127.0.0.1:9"]))
-    assert isinstance(default.fleet._index, BitmaskResidencyIndex)
+    assert isinstance(default.fleet.replicas.index, BitmaskResidencyIndex)
     with pytest.raises(SettingsRefused, match="--residency-index"):
         load_settings(["--controlplane", "127.0.0.1:9", "--residency-index", "radix"])

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dataplane.fleet_state import FleetState
+from dataplane.fleet.state import FleetState
 from kvcore.pb import routing_pb2
 from tests.unit.dataplane.state_messages import (
     DRAINING,
@@ -88,11 +88,11 @@ def deltas(draw: st.DrawFn) -> routing_pb2.Delta:
 def observed(state: FleetState) -> tuple[object, ...]:
     """Everything routing can see: the offered replicas with their load, and every
     replica's keys (single-key lookups, so order does not matter)."""
-    view = state.view(MODEL)
+    view = state.views.view(MODEL)
     replicas = [(r.ordinal, r.replica_id, r.running) for r in view.replicas()]
     holders = {k: view.leading_runs([k], now=None) for k in range(1, 41)}
     held = {k: sorted(runs) for k, runs in holders.items() if runs}
-    endpoints = sorted((e.ordinal, e.replica_id) for e in state.endpoints())
+    endpoints = sorted((e.ordinal, e.replica_id) for e in state.replicas.endpoints())
     return replicas, held, endpoints
 
 

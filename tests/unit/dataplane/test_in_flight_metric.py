@@ -24,11 +24,11 @@ def test_the_gauge_follows_requests_sent_and_finished() -> None:
     )
     assert in_flight(service) == 0
     now = time.time()
-    first = service.fleet.on_sent(0, now)
-    second = service.fleet.on_sent(1, now)
-    service.fleet.on_sent(1, now)
+    first = service.fleet.inflight.on_sent(0, now)
+    second = service.fleet.inflight.on_sent(1, now)
+    service.fleet.inflight.on_sent(1, now)
     assert in_flight(service) == 3
-    service.fleet.on_done(second)
-    service.fleet.on_done(second)  # a request ends once, however often it is reported
-    service.fleet.on_done(first)
+    service.fleet.inflight.on_done(second)
+    service.fleet.inflight.on_done(second)  # a request ends once, however often it is reported
+    service.fleet.inflight.on_done(first)
     assert in_flight(service) == 1

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from dataplane.fleet_state import FleetState
+from dataplane.fleet.state import FleetState
 from dataplane.http_errors import BadRequest, NotFound
 from dataplane.lora import LoraPlacement
 from kvcore.workload import parse_workload

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dataplane.fleet_state import FleetState
+from dataplane.fleet.state import FleetState
 from dataplane.main import SettingsRefused, load_settings
 from dataplane.metrics import ProxyMetrics
 from dataplane.service import ProxyService
@@ -50,14 +50,14 @@ def fleet(
 
 
 def queued(state: FleetState) -> list[float | None]:
-    return [r.queued_prefill_tokens for r in state.view(MODEL).replicas()]
+    return [r.queued_prefill_tokens for r in state.views.view(MODEL).replicas()]
 
 
 def route(state: FleetState, keys: list[int], now: float) -> Decision:
-    workload = state.routing_config().workload("default")
+    workload = state.catalogue.routing_config().workload("default")
     assert isinstance(workload, KvCostWorkload)
     ctx = RouteContext(workload=workload, model=MODEL, block_keys=keys, now=now)
-    return create_policy(workload, rng=random.Random(0)).select(ctx, state.view(MODEL))
+    return create_policy(workload, rng=random.Random(0)).select(ctx, state.views.view(MODEL))
 
 
 def test_a_replica_prefilling_a_big_prompt_ranks_behind_an_idle_one_under_kv_cost() -> None:
@@ -69,7 +69,7 @@ def test_a_replica_prefilling_a_big_prompt_ranks_behind_an_idle_one_under_kv_cos
     state = fleet(clock)
     state.apply(delta(1, 2, residency=[residency_change(0, KEYS[:100])]))
     assert route(state, KEYS, clock.now).replica_id == "r0"  # idle: the cache wins
-    state.on_sent(0, 1e9, uncached_tokens=20_000)
+    state.inflight.on_sent(0, 1e9, uncached_tokens=20_000)
     clock.now += 0.001
     decision = route(state, KEYS, clock.now)
     assert decision.replica_id == "r1"
@@ -82,7 +82,7 @@ def test_a_replica_prefilling_a_big_prompt_ranks_behind_an_idle_one_under_kv_cos
 def test_the_queue_drains_with_time_though_nothing_else_changes() -> None:
     clock = Clock()
     state = fleet(clock)
-    state.on_sent(0, 1e9, uncached_tokens=5_000)
+    state.inflight.on_sent(0, 1e9, uncached_tokens=5_000)
     assert queued(state) == [5_000, 0]
     clock.now += 0.01
     assert queued(state) == [pytest.approx(4_900), 0]
@@ -100,27 +100,27 @@ def test_a_streamed_first_byte_settles_the_ticket_and_anchors_the_rest() -> None
     than the assumed rate says: the second has all its tokens ahead of it from then."""
     clock = Clock()
     state = fleet(clock)
-    first = state.on_sent(0, 1e9, uncached_tokens=2_000)
-    state.on_sent(0, 1e9, uncached_tokens=1_000)
+    first = state.inflight.on_sent(0, 1e9, uncached_tokens=2_000)
+    state.inflight.on_sent(0, 1e9, uncached_tokens=1_000)
     clock.now += 0.7
     assert queued(state) == [0, 0]  # by the assumed rate, both are done
-    state.on_first_byte(first, 200, streaming=True)
+    state.inflight.on_first_byte(first, 200, streaming=True)
     assert queued(state) == [1_000, 0]
-    state.on_done(first)  # the stream ends later: nothing more to settle
+    state.inflight.on_done(first)  # the stream ends later: nothing more to settle
     assert queued(state) == [1_000, 0]
 
 
 def test_a_whole_answer_settles_as_prefilled_and_an_error_status_as_never_prefilled() -> None:
     clock = Clock()
     state = fleet(clock)
-    whole = state.on_sent(0, 1e9, uncached_tokens=2_000)
-    behind = state.on_sent(0, 1e9, uncached_tokens=3_000)
-    refused = state.on_sent(1, 1e9, uncached_tokens=4_000)
+    whole = state.inflight.on_sent(0, 1e9, uncached_tokens=2_000)
+    behind = state.inflight.on_sent(0, 1e9, uncached_tokens=3_000)
+    refused = state.inflight.on_sent(1, 1e9, uncached_tokens=4_000)
     clock.now += 0.1
-    state.on_first_byte(whole, 200, streaming=False)  # its prefill and nothing after it
-    state.on_first_byte(refused, 400, streaming=False)  # the engine refused it: none
+    state.inflight.on_first_byte(whole, 200, streaming=False)  # its prefill and nothing after it
+    state.inflight.on_first_byte(refused, 400, streaming=False)  # the engine refused it: none
     assert queued(state) == [3_000, 0]
-    state.on_done(behind)  # cancelled before its first byte
+    state.inflight.on_done(behind)  # cancelled before its first byte
     assert queued(state) == [0, 0]
 
 
@@ -129,15 +129,15 @@ def test_a_batchs_later_prompts_outlast_its_streams_first_event_not_a_whole_answ
     tokens stay booked until the request ends. A whole answer settles them all."""
     clock = Clock()
     state = fleet(clock)
-    streamed = state.on_sent(0, 1e9, uncached_tokens=500, later_uncached=4_000)
-    whole = state.on_sent(1, 1e9, uncached_tokens=500, later_uncached=4_000)
+    streamed = state.inflight.on_sent(0, 1e9, uncached_tokens=500, later_uncached=4_000)
+    whole = state.inflight.on_sent(1, 1e9, uncached_tokens=500, later_uncached=4_000)
     assert queued(state) == [4_500, 4_500]
     clock.now += 0.01  # 100 tokens' prefill
-    state.on_first_byte(streamed, 200, streaming=True)
-    state.on_first_byte(whole, 200, streaming=False)
+    state.inflight.on_first_byte(streamed, 200, streaming=True)
+    state.inflight.on_first_byte(whole, 200, streaming=False)
     assert queued(state) == [4_000, 0]
-    state.on_done(streamed)
-    state.on_done(whole)
+    state.inflight.on_done(streamed)
+    state.inflight.on_done(whole)
     assert queued(state) == [0, 0]
     assert all(state._books._ledger.pending(key) == 0 for key in (0, 1))
 
@@ -145,8 +145,8 @@ def test_a_batchs_later_prompts_outlast_its_streams_first_event_not_a_whole_answ
 def test_a_refused_batch_leaves_nothing_booked() -> None:
     clock = Clock()
     state = fleet(clock)
-    refused = state.on_sent(0, 1e9, uncached_tokens=500, later_uncached=4_000)
-    state.on_first_byte(refused, 400, streaming=True)
+    refused = state.inflight.on_sent(0, 1e9, uncached_tokens=500, later_uncached=4_000)
+    state.inflight.on_first_byte(refused, 400, streaming=True)
     assert queued(state) == [0, 0]
 
 
@@ -155,23 +155,23 @@ def test_no_tokens_leak_when_attempts_fail_or_are_retried_elsewhere() -> None:
     before its first byte: after both ends, both queues are empty."""
     clock = Clock()
     state = fleet(clock)
-    failed = state.on_sent(0, 1e9, uncached_tokens=6_000)
-    state.on_done(failed)  # Dispatcher._open on a Retriable failure
-    retried = state.on_sent(1, 1e9, uncached_tokens=6_000)
+    failed = state.inflight.on_sent(0, 1e9, uncached_tokens=6_000)
+    state.inflight.on_done(failed)  # Dispatcher._open on a Retriable failure
+    retried = state.inflight.on_sent(1, 1e9, uncached_tokens=6_000)
     assert queued(state) == [0, 6_000]
-    state.on_done(retried)  # the client went away
+    state.inflight.on_done(retried)  # the client went away
     assert queued(state) == [0, 0]
-    assert state.inflight_total() == 0
+    assert state.inflight.total() == 0
     assert all(state._books._ledger.pending(key) == 0 for key in (0, 1))
 
 
 def test_without_a_kv_cost_workload_no_books_are_kept() -> None:
     clock = Clock()
     state = fleet(clock, [{"name": "default", "strategy": "kv_aware"}])
-    ticket = state.on_sent(0, 1e9, uncached_tokens=5_000)
+    ticket = state.inflight.on_sent(0, 1e9, uncached_tokens=5_000)
     assert ticket is not None and ticket.prefill == 0
     assert queued(state) == [None, None]
-    state.on_first_byte(ticket, 200, streaming=True)
+    state.inflight.on_first_byte(ticket, 200, streaming=True)
     assert not state._books.draining
 
 
@@ -182,11 +182,11 @@ def test_books_follow_the_config_and_tickets_booked_before_still_settle() -> Non
     state = fleet(clock, [{"name": "default", "strategy": "least_load"}])
     assert queued(state) == [None, None]
     state.apply(delta(1, 2, config=config([KV_COST], revision=2)))
-    ticket = state.on_sent(1, 1e9, uncached_tokens=3_000)
+    ticket = state.inflight.on_sent(1, 1e9, uncached_tokens=3_000)
     assert queued(state) == [0, 3_000]
     state.apply(delta(1, 3, config=config([{"name": "default", "strategy": "kv_aware"}])))
     assert queued(state) == [None, None]
-    state.on_done(ticket)
+    state.inflight.on_done(ticket)
     state.apply(delta(1, 4, config=config([KV_COST], revision=4)))
     assert queued(state) == [0, 0]
 
@@ -195,7 +195,7 @@ def test_the_lowest_prefill_rate_of_the_kv_cost_workloads_ages_the_books() -> No
     clock = Clock()
     slow = {"name": "slow", "strategy": "kv_cost", "prefill_tokens_per_s": 1_000}
     state = fleet(clock, [KV_COST, slow])
-    state.on_sent(0, 1e9, uncached_tokens=2_000)
+    state.inflight.on_sent(0, 1e9, uncached_tokens=2_000)
     clock.now += 1.0
     assert queued(state) == [pytest.approx(1_000), 0]
 
@@ -205,11 +205,11 @@ def test_a_replica_that_leaves_takes_its_books_along() -> None:
     newcomer starts with an empty queue, and the old request's end changes nothing."""
     clock = Clock()
     state = fleet(clock)
-    ticket = state.on_sent(1, 1e9, uncached_tokens=3_000)
+    ticket = state.inflight.on_sent(1, 1e9, uncached_tokens=3_000)
     state.apply(delta(1, 2, replicas_removed=[1]))
     state.apply(delta(1, 3, replicas_upserted=[replica(1, replica_id="newcomer")]))
     assert queued(state) == [0, 0]
-    state.on_done(ticket)
+    state.inflight.on_done(ticket)
     assert queued(state) == [0, 0]
 
 
@@ -248,21 +248,21 @@ def test_what_kv_cost_reads_is_never_low_at_most_a_step_high_and_nothing_leaks(
     for kind, which, tokens, wait in events:
         clock.now += wait
         if kind == "send":
-            live.append(state.on_sent(which, 1e9, uncached_tokens=tokens))
+            live.append(state.inflight.on_sent(which, 1e9, uncached_tokens=tokens))
         elif kind != "wait" and live:
             ticket = live[which % len(live)]
             if kind == "end":
-                state.on_done(ticket)
+                state.inflight.on_done(ticket)
                 live.remove(ticket)
             else:
                 status = 400 if kind == "refused" else 200
-                state.on_first_byte(ticket, status, streaming=kind == "first_byte")
-        for row in state.view(MODEL).replicas():
+                state.inflight.on_first_byte(ticket, status, streaming=kind == "first_byte")
+        for row in state.views.view(MODEL).replicas():
             exact = ledger.queued_tokens(row.ordinal, clock.now)
             assert row.queued_prefill_tokens is not None
             assert exact - 1e-6 <= row.queued_prefill_tokens <= exact + RATE * 0.005 + 1e-6
     for ticket in live:
-        state.on_done(ticket)
+        state.inflight.on_done(ticket)
     assert all(ledger.pending(ordinal) == 0 for ordinal in range(4))
     assert queued(state) == [0, 0, 0, 0]
 
@@ -274,7 +274,7 @@ def test_routing_between_the_steps_of_a_replica_leaving_reads_the_fleet_as_it_wa
     clock = Clock()
     state = fleet(clock)
     state.apply(delta(1, 2, residency=[residency_change(1, KEYS * 40)]))
-    state.on_sent(1, 1e9, uncached_tokens=5_000)
+    state.inflight.on_sent(1, 1e9, uncached_tokens=5_000)
     assert queued(state) == [0, 5_000]
     steps = state.apply_steps(delta(1, 3, replicas_removed=[1]))
     next(steps)  # the removal has begun: the replica's residency is being cleared
@@ -291,18 +291,20 @@ def test_the_rate_each_replica_is_ranked_at_is_a_metric() -> None:
     timings of its own, the fleet's median); nothing without kv_cost."""
     clock = Clock()
     state = fleet(clock)
-    assert state.prefill_rates() == {"r0": RATE, "r1": RATE}
+    assert state.inflight.prefill_rates() == {"r0": RATE, "r1": RATE}
     for i in range(30):  # r1 answers 2,000 tokens/s plus 20 ms, timed from idle each time
         tokens = (500, 2_000, 1_000, 4_000, 250, 3_000)[i % 6]
-        ticket = state.on_sent(1, 1e9, uncached_tokens=tokens)
+        ticket = state.inflight.on_sent(1, 1e9, uncached_tokens=tokens)
         clock.now += 0.02 + tokens / 2_000
-        state.on_first_byte(ticket, 200, streaming=True)
-        state.on_done(ticket)
+        state.inflight.on_first_byte(ticket, 200, streaming=True)
+        state.inflight.on_done(ticket)
         clock.now += 1.0
-    rates = state.prefill_rates()
+    rates = state.inflight.prefill_rates()
     assert rates["r1"] == pytest.approx(2_000, rel=0.01) and rates["r0"] == rates["r1"]
-    assert state.view(MODEL).replicas()[1].prefill_tokens_per_s == rates["r1"]
+    assert state.views.view(MODEL).replicas()[1].prefill_tokens_per_s == rates["r1"]
     metrics = ProxyMetrics()
-    metrics.watch_prefill_rates(state.prefill_rates)
+    metrics.watch_prefill_rates(state.inflight.prefill_rates)
     assert 'kvroute_proxy_prefill_tokens_per_second{replica="r1"} 2' in metrics.render().decode()
-    assert fleet(clock, [{"name": "default", "strategy": "kv_aware"}]).prefill_rates() == {}
+    assert (
+        fleet(clock, [{"name": "default", "strategy": "kv_aware"}]).inflight.prefill_rates() == {}
+    )

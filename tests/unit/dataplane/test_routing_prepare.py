@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from dataplane import fleet_state
-from dataplane.fleet_state import FleetState
+from dataplane.fleet import state as fleet_state
+from dataplane.fleet.state import FleetState
 from dataplane.http_errors import NotFound
 from dataplane.openai_request import Kind, parse_inference
 from dataplane.routing import Defaults, Prepared, Router

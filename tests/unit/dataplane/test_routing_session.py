@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from dataplane.fleet_state import FleetState
+from dataplane.fleet.state import FleetState
 from dataplane.openai_request import parse_inference
 from dataplane.routing import Defaults, Router
 from kvcore.pb import routing_pb2

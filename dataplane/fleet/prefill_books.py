@@ -24,7 +24,7 @@ booked, whatever its workload, since each takes prefill time on its replica. Wit
 and nothing is re-aged.
 
 Time: a queue drains with time, but the proxy's replica states are cached between
-changes (``dataplane.fleet_state``). A send or a settlement rebuilds its replica's state
+changes (``dataplane.fleet``). A send or a settlement rebuilds its replica's state
 at once. The states of replicas still draining (an estimate above zero, :attr:`draining`)
 are re-aged when routing reads the fleet and ``step_s`` has passed since the last time
 (:meth:`PrefillBooks.due`). So an estimate is never low and at most ``step_s`` of
