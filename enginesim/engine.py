@@ -111,6 +111,8 @@ class Engine:
         )
         self._handles: dict[SimRequest, RequestHandle] = {}
         self._wake = asyncio.Event()
+        self._released = asyncio.Event()  # clear while the hold_steps fault holds the steps
+        self._released.set()
         self._tasks = BackgroundTasks()
 
     async def start(self) -> None:
@@ -223,6 +225,8 @@ class Engine:
 
     def apply_faults(self, update: FaultUpdate) -> None:
         self.faults.state.apply(update)
+        if update.hold_steps is not None:
+            (self._released.clear if update.hold_steps else self._released.set)()
         if update.pause_events is not None:
             self.publisher.command("pause" if update.pause_events else "resume")
         if update.drop_replay:
@@ -255,6 +259,9 @@ class Engine:
                 await self._wake.wait()
                 deadline = loop.time()
                 continue
+            if not self._released.is_set():
+                await self._released.wait()
+                deadline = loop.time()
             out = self.core.step()
             deadline = max(deadline, loop.time() - MAX_CATCH_UP_S)
             deadline += self._wall_seconds(out.duration)

@@ -13,6 +13,10 @@ fields; the answer, and ``GET /sim/faults``, is the fault state after applying i
 - ``slowdown`` (float >= 1): multiply every step's modelled duration.
 - ``delay_ms`` (float >= 0): add this much wall time to every step (also with
   ``--instant``).
+- ``hold_steps`` (bool): true: the engine takes no further step (requests are accepted
+  and queue, as behind a prefill that does not end; its HTTP API and metrics still
+  answer); false: it steps again. Unlike ``delay_ms`` the hold lasts until released, so a
+  test can look at a request while it waits, however slow the machine.
 - ``fail_requests`` (int >= 0): the next N inference requests get HTTP 500.
 - ``error_rate`` (float in [0, 1]): that fraction of inference requests get HTTP 500
   (seeded, so reproducible).
@@ -37,6 +41,7 @@ class FaultUpdate(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     drop_replay: bool = False
     slowdown: Annotated[float, msgspec.Meta(ge=1.0)] | None = None
     delay_ms: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
+    hold_steps: bool | None = None
     fail_requests: Annotated[int, msgspec.Meta(ge=0)] | None = None
     error_rate: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
     crash: bool = False
@@ -46,6 +51,7 @@ class FaultState(msgspec.Struct):
     events_paused: bool = False
     slowdown: float = 1.0
     delay_ms: float = 0.0
+    steps_held: bool = False
     fail_requests: int = 0
     error_rate: float = 0.0
     restarts: int = 0
@@ -57,6 +63,8 @@ class FaultState(msgspec.Struct):
             self.slowdown = update.slowdown
         if update.delay_ms is not None:
             self.delay_ms = update.delay_ms
+        if update.hold_steps is not None:
+            self.steps_held = update.hold_steps
         if update.fail_requests is not None:
             self.fail_requests = update.fail_requests
         if update.error_rate is not None:
@@ -81,5 +89,10 @@ class FaultInjector:
     def clear(self) -> FaultUpdate:
         """Reset every lasting fault; returns the update that does it."""
         return FaultUpdate(
-            pause_events=False, slowdown=1.0, delay_ms=0.0, fail_requests=0, error_rate=0.0
+            pause_events=False,
+            slowdown=1.0,
+            delay_ms=0.0,
+            hold_steps=False,
+            fail_requests=0,
+            error_rate=0.0,
         )

@@ -9,6 +9,7 @@ import re
 import time
 import urllib.parse
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -385,6 +386,24 @@ def test_injected_failures_then_recovery(sim: SimProcess) -> None:
     code, answer = sim.call("POST", "/sim/faults", {"slowdown": 0.5})
     assert code == 400 and "slowdown" in answer["error"]["message"]
     assert sim.call("POST", "/sim/faults", {"no_such_fault": True})[0] == 400
+
+
+def test_held_steps_queue_requests_until_released(sim: SimProcess) -> None:
+    """A held engine accepts a request and leaves it waiting, however long the caller
+    looks, while its API and metrics answer; released, it serves it."""
+    assert sim.post("/sim/faults", {"hold_steps": True})["steps_held"] is True
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(complete, sim, list(range(31_000, 31_064)), max_tokens=1)
+            deadline = time.monotonic() + 30
+            while sim.metric("vllm:num_requests_waiting") != 1:
+                assert time.monotonic() < deadline, "the request never reached the queue"
+            assert not answer.done()
+            assert sim.metric("vllm:num_requests_running") == 0
+            sim.post("/sim/faults", {"hold_steps": False})
+            assert answer.result(30)["usage"]["completion_tokens"] == 1
+    finally:
+        sim.call("DELETE", "/sim/faults")
 
 
 def test_reset_prefix_cache_empties_the_cache(sim: SimProcess) -> None:

@@ -186,13 +186,13 @@ def in_flight(stack: FullStack) -> float:
 
 
 def test_kv_cost_passes_over_a_replica_prefilling_for_this_proxy(stack: FullStack) -> None:
-    """The replica holding a 2,000-token prefix is prefilling 6,000 more tokens the proxy
-    sent it (its engine is slowed: that first token is 1.5 s away). No load report can
-    show it yet; the proxy's own books can: by them a new prompt on the prefix would wait
-    ~1.2 s there against 0.4 s to recompute elsewhere (at the workload's 5,000 tokens/s),
-    so ranked by that plain prediction (locality_weight 0.5) it goes elsewhere. Counted in
-    requests instead, one request of 1,024 tokens is all that replica has queued, and the
-    prefix would win."""
+    """The replica holding a 2,000-token prefix has 6,000 more tokens to prefill that the
+    proxy sent it (its engine is held: that prefill waits until the test releases it,
+    however slow the machine). No load report can show those tokens; the proxy's own
+    books can: by them a new prompt on the prefix would wait ~1.2 s there against 0.4 s
+    to recompute elsewhere (at the workload's 5,000 tokens/s), so ranked by that plain
+    prediction (locality_weight 0.5) it goes elsewhere. Counted in requests instead, one
+    request of 1,024 tokens is all that replica has queued, and the prefix would win."""
     workload = {"strategy": "kv_cost", "prefill_tokens_per_s": 5000, "locality_weight": 0.5}
     assert stack.admin("PUT", "/v1/workloads/books", workload)[0] in (200, 201)
     header = {"x-kvroute-workload": "books"}
@@ -200,16 +200,18 @@ def test_kv_cost_passes_over_a_replica_prefilling_for_this_proxy(stack: FullStac
     wait_for(lambda: complete_ids(stack, prefix, **header)[0] == 200, "the new workload")
     owner = complete_ids(stack, prefix, **header)[1]
     busy = sim_of(stack, owner)
-    busy.post("/sim/faults", {"delay_ms": 1500})
+    wait_for(lambda: in_flight(stack) == 0, "the proxy's earlier requests to finish")
+    busy.post("/sim/faults", {"hold_steps": True})
     try:
         with ThreadPoolExecutor(1) as pool:
             long = pool.submit(complete_ids, stack, [*prefix, *range(22_000, 28_000)], **header)
             wait_for(lambda: in_flight(stack) == 1, "the long prompt sent")
             status, landed = complete_ids(stack, [*prefix, *range(50)], **header)
+            busy.post("/sim/faults", {"hold_steps": False})
             assert status == 200 and landed != owner
             assert long.result() == (200, owner)
     finally:
-        busy.post("/sim/faults", {"delay_ms": 0})
+        busy.post("/sim/faults", {"hold_steps": False})
 
 
 def test_killing_the_control_plane_changes_nothing_and_its_restart_is_routed_at_once(
