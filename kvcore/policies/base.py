@@ -177,6 +177,8 @@ class ReplicaReason:
     wait_s: float | None = None
     prefill_s: float | None = None
     prefill_tokens_per_s: float | None = None
+    # what a second of prefill weighs against one of waiting ((1 - alpha) each)
+    prefill_weight: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready; absent figures are left out."""
@@ -192,6 +194,9 @@ class ReplicaReason:
             "prefill_s": None if self.prefill_s is None else round(self.prefill_s, 6),
             "prefill_tokens_per_s": (
                 None if self.prefill_tokens_per_s is None else round(self.prefill_tokens_per_s)
+            ),
+            "prefill_weight": (
+                None if self.prefill_weight is None else round(self.prefill_weight, 4)
             ),
         }
         return {k: v for k, v in values.items() if v is not None}

@@ -9,6 +9,10 @@ sorted as states change (one :meth:`~ReplicaBoard.put` per changed replica, O(lo
 searches and a small memmove), so a decision reads a few entries from their front
 instead of visiting every replica (:mod:`kvcore.policies.preselect`).
 
+It keeps one figure of the whole fleet too, the median of the requests the engines
+report waiting (:meth:`ReplicaBoard.median_waiting`), which ``kv_cost`` weighs a
+recomputation by.
+
 A board is also the fleet itself: a ``Sequence[ReplicaState]`` in ordinal order, what
 ``StateView.replicas()`` returns. Views that return one get the preselecting path;
 any other sequence gets the plain screening of every replica, with the same decisions.
@@ -52,7 +56,7 @@ class ReplicaBoard(Sequence[ReplicaState]):
     was taken for a board in tests/unit/kvcore/test_preselect.py).
     """
 
-    __slots__ = ("_by_load", "_ordinals", "_queues", "_rows", "_snapshot", "_states")
+    __slots__ = ("_by_load", "_ordinals", "_queues", "_rows", "_snapshot", "_states", "_waiting")
 
     def __init__(self, replicas: Iterable[ReplicaState] = ()) -> None:
         states = {r.ordinal: r for r in replicas}
@@ -62,6 +66,8 @@ class ReplicaBoard(Sequence[ReplicaState]):
         self._by_load: list[tuple[float, int]] | None = None  # built when first read
         self._queues: dict[QueueKind, list[QueueEntry]] | None = None  # likewise
         self._snapshot: tuple[ReplicaState, ...] | None = None
+        # requests waiting on each serving replica, in order (kv_cost's median_waiting)
+        self._waiting = sorted(r.waiting for r in self._rows if _serving(r))
 
     def put(self, replica: ReplicaState) -> None:
         """Add ``replica`` or replace the state of its ordinal."""
@@ -75,6 +81,10 @@ class ReplicaBoard(Sequence[ReplicaState]):
             self._rows[bisect_left(self._ordinals, ordinal)] = replica
         self._states[ordinal] = replica
         self._snapshot = None
+        if old is not None and _serving(old):
+            del self._waiting[bisect_left(self._waiting, old.waiting)]
+        if _serving(replica):
+            insort(self._waiting, replica.waiting)
         by_load = self._by_load
         if by_load is not None and (old is None or old.load != replica.load):
             if old is not None:
@@ -93,6 +103,8 @@ class ReplicaBoard(Sequence[ReplicaState]):
         position = bisect_left(self._ordinals, ordinal)
         del self._ordinals[position], self._rows[position], self._states[ordinal]
         self._snapshot = None
+        if _serving(old):
+            del self._waiting[bisect_left(self._waiting, old.waiting)]
         if self._by_load is not None:
             del self._by_load[bisect_left(self._by_load, (old.load, ordinal))]
         if self._queues is not None:
@@ -110,6 +122,12 @@ class ReplicaBoard(Sequence[ReplicaState]):
         if self._snapshot is None:
             self._snapshot = tuple(self._rows)
         return self._snapshot
+
+    def median_waiting(self) -> int:
+        """The (lower) median of the requests the engines of the healthy, undrained
+        replicas report waiting; 0 without any."""
+        waiting = self._waiting
+        return waiting[(len(waiting) - 1) // 2] if waiting else 0
 
     def by_load(self) -> Iterator[ReplicaState]:
         """Lowest load first (then lowest ordinal)."""
@@ -156,6 +174,18 @@ class ReplicaBoard(Sequence[ReplicaState]):
         del queue[bisect_left(queue, _queue_entry(old))]
         if not queue:
             del self._queues[kind]
+
+
+def _serving(replica: ReplicaState) -> bool:
+    return replica.healthy and not replica.draining
+
+
+def median_waiting(fleet: Sequence[ReplicaState]) -> int:
+    """:meth:`ReplicaBoard.median_waiting` of any fleet (a board keeps it as it changes)."""
+    if type(fleet) is ReplicaBoard:  # not isinstance: see ReplicaBoard
+        return fleet.median_waiting()
+    waiting = sorted(r.waiting for r in fleet if _serving(r))
+    return waiting[(len(waiting) - 1) // 2] if waiting else 0
 
 
 def _queue_entry(replica: ReplicaState) -> QueueEntry:

@@ -1,21 +1,35 @@
 """Level 3 in time, the default: the replica where this request is served soonest,
 counting what its cache saves and what the request waits for.
 
-    cost(r)    = (1 - alpha) * wait(r) + alpha * prefill(r)       lowest wins
+    cost(r)    = (1 - alpha) * wait(r) + alpha * (1 + behind) * prefill(r)   lowest wins
     wait(r)    = queued(r) / rate(r)      seconds of prefill queued ahead of it on r
     prefill(r) = uncached(r) / rate(r)    seconds to prefill what r does not hold of it
+    behind     = median(waiting)          requests the engines report waiting, per replica
 
 - ``alpha`` is the workload's ``locality_weight``: 0.5 ranks by the plain predicted time
   to first token; above it a second of recomputation weighs ``alpha / (1 - alpha)``
-  seconds of queue (0.8: 4), since a miss also delays every request queued behind it
+  seconds of queue (0.8: 4), since a miss also delays the requests that come after it
   and takes cache room from the prefixes already there; 1 ranks by the cache alone, 0
   by the queue alone. It is the brief's ``alpha * hit + (1 - alpha) * (1 - load)`` with
   hit and load measured in seconds.
+- ``behind``: a second a replica spends prefilling is a second for each request that
+  queues behind it too. On a fleet that keeps up nothing waits and the weights are
+  alpha's; on one at its capacity every engine has a queue, the cache is what capacity
+  there is to win, and a second of recomputation weighs ``1 + behind`` times more. The
+  median of the replicas' waiting requests as their engines report them: the same for
+  every proxy of a fleet, and one replica's backlog does not make recomputing on an
+  idle one look dear (the mean did). Without it the default lost RAG to llm-d's model
+  by 3.6x in bench sim (3.5 s mean TTFT against 0.98 s) and the Mooncake trace at 5x
+  compression to SGLang's by 1.7x: each miss on a busy fleet lengthened the queues,
+  which made the next misses look cheaper still.
 - ``queued(r)``: prompt tokens ahead of the request — this router's prefill books
   (:mod:`kvcore.policies.prefill`: the uncached tokens of its requests to r with no
   first token yet, less what r has prefilled since) when the caller keeps them, else
   (waiting + sent since r's last load report) times ``queued_request_tokens``.
 - ``uncached(r)``: this prompt's tokens beyond r's leading run of cached blocks.
+- saturation is counted by requests only (:func:`~kvcore.policies.kv_scoring.request_saturation`):
+  an engine whose KV cache is full of running requests, with some waiting for room, has
+  a longer wait, not a reason to send the prefix it holds elsewhere.
 - ``rate(r)``: r's prefill tokens per second, learned from the first tokens this router
   timed (:class:`~kvcore.policies.prefill.PrefillRates`), else ``prefill_tokens_per_s``.
 
@@ -36,14 +50,14 @@ from collections.abc import Sequence
 from math import inf
 from typing import ClassVar
 
-from kvcore.policies.base import ReplicaReason, ReplicaState, RouteContext
-from kvcore.policies.board import ReplicaBoard
+from kvcore.policies.base import Decision, ReplicaReason, ReplicaState, RouteContext, StateView
+from kvcore.policies.board import ReplicaBoard, median_waiting
 from kvcore.policies.kv_scoring import (
     HELD,
     KvScoringPolicy,
     Runs,
-    queue_saturation,
-    queue_usable,
+    request_saturation,
+    request_usable,
 )
 from kvcore.policies.preselect import Pool, cheapest_queues, usable_pool
 from kvcore.policies.screening import best
@@ -58,6 +72,13 @@ class KvCostPolicy(KvScoringPolicy):
     def __init__(self, workload: KvCostWorkload, rng: random.Random) -> None:
         super().__init__(workload, rng)
         self.cost = workload
+        self.saturated_why = request_saturation
+        self.usable = request_usable
+        self.behind = 0.0  # the fleet's median requests waiting, as of this decision
+
+    def decide(self, ctx: RouteContext, state: StateView, runs: dict[int, int]) -> Decision:
+        self.behind = float(median_waiting(state.replicas()))
+        return super().decide(ctx, state, runs)
 
     def scores(
         self, ctx: RouteContext, replicas: list[ReplicaState], runs: dict[int, int]
@@ -65,10 +86,14 @@ class KvCostPolicy(KvScoringPolicy):
         return {r.ordinal: -self.cost_s(ctx, r, runs.get(r.ordinal, 0)) for r in replicas}
 
     def cost_s(self, ctx: RouteContext, replica: ReplicaState, held_blocks: int) -> float:
-        """``(1 - alpha) * wait + alpha * prefill`` on ``replica``, in seconds."""
+        """``(1 - alpha) * wait + alpha * (1 + behind) * prefill`` on ``replica``, in
+        seconds."""
         wait, prefill = self.times_s(ctx, replica, held_blocks)
-        alpha = self.cost.locality_weight
-        return (1 - alpha) * wait + alpha * prefill
+        return (1 - self.cost.locality_weight) * wait + self.prefill_weight() * prefill
+
+    def prefill_weight(self) -> float:
+        """What a second of this prompt's prefill weighs: ``alpha * (1 + behind)``."""
+        return self.cost.locality_weight * (1.0 + self.behind)
 
     def times_s(
         self, ctx: RouteContext, replica: ReplicaState, held_blocks: int
@@ -100,13 +125,13 @@ class KvCostPolicy(KvScoringPolicy):
         only the replicas holding more and the least queued of the rest are scored."""
         held = runs[HELD]
         if type(fleet) is ReplicaBoard:  # not isinstance: see ReplicaBoard
-            pool = usable_pool(ctx, fleet, queue_saturation)
+            pool = usable_pool(ctx, fleet, request_saturation)
             longer = {o: n for o, n in runs.items() if n > held and o != HELD}
             rest = [] if pool is None else self._cheapest_at(ctx, fleet, pool, longer, held)
-            usable = [r for o in longer if (r := fleet.at(o)) and queue_usable(r, ctx)]
+            usable = [r for o in longer if (r := fleet.at(o)) and request_usable(r, ctx)]
             usable += rest
         else:
-            usable = [r for r in fleet if queue_usable(r, ctx)]
+            usable = [r for r in fleet if request_usable(r, ctx)]
         hot = {r.ordinal: max(runs.get(r.ordinal, 0), held) for r in usable}
         return best(usable, self.scores(ctx, usable, hot), self._rng) if usable else least
 
@@ -123,4 +148,5 @@ class KvCostPolicy(KvScoringPolicy):
         row = super()._row(ctx, replica, held, scores)
         row.wait_s, row.prefill_s = self.times_s(ctx, replica, held)
         row.prefill_tokens_per_s = replica.prefill_tokens_per_s or self.cost.prefill_tokens_per_s
+        row.prefill_weight = self.prefill_weight()
         return row

@@ -22,7 +22,7 @@ speculatively resident on the chosen replica for ``speculative_ttl_s`` (rounded 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from math import ceil, exp, inf, log
 from typing import ClassVar
@@ -38,7 +38,7 @@ from kvcore.policies.base import (
 from kvcore.policies.board import ReplicaBoard
 from kvcore.policies.fallback import fallback_policy
 from kvcore.policies.preselect import Candidates, Pool, candidates, decision, next_in_turn
-from kvcore.policies.screening import ALL_SATURATED, TIE, best, hard_exclusion
+from kvcore.policies.screening import ALL_SATURATED, TIE, Saturation, best, hard_exclusion
 from kvcore.workload import KvAwareWorkload, KvCostWorkload
 
 SPECULATION_TICK_S = 1 / 64
@@ -58,10 +58,10 @@ def queue_load(replica: ReplicaState) -> float:
 
 
 def queue_saturation(replica: ReplicaState, ctx: RouteContext) -> str | None:
-    """Why ``replica`` is saturated for a level-3 strategy: ``max_inflight_per_replica``
-    requests, a :func:`queue_load` at or over ``load_threshold``, or KV usage at or over
-    it while the engine reports requests waiting (it cannot admit them: its cache is full
-    of running requests, not just of cached prefixes)."""
+    """Why ``replica`` is saturated for ``kv_aware``: :func:`request_saturation`, or KV
+    usage at or over ``load_threshold`` while the engine reports requests waiting (it
+    cannot admit them: its cache is full of running requests, not just of cached
+    prefixes)."""
     workload = ctx.workload
     requests, threshold = replica.requests, workload.load_threshold
     if (
@@ -70,25 +70,44 @@ def queue_saturation(replica: ReplicaState, ctx: RouteContext) -> str | None:
         and not (replica.waiting and replica.kv_usage >= threshold)
     ):
         return None  # the usual answer, without a call (asked per replica per request)
+    why = request_saturation(replica, ctx)
+    if why is None and replica.waiting and replica.kv_usage >= threshold:
+        return (
+            f"KV usage {replica.kv_usage:.3f} >= load_threshold {threshold} "
+            f"with {replica.waiting} requests waiting"
+        )
+    return why
+
+
+def request_saturation(replica: ReplicaState, ctx: RouteContext) -> str | None:
+    """Why ``replica`` is saturated by its requests: ``max_inflight_per_replica`` of
+    them, or a :func:`queue_load` at or over ``load_threshold``. ``kv_cost``'s test: it
+    counts a full KV cache in time (the requests waiting for room are queued work), where
+    a screen read from a load report up to a heartbeat old turned the prefixes' holders
+    away whenever their engines ran full, which busy engines serving long prompts do."""
+    workload = ctx.workload
     if replica.requests >= workload.max_inflight_per_replica:
         limit = workload.max_inflight_per_replica
         return f"{replica.requests} requests >= max_inflight_per_replica {limit}"
     load = queue_load(replica)
     if load >= workload.load_threshold:
         return f"queue load {load:.3f} >= load_threshold {workload.load_threshold}"
-    if replica.waiting and replica.kv_usage >= workload.load_threshold:
-        return (
-            f"KV usage {replica.kv_usage:.3f} >= load_threshold {workload.load_threshold} "
-            f"with {replica.waiting} requests waiting"
-        )
     return None
 
 
 def queue_usable(replica: ReplicaState, ctx: RouteContext) -> bool:
     """Whether ``replica`` is neither hard-excluded nor saturated by
     :func:`queue_saturation`: the usual answers of both in one test, their min() and
-    max() spelt out (the two calls cost as much as the rest of it); asked of a replica
-    or two per request."""
+    max() spelt out in :func:`request_usable` (the two calls cost as much as the rest of
+    it); asked of a replica or two per request."""
+    return request_usable(replica, ctx) and not (
+        replica.waiting and replica.kv_usage >= ctx.workload.load_threshold
+    )
+
+
+def request_usable(replica: ReplicaState, ctx: RouteContext) -> bool:
+    """:func:`queue_usable` for :func:`request_saturation` (``kv_cost``): neither
+    hard-excluded nor saturated by its requests."""
     models = replica.models
     if (
         not replica.healthy
@@ -98,14 +117,15 @@ def queue_usable(replica: ReplicaState, ctx: RouteContext) -> bool:
     ):
         return False  # hard_exclusion's
     workload = ctx.workload
-    threshold = workload.load_threshold
     requests, capacity = replica.requests, replica.capacity
     queued = requests / (capacity if capacity > 1 else 1)
     return (
         requests < workload.max_inflight_per_replica
-        and (queued if queued < 1.0 else 1.0) < threshold
-        and not (replica.waiting and replica.kv_usage >= threshold)
+        and (queued if queued < 1.0 else 1.0) < workload.load_threshold
     )
+
+
+Usable = Callable[[ReplicaState, RouteContext], bool]
 
 
 def queue_screened(
@@ -197,28 +217,30 @@ def fleet_per_request(state: StateView, fleet: Iterable[ReplicaState]) -> float:
     return max((held + 1) / (state.inflight() + 1), 1.0)
 
 
-def least_busy(ctx: RouteContext, fleet: Iterable[ReplicaState]) -> ReplicaState | None:
-    """The usable replica with the fewest requests, then the least load, then the lowest
-    ordinal (one replica, whatever the order read)."""
-    return _least_busy_of(ctx, fleet)[0]
+def least_busy(
+    ctx: RouteContext, fleet: Iterable[ReplicaState], usable: Usable = queue_usable
+) -> ReplicaState | None:
+    """The ``usable`` replica with the fewest requests, then the least load, then the
+    lowest ordinal (one replica, whatever the order read)."""
+    return _least_busy_of(ctx, fleet, usable)[0]
 
 
 def _least_busy_of(
-    ctx: RouteContext, fleet: Iterable[ReplicaState]
+    ctx: RouteContext, fleet: Iterable[ReplicaState], usable: Usable
 ) -> tuple[ReplicaState | None, int]:
     """:func:`least_busy`, and how many of ``fleet`` are usable."""
     least: ReplicaState | None = None
-    usable = 0
+    count = 0
     for replica in fleet:
-        if queue_usable(replica, ctx):
-            usable += 1
+        if usable(replica, ctx):
+            count += 1
             if least is None or (least.requests, least.load, least.ordinal) > (
                 replica.requests,
                 replica.load,
                 replica.ordinal,
             ):
                 least = replica
-    return least, usable
+    return least, count
 
 
 class KvScoringPolicy:
@@ -238,6 +260,9 @@ class KvScoringPolicy:
         self._turn = rng.randrange(1 << 16)  # proxies start at different replicas
         self._last: int | None = None  # the replica of the last new prompt's turn
         self.places_cold_prompts = workload.fallback == "least_load"
+        # which replicas are saturated (kv_cost: by their requests alone)
+        self.saturated_why: Saturation = queue_saturation
+        self.usable: Usable = queue_usable
 
     def scores(
         self, ctx: RouteContext, replicas: list[ReplicaState], runs: dict[int, int]
@@ -304,7 +329,7 @@ class KvScoringPolicy:
         limit = self.workload.max_imbalance
         if moved is not None or limit is None or chosen.requests <= limit:
             return moved or (chosen, "")
-        least = least_busy(ctx, fleet)
+        least = least_busy(ctx, fleet, self.usable)
         if least is None or chosen.requests - least.requests <= limit:
             return chosen, ""
         return least, (
@@ -331,7 +356,7 @@ class KvScoringPolicy:
             return None  # not hot even were every replica usable, or no gap to close
         if self._heat.lately(ctx.now) * fleet_per_request(state, fleet) < HOT_MIN_REQUESTS:
             return None  # too few requests behind the share to tell it from chance
-        least, usable = _least_busy_of(ctx, fleet)
+        least, usable = _least_busy_of(ctx, fleet, self.usable)
         if least is None or hot * usable < HOT_REPLICAS or chosen.requests - least.requests <= gap:
             return None
         target = self.hot_target(ctx, least, fleet, {**runs, HELD: held})
@@ -377,7 +402,7 @@ class KvScoringPolicy:
         cold = not runs and not state.has_residency()
         if cold and not self.places_cold_prompts:
             return self._fall_back(ctx, state)
-        found = candidates(ctx, state, runs, queue_saturation)
+        found = candidates(ctx, state, runs, self.saturated_why)
         note = ""
         chosen = self.without_hit(ctx, state, found, runs)
         scores = self.scores(ctx, found.holders, runs) if found.holders else {}

@@ -212,8 +212,10 @@ class KvCostWorkload(_KvSettings):
         description="alpha: how a second of prefill this replica's cache would not save "
         "weighs against a second of waiting there. 0.5 ranks by the plain predicted time "
         "to first token; above it a recomputed second counts alpha / (1 - alpha) queued "
-        "ones (0.8: 4), since a miss also delays every request queued behind it; 1 ranks "
-        "by the cache alone, 0 by the queue alone.",
+        "ones (0.8: 4), since a miss also delays the requests that come after it; 1 ranks "
+        "by the cache alone, 0 by the queue alone. While the engines report requests "
+        "waiting, the prefill weighs (1 + their median per replica) times more: each "
+        "second of it also delays those behind it.",
     )
     prefill_tokens_per_s: float = Field(
         10_000.0,

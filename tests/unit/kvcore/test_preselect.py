@@ -176,6 +176,7 @@ _PUT = st.tuples(
     st.integers(0, 3),  # waiting
     st.sampled_from([None, 0.0, 500.0]),  # queued prefill tokens
     st.sampled_from([None, 2000.0]),  # prefill rate
+    st.sampled_from(["serving", "draining", "down"]),
 )
 
 
@@ -190,15 +191,17 @@ def test_a_board_keeps_the_orders_once_read_through_later_changes(
     steps: list[tuple[Any, ...]],
 ) -> None:
     """The orders are built when first read, then kept by every put and discard: read
-    between any changes, they are the orders of the fleet as it is then."""
+    between any changes, they are the orders of the fleet as it is then (and the median
+    of the serving replicas' waiting requests is theirs)."""
     board = ReplicaBoard()
     truth: dict[int, ReplicaState] = {}
     for step in steps:
         if step[0] == "put":
-            _, ordinal, running, waiting, queued, rate = step
+            _, ordinal, running, waiting, queued, rate, status = step
             state = ReplicaState(
                 ordinal, f"r{ordinal}", running=running, waiting=waiting, capacity=8,
                 prefill_tokens_per_s=rate, queued_prefill_tokens=queued,
+                healthy=status != "down", draining=status == "draining",
             )  # fmt: skip
             board.put(state)
             truth[ordinal] = state
@@ -220,6 +223,8 @@ def _assert_orders(board: ReplicaBoard, truth: dict[int, ReplicaState]) -> None:
         work = float(state.waiting + state.unreported) if work is None else work
         queues.setdefault(kind, []).append((work, state.load, state.ordinal))
     assert dict(board.queues()) == {kind: sorted(queue) for kind, queue in queues.items()}
+    waiting = sorted(s.waiting for s in truth.values() if s.healthy and not s.draining)
+    assert board.median_waiting() == (waiting[(len(waiting) - 1) // 2] if waiting else 0)
 
 
 def _both(workload: Any, states: list[ReplicaState], held: dict[int, int]) -> Decision:
