@@ -46,6 +46,7 @@ class RunMetrics:
     itl_mean_s: float = math.nan  # over the answers of more than one token
     itl_p99_s: float = math.nan
     ttft_cdf: list[float] = field(default_factory=list, repr=False)  # 101 quantiles
+    adapter_loads_per_min: float = math.nan  # LoRA adapters loaded, per virtual minute
 
     @property
     def oracle_ratio(self) -> float:
@@ -94,4 +95,7 @@ def summarize(policy: str, outcome: RunOutcome, block_size: int) -> RunMetrics:
         itl_mean_s=sum(itls) / len(itls) if itls else math.nan,
         itl_p99_s=percentile(itls, 0.99),
         ttft_cdf=[percentile(ttfts, q / 100) for q in range(101)],
+        adapter_loads_per_min=(
+            math.nan if outcome.adapter_loads is None else outcome.adapter_loads / span * 60
+        ),
     )

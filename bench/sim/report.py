@@ -102,6 +102,10 @@ def _scenario_markdown(result: ScenarioResult) -> list[str]:
             f"| oracle (one unlimited cache) | {result.runs[0].oracle_hit_rate:.1%} | "
             "100% | | | | | | | | | | |"
         )
+    loads = [r for r in result.runs if not math.isnan(r.adapter_loads_per_min)]
+    if loads:  # the adapters scenarios (bench/sim/lora.py)
+        shown = ", ".join(f"`{r.policy}` {r.adapter_loads_per_min:,.1f}" for r in loads)
+        lines += ["", f"LoRA adapter loads per minute: {shown}."]
     lines += ["", *(f"- {g.verdict}: {g.goal} ({g.detail})" for g in result.goals), ""]
     return lines
 

@@ -157,7 +157,8 @@ class KvrouteRouter:
             self._epoch, self._taken_at = fleet.epoch, fleet.sampled_at
             self.board = ReplicaBoard(self._state(i) for i in range(len(self.board)))
 
-    def route(self, req: Request, now: float) -> int:
+    def route(self, req: Request, now: float, exclude: frozenset[int] = frozenset()) -> int:
+        """``exclude``: replicas this decision may not take (``bench.sim.lora``)."""
         if self._prefill is not None and now != self._now:
             self._now = now  # queued prefill ages with time, not only with load samples
             self.board = ReplicaBoard(self._state(i) for i in range(len(self.board)))
@@ -172,6 +173,7 @@ class KvrouteRouter:
             block_size=self.shape.block_size,
             session_id=req.session,
             now=now,
+            exclude=exclude,
         )
         decision = self.policy.select(ctx, self.view)
         if self._prefill is not None and decision.ordinal is not None:

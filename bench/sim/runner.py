@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bench.sim.contenders import DEFAULT, PEER_MODELS, router_factory
+from bench.sim.lora import AdapterTraffic, LoraSimulation, is_lora
 from bench.sim.metrics import RunMetrics, summarize
 from bench.sim.pd import PdSimulation, is_pd
 from bench.sim.scenarios import Inputs, Scenario
@@ -90,6 +91,9 @@ def run_scenario(
         assert workload is not None
         if is_pd(spec):  # a prefill and a decode pool (bench/sim/pd.py)
             outcome = PdSimulation(config, workload, spec, inputs.seed).run()
+        elif is_lora(spec):  # LoRA adapters in slots per replica (bench/sim/lora.py)
+            assert isinstance(workload, AdapterTraffic)
+            outcome = LoraSimulation(config, workload, spec, inputs.seed).run()
         else:
             factory = router_factory(
                 spec, config.shape, seed=inputs.seed, load_period_s=config.load_period_s
@@ -269,7 +273,31 @@ def _beats(goal: str, ours: RunMetrics | None, theirs: RunMetrics | None) -> Goa
     return GoalCheck(goal, met, detail)
 
 
+def _lora_beats(result: ScenarioResult) -> GoalCheck:
+    goal = (
+        "adapters: kvroute (lora:kv_cost) beats round-robin and loading on every miss on "
+        "hit rate and mean TTFT, with fewer adapter loads"
+    )
+    ours, rr, miss = (result.run(p) for p in ("lora:kv_cost", "lora-miss:round_robin",
+                                              "lora-miss:kv_cost"))  # fmt: skip
+    if ours is None or rr is None or miss is None:
+        return GoalCheck(goal, None, "a contender it compares was not run")
+    met = all(
+        ours.hit_rate > other.hit_rate
+        and ours.ttft_mean_s < other.ttft_mean_s
+        and ours.adapter_loads_per_min < other.adapter_loads_per_min
+        for other in (rr, miss)
+    )
+    detail = "; ".join(
+        f"{r.policy}: hit {r.hit_rate:.1%}, TTFT {r.ttft_mean_s:.3f} s, "
+        f"{r.adapter_loads_per_min:.1f} loads/min"
+        for r in (ours, rr, miss)
+    )
+    return GoalCheck(goal, met, detail)
+
+
 GOALS: dict[str, Callable[[ScenarioResult], GoalCheck]] = {
+    "lora_beats": _lora_beats,
     "pd_beats_rr": _pd_beats_rr,
     "pd_ahead_of_smg": _pd_ahead_of_smg,
     "hit_vs_oracle": _hit_vs_oracle,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from bench.sim.contenders import DEFAULT, KVROUTE, PEERS
 from bench.sim.engine import EngineShape
+from bench.sim.lora import AdapterTraffic
 from bench.sim.simulator import SimConfig
 from bench.sim.workloads import MooncakeTrace, MultiTurn, NoReuse, Rag, SharedPrefix, Workload
 
@@ -23,6 +24,8 @@ DEFAULT_SHAREGPT = SHARED_DATA / "sharegpt_v3_partial_turn_lengths.jsonl"
 LINEUP = (*KVROUTE, "kv_cost:locality_weight=0.5", *PEERS)  # 0.5: the plain predicted TTFT
 # P/D (bench/sim/pd.py): kvroute's pairs, decode residency ignored, round-robin prefill, smg's
 # PD router; then the same replicas colocated
+# LoRA adapters (bench/sim/lora.py): kvroute's adapter rule, loading on every miss, round-robin
+LORA_LINEUP = ("lora:kv_cost", "lora-miss:kv_cost", "lora-miss:round_robin")
 PD_LINEUP = (
     "pd:kv_cost", "pd-load:kv_cost", "pd:kv_aware", "pd:round_robin", "smg-pd:cache_aware",
     "kv_aware", "kv_cost",
@@ -106,6 +109,15 @@ def _speed(inputs: Inputs) -> Workload:
 def _no_reuse(inputs: Inputs) -> Workload:
     requests = 300 if inputs.quick else inputs.requests or 5000
     return NoReuse(requests=requests, rate=40.0, seed=inputs.seed)
+
+
+def _adapters(inputs: Inputs, rate: float = 80.0) -> Workload:
+    count = 600 if inputs.quick else inputs.requests or 3000
+    return AdapterTraffic(requests=count, rate=rate, seed=inputs.seed)
+
+
+def _adapters_heavy(inputs: Inputs) -> Workload:
+    return _adapters(inputs, rate=160.0)
 
 
 def _mooncake(inputs: Inputs) -> Workload | None:
@@ -222,6 +234,27 @@ SCENARIOS: dict[str, Scenario] = {
             in_default_run=False,
         ),
         Scenario(
+            "adapters",
+            "16 LoRA adapters over 8 replicas of 2,048 blocks, Zipf(1.1) popularity, 80/s: "
+            "each prompt its adapter's 1,024-token prefix (keyed under the adapter) and a "
+            "96-token question (32 out); a replica keeps 4 adapters loaded (adapter a starts "
+            "on replica a mod 8), loading one takes 0.5 s and unloads the least recently used",
+            SimConfig(replicas=8, shape=_shape(2048)),
+            _adapters,
+            policies=LORA_LINEUP,
+            goals=("lora_beats",),
+            in_default_run=False,
+        ),
+        Scenario(
+            "adapters_heavy",
+            "the adapters scenario at 160/s: the popular adapters' holders saturate",
+            SimConfig(replicas=8, shape=_shape(2048)),
+            _adapters_heavy,
+            policies=LORA_LINEUP,
+            goals=("lora_beats",),
+            in_default_run=False,
+        ),
+        Scenario(
             "no_reuse",
             "unique 1,024-token prompts (negative control), 8 replicas of 4,096 blocks",
             SimConfig(replicas=8, shape=_shape(4096)),
@@ -251,4 +284,6 @@ def quick(scenario: Scenario) -> Scenario:
     config = scenario.config
     pd = config.prefill_replicas > 0
     config = replace(config, replicas=min(config.replicas, 4), prefill_replicas=2 if pd else 0)
+    if scenario.policies == LORA_LINEUP:  # its contenders need its workload and slots
+        return replace(scenario, config=config)
     return replace(scenario, config=config, policies=QUICK_PD_POLICIES if pd else QUICK_POLICIES)

@@ -107,6 +107,7 @@ class RunOutcome:
     wall_s: float
     cpu_s: float  # this process's CPU time during the run (wall time less waiting for a core)
     end: float
+    adapter_loads: int | None = None  # LoRA adapters loaded onto replicas (bench.sim.lora)
 
     @classmethod
     def of(
