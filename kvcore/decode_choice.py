@@ -9,6 +9,10 @@ lacks, so holding the prompt shortens the transfer. Holding it is worth a little
 not a lot: among the replicas within :data:`LOAD_SLACK` of the least loaded, the one
 holding the longest leading run of the prompt wins; then the lower load, then the more
 KV headroom, then the lower ordinal (a stable order, so a choice is reproducible).
+The slack is measured: in ``kvroute bench sim --scenario pd_shared_prefix`` an eighth of
+the seats took 7-8% off the mean time to first token against a sixteenth (the holder's
+prompt is read, or shared, instead of sent again) at the same inter-token latency, and a
+quarter or more added nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-LOAD_SLACK = 1 / 16  # of a replica's seats: how much more loaded a holder may be
+LOAD_SLACK = 1 / 8  # of a replica's seats: how much more loaded a holder may be
 
 
 @dataclass(frozen=True, slots=True)

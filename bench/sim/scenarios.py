@@ -225,9 +225,10 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             "pd_mooncake",
-            "the Mooncake trace (compressed 3x) onto 16 replicas of 65,536 blocks: P/D "
-            "contenders 8 prefill + 8 decode (KV read at 0.05 ms a block), colocated all 16",
-            SimConfig(replicas=16, shape=_shape(65536), prefill_replicas=8),
+            "the Mooncake trace (compressed 3x: 9.2 requests/s of 13,300 tokens in, 350 "
+            "out, so prefill-heavy) onto 16 replicas of 65,536 blocks: P/D contenders 12 "
+            "prefill + 4 decode (KV read at 0.05 ms a block), colocated all 16",
+            SimConfig(replicas=16, shape=_shape(65536), prefill_replicas=12),
             _mooncake,
             policies=PD_LINEUP,
             goals=("pd_beats_rr", "pd_ahead_of_smg"),
