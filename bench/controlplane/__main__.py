@@ -1,17 +1,22 @@
-"""``python -m bench.controlplane [ingest memory snapshot latency shards]``: each figure
-beside its target (all by default). Loopback only; every part stops by itself.
+"""``python -m bench.controlplane [ingest memory snapshot summary latency shards]``: each
+figure beside its target (all by default). Loopback only; every part stops by itself.
 
-Options: ``--events N`` (ingest, default 2,000,000), ``--keys N`` (memory and snapshot,
-default 1,000,000; the key-list snapshot only up to 2M), ``--rate N`` and ``--seconds S``
-(latency, and shards' total rate over 2 then 3 shards; default 50,000 and 10).
-Exit status 1 when a target is missed.
+Options: ``--events N`` (ingest, default 2,000,000), ``--keys N`` (memory, snapshot and
+summary, default 1,000,000; the key-list snapshot only up to 2M), ``--rate N`` (latency,
+default 50,000) and ``--seconds S`` (latency and shards, default 10); shards:
+``--shard-rate N`` (block events/s in total over 2 then 3 shards, default 200,000),
+``--sidecars N`` (default 256), ``--publishers N`` (processes playing them, default 4)
+and ``--watchers N`` (watch streams per shard compared with one, default 8). Exit status
+1 when a target is missed.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import sys
+from dataclasses import replace
 
 from bench.controlplane import inprocess, latency, shards
 from kvruntime.gc_tuning import tune_gc
@@ -68,6 +73,24 @@ def snapshot_rows(keys: int) -> list[Row]:
     ]
 
 
+def summary_rows(keys: int) -> list[Row]:
+    walk, summary, held = asyncio.run(inprocess.summary_times(keys))
+    return [
+        (
+            f"residency summary of {keys:,} keys (GET /v1/residency)",
+            f"{summary:.2f} s, the event loop held <= {held * 1e3:.0f} ms at a time",
+            "",
+            None,
+        ),
+        (
+            "  the former walk of every key, the event loop held throughout",
+            f"{walk:.2f} s",
+            "",
+            None,
+        ),
+    ]
+
+
 def latency_rows(rate: int, seconds: float) -> list[Row]:
     m = asyncio.run(latency.measure(rate, seconds))
     p50, p99 = latency.percentile(m.latencies, 0.5), latency.percentile(m.latencies, 0.99)
@@ -91,37 +114,94 @@ def latency_rows(rate: int, seconds: float) -> list[Row]:
     ]
 
 
-def shard_rows(rate: int, seconds: float) -> list[Row]:
+def shard_rows(load: shards.Load) -> list[Row]:
+    """2 then 3 shards at one total rate; then what one core of control plane ingests,
+    and the shards 1M block events/s would take at 70% of a core each."""
     rows: list[Row] = []
+    per_core: list[float] = []
     for count in (2, 3):
-        for figures in asyncio.run(shards.measure(count, rate, seconds)):
+        run = asyncio.run(shards.measure_run(replace(load, shards=count, watchers=1)))
+        for figures in run.shards:
+            per_core.append(figures.events_per_cpu_s)
             rows.append(
                 (
-                    f"{count} shards at {rate:,} block events/s: {figures.shard}",
+                    f"{count} shards at {load.rate:,} block events/s: {figures.shard}",
                     figures.row().split(": ", 1)[1],
                     "none lost, only its pools watched",
                     figures.only_its_pools and figures.lost == 0,
                 )
             )
+        rows.append((f"{count} shards: the run", run.row(), "", None))
+    busy = {}
+    for watchers in (1, load.watchers):  # (one after the other, on the machine as it is)
+        run = asyncio.run(shards.measure_run(replace(load, shards=2, watchers=watchers)))
+        busy[watchers] = sum(f.busy for f in run.shards) / len(run.shards)
+        rows.append((f"2 shards, {watchers} watchers each: the run", run.row(), "", None))
+    per_watcher = (busy[load.watchers] - busy[1]) / max(load.watchers - 1, 1)
+    rows.append(
+        (
+            f"a shard's CPU per further watcher ({load.watchers} vs 1, 2 shards)",
+            f"{per_watcher:.1%} of a core ({busy[1]:.0%} -> {busy[load.watchers]:.0%})",
+            "",
+            None,
+        )
+    )
+    ceiling = min(per_core)
+    rows.append(
+        (
+            "control plane ingest per core (the least of the shards)",
+            f"{ceiling:,.0f} block events/s per CPU second",
+            "",
+            None,
+        )
+    )
+    rows.append(
+        (
+            "shards for 1M block events/s at 70% of a core each",
+            f"ceil(1,000,000 / (0.7 x {ceiling:,.0f})) = {math.ceil(1e6 / (0.7 * ceiling))}",
+            "",
+            None,
+        )
+    )
     return rows
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.controlplane")
     parser.add_argument(
-        "parts", nargs="*", default=["ingest", "memory", "snapshot", "latency", "shards"]
+        "parts",
+        nargs="*",
+        default=["ingest", "memory", "snapshot", "summary", "latency", "shards"],
     )
     parser.add_argument("--events", type=int, default=2_000_000)
     parser.add_argument("--keys", type=int, default=1_000_000)
     parser.add_argument("--rate", type=int, default=50_000)
     parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--sidecars", type=int, default=256, help="shards: simulated sidecars")
+    parser.add_argument("--publishers", type=int, default=4, help="shards: publisher processes")
+    parser.add_argument(
+        "--shard-rate", type=int, default=200_000, help="shards: block events/s in total"
+    )
+    parser.add_argument(
+        "--watchers", type=int, default=8, help="shards: watch streams per shard, compared with 1"
+    )
     args = parser.parse_args(argv)
     runs = {
         "ingest": lambda: ingest_rows(args.events),
         "memory": lambda: memory_rows(args.keys),
         "snapshot": lambda: snapshot_rows(args.keys),
+        "summary": lambda: summary_rows(args.keys),
         "latency": lambda: latency_rows(args.rate, args.seconds),
-        "shards": lambda: shard_rows(args.rate, args.seconds),
+        "shards": lambda: shard_rows(
+            shards.Load(
+                2,
+                args.shard_rate,
+                args.seconds,
+                args.sidecars,
+                args.publishers,
+                watchers=args.watchers,
+            )
+        ),
     }
     unknown = set(args.parts) - set(runs)
     if unknown:
@@ -131,7 +211,7 @@ def main(argv: list[str]) -> int:
         rows += runs[part]()
     for name, value, target, met in rows:
         verdict = "" if met is None else ("ok" if met else "MISSED")
-        print(f"{name:<58} {value:<44} {target:<14} {verdict}")
+        print(f"{name:<58} {value:<44} {target:<14} {verdict}".rstrip())
     return 1 if any(met is False for *_, met in rows) else 0
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import heapq
 import random
 import resource
 import time
@@ -29,6 +30,7 @@ import numpy as np
 from bench.controlplane.mirror import StateMirror, watch
 from controlplane.fleet.broadcast import Broadcaster, EmptyConfig
 from controlplane.fleet.fleet import Fleet
+from controlplane.fleet.fleet_view import LiveFleetView
 from controlplane.fleet.ingest import Ingest
 from controlplane.fleet.routing_server import RoutingStateService, start_server
 from controlplane.service import CountingSink
@@ -211,3 +213,33 @@ async def snapshot_times(distinct_keys: int) -> tuple[float, float, int]:
     if held != expected:
         raise AssertionError(f"the watcher holds {held} keys, the fleet {expected}")
     return built, sent, len(chunks)
+
+
+async def summary_times(distinct_keys: int, top: int = 20) -> tuple[float, float, float]:
+    """The control plane's residency summary (GET /v1/residency) of ``distinct_keys``:
+    (the former walk of every key in Python, which held the event loop throughout, s;
+    the summary now, s; the longest the event loop was held meanwhile, s), both ranking
+    the same keys."""
+    fleet = rows_fleet(distinct_keys)
+    start = time.perf_counter()
+    walked = heapq.nlargest(top, fleet.index.holdings(), key=lambda held: held[1].bit_count())
+    walk_s = time.perf_counter() - start
+    longest, running = 0.0, True
+
+    async def ticking() -> None:
+        nonlocal longest
+        last = time.perf_counter()
+        while running:
+            await asyncio.sleep(0)
+            now = time.perf_counter()
+            longest, last = max(longest, now - last), now
+
+    ticker = asyncio.create_task(ticking())
+    await asyncio.sleep(0)
+    start = time.perf_counter()
+    summary = await LiveFleetView(fleet).residency_summary(top)
+    summary_s = time.perf_counter() - start
+    running = False
+    await ticker
+    assert [s.key for s in summary.most_shared] == [k for k, m in walked if m.bit_count() > 1]
+    return walk_s, summary_s, longest

@@ -28,6 +28,7 @@ import nats
 from nats.aio.client import Client
 
 from bench.controlplane.mirror import StateMirror, watch
+from bench.controlplane.sidecars import sidecar_batch
 from kvcore import subjects
 from kvcore.pb import events_pb2, routing_pb2
 from kvroute.servers import EtcdServer, NatsServer
@@ -70,25 +71,15 @@ class Publisher:
             await self._publish(r)
 
     async def _publish(self, r: int) -> None:
-        batch = events_pb2.KvEventBatch(
-            replica_id=f"{self.prefix}r{r}", pool=self.pool, epoch=1, seq=self.seqs[r]
+        rid = f"{self.prefix}r{r}"
+        batch, events = sidecar_batch(
+            self.rng, self.pool, rid, self.seqs[r], self.held[r], self.per_batch, HELD
         )
         self.seqs[r] += 1
-        held, budget = self.held[r], self.per_batch
-        evict = min(max(len(held) + budget // 2 - HELD, 0), budget // 2)
-        stores = (budget - evict) // 4
-        keys = [self.rng.getrandbits(63) for _ in range(stores * 4)]
-        for i in range(stores):
-            batch.events.add().stored.keys.extend(keys[i * 4 : i * 4 + 4])
-        if evict:
-            batch.events.add().removed.keys.extend(held[:evict])
-            del held[:evict]
-        held.extend(keys)
-        self.events += len(keys) + evict
+        self.events += events
         self.batches += 1
-        subject = subjects.events_subject(self.pool, f"{self.prefix}r{r}")
-        self.sent_at[keys[0]] = time.monotonic()
-        await self.nc.publish(subject, batch.SerializeToString())
+        self.sent_at[batch.events[0].stored.keys[0]] = time.monotonic()
+        await self.nc.publish(subjects.events_subject(self.pool, rid), batch.SerializeToString())
 
 
 async def run_together(publishers: list[Publisher], seconds: float) -> None:

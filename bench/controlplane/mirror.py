@@ -116,3 +116,17 @@ async def watch(
             request.have_epoch, request.have_version = mirror.epoch, mirror.version
         async for update in method(request):
             mirror.apply(update)
+
+
+async def drain(address: str, pools: tuple[str, ...] = ()) -> int:
+    """Read the stream as a proxy would receive it, without parsing or applying it
+    (another watcher of the same state); the updates read when it ends."""
+    options = [("grpc.max_receive_message_length", 16 * 1024 * 1024)]
+    updates = 0
+    async with grpc.aio.insecure_channel(address, options=options) as channel:
+        method = channel.unary_stream(
+            WATCH_METHOD, request_serializer=routing_pb2.WatchRequest.SerializeToString
+        )
+        async for _ in method(routing_pb2.WatchRequest(proxy_id="drain", pools=pools)):
+            updates += 1
+    return updates
