@@ -69,6 +69,7 @@ class Records:
     async def start(self) -> None:
         """Migrate the database, load and follow the config, start the leader's jobs."""
         await self.database.migrate()
+        await self.database.open_connections()
         await self.store.start()
         self._every(self.settings.rollup_interval_s, self.reports.rollup, "rollup")
         self._every(self.settings.alert_interval_s, self.alerts.evaluate, "alerts")

@@ -8,6 +8,7 @@ services do.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async
 MIGRATIONS_DIR = Path(__file__).resolve().parents[3] / "migrations"
 SQLITE_BUSY_TIMEOUT_S = 30
 SQLITE_MIGRATE_ATTEMPTS = 5
+SQLITE_CONNECTIONS = 5  # all opened at start and kept (see _engine_options)
 MIGRATION_LOCK_KEY = 0x6B76726F757465  # "kvroute": the advisory lock migrations hold
 
 
@@ -51,6 +53,15 @@ class Database:
                 if self.dialect != "sqlite" or attempt == SQLITE_MIGRATE_ATTEMPTS:
                     raise
 
+    async def open_connections(self) -> None:
+        """Open the SQLite pool's every connection now, so that its open files are what
+        they will be (``_engine_options``); nothing for a server database."""
+        if self.dialect != "sqlite":
+            return
+        async with contextlib.AsyncExitStack() as held:
+            for _ in range(SQLITE_CONNECTIONS):
+                await held.enter_async_context(self.engine.connect())
+
     async def _migrate_once(self) -> None:
         async with self.engine.connect() as connection:
             if self.dialect == "postgresql":
@@ -80,8 +91,20 @@ class Database:
 
 
 def _engine_options(url: str) -> dict[str, Any]:
+    """SQLite: a fixed pool of ``SQLITE_CONNECTIONS``, every one opened at start
+    (:meth:`Database.open_connections`) and none ever closed before the end. A pool that
+    grows and shrinks leaves files open for good: each connection holds the database file
+    and its WAL, SQLAlchemy's default pool keeps up to 5 opened by any burst of concurrent
+    sessions, and SQLite keeps the file of a connection closed while another one holds
+    its shared lock, which in WAL mode an open connection always does (issue 42: the
+    control plane's open files grew with each burst). SQLite runs one writer at a time,
+    so more connections buy nothing; a session beyond them waits for one."""
     if url.startswith("sqlite"):
-        return {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_S}}
+        return {
+            "connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_S},
+            "pool_size": SQLITE_CONNECTIONS,
+            "max_overflow": 0,
+        }
     return {"pool_pre_ping": True}
 
 
