@@ -8,10 +8,7 @@ bind ends it with status 1.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
-import signal
-import sys
 from collections.abc import Sequence
 from typing import get_args
 
@@ -23,9 +20,7 @@ from controlplane.records import Records
 from controlplane.service import ControlPlane, ServiceError
 from controlplane.settings import ENV_ONLY, ControlPlaneSettings
 from kvruntime.flags import flag_name, flags_given, settings_parser
-from kvruntime.gc_tuning import tune_gc
-from kvruntime.jsonlog import configure_logging
-from kvruntime.loop import run
+from kvruntime.lifecycle import main_of, serve_until_signalled
 
 PROG = "kvroute-controlplane"
 log = logging.getLogger("controlplane")
@@ -92,30 +87,9 @@ def _names(field: str) -> str:
 
 async def serve(settings: ControlPlaneSettings) -> None:
     """Run until SIGTERM/SIGINT; print the ready line once everything listens."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     service = ControlPlane(settings, records=Records)
-    try:
-        await service.start()
-        print(service.ready_line, flush=True)
-        await stop.wait()
-    finally:
-        await service.aclose()
+    await serve_until_signalled(service.start, lambda: service.ready_line, service.aclose)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        settings = load_settings(argv)
-    except SettingsError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 2
-    configure_logging(settings.log_level)
-    tune_gc()
-    try:
-        run(serve(settings))
-    except ServiceError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return main_of(PROG, lambda: load_settings(argv), SettingsError, serve, {ServiceError: 1})

@@ -10,10 +10,8 @@ stops them on SIGTERM/SIGINT.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
-import signal
 import socket
 import sys
 from collections.abc import Callable, Sequence
@@ -30,6 +28,7 @@ from dataplane.transport.workers import supervise
 from kvruntime.flags import flag_name, flags_given, settings_parser
 from kvruntime.gc_tuning import tune_gc
 from kvruntime.jsonlog import configure_logging
+from kvruntime.lifecycle import signalled
 from kvruntime.loop import run
 from kvruntime.sockets import bind_tcp, url_of
 
@@ -107,10 +106,7 @@ async def serve(
     metrics = HttpServer(
         service.app.serve_metrics, max_body_bytes=4096, header_timeout_s=settings.header_timeout_s
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+    stop = signalled()
     try:
         await server.start(sock)
         if settings.metrics_port is not None:  # every worker on it: any answers for all

@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
-import signal
-import sys
 from collections.abc import Sequence
 
 from aiohttp import web
 from pydantic import ValidationError
 
 from kvruntime.flags import flags_given, settings_parser
-from kvruntime.gc_tuning import tune_gc
-from kvruntime.jsonlog import configure_logging
-from kvruntime.loop import run
+from kvruntime.lifecycle import main_of, signalled
 from sidecar.errors import SidecarError
 from sidecar.observability import create_app
 from sidecar.service import SidecarService
@@ -39,10 +34,7 @@ def load_settings(argv: Sequence[str] | None) -> SidecarSettings:
 
 async def serve(settings: SidecarSettings) -> None:
     service = SidecarService(settings)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = signalled()
     runner = web.AppRunner(create_app(service), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)
@@ -62,20 +54,18 @@ async def serve(settings: SidecarSettings) -> None:
         await runner.cleanup()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+class SettingsRefused(Exception):
+    """Settings that cannot start a sidecar (exit status 2)."""
+
+
+def _settings(argv: Sequence[str] | None) -> SidecarSettings:
     try:
-        settings = load_settings(argv)
+        return load_settings(argv)
     except ValidationError as exc:
-        print(f"kvroute-sidecar: invalid settings:\n{exc}", file=sys.stderr)
-        return 2
-    configure_logging(settings.log_level)
-    tune_gc()
-    try:
-        run(serve(settings))
-    except SidecarError as exc:
-        log.error("sidecar failed", extra={"error": str(exc)})
-        return 1
-    except OSError as exc:
-        log.error("sidecar could not bind", extra={"error": str(exc)})
-        return 1
-    return 0
+        raise SettingsRefused(f"invalid settings:\n{exc}") from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Exit 2 on bad settings, 1 when the sidecar fails or cannot bind its port."""
+    failures = {SidecarError: 1, OSError: 1}
+    return main_of("kvroute-sidecar", lambda: _settings(argv), SettingsRefused, serve, failures)

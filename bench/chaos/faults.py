@@ -16,7 +16,6 @@ they held, and the proxy's reconnection goes through.
 from __future__ import annotations
 
 import asyncio
-import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from typing import Any
 import aiohttp
 
 from bench.chaos.fleet import ChaosFleet
+from bench.faults.children import stopped
 from bench.faults.load import chat
 from kvroute.demo import PhaseResult, send_one
 
@@ -146,11 +146,8 @@ async def replica_sigstop(scene: Scene) -> Window:
     """An engine stopped (SIGSTOP: connections accepted, nothing answers) for the hold."""
     index = scene.victim(5)
     began = _now()
-    scene.fleet.signal(f"sim-{index}", signal.SIGSTOP)
-    try:
+    async with stopped(scene.fleet.child(f"sim-{index}")):
         await asyncio.sleep(scene.hold_s)
-    finally:
-        scene.fleet.signal(f"sim-{index}", signal.SIGCONT)
     return Window(began, _now(), victim=f"r{index}")
 
 

@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import re
-import signal
 from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
 
 from bench.e2e.balancer import RoundRobinBalancer
+from bench.faults.children import child_named, kill_child
 from kvroute.servers import free_port
 from kvroute.supervisor import Child
 from kvroute.up import Fleet, LocalFleet, UpOptions
@@ -173,7 +172,7 @@ class ChaosFleet(LocalFleet):
     # -- children ------------------------------------------------------------------
     def child(self, name: str) -> Child:
         """The running (latest) child called ``name``."""
-        return [c for c in self.supervisor.children if c.name == name][-1]
+        return child_named(self, name)
 
     def running(self) -> dict[str, int]:
         """Each running child's name -> its process group id."""
@@ -181,15 +180,7 @@ class ChaosFleet(LocalFleet):
 
     async def kill(self, name: str) -> None:
         """SIGKILL to ``name``'s process group, as an expected exit; returns once it died."""
-        child = self.child(name)
-        child.stopping = True
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(child.proc.pid, signal.SIGKILL)
-        await child.proc.wait()
-
-    def signal(self, name: str, signum: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.child(name).proc.pid, signum)
+        await kill_child(self.child(name))
 
     async def restart(self, name: str, extra: dict[str, str] | None = None) -> Child:
         """Start ``name`` again with its command line, on the ports it had (``extra``

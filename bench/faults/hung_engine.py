@@ -15,7 +15,6 @@ stop; traffic on the engine again within 2 s of SIGCONT.
 from __future__ import annotations
 
 import asyncio
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,8 @@ from typing import Any
 
 import aiohttp
 
-from bench.faults.load import SteadyLoad, p99, signal_child
+from bench.faults.children import child_named, stopped
+from bench.faults.load import SteadyLoad, p99
 from kvroute.servers import free_port
 from kvroute.up import LocalFleet, UpOptions
 
@@ -80,7 +80,7 @@ async def run_hung(config: HungConfig, run_dir: Path) -> HungResult:
     local = LocalFleet(options, say=lambda _line: None)
     try:
         fleet = await local.start()
-        victim = [c for c in local.supervisor.children if c.name == f"sim-{VICTIM}"][-1]
+        victim = child_named(local, f"sim-{VICTIM}")
         timeout = aiohttp.ClientTimeout(total=120)
         async with (
             aiohttp.ClientSession(timeout=timeout) as session,
@@ -90,11 +90,8 @@ async def run_hung(config: HungConfig, run_dir: Path) -> HungResult:
         ):
             await asyncio.sleep(config.before_s)  # steady load first: the fault's schedule
             stopped_at = time.perf_counter()
-            signal_child(victim, signal.SIGSTOP)
-            try:
+            async with stopped(victim):
                 await asyncio.sleep(config.stop_s)  # the stop's length is the fault
-            finally:
-                signal_child(victim, signal.SIGCONT)
             resumed_at = time.perf_counter()
             await asyncio.sleep(config.after_s)
     finally:

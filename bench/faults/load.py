@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
 import time
 from typing import Any
 
 import aiohttp
 
 from kvroute.demo import Answer, PhaseResult, send_one
-from kvroute.supervisor import Child
 from kvroute.up import SIM_MODEL
 
 
@@ -121,9 +118,3 @@ async def send_whole(
 def p99(values: list[float]) -> float | None:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else None
-
-
-def signal_child(child: Child, signum: signal.Signals) -> None:
-    """``signum`` to a child of ``kvroute up`` (its process group)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(child.proc.pid, signum)

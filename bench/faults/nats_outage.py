@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,8 @@ from typing import Any
 
 import aiohttp
 
-from bench.faults.load import SteadyLoad, chat, p99, signal_child, system_prompt
+from bench.faults.children import child_named, kill_child
+from bench.faults.load import SteadyLoad, chat, p99, system_prompt
 from kvroute.demo import AdminClient, Answer, PhaseResult, send_one
 from kvroute.servers import free_port
 from kvroute.supervisor import Child
@@ -157,13 +157,10 @@ class NatsOutage:
 
     # -- NATS ------------------------------------------------------------------------
     def _nats(self) -> Child:
-        return [c for c in self.local.supervisor.children if c.name == "nats"][-1]
+        return child_named(self.local, "nats")
 
     async def _kill_nats(self) -> None:
-        child = self._nats()
-        child.stopping = True  # expected: not a failure of the fleet
-        signal_child(child, signal.SIGKILL)
-        await child.proc.wait()
+        await kill_child(self._nats())
 
     async def _restart_nats(self) -> None:
         """The same command line, so the same port; returns once it is ready."""

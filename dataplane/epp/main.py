@@ -10,10 +10,6 @@ SIGINT turns readiness off, lets the streams in progress go on for
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import signal
-import sys
 from collections.abc import Sequence
 
 from pydantic import ValidationError
@@ -22,9 +18,7 @@ from dataplane.epp.service import EppService
 from dataplane.epp.settings import EppSettings
 from dataplane.main import describe
 from kvruntime.flags import flags_given, settings_parser
-from kvruntime.gc_tuning import tune_gc
-from kvruntime.jsonlog import configure_logging
-from kvruntime.loop import run
+from kvruntime.lifecycle import main_of, serve_until_signalled
 
 PROG = "kvroute-epp"
 READY_PREFIX = "kvroute-epp ready"
@@ -63,31 +57,13 @@ def ready_line(settings: EppSettings, ports: dict[str, int]) -> str:
 
 async def serve(settings: EppSettings) -> None:
     service = EppService(settings)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    try:
-        await service.start()
-        print(ready_line(settings, service.ports), flush=True)
-        await stop.wait()
-        await service.stop_serving()
-    finally:
-        await service.aclose(settings.shutdown_grace_s)
+    await serve_until_signalled(
+        service.start,
+        lambda: ready_line(settings, service.ports),
+        lambda: service.aclose(settings.shutdown_grace_s),
+        on_signal=service.stop_serving,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        settings = load_settings(argv)
-    except SettingsRefused as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 2
-    configure_logging(settings.log_level)
-    tune_gc()
-    try:
-        with contextlib.suppress(KeyboardInterrupt):
-            run(serve(settings))
-    except OSError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return main_of(PROG, lambda: load_settings(argv), SettingsRefused, serve, {OSError: 2})

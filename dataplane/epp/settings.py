@@ -21,6 +21,13 @@ from kvruntime.flags import comma_list
 
 CommaList = Annotated[list[str], NoDecode]
 LIST_FIELDS = ("controlplane", "pools", "sheddable_objectives")
+# the proxy's settings the picker takes as the proxy defines them, and hands on to the
+# proxy's state client, reporter and router (EppSettings.proxy_settings)
+FROM_THE_PROXY = (
+    "controlplane", "pools", "controlplane_tls", "controlplane_tls_ca", "tokenizer",
+    "block_size", "state_max_age_s", "prefill_step_ms", "report_interval_s", "tenant_header",
+    "log_level",
+)  # fmt: skip
 
 
 def _proxy(name: str) -> Any:
@@ -92,9 +99,7 @@ class EppSettings(BaseSettings):
         description="On SIGTERM, readiness turns NOT_SERVING and streams in progress may go "
         "on this long before the server stops.",
     )
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
-        default="INFO", description="Log level."
-    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = _proxy("log_level")
 
     @field_validator(*LIST_FIELDS, mode="before")
     @classmethod
@@ -113,17 +118,5 @@ class EppSettings(BaseSettings):
     def proxy_settings(self) -> ProxySettings:
         """The proxy's settings with the picker's shared ones, for the state client, the
         reporter and the router (the proxy's other settings at their defaults)."""
-        return ProxySettings(
-            controlplane=self.controlplane,
-            pools=self.pools,
-            proxy_id=self.epp_id,
-            controlplane_tls=self.controlplane_tls,
-            controlplane_tls_ca=self.controlplane_tls_ca,
-            tokenizer=self.tokenizer,
-            block_size=self.block_size,
-            state_max_age_s=self.state_max_age_s,
-            prefill_step_ms=self.prefill_step_ms,
-            report_interval_s=self.report_interval_s,
-            tenant_header=self.tenant_header,
-            max_body_bytes=self.max_body_bytes,
-        )
+        shared = {name: getattr(self, name) for name in FROM_THE_PROXY}
+        return ProxySettings(proxy_id=self.epp_id, max_body_bytes=self.max_body_bytes, **shared)

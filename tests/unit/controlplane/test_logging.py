@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from controlplane.main import configure_logging
+from kvruntime.jsonlog import configure_logging
 
 
 @pytest.fixture
