@@ -30,8 +30,8 @@ import logging
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any, TypeVar, cast
 
 from dataplane.endpoints import Endpoint
 from dataplane.fleet.state import FleetState
@@ -42,6 +42,7 @@ from kvcore.workload import Workload
 from kvcore.workload.classify import WORKLOAD_HEADER
 
 log = logging.getLogger("dataplane")
+T = TypeVar("T")
 PLACED_TTL_S = 5.0  # a load this proxy made routes its adapter until announced
 PATHS_REMEMBERED = 4096
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$")
@@ -157,12 +158,26 @@ class LoraPlacement:
         used = self._used.setdefault(endpoint.ordinal, OrderedDict())
         while len(holding) >= bound:
             victim = next((n for n in used if n in holding), None) or next(iter(holding))
-            await self._engine_call(endpoint, UNLOAD_PATHS, {"lora_name": victim})
+            await self._unload(endpoint, victim)
             holding.discard(victim)
             used.pop(victim, None)
-        await self._engine_call(endpoint, LOAD_PATHS, {"lora_name": model, "lora_path": path})
+        body = {"lora_name": model, "lora_path": path}
+        status, words = await self._engine_call(endpoint, LOAD_PATHS, body)
+        if status == 400 and "already" in words:  # loaded before its announce came
+            return
+        if status != 200:
+            raise AdapterLoadFailed(status, f"replica {endpoint.replica_id} refused: {words}")
         self.loads += 1
         log.info("loaded LoRA adapter", extra={"adapter": model, "replica": endpoint.replica_id})
+
+    async def _unload(self, endpoint: Endpoint, model: str) -> bool:
+        """Unload ``model`` from ``endpoint``; False when the engine does not have it."""
+        status, words = await self._engine_call(endpoint, UNLOAD_PATHS, {"lora_name": model})
+        if status in (400, 404):  # vLLM's NotFoundError, SGLang's failed unload
+            return False
+        if status != 200:
+            raise AdapterLoadFailed(status, f"replica {endpoint.replica_id} refused: {words}")
+        return True
 
     def _holding(self, endpoint: Endpoint) -> set[str]:
         record = self.fleet.replicas.replica_info(endpoint.ordinal)
@@ -172,7 +187,8 @@ class LoraPlacement:
 
     async def _engine_call(
         self, endpoint: Endpoint, paths: Mapping[str, str], body: dict[str, Any]
-    ) -> None:
+    ) -> tuple[int, str]:
+        """The engine's status and words (``AdapterLoadFailed`` 503 if unreachable)."""
         path = paths.get(endpoint.engine_kind, paths["vllm"])
         headers = [("content-type", "application/json")]
         try:
@@ -185,11 +201,7 @@ class LoraPlacement:
         while chunk := await opened.next_chunk():
             text += chunk
         opened.release()
-        if opened.status != 200:
-            words = text.decode("utf-8", "replace")[:500]
-            raise AdapterLoadFailed(
-                opened.status, f"replica {endpoint.replica_id} refused {path}: {words}"
-            )
+        return opened.status, text.decode("utf-8", "replace")[:500]
 
     # -- the load and unload routes ----------------------------------------------------
 
@@ -228,27 +240,40 @@ class LoraPlacement:
         if not targets and not holders:
             raise NotFound(f"No replica serves a model to load `{name}` onto.", "lora_name")
         self._remember(name, lora_path)
-        for state in targets:
-            endpoint = self.fleet.replicas.endpoint(state.ordinal)
-            if endpoint is not None:
-                bound = workload.lora_max_per_replica
-                await self._load_onto(endpoint, name, lora_path, bound)
-                self._placed[name] = (endpoint.ordinal, self.clock() + PLACED_TTL_S)
+        endpoints = self._endpoints(s.ordinal for s in targets)
+        bound = workload.lora_max_per_replica
+        await _all_or_first_error(self._load_onto(e, name, lora_path, bound) for e in endpoints)
+        if endpoints:
+            self._placed[name] = (endpoints[0].ordinal, self.clock() + PLACED_TTL_S)
         return f"Success: LoRA adapter '{name}' added successfully."
 
     async def _unload_everywhere(self, name: str) -> str:
-        holders = [s.ordinal for s in self.fleet.views.view(name).replicas()]
-        placed = self._placed.pop(name, None)
-        if placed is not None and placed[0] not in holders:
-            holders.append(placed[0])
-        if not holders:
-            raise NotFound(f"The lora adapter '{name}' cannot be found.", "lora_name")
-        for ordinal in holders:
-            endpoint = self.fleet.replicas.endpoint(ordinal)
-            if endpoint is not None:
-                await self._engine_call(endpoint, UNLOAD_PATHS, {"lora_name": name})
+        """Every replica of the adapter's model is asked (an announce may lag behind a
+        load); the engines that do not have it say so, and are passed over."""
+        base = self.fleet.catalogue.adapter_base(name) or self._base_model()
+        ordinals = {s.ordinal for s in self.fleet.views.view(base).replicas()}
+        ordinals |= {s.ordinal for s in self.fleet.views.view(name).replicas()}
+        self._placed.pop(name, None)
+        endpoints = self._endpoints(sorted(ordinals))
+        unloaded = await _all_or_first_error(self._unload(e, name) for e in endpoints)
+        for ordinal in ordinals:
             self._used.get(ordinal, OrderedDict()).pop(name, None)
+        if not any(unloaded):
+            raise NotFound(f"The lora adapter '{name}' cannot be found.", "lora_name")
         return f"Success: LoRA adapter '{name}' removed successfully."
+
+    def _endpoints(self, ordinals: Iterable[int]) -> list[Endpoint]:
+        found = (self.fleet.replicas.endpoint(o) for o in ordinals)
+        return [e for e in found if e is not None]
+
+
+async def _all_or_first_error(calls: Iterable[Awaitable[T]]) -> list[T]:
+    """Every call run at once; the first failure raised once all have ended."""
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return cast(list[T], results)
 
 
 def _all_saturated(holders: Any, workload: Workload) -> bool:

@@ -135,6 +135,9 @@ def parse_inference(raw: bytes, kind: Kind) -> InferenceRequest:
         _check_prompt(body.get("prompt"))
     else:
         _check_generate(body)
+        lora_path = body.get("lora_path")  # SGLang's adapter for /generate: routed by it
+        if not model and isinstance(lora_path, str) and lora_path:
+            model = lora_path
     _check_types(body)
     stream = body.get("stream") is True
     options = body.get("stream_options")

@@ -209,6 +209,9 @@ class Router:
             return _ModelRoute(
                 generation, name, route.key_model, route.spec, route.block_size, name
             )
+        adapter = self._adapter_after_colon(name)
+        if adapter is not None:  # SGLang's "base:adapter": the adapter's route
+            return self._resolve(adapter)
         if catalogue.canonical_model(name) is None:
             name = catalogue.any_name_model() or name  # behind SGLang, any name: its model
         entry = catalogue.model_entry(name)
@@ -216,6 +219,19 @@ class Router:
         block_size = entry.block_size if entry is not None and entry.block_size else None
         block_size = block_size or catalogue.block_size(name) or defaults.block_size
         return _ModelRoute(generation, name, catalogue.canonical_model(name), spec, block_size)
+
+    def _adapter_after_colon(self, name: str) -> str | None:
+        """The adapter SGLang's ``_parse_model_parameter`` reads in ``base:adapter`` (the
+        rest after a served model's name and a colon, else after the first colon), when
+        a replica announces it loaded."""
+        if ":" not in name:
+            return None
+        catalogue = self.catalogue
+        bases = (b for b in catalogue.base_models() if name.startswith(b + ":"))
+        base = next(bases, None)
+        rest = name[len(base) + 1 :] if base is not None else name.split(":", 1)[1]
+        adapter = rest.strip()
+        return adapter if catalogue.adapter_base(adapter) is not None else None
 
     def prepare(
         self,

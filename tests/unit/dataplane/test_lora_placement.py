@@ -32,15 +32,30 @@ class _Opened:
 
 
 class Engines:
-    """The replicas' engines as the placement calls them: every call recorded."""
+    """The replicas' engines as the placement calls them: every call recorded, each
+    engine's adapters kept (unloading one it lacks is vLLM's 404)."""
 
-    def __init__(self) -> None:
+    def __init__(self, held: dict[int, dict[str, str]]) -> None:
         self.calls: list[tuple[str, str]] = []  # (url, lora_name)
+        self.held = {_url(o): set(adapters) for o, adapters in held.items()}
 
     async def open(self, method: str, url: str, body: bytes, headers: Any) -> _Opened:
         await asyncio.sleep(0)  # another request may run meanwhile
-        self.calls.append((url, json.loads(body)["lora_name"]))
+        name = json.loads(body)["lora_name"]
+        self.calls.append((url, name))
+        base, _, path = url.partition("/v1/")
+        held = self.held.setdefault(base, set())
+        if path == "unload_lora_adapter":
+            if name not in held:
+                return _Opened(404)
+            held.discard(name)
+        else:
+            held.add(name)
         return _Opened(200)
+
+
+def _url(ordinal: int) -> str:
+    return f"http://127.0.0.1:{9000 + ordinal}"
 
 
 def fleet_of(adapters: dict[int, dict[str, str]], running: dict[int, int]) -> FleetState:
@@ -55,8 +70,10 @@ def fleet_of(adapters: dict[int, dict[str, str]], running: dict[int, int]) -> Fl
     return state
 
 
-def placement(state: FleetState) -> tuple[LoraPlacement, Engines]:
-    engines = Engines()
+def placement(
+    state: FleetState, held: dict[int, dict[str, str]] | None = None
+) -> tuple[LoraPlacement, Engines]:
+    engines = Engines(held or {})
     return LoraPlacement(state, engines, clock=lambda: 100.0), engines  # type: ignore[arg-type]
 
 
@@ -76,8 +93,9 @@ async def test_a_missing_adapter_is_loaded_once_onto_the_least_loaded_replica() 
 
 async def test_a_replica_at_its_bound_unloads_the_adapter_routed_to_least_recently() -> None:
     # c's only holder and replica 2 are saturated: c goes to replica 0, at its bound of 2
-    state = fleet_of({0: {"a": "/a", "b": "/b"}, 1: {"c": "/c"}}, {1: 9, 2: 9})
-    lora, engines = placement(state)
+    held = {0: {"a": "/a", "b": "/b"}, 1: {"c": "/c"}}
+    state = fleet_of(held, {1: 9, 2: 9})
+    lora, engines = placement(state, held)
     lora.routed("b", 0)
     lora.routed("a", 0)  # b is now the least recently routed on replica 0
     assert await lora.place("c", LOAD) == 0
@@ -93,16 +111,16 @@ async def test_every_holder_saturated_adds_a_replica() -> None:
 
 
 async def test_the_pool_routes_check_names_and_act_on_every_replica() -> None:
-    state = fleet_of({0: {"sql": "/a/sql"}}, {})
-    lora, engines = placement(state)
+    held = {0: {"sql": "/a/sql"}}
+    state = fleet_of(held, {})
+    lora, engines = placement(state, held)
     with pytest.raises(BadRequest):
         await lora.admin("/v1/load_lora_adapter", b'{"lora_name": "a b", "lora_path": "/x"}', {})
     text = await lora.admin("/v1/load_lora_adapter", b'{"lora_name": "x", "lora_path": "/x"}', {})
     assert text == "Success: LoRA adapter 'x' added successfully."
-    assert sorted(url for url, _ in engines.calls) == [
-        f"http://127.0.0.1:{9000 + o}/v1/load_lora_adapter" for o in range(3)
-    ]
+    assert all("x" in adapters for adapters in engines.held.values())
+    assert len(engines.held) == 3
     await lora.admin("/v1/unload_lora_adapter", b'{"lora_name": "sql"}', {})
-    assert engines.calls[-1] == ("http://127.0.0.1:9000/v1/unload_lora_adapter", "sql")
-    with pytest.raises(NotFound):
+    assert not any("sql" in adapters for adapters in engines.held.values())
+    with pytest.raises(NotFound):  # asked everywhere, held nowhere
         await lora.admin("/v1/unload_lora_adapter", b'{"lora_name": "nowhere"}', {})
