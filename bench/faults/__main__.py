@@ -1,14 +1,16 @@
-"""``python -m bench.faults [nats hung]`` (``kvroute bench faults``): faults of the fleet
+"""``python -m bench.faults [nats hung slow]`` (``kvroute bench faults``): faults of the fleet
 under steady load on ``kvroute up``'s fleet, each run's figures beside issue 46's
 targets. ``nats``: ``nats-server`` killed -9 for each ``--outages`` length (0 failed
 requests; a new prefix routed by its KV events within 2 s of NATS's return). ``hung``:
 one engine SIGSTOPped for each ``--stops`` length, under streamed then whole
 (non-streamed) requests (0 failed; nothing started 2 s after the stop takes over 3 s; the
-engine serves again within 2 s of SIGCONT). Loopback only; every run stops by itself.
+engine serves again within 2 s of SIGCONT). ``slow`` (not run unless named): one engine
+``--slowdown`` times slower than its peers (0 failed; its share of the requests
+proportional to its speed, at most twice that). Loopback only; every run stops by itself.
 
 Options: ``--outages 5,10,30,120`` and ``--stops 10`` (seconds), ``--answers
 streamed,whole`` (the hung fault's loads), ``--rate 10`` (requests/s, open loop),
-``--replicas 3``, ``--out DIR`` (a JSON of each fault's runs).
+``--slowdown 10``, ``--replicas 3``, ``--out DIR`` (a JSON of each fault's runs).
 Exit status 1 when a target is missed.
 """
 
@@ -26,6 +28,7 @@ from typing import Any, TypeVar
 
 from bench.faults.hung_engine import BACK_TARGET_S, HungConfig, HungResult, run_hung
 from bench.faults.nats_outage import EVENTS_BACK_TARGET_S, OutageConfig, OutageResult, run_outage
+from bench.faults.slow_replica import TOLERANCE, SlowConfig, SlowResult, run_slow
 
 T = TypeVar("T")
 
@@ -59,6 +62,16 @@ def hung_row(r: HungResult) -> str:
     )
 
 
+def slow_row(r: SlowResult) -> str:
+    shares = "  ".join(f"{k} {v}" for k, v in sorted(r.by_replica.items()))
+    share = "-" if r.slow_share is None else f"{r.slow_share:.1%}"
+    return (
+        f"one engine {r.slowdown:.0f}x slower   failed {r.failed:>4} / {r.sent:<5} (target 0)   "
+        f"its share {share} (proportional {r.proportional:.1%}, target <= {TOLERANCE:.0f}x)   "
+        f"answers {shares}   TTFT p99 {_ms(r.ttft_p99_s)}   {'ok' if r.met else 'MISSED'}"
+    )
+
+
 def _in_a_run_dir(run: Callable[[Path], Awaitable[T]]) -> T:
     with tempfile.TemporaryDirectory(prefix="kvroute-faults-") as run_dir:
         return asyncio.run(_awaited(run(Path(run_dir))))
@@ -70,17 +83,18 @@ async def _awaited(work: Awaitable[T]) -> T:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.faults")
-    parser.add_argument("faults", nargs="*", default=["nats", "hung"], help="nats, hung")
+    parser.add_argument("faults", nargs="*", default=["nats", "hung"], help="nats, hung, slow")
     parser.add_argument("--outages", default="5,10,30,120")
     parser.add_argument("--stops", default="10")
     parser.add_argument("--answers", default="streamed,whole")
+    parser.add_argument("--slowdown", type=float, default=10.0)
     parser.add_argument("--rate", type=float, default=10.0)
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    unknown = set(args.faults) - {"nats", "hung"}
+    unknown = set(args.faults) - {"nats", "hung", "slow"}
     if unknown:
-        parser.error(f"unknown fault(s) {sorted(unknown)}; choose from nats, hung")
+        parser.error(f"unknown fault(s) {sorted(unknown)}; choose from nats, hung, slow")
     answers = args.answers.split(",")
     if set(answers) - {"streamed", "whole"}:
         parser.error(f"--answers {args.answers!r}: choose from streamed, whole")
@@ -105,6 +119,12 @@ def main(argv: list[str]) -> int:
             runs.append(result_h.summary())
             met = met and result_h.met
         report["hung_engine"] = runs
+    if "slow" in args.faults:
+        slow = SlowConfig(slowdown=args.slowdown, rate=args.rate, replicas=args.replicas)
+        result_s = _in_a_run_dir(functools.partial(run_slow, slow))
+        print(slow_row(result_s), flush=True)
+        report["slow_replica"] = result_s.summary()
+        met = met and result_s.met
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "faults.json").write_text(json.dumps(report, indent=2) + "\n")
