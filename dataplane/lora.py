@@ -73,6 +73,8 @@ class LoraPlacement:
         self._used: dict[int, OrderedDict[str, None]] = {}  # per replica, LRU first
         self._locks: dict[str, asyncio.Lock] = {}
         self.loads = 0  # adapters this proxy loaded onto replicas
+        # (action "load"/"unload", outcome "ok"/"failed") of each engine call, for metrics
+        self.counted: Callable[[str, str], None] = lambda action, outcome: None
         fleet.subscribe(self._learn_paths)  # kept after the adapter is unloaded everywhere
         self._learn_paths()
 
@@ -166,7 +168,9 @@ class LoraPlacement:
         if status == 400 and "already" in words:  # loaded before its announce came
             return
         if status != 200:
+            self.counted("load", "failed")
             raise AdapterLoadFailed(status, f"replica {endpoint.replica_id} refused: {words}")
+        self.counted("load", "ok")
         self.loads += 1
         log.info("loaded LoRA adapter", extra={"adapter": model, "replica": endpoint.replica_id})
 
@@ -176,7 +180,9 @@ class LoraPlacement:
         if status in (400, 404):  # vLLM's NotFoundError, SGLang's failed unload
             return False
         if status != 200:
+            self.counted("unload", "failed")
             raise AdapterLoadFailed(status, f"replica {endpoint.replica_id} refused: {words}")
+        self.counted("unload", "ok")
         return True
 
     def _holding(self, endpoint: Endpoint) -> set[str]:
@@ -196,6 +202,7 @@ class LoraPlacement:
                 "POST", endpoint.base_url + path, json.dumps(body).encode(), headers
             )
         except Retriable as exc:
+            self.counted("load" if paths is LOAD_PATHS else "unload", "failed")
             raise AdapterLoadFailed(503, f"replica {endpoint.replica_id}: {exc}") from None
         text = opened.first
         while chunk := await opened.next_chunk():

@@ -143,6 +143,12 @@ class ProxyMetrics:
         self.retries_refused = Counter(
             PREFIX + "retries_refused", "Retries the budget refused", registry=r
         )
+        self.lora_changes = Counter(
+            PREFIX + "lora_adapter_changes",
+            "LoRA adapters this proxy loaded or unloaded on replicas",
+            ["action", "outcome"],
+            registry=r,
+        )
         self.state_age = Gauge(PREFIX + "state_age_seconds", "Routing state age", registry=r)
         self.circuit_open = Gauge(
             PREFIX + "circuit_open_replicas", "Replicas kept out by a breaker", registry=r

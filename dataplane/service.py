@@ -139,7 +139,7 @@ class ProxyService:
             self.tracing,
             None if self.siblings is None else self.siblings.render,
             ModelCards(self.upstream),
-            LoraPlacement(self.fleet, self.upstream),
+            self._lora_placement(),
         )
         self.metrics.watch(self._state_age, self._open_breakers, self.probe.mismatches)
         self.metrics.in_flight.set_function(self.fleet.inflight.total)
@@ -199,6 +199,12 @@ class ProxyService:
                         endpoint.bootstrap_port,
                     ):
                         self.fleet.set_role(endpoint.ordinal, role, port)
+
+    def _lora_placement(self) -> LoraPlacement:
+        lora = LoraPlacement(self.fleet, self.upstream)
+        changes = self.metrics.lora_changes
+        lora.counted = lambda action, outcome: changes.labels(action, outcome).inc()
+        return lora
 
     # -- what /metrics and /readyz read ---------------------------------------------
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.fullstack import FullStack, wait_for
 from tests.unit.enginesim.simproc import SimProcess
@@ -104,3 +105,16 @@ def test_a_load_workload_loads_a_missing_adapter_onto_one_replica(stack: FullSta
         )
         assert status == 200 and headers["x-kvroute-replica"] == holder
     assert len(holders(stack, "ops")) == 1
+    assert adapter_changes(stack, "load", "ok") >= 1  # what operators watch per minute
+
+
+def adapter_changes(stack: FullStack, action: str, outcome: str) -> float:
+    text = stack.request("/metrics", method="GET")[2].decode()
+    family = next(
+        f for f in text_string_to_metric_families(text)
+        if f.name == "kvroute_proxy_lora_adapter_changes"
+    )  # fmt: skip
+    return sum(
+        s.value for s in family.samples
+        if s.name.endswith("_total") and s.labels == {"action": action, "outcome": outcome}
+    )  # fmt: skip
