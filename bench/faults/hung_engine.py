@@ -15,17 +15,14 @@ stop; traffic on the engine again within 2 s of SIGCONT.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
-from bench.faults.children import child_named, stopped
+from bench.faults.children import child_named, local_fleet, stopped
 from bench.faults.load import SteadyLoad, p99
-from kvroute.servers import free_port
-from kvroute.up import LocalFleet, UpOptions
 
 SETTLED_S = 2.0  # requests started this long after the stop must not wait for the engine
 SLOW_S = 3.0
@@ -62,40 +59,21 @@ class HungResult:
         return self.failed == 0 and quick and back is not None and back <= BACK_TARGET_S
 
     def summary(self) -> dict[str, Any]:
-        return {
-            "stop_s": self.stop_s,
-            "stream": self.stream,
-            "sent": self.sent,
-            "failed": self.failed,
-            "slow_after_settled": self.slow_after_settled,
-            "settled": self.settled,
-            "ttft_p99_during_s": self.ttft_p99_during_s,
-            "back_s": self.back_s,
-            "met": self.met,
-        }
+        return {**dataclasses.asdict(self), "met": self.met}
 
 
 async def run_hung(config: HungConfig, run_dir: Path) -> HungResult:
-    options = UpOptions(replicas=config.replicas, port=free_port(), data_dir=run_dir)
-    local = LocalFleet(options, say=lambda _line: None)
-    try:
-        fleet = await local.start()
+    async with local_fleet(config.replicas, run_dir) as (local, fleet, session):
         victim = child_named(local, f"sim-{VICTIM}")
-        timeout = aiohttp.ClientTimeout(total=120)
-        async with (
-            aiohttp.ClientSession(timeout=timeout) as session,
-            SteadyLoad(
-                session, fleet.proxy_urls[0], config.rate, config.system_prompts, config.stream
-            ) as load,
-        ):
+        proxy = fleet.proxy_urls[0]
+        prompts, stream = config.system_prompts, config.stream
+        async with SteadyLoad(session, proxy, config.rate, prompts, stream) as load:
             await asyncio.sleep(config.before_s)  # steady load first: the fault's schedule
             stopped_at = time.perf_counter()
             async with stopped(victim):
                 await asyncio.sleep(config.stop_s)  # the stop's length is the fault
             resumed_at = time.perf_counter()
             await asyncio.sleep(config.after_s)
-    finally:
-        await local.aclose()
     answers = load.result.answers
     settled = [a for a in answers if stopped_at + SETTLED_S <= a.sent_at < resumed_at]
     during = p99([a.ttft_s for a in answers if stopped_at <= a.sent_at < resumed_at])

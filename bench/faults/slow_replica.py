@@ -16,16 +16,14 @@ three); met here when at most twice that.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
+from bench.faults.children import local_fleet
 from bench.faults.load import SteadyLoad, p99
-from kvroute.servers import free_port
-from kvroute.up import LocalFleet, UpOptions
 
 SLOW = 0  # kvroute up's engine sim-0, replica r0
 TOLERANCE = 2.0  # met when the slow replica's share is at most this times proportional
@@ -66,37 +64,21 @@ class SlowResult:
         return self.failed == 0 and share is not None and share <= TOLERANCE * self.proportional
 
     def summary(self) -> dict[str, Any]:
-        return {
-            "slowdown": self.slowdown,
-            "replicas": self.replicas,
-            "sent": self.sent,
-            "failed": self.failed,
-            "by_replica": self.by_replica,
-            "slow_share": self.slow_share,
-            "proportional_share": self.proportional,
-            "ttft_p99_s": self.ttft_p99_s,
-            "met": self.met,
-        }
+        shares = {"slow_share": self.slow_share, "proportional_share": self.proportional}
+        return {**dataclasses.asdict(self), **shares, "met": self.met}
 
 
 async def run_slow(config: SlowConfig, run_dir: Path) -> SlowResult:
-    options = UpOptions(replicas=config.replicas, port=free_port(), data_dir=run_dir)
-    local = LocalFleet(options, say=lambda _line: None)
-    try:
-        fleet = await local.start()
-        timeout = aiohttp.ClientTimeout(total=120)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            slowed = {"slowdown": config.slowdown}
-            async with session.post(f"{fleet.engines[SLOW]}/sim/faults", json=slowed) as done:
-                done.raise_for_status()
-            proxy = fleet.proxy_urls[0]
-            async with SteadyLoad(session, proxy, config.rate, config.system_prompts) as load:
-                await asyncio.sleep(config.settle_s)  # the proxy learns: the schedule
-                measured_from = time.perf_counter()
-                await asyncio.sleep(config.measure_s)  # the window measured
-                measured_to = time.perf_counter()
-    finally:
-        await local.aclose()
+    async with local_fleet(config.replicas, run_dir) as (_, fleet, session):
+        slowed = {"slowdown": config.slowdown}
+        async with session.post(f"{fleet.engines[SLOW]}/sim/faults", json=slowed) as done:
+            done.raise_for_status()
+        proxy = fleet.proxy_urls[0]
+        async with SteadyLoad(session, proxy, config.rate, config.system_prompts) as load:
+            await asyncio.sleep(config.settle_s)  # the proxy learns: the schedule
+            measured_from = time.perf_counter()
+            await asyncio.sleep(config.measure_s)  # the window measured
+            measured_to = time.perf_counter()
     window = [a for a in load.result.answers if measured_from <= a.sent_at < measured_to]
     by_replica: dict[str, int] = {}
     for answer in window:
