@@ -25,7 +25,7 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 from bench.sim.workloads import Request
@@ -52,6 +52,23 @@ class _Job:
     req: Request
     blocks: list[KVBlock]
     finish_step: int
+
+
+def slowed(shape: EngineShape, factor: float) -> EngineShape:
+    """``shape`` with every step ``factor`` times as long: prefill at ``1 / factor`` of
+    its rate, its overhead and the decode step ``factor`` times as long."""
+    timing = shape.timing
+    return replace(
+        shape,
+        timing=replace(
+            timing,
+            prefill_rate=timing.prefill_rate / factor,
+            prefill_overhead_s=timing.prefill_overhead_s * factor,
+            prefill_quadratic_s=timing.prefill_quadratic_s * factor,
+            decode_base_s=timing.decode_base_s * factor,
+            decode_per_seq_s=timing.decode_per_seq_s * factor,
+        ),
+    )
 
 
 class ReplicaModel:

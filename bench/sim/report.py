@@ -78,7 +78,11 @@ def _scenario_markdown(result: ScenarioResult) -> list[str]:
         "",
         f"{result.regime}. {result.replicas} replicas, {result.router_instances} router "
         f"instance(s), residency delay {result.residency_delay_s * 1e3:g} ms, load sampled "
-        f"every {result.load_period_s * 1e3:g} ms.",
+        f"every {result.load_period_s * 1e3:g} ms."
+        + "".join(
+            f" Replica {ordinal} runs every step {factor:g}x slower."
+            for ordinal, factor in result.slowdown
+        ),
         "",
     ]
     if result.skipped:

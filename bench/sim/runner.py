@@ -44,6 +44,7 @@ class ScenarioResult:
     runs: list[RunMetrics] = field(default_factory=list)
     goals: list[GoalCheck] = field(default_factory=list)
     skipped: str = ""
+    slowdown: tuple[tuple[int, float], ...] = ()  # replica ordinal -> times slower
 
     def run(self, policy: str) -> RunMetrics | None:
         return next((r for r in self.runs if r.policy == policy), None)
@@ -56,6 +57,7 @@ class ScenarioResult:
             "router_instances": self.router_instances,
             "residency_delay_s": self.residency_delay_s,
             "load_period_s": self.load_period_s,
+            "slowdown": [list(pair) for pair in self.slowdown],
             "skipped": self.skipped,
             "runs": [r.to_dict() for r in self.runs],
             "goals": [
@@ -81,6 +83,7 @@ def run_scenario(
         config.router_instances,
         config.residency_delay_s,
         config.load_period_s,
+        slowdown=config.slowdown,
     )
     if scenario.workload(inputs) is None:
         result.skipped = f"input file not found (--trace {inputs.trace})"
@@ -296,8 +299,30 @@ def _lora_beats(result: ScenarioResult) -> GoalCheck:
     return GoalCheck(goal, met, detail)
 
 
+def _slow_share(result: ScenarioResult) -> GoalCheck:
+    goal = (
+        f"{DEFAULT} sends the slowed replicas at most 2x their share of the fleet's speed, "
+        "and beats round_robin on mean TTFT"
+    )
+    kv, rr = result.run(DEFAULT), result.run("round_robin")
+    if kv is None or rr is None or not result.slowdown:
+        return GoalCheck(goal, None, f"{DEFAULT} or round_robin not run, or no replica slowed")
+    slowed = {i: factor for i, factor in result.slowdown if i < result.replicas}
+    speed = [1 / slowed.get(i, 1.0) for i in range(result.replicas)]
+    fair = sum(speed[i] for i in slowed) / sum(speed)
+    share = sum(kv.load_share[i] for i in slowed)
+    rr_share = sum(rr.load_share[i] for i in slowed)
+    met = share <= 2 * fair and kv.ttft_mean_s < rr.ttft_mean_s
+    detail = (
+        f"{share:.1%} of the requests against a fair {fair:.1%} (round_robin {rr_share:.1%}); "
+        f"TTFT {kv.ttft_mean_s:.3f} s vs {rr.ttft_mean_s:.3f} s"
+    )
+    return GoalCheck(goal, met, detail)
+
+
 GOALS: dict[str, Callable[[ScenarioResult], GoalCheck]] = {
     "lora_beats": _lora_beats,
+    "slow_share": _slow_share,
     "pd_beats_rr": _pd_beats_rr,
     "pd_ahead_of_smg": _pd_ahead_of_smg,
     "hit_vs_oracle": _hit_vs_oracle,

@@ -94,6 +94,11 @@ def _multi_turn(inputs: Inputs) -> Workload:
     return MultiTurn(sessions=sessions, rate=4.0, data=inputs.data, seed=inputs.seed)
 
 
+def _slow_chats(inputs: Inputs) -> Workload:
+    sessions = 60 if inputs.quick else (inputs.requests or 1000) // 3
+    return MultiTurn(sessions=sessions, rate=1.0, data=inputs.data, seed=inputs.seed)
+
+
 def _rag(inputs: Inputs) -> Workload:
     requests = 300 if inputs.quick else inputs.requests or 5000
     return Rag(requests=requests, rate=25.0, seed=inputs.seed)
@@ -254,6 +259,17 @@ SCENARIOS: dict[str, Scenario] = {
             policies=LORA_LINEUP,
             goals=("lora_beats",),
             in_default_run=False,
+        ),
+        Scenario(
+            "slow_replica",
+            "chat sessions with ShareGPT turn lengths, closed loop, onto 4 replicas of 8,192 "
+            "blocks, one of them ten times slower in every step (prefill at 1,000 tokens/s, "
+            "decode steps 10x as long: a smaller GPU or a larger model): its fair share of "
+            "the work is 1/31",
+            SimConfig(replicas=4, shape=_shape(8192), slowdown=((3, 10.0),)),
+            _slow_chats,
+            policies=(*KVROUTE, "sglang:cache_aware", "llm-d:precise", "dynamo:kv"),
+            goals=("slow_share",),
         ),
         Scenario(
             "no_reuse",

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 
-from bench.sim.engine import EngineShape, ReplicaModel
+from bench.sim.engine import EngineShape, ReplicaModel, slowed
 from bench.sim.workloads import Request, Workload
 from enginesim.kv_manager import BlockEvicted, BlocksStored, PoolEvent
 
@@ -91,6 +91,14 @@ class SimConfig:
     # reads a prompt's KV at this many seconds a block (enginesim's --kv-transfer-block-ms)
     prefill_replicas: int = 0
     kv_transfer_block_s: float = 0.00005
+    # replica ordinal -> how many times slower than ``shape`` it runs every step (a
+    # smaller GPU, a larger model): prefill and decode alike
+    slowdown: tuple[tuple[int, float], ...] = ()
+
+    def shape_of(self, ordinal: int) -> EngineShape:
+        """Replica ``ordinal``'s shape: ``shape``, slowed down if ``slowdown`` says so."""
+        factor = dict(self.slowdown).get(ordinal, 1.0)
+        return self.shape if factor == 1.0 else slowed(self.shape, factor)
 
 
 @dataclass
@@ -199,7 +207,7 @@ class Simulation:
         self._heap: list[tuple[float, int, int, object]] = []
         self._seq = itertools.count()
         self.replicas = [
-            ReplicaModel(i, config.shape, self._schedule_wake, self._publish)
+            ReplicaModel(i, config.shape_of(i), self._schedule_wake, self._publish)
             for i in range(config.replicas)
         ]
         for replica in self.replicas:

@@ -259,6 +259,7 @@ class KvScoringPolicy:
         self.min_hit = workload.min_hit if isinstance(workload, KvAwareWorkload) else 0.0
         self._turn = rng.randrange(1 << 16)  # proxies start at different replicas
         self._last: int | None = None  # the replica of the last new prompt's turn
+        self._credit: dict[int, float] = {}  # turns a slower replica has been passed over
         self.places_cold_prompts = workload.fallback == "least_load"
         # which replicas are saturated (kv_cost: by their requests alone)
         self.saturated_why: Saturation = queue_saturation
@@ -278,8 +279,9 @@ class KvScoringPolicy:
         runs: dict[int, int],
     ) -> ReplicaState | None:
         """For a prompt no candidate holds a counted hit of: the next usable replica in
-        turn (ordinal order) not sent much more than the others lately; ``None`` when some
-        candidate has a hit."""
+        turn (ordinal order) not sent much more than the others lately, in time where
+        replicas prefill at different rates (a replica ten times slower is sent a tenth
+        of the new prompts); ``None`` when some candidate has a hit."""
         blocks = len(ctx.block_keys)
         floor = max(self.min_hit * blocks, 1) if blocks else 1
         if found.holders and any(runs.get(r.ordinal, 0) >= floor for r in found.holders):
@@ -288,20 +290,63 @@ class KvScoringPolicy:
         # prompt nobody holds costs a look at each), in one pass over the fleet
         now, placed_blocks, admits = ctx.now, state.placed_blocks, found.admits
         usable: list[ReplicaState] = []
-        placed: list[int] = []
+        placed: list[float] = []
+        configured = getattr(ctx.workload, "prefill_tokens_per_s", None)
+        slowest = 1.0  # the slowest usable replica's rate over the configured one
         for replica in found.fleet:
             if admits(replica):
                 usable.append(replica)
-                placed.append(placed_blocks(replica.ordinal, now=now))
+                sent = placed_blocks(replica.ordinal, now=now)
+                rate = replica.prefill_tokens_per_s
+                if configured and rate:  # in time: a slower replica's blocks count more
+                    sent *= configured / rate
+                    slowest = min(slowest, rate / configured)
+                placed.append(sent)
         if not usable:
             return None
+        if slowest < 1.0:  # rates differ: each replica's share of them at its pace
+            assert configured is not None
+            paces = [min((r.prefill_tokens_per_s or configured) / configured, 1.0) for r in usable]
+            return self._take_paced_turn(found.fleet, usable, placed, blocks, paces)
         return self._take_turn(found.fleet, usable, placed, blocks)
+
+    def _take_paced_turn(
+        self,
+        fleet: Sequence[ReplicaState],
+        usable: list[ReplicaState],
+        placed: list[float],
+        blocks: int,
+        paces: list[float],
+    ) -> ReplicaState | None:
+        """:meth:`_take_turn` where replicas prefill at different rates (``paces``: each
+        one's rate over the configured one, at most 1): a slower one is in the turn once
+        its credit, raised by its pace's share of the fleet's with every new prompt,
+        reaches 1, and taking a prompt costs it 1. A replica ten times slower than three
+        others so takes one new prompt in 31, as round-robin gives each one in four."""
+        total = sum(paces)
+        credit = self._credit
+        turn: list[ReplicaState] = []
+        sent: list[float] = []
+        slower: set[int] = set()
+        for replica, pace, count in zip(usable, paces, placed, strict=True):
+            if pace < 1.0:
+                ordinal = replica.ordinal
+                slower.add(ordinal)
+                have = credit[ordinal] = min(credit.get(ordinal, 1.0) + pace / total, 1.0)
+                if have < 1.0 - 1e-9:
+                    continue
+            turn.append(replica)
+            sent.append(count)
+        chosen = self._take_turn(fleet, turn or usable, sent if turn else placed, blocks)
+        if chosen is not None and chosen.ordinal in slower:
+            credit[chosen.ordinal] -= 1.0
+        return chosen
 
     def _take_turn(
         self,
         fleet: Sequence[ReplicaState],
         usable: list[ReplicaState],
-        placed: list[int],
+        placed: Sequence[float],
         blocks: int,
     ) -> ReplicaState | None:
         """The next of ``usable`` (of ``fleet``; ``placed``: the blocks sent each lately)

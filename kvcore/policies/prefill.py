@@ -80,14 +80,22 @@ class PrefillRates:
     replica's prefill speed. A least-squares line through the timings, each weighing half
     as much ``LEARN_HALF_LIFE`` timings later, gives both, so a replica that slows down
     (a smaller GPU, a longer context) is ranked by its speed within a few dozen
-    requests; a replica with too little history reads the fleet's median."""
+    requests; a replica with too little history reads the fleet's median.
 
-    __slots__ = ("_fits", "_median", "default")
+    Timings whose lengths do not vary enough for a line of their own (chats of short
+    turns, prompts of one length) still show a replica much slower than the rest: its
+    timings against what the fleet's typical replica would take for the same prompts
+    (:meth:`slower`), the typical line the median of the replicas' own lines, or without
+    any, the median seconds per token."""
+
+    __slots__ = ("_fits", "_median", "_per_token", "_typical", "default")
 
     def __init__(self, default: float) -> None:
         self.default = default
         self._fits: dict[int, list[float]] = {}  # replica -> decayed n, Sx, Sy, Sxx, Sxy
         self._median: float | None = None
+        self._typical: tuple[float, float] | None = None  # median fixed s, median rate
+        self._per_token: float | None = None  # median seconds per timed token
 
     def observe(self, replica: int, tokens: float, seconds: float) -> None:
         """A request of ``tokens`` uncached tokens to idle ``replica`` had its first
@@ -100,9 +108,13 @@ class PrefillRates:
         keep = _KEEP
         for i, value in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
             fit[i] = fit[i] * keep + value
-        learned = (r for r in map(self.learned, self._fits) if r is not None)
-        median = _median(learned)
+        lines = [line for line in map(self.line, self._fits) if line is not None]
+        median = _median(rate for _, rate in lines)
         self._median = None if median is None else _rounded(median)
+        fixed = _median(fixed for fixed, _ in lines)
+        self._typical = None if fixed is None or median is None else (fixed, median)
+        fits = [f for f in self._fits.values() if f[0] >= LEARN_MIN_SAMPLES and f[1] > 0]
+        self._per_token = _median(f[2] / f[1] for f in fits)
 
     def learned(self, replica: int) -> float | None:
         """``replica``'s own prefill rate, once its timings can tell it."""
@@ -124,16 +136,41 @@ class PrefillRates:
             return None
         return max((sy - slope * sx) / n, 0.0), 1 / slope
 
+    def slower(self, replica: int) -> float | None:
+        """How many times as long as the fleet's typical replica ``replica`` took over
+        its timings (``LEARN_MIN_SAMPLES`` of them at least): against the typical line
+        when the fleet has one, else seconds per token against the median's."""
+        fit = self._fits.get(replica)
+        if fit is None or fit[0] < LEARN_MIN_SAMPLES:
+            return None
+        n, tokens, seconds = fit[0], fit[1], fit[2]
+        typical = self._typical
+        if typical is not None:
+            fixed, rate = typical
+            expected = n * fixed + tokens / rate
+        elif self._per_token is not None and tokens > 0:
+            expected = self._per_token * tokens
+        else:
+            return None
+        return seconds / expected if expected > 0 else None
+
     def rate(self, replica: int) -> float:
         """Tokens per second ``replica`` prefills, as routing ranks it: the configured
-        rate unless the replica's own is ``LEARN_APART`` times slower (then its own), or,
-        for a replica with no history of its own, unless the fleet's median is."""
+        rate unless the replica's own is ``LEARN_APART`` times slower (then its own);
+        for a replica without a line of its own, the fleet's typical rate over
+        :meth:`slower` when that is ``LEARN_APART`` or more, else as one with no
+        history: the fleet's median when that is ``LEARN_APART`` times slower than
+        configured, else the configured rate."""
         slow = self.default / LEARN_APART
         own = self.learned(replica)
         if own is not None:
             return _rounded(own) if own < slow else self.default
         median = self._median
-        return median if median is not None and median < slow else self.default
+        typical = median if median is not None and median < slow else self.default
+        slower = self.slower(replica)
+        if slower is not None and slower >= LEARN_APART:
+            return _rounded(typical / slower)
+        return typical
 
     def forget(self, replica: int) -> None:
         self._fits.pop(replica, None)

@@ -60,3 +60,21 @@ def test_one_system_prompt_is_spread_as_a_hot_prefix(tmp_path: Path, capsys) -> 
     assert spread["load_imbalance"] < 1.2 < kept["load_imbalance"]
     assert spread["ttft_mean_s"] < 0.9 * kept["ttft_mean_s"]
     assert abs(spread["hit_rate"] - kept["hit_rate"]) < 0.01
+
+
+def test_a_replica_ten_times_slower_gets_its_share_of_the_default(tmp_path: Path, capsys) -> None:
+    """One replica of four runs every step ten times slower: the default learns it from
+    its first tokens and sends it about its share of the fleet's speed (1/31), where
+    round-robin gives it a quarter of the chats (and kv_aware, blind to speed, about as
+    much)."""
+    argv = ["bench", "sim", "--quick", "--no-plots", "--out", str(tmp_path)]
+    argv += ["--scenario", "slow_replica", "--policy", "kv_cost", "--policy", "round_robin"]
+    assert main(argv) == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "report.json").read_text())
+    (scenario,) = report["scenarios"]
+    assert scenario["slowdown"] == [[3, 10.0]]
+    runs = {r["policy"]: r for r in scenario["runs"]}
+    assert runs["kv_cost"]["load_share"][3] <= 2 / 31 < 0.2 <= runs["round_robin"]["load_share"][3]
+    assert runs["kv_cost"]["ttft_mean_s"] < runs["round_robin"]["ttft_mean_s"]
+    goals = {g["goal"]: g["verdict"] for g in scenario["goals"]}
+    assert goals[next(g for g in goals if "slowed replicas" in g)] == "met"

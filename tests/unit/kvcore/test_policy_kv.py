@@ -335,6 +335,30 @@ def test_kv_cost_locality_weight_zero_ignores_the_cache() -> None:
     assert _select(KvCostWorkload(locality_weight=1.0), view).replica_id == "warm"
 
 
+def test_kv_cost_sends_a_replica_ten_times_slower_its_share_of_new_prompts() -> None:
+    """New prompts (no replica holds them) go round in turn; a replica ranked ten times
+    slower than the other three takes the turn in proportion to its speed, one prompt in
+    31, where kv_aware (no rates) gives every replica a quarter."""
+    replicas = [
+        ReplicaState(i, f"r{i}", prefill_tokens_per_s=1_000.0 if i == 3 else 10_000.0)
+        for i in range(4)
+    ]
+    view = StaticStateView(replicas, residency_known=True)
+    view.index.add(0, [1])  # some residency exists: no cold start
+    counts: dict[str, Counter[str]] = {}
+    for workload in (KvCostWorkload(), KvAwareWorkload()):
+        policy = create_policy(workload, rng=random.Random(1))
+        counts[workload.strategy] = Counter(
+            policy.select(
+                context(workload, [10_000 + 64 * k + j for j in range(64)]), view
+            ).replica_id
+            for k in range(310)
+        )
+    assert counts["kv_cost"]["r3"] == 10
+    assert sorted(counts["kv_cost"].values())[1:] == [100, 100, 100]
+    assert counts["kv_aware"]["r3"] in (77, 78)
+
+
 def test_kv_cost_uses_each_replicas_own_prefill_rate() -> None:
     replicas = [
         ReplicaState(0, "slow", prefill_tokens_per_s=100),

@@ -209,3 +209,40 @@ def test_only_a_request_sent_to_an_idle_replica_is_timed() -> None:
     for i in range(40):
         now = serve(ledger, 0, LENGTHS[i % 6], 10_000, now) + 1.0
     assert ledger.rates.learned(0) == pytest.approx(10_000, rel=0.01)
+
+
+def test_a_replica_ten_times_slower_is_told_by_prompts_of_one_length() -> None:
+    """Short chat turns or prompts of one length give no line of their own (the time
+    around a prefill cannot be told from it), but a replica taking ten times as long as
+    the fleet's typical line predicts for the same prompts is ten times slower: ranked
+    at a tenth of the rate, where one within 2x of the fleet keeps the configured rate."""
+    ledger = PrefillLedger(prefill_tokens_per_s=10_000)
+    now = 0.0
+    for replica in range(3):
+        for i in range(30):
+            now = serve(ledger, replica, LENGTHS[i % 6], 10_000, now) + 1.0
+    for _ in range(12):  # 300 tokens each: 10x the fleet's 20 ms + 30 ms
+        ticket = ledger.sent(3, 300, at=now)
+        ledger.first_token(3, ticket, at=now + 0.5)
+        ticket = ledger.sent(4, 300, at=now)
+        ledger.first_token(4, ticket, at=now + 0.06)  # 1.2x the line: noise
+        now += 1.0
+    assert ledger.rates.line(3) is None and ledger.rates.slower(3) == pytest.approx(10, rel=0.01)
+    assert ledger.rates.rate(3) == pytest.approx(1_000, rel=0.01)
+    assert ledger.rates.slower(4) == pytest.approx(1.2, rel=0.01)
+    assert ledger.rates.rate(4) == 10_000
+
+
+def test_without_any_line_slowness_is_read_against_the_fleets_seconds_per_token() -> None:
+    """No replica's timings vary enough for a line: one replica's seconds per token ten
+    times the fleet's median still rank it ten times slower."""
+    ledger = PrefillLedger(prefill_tokens_per_s=10_000)
+    now = 0.0
+    for _ in range(10):
+        for replica, seconds in ((0, 0.1), (1, 0.1), (2, 0.11), (3, 1.0)):
+            ticket = ledger.sent(replica, 1_000, at=now)
+            ledger.first_token(replica, ticket, at=now + seconds)
+        now += 2.0
+    assert [ledger.rates.line(r) for r in range(4)] == [None] * 4
+    assert ledger.rates.rate(3) == pytest.approx(1_000, rel=0.06)
+    assert [ledger.rates.rate(r) for r in range(3)] == [10_000] * 3
