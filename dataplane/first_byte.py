@@ -57,16 +57,9 @@ HEALTH_PATH = "/health"  # vLLM's, SGLang's and kvroute-sim's
 NEVER = float("-inf")
 
 
-class Silence:
-    """A whole request waiting for its answer: it moves once its replica has been silent
-    for ``deadline_s`` since ``since`` (its sending, or a later sign of life)."""
-
-    __slots__ = ("deadline_s", "endpoint", "since")
-
-    def __init__(self, endpoint: Endpoint, since: float, deadline_s: float) -> None:
-        self.endpoint = endpoint
-        self.since = since
-        self.deadline_s = deadline_s
+# a whole request waiting for its answer: it moves once its replica has been silent for
+# its deadline (seconds) since its sending (clock) or a later sign of life
+Silence = tuple[Endpoint, float, float]  # (endpoint, sent, deadline_s)
 
 
 class FirstByteDeadlines:
@@ -137,7 +130,7 @@ class FirstByteDeadlines:
         :meth:`end` once it stops waiting."""
         task = asyncio.current_task()
         assert task is not None
-        self._whole[task] = Silence(endpoint, self._clock(), deadline_s)
+        self._whole[task] = (endpoint, self._clock(), deadline_s)
         return task
 
     def end(self, task: asyncio.Task[Any]) -> bool:
@@ -176,16 +169,13 @@ class FirstByteDeadlines:
         replicas silent for half a request's deadline whether they are alive."""
         heard = self._heard
         late = []
-        for task, silence in self._whole.items():
-            replica_id = silence.endpoint.replica_id
-            since = max(silence.since, heard.get(replica_id, silence.since))
-            if now >= since + silence.deadline_s:
+        for task, (endpoint, sent, deadline_s) in self._whole.items():
+            replica_id = endpoint.replica_id
+            since = max(sent, heard.get(replica_id, sent))
+            if now >= since + deadline_s:
                 late.append(task)
-            elif (
-                now >= since + silence.deadline_s / 2
-                and self._asked.get(replica_id, NEVER) <= since
-            ):  # half its deadline heard nothing, and no probe out since
-                self._probe(silence.endpoint, now)
+            elif now >= since + deadline_s / 2 and self._asked.get(replica_id, NEVER) <= since:
+                self._probe(endpoint, now)  # half its deadline silent, and no probe out since
         for task in late:
             del self._whole[task]
             self._expire(task)
