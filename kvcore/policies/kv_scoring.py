@@ -391,12 +391,22 @@ class KvScoringPolicy:
         share, with at least ``HOT_MIN_REQUESTS`` of the fleet's requests lately behind
         that share, :func:`fleet_per_request`) and ``chosen`` has more than
         ``hot_prefix_gap`` requests beyond the least busy usable replica, to
-        :meth:`hot_target`."""
+        :meth:`hot_target`.
+
+        A prefix's share counts every request that contains it as far as the residency
+        map shows: the prefix ``chosen`` holds, and each shorter one another replica's
+        run ends at (a chat's system prompt under each conversation's history). Counted
+        only where a holder's run ended, a system prompt every request starts with drew
+        just the conversations' first turns, a fifth of a five-turn chat's requests, and
+        was never hot: the replicas that held it first kept every new conversation."""
         gap, fleet = self.workload.hot_prefix_gap, state.replicas()
         held = runs.get(chosen.ordinal, 0)
         if gap is None or not held:
             return None
-        hot = self._heat.share(ctx.block_keys[held - 1], ctx.now)
+        heat, keys, now = self._heat, ctx.block_keys, ctx.now
+        for shorter in {n for n in runs.values() if 0 < n < held}:
+            heat.share(keys[shorter - 1], now)  # a prefix this prompt shares with others
+        hot = heat.share(keys[held - 1], now)
         if hot * len(fleet) < HOT_REPLICAS or chosen.requests <= gap:
             return None  # not hot even were every replica usable, or no gap to close
         if self._heat.lately(ctx.now) * fleet_per_request(state, fleet) < HOT_MIN_REQUESTS:

@@ -223,6 +223,16 @@ class KvCostWorkload(_KvSettings):
         description="Prefill rate assumed for a replica that does not report its own (also "
         "how fast a replica is assumed to work through the prefill a proxy sent it).",
     )
+    hot_prefix_gap: int | None = Field(
+        0,
+        ge=0,
+        description="As kv_aware's, but the replica that takes a hot prefix is the "
+        "cheapest by this score with the prefix counted as held by every usable replica "
+        "(the holder keeps it when it is cheapest): 0, the default, counts a hot prefix "
+        "as held everywhere as soon as its holder has any request beyond the least busy "
+        "replica, since its prefill saving is no reason to prefer the replicas that "
+        "happened to receive it first. null: off.",
+    )
     queued_request_tokens: int = Field(
         1024,
         ge=0,

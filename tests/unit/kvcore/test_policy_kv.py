@@ -620,6 +620,52 @@ def test_a_router_among_several_counts_the_fleets_requests_behind_a_share() -> N
         assert decision.replica_id == expected, inflight
 
 
+SYSTEM = list(range(100, 164))  # a chat app's system prompt: four blocks
+
+
+def _chat_turn(conversation: int) -> list[int]:
+    """A turn of ``conversation``: the system prompt, then its own history (four blocks)."""
+    return SYSTEM + [10_000 * (conversation + 1) + t for t in range(64)]
+
+
+def test_a_system_prompt_under_every_conversations_history_is_hot() -> None:
+    """A chat app's follow-ups extend each conversation's own history, held by the
+    replica that served it, and every other replica holding the system prompt ends its
+    run there: the system prompt is in every request, and hot. Counted only where the
+    chosen holder's run ended, it drew a new conversation's turns alone and was never
+    hot: behind several proxies the replicas that received it first kept every new
+    conversation while a fourth served none. kv_cost (hot_prefix_gap 0) now gives a new
+    conversation to an idle replica once the holders have a request more."""
+    workload = KvCostWorkload()
+    policy = create_policy(workload, rng=random.Random(3))
+    two = [ReplicaState(0, "holder"), ReplicaState(1, "other")]
+    for i in range(40):  # follow-ups: replica 0 holds the history, replica 1 the prompt
+        turn = _chat_turn(i % 5)
+        view = StaticStateView(two, residency_known=True)
+        keys = context(workload, turn).block_keys
+        view.index.add(0, keys)
+        view.index.add(1, keys[:4])
+        assert policy.select(context(workload, turn, now=1.0 + i / 100), view).replica_id
+    fleet = [ReplicaState(0, "holder", running=1), ReplicaState(1, "other", running=1)]
+    fleet += [ReplicaState(i, f"idle{i}") for i in (2, 3)]
+    view = StaticStateView(fleet, residency_known=True)
+    opening = _chat_turn(99)  # a new conversation: only the system prompt is held
+    for ordinal in (0, 1):
+        view.index.add(ordinal, context(workload, opening).block_keys[:4])
+    decision = policy.select(context(workload, opening, now=1.5), view)
+    assert decision.replica_id.startswith("idle")
+    assert decision.note.startswith("hot prefix (100% of recent requests)"), decision.note
+
+
+def test_kv_cost_counts_a_hot_prefix_as_held_everywhere_from_one_request_beyond() -> None:
+    """kv_cost's hot_prefix_gap is 0: a hot prefix's holder one request busier than an
+    idle replica loses the request to it (the cheapest, the prefix counted as held by
+    each); kv_aware's gap (4) keeps it."""
+    assert _hot_choice([PROMPT], 40, 1, KvCostWorkload()).replica_id.startswith("idle")
+    assert _hot_choice([PROMPT], 40, 0, KvCostWorkload()).replica_id == "holder"
+    assert _hot_choice([PROMPT], 40, 1, KvAwareWorkload()).replica_id == "holder"
+
+
 def test_prefix_heat_forgets_by_half_life_and_stays_bounded() -> None:
     heat = PrefixHeat(half_life_s=10.0, keys=64)
 
