@@ -1,9 +1,10 @@
 """kvroute's own strategies in the simulator: the real ``kvcore.policies`` code.
 
 A :class:`KvrouteRouter` is one proxy: it builds ``ReplicaState`` rows the way the proxy
-does (engine-reported running, waiting and KV usage from the last load sample, plus its
-own requests still in flight that were sent after that sample, from an
-``InflightLedger``, as ``unreported``) and keeps them on a ``ReplicaBoard`` (one row
+does (engine-reported running, waiting and KV usage from the last load sample, less its
+own requests that sample counted and that have ended since, plus its own requests still
+in flight that were sent after that sample, from an ``InflightLedger``, as
+``unreported``) and keeps them on a ``ReplicaBoard`` (one row
 replaced per change, so a decision need not visit every replica), keeps its own copy of the
 residency map in a ``kvcore.index.BitmaskResidencyIndex`` fed by the engines' events,
 calls ``create_policy(workload).select(ctx, view)`` and records the decision's
@@ -33,6 +34,7 @@ from kvcore.policies import (
     create_policy,
 )
 from kvcore.policies.board import ReplicaBoard
+from kvcore.policies.inflight import discount_ended
 from kvcore.workload import STRATEGIES, KvCostWorkload, Workload, parse_workload
 
 MODEL = "sim-model"
@@ -119,14 +121,17 @@ class KvrouteRouter:
         self._next_expiry = 1.0
 
     def _state(self, ordinal: int) -> ReplicaState:
-        sample = self.fleet.samples[ordinal]
+        sample, ledger, taken_at = self.fleet.samples[ordinal], self._ledger, self._taken_at
+        running, waiting, kv_usage = discount_ended(
+            sample.running, sample.waiting, sample.kv_usage, ledger.ended(ordinal, taken_at)
+        )
         return ReplicaState(
             ordinal,
             f"replica-{ordinal}",
-            running=sample.running,
-            waiting=sample.waiting,
-            kv_usage=sample.kv_usage,
-            unreported=self._ledger.unreported(ordinal, self._taken_at),
+            running=running,
+            waiting=waiting,
+            kv_usage=kv_usage,
+            unreported=ledger.unreported(ordinal, taken_at),
             capacity=self.shape.max_num_seqs,
             prefill_tokens_per_s=self._prefill_rate(ordinal),
             queued_prefill_tokens=self._queued_prefill(ordinal),
@@ -212,7 +217,7 @@ class KvrouteRouter:
             self.board.put(self._state(req.replica))
 
     def on_finished(self, req: Request, now: float) -> None:
-        self._ledger.done(req.replica, self._tickets.pop(req.rid))
+        self._ledger.done(req.replica, self._tickets.pop(req.rid), now)
         self.board.put(self._state(req.replica))
 
 

@@ -11,6 +11,7 @@ renumbering the replicas still settles on the right one.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from mypy_extensions import mypyc_attr
@@ -89,11 +90,12 @@ class Inflight:
             books.answered(key, ticket.prefill_later, status, streaming)
         self._refresh(ticket)
 
-    def on_done(self, ticket: InflightTicket | None) -> None:
-        """The request of ``ticket`` ended, in any way (twice: ignored)."""
+    def on_done(self, ticket: InflightTicket | None, now: float | None = None) -> None:
+        """The request of ``ticket`` ended, in any way (twice: ignored), at ``now`` (wall
+        clock, like LoadReport.ts; default: now)."""
         if ticket is None:
             return
-        self._ledger.done(ticket.ledger_key, ticket.ticket)
+        self._ledger.done(ticket.ledger_key, ticket.ticket, time.time() if now is None else now)
         if ticket.prefill:
             self._books.ended(ticket.ledger_key, ticket.prefill)
         if ticket.prefill_later:

@@ -31,6 +31,7 @@ class ReplicaRecord:
     served: frozenset[str] = frozenset()  # model, served names and the model's aliases
     endpoint: Endpoint | None = None  # built on first use (info's fields, not its load)
     state: ReplicaState | None = None  # the routable state last built from this record
+    ended: int = 0  # of this proxy's requests the report counts, those ended (in ``state``)
 
 
 class ReplicaTable:

@@ -8,8 +8,12 @@ replica's counts are back to what its state shows (checked when a request ends, 
 next request's critical path, unless prefill books drain with time); a membership or
 config change drops the views.
 
-A replica's load is the engine's last report plus this proxy's requests sent after
-that report (:class:`~kvcore.policies.InflightLedger`), so nothing is counted twice.
+A replica's load is the engine's last report, less this proxy's requests it counted
+that have ended since, plus this proxy's requests sent after it
+(:class:`~kvcore.policies.InflightLedger`, :func:`~kvcore.policies.inflight.discount_ended`):
+nothing is counted twice, and no proxy reads the replica its own requests just left as
+busy as the report said up to a report period ago (behind several proxies each sent its
+next new prompt to the replica the same stale report showed least busy).
 While a ``kv_cost`` workload is configured, its queued prefill is this proxy's own
 books (:mod:`dataplane.fleet.prefill_books`), re-aged as routing reads the fleet.
 """
@@ -25,10 +29,12 @@ from dataplane.fleet.prefill_books import PrefillBooks
 from dataplane.fleet.replicas import HEALTHY, ReplicaRecord, ReplicaTable
 from kvcore.policies import InflightLedger, ReplicaState
 from kvcore.policies.board import ReplicaBoard
+from kvcore.policies.inflight import discount_ended
 
 DEFAULT_CAPACITY = 256  # a replica that does not announce max_num_seqs
 
-_Counts = tuple[int, float | None, float | None]  # unreported, queued prefill, prefill rate
+# unreported, reported and ended since, queued prefill, prefill rate
+_Counts = tuple[int, int, float | None, float | None]
 
 
 class FleetView:
@@ -143,30 +149,38 @@ class ViewCache:
         current = self.table.states.get(ordinal)
         if current is None:
             return
+        key, ts, ledger = record.ledger_key, record.report_ts, self._ledger
         if self._books.on or ordinal in self._reloaded:
             self._dirty.add(ordinal)
-        elif self._ledger.unreported(record.ledger_key, record.report_ts) == current.unreported:
+        elif (ledger.unreported(key, ts), ledger.ended(key, ts)) == (
+            current.unreported,
+            record.ended,
+        ):
             self._dirty.discard(ordinal)  # what _flush would find: nothing to rebuild
         else:
             self._dirty.add(ordinal)
 
     def _counts(self, record: ReplicaRecord) -> _Counts:
-        """This proxy's own figures for a replica: unreported requests, queued prefill,
-        its prefill rate as the books learned it."""
-        key, books = record.ledger_key, self._books
-        unreported = self._ledger.unreported(key, record.report_ts)
-        return unreported, books.queued(record.info.ordinal, key), books.rate(key)
+        """This proxy's own figures for a replica: unreported requests, reported ones
+        ended since, queued prefill, its prefill rate as the books learned it."""
+        key, books, ledger, ts = record.ledger_key, self._books, self._ledger, record.report_ts
+        unreported, ended = ledger.unreported(key, ts), ledger.ended(key, ts)
+        return unreported, ended, books.queued(record.info.ordinal, key), books.rate(key)
 
     def _replica_state(self, record: ReplicaRecord, counts: _Counts | None = None) -> ReplicaState:
         info, load = record.info, record.info.load
-        unreported, queued, rate = counts or self._counts(record)
+        unreported, ended, queued, rate = counts or self._counts(record)
+        running, waiting, kv_usage = discount_ended(
+            load.running, load.waiting, load.kv_usage, ended
+        )
+        record.ended = ended
         return ReplicaState(
             ordinal=info.ordinal,
             replica_id=info.replica_id,
             models=record.served,
-            running=load.running,
-            waiting=load.waiting,
-            kv_usage=load.kv_usage,
+            running=running,
+            waiting=waiting,
+            kv_usage=kv_usage,
             unreported=unreported,
             capacity=info.capacity_seqs or DEFAULT_CAPACITY,
             prefill_tokens_per_s=rate,
@@ -189,17 +203,19 @@ class ViewCache:
             if record is None:  # leaving, in a delta not yet applied to its end
                 continue
             counts = self._counts(record)
+            unreported, ended, queued, rate = counts
             current = states[ordinal]
             if ordinal not in self._reloaded and counts == (
                 current.unreported,
+                record.ended,
                 current.queued_prefill_tokens,
                 current.prefill_tokens_per_s,
             ):
                 continue
-            if ordinal in self._reloaded or record.state is not current:
+            if ordinal in self._reloaded or record.state is not current or ended != record.ended:
                 state = self._replica_state(record, counts)
             else:  # only this proxy's counts changed: the rest is the current state's
-                state = _recounted(current, *counts)
+                state = _recounted(current, unreported, queued, rate)
             states[ordinal] = record.state = state
             for view in self._views.values():
                 view._replace(state)

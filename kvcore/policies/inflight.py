@@ -26,6 +26,17 @@ they reach it; a queue left mostly finished behind a long request is compacted w
 holds more than twice its live entries, so memory stays proportional to the requests in
 flight and every call is amortised O(1). A report time that moves backwards (a restarted
 sidecar) recounts that replica once.
+
+The other way round, the report still counts this proxy's requests that have ended
+since it was taken: ``ledger.done(r, ticket, at)`` with the end time, and
+``ledger.ended(r, report_ts)`` says how many of the requests the report counted (sent at
+or before ``report_ts``) ended after it; :func:`discount_ended` takes them out of the
+report's figures. Without it a proxy sees the replica its last requests left as busy as
+the report says until the next one, up to a report period later: behind several proxies
+each one then sends its next new prompt to the replica every proxy reads as least busy
+from the same report, and they pile up there (issue #39: four replicas serving 40/60/
+55/85 requests of a chat app behind eight proxies). Ends are kept, in end order, only
+until a report newer than them arrives (at most ``_ENDED_KEPT`` a replica).
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ from dataclasses import dataclass, field
 from itertools import count
 
 _SLACK = 32  # finished entries a queue may keep before compaction is considered
+_ENDED_KEPT = 4096  # ends a replica keeps while no newer report arrives (oldest dropped)
 
 
 @dataclass(slots=True)
@@ -48,6 +60,10 @@ class _ReplicaLedger:
     watermark: float = -math.inf
     unreported: int = 0  # in-flight requests sent after ``watermark``
     latest: float = -math.inf  # send times are kept non-decreasing
+    # (sent, ended) of the requests that ended after ``watermark``, in end order
+    ends: deque[tuple[float, float]] = field(default_factory=deque)
+    gone: int = 0  # of ``ends``, those sent at or before ``watermark``: reported, ended
+    last_end: float = -math.inf  # end times are kept non-decreasing
 
     def sent(self, ticket: int, at: float) -> None:
         at = self.latest = max(at, self.latest)
@@ -56,13 +72,28 @@ class _ReplicaLedger:
             self.after.append((ticket, at))
             self.unreported += 1
 
-    def done(self, ticket: int) -> None:
-        at = self.sent_at.pop(ticket, None)
-        if at is None:
+    def done(self, ticket: int, at: float | None) -> None:
+        sent = self.sent_at.pop(ticket, None)
+        if sent is None:
             return
-        if at > self.watermark:
+        if sent > self.watermark:
             self.unreported -= 1
+        if at is not None:
+            self._ended(sent, at)
         self._trim()
+
+    def _ended(self, sent: float, at: float) -> None:
+        at = self.last_end = max(at, self.last_end, sent)
+        if at <= self.watermark:
+            return  # ended before the report was taken: the report left it out
+        ends = self.ends
+        ends.append((sent, at))
+        if sent <= self.watermark:
+            self.gone += 1
+        if len(ends) > _ENDED_KEPT:
+            first_sent, _ = ends.popleft()
+            if first_sent <= self.watermark:
+                self.gone -= 1
 
     def count_after(self, ts: float) -> int:
         if ts > self.watermark:
@@ -71,6 +102,11 @@ class _ReplicaLedger:
             self._recount(ts)
         return self.unreported
 
+    def ended_after(self, ts: float) -> int:
+        if ts != self.watermark:
+            self.count_after(ts)
+        return self.gone
+
     def _advance(self, ts: float) -> None:
         after, sent_at = self.after, self.sent_at
         while after and after[0][1] <= ts:
@@ -78,11 +114,21 @@ class _ReplicaLedger:
             if ticket in sent_at:
                 self.unreported -= 1
         self.watermark = ts
+        self._recount_ends(ts)
 
     def _recount(self, ts: float) -> None:
         self.after = deque((t, at) for t, at in self.sent_at.items() if at > ts)
         self.unreported = len(self.after)
         self.watermark = ts
+        self._recount_ends(ts)
+
+    def _recount_ends(self, ts: float) -> None:
+        """``gone`` for a report taken at ``ts``: the ends kept after it of requests
+        sent at or before it (a report walks forward: each end is dropped once)."""
+        ends = self.ends
+        while ends and ends[0][1] <= ts:
+            ends.popleft()
+        self.gone = sum(1 for sent, _ in ends if sent <= ts) if ends else 0
 
     def _trim(self) -> None:
         after, sent_at = self.after, self.sent_at
@@ -111,17 +157,25 @@ class InflightLedger:
         ledger.sent(ticket, at)
         return ticket
 
-    def done(self, replica: int, ticket: int) -> None:
-        """The request of ``ticket`` ended (in any way); unknown tickets are ignored."""
+    def done(self, replica: int, ticket: int, at: float | None = None) -> None:
+        """The request of ``ticket`` ended (in any way) at ``at`` (the clock of
+        :meth:`sent`; ``None``: not known, then :meth:`ended` leaves it out); unknown
+        tickets are ignored."""
         ledger = self._replicas.get(replica)
         if ledger is not None:
-            ledger.done(ticket)
+            ledger.done(ticket, at)
 
     def unreported(self, replica: int, report_ts: float = -math.inf) -> int:
         """Requests to ``replica`` still in flight that were sent after ``report_ts``,
         the time of the engine's latest load report (``-inf``: none yet)."""
         ledger = self._replicas.get(replica)
         return 0 if ledger is None else ledger.count_after(report_ts)
+
+    def ended(self, replica: int, report_ts: float = -math.inf) -> int:
+        """Requests to ``replica`` the report taken at ``report_ts`` counts (sent at or
+        before it) that have ended since; 0 without a report."""
+        ledger = self._replicas.get(replica)
+        return 0 if ledger is None else ledger.ended_after(report_ts)
 
     def inflight(self, replica: int) -> int:
         """Every request to ``replica`` still in flight, reported or not."""
@@ -135,3 +189,21 @@ class InflightLedger:
     def forget(self, replica: int) -> None:
         """Drop ``replica``'s requests (it left the fleet; its ordinal may be reused)."""
         self._replicas.pop(replica, None)
+
+
+def discount_ended(
+    running: int, waiting: int, kv_usage: float, ended: int
+) -> tuple[int, int, float]:
+    """An engine's reported ``running``, ``waiting`` and ``kv_usage`` less ``ended`` of
+    the requests they count (:meth:`InflightLedger.ended`). The engine admits a waiting
+    request into the room one that ends leaves, so the ended ones come out of the
+    waiting figure first (the running ones and their KV stay as they were), and only
+    beyond it out of the running ones and the KV usage, each by its running request's
+    share of it (a request's blocks are not known, the replica's mean is)."""
+    if ended <= 0:
+        return running, waiting, kv_usage
+    from_waiting = min(ended, waiting)
+    from_running = min(ended - from_waiting, running)
+    if from_running:
+        kv_usage *= (running - from_running) / running
+    return running - from_running, waiting - from_waiting, kv_usage

@@ -326,11 +326,33 @@ def test_requests_sent_after_the_engines_report_count_once() -> None:
     after = [state.inflight.on_sent(0, 101.0) for _ in range(6)]
     assert state.views.view(MODEL).replicas()[0].requests == 16
     for ticket in after[:2] + before:
-        state.inflight.on_done(ticket)
-    state.inflight.on_done(after[0])  # twice: ignored
-    assert state.views.view(MODEL).replicas()[0].requests == 14
+        state.inflight.on_done(ticket, 101.5)
+    state.inflight.on_done(after[0], 101.6)  # twice: ignored
+    # the report's 10 less the 4 it counted that have ended since, and 4 sent after it
+    assert state.views.view(MODEL).replicas()[0].requests == 10
     state.apply(delta(1, 2, loads=[{"ordinal": 0, "load": load(12, 0, ts=102.0)}]))
     assert state.views.view(MODEL).replicas()[0].requests == 12  # the report now includes them
+
+
+def test_requests_the_report_counted_that_have_ended_are_taken_out_of_it() -> None:
+    """The engine's report still counts this proxy's requests that ended after it was
+    taken: they leave its running figure and their share of its KV usage, so the proxy
+    does not read the replica its requests just left as busy as a report period ago (each
+    of several proxies then sent its next new prompt to the replica the same stale report
+    showed least busy). A request that ended before the report was taken is not in it."""
+    state = fleet()
+    report = replica(0)
+    report.load.CopyFrom(load(4, 0, ts=100.0, kv_usage=0.4))
+    apply_all(state, snapshot(1, 1, [report, replica(1)]))
+    early = state.inflight.on_sent(0, 98.0)
+    state.inflight.on_done(early, 99.5)  # ended before the report: the report left it out
+    counted = [state.inflight.on_sent(0, 99.0) for _ in range(2)]
+    state.views.view(MODEL).replicas()
+    state.inflight.on_done(counted[0], 100.2)
+    row = state.views.view(MODEL).replicas()[0]
+    assert (row.running, row.requests, row.kv_usage) == (3, 3, pytest.approx(0.3))
+    state.apply(delta(1, 2, loads=[{"ordinal": 0, "load": load(1, 0, ts=100.5)}]))
+    assert state.views.view(MODEL).replicas()[0].running == 1  # the new report has it right
 
 
 def test_a_ticket_survives_a_snapshot_that_renumbers_replicas() -> None:
@@ -416,7 +438,8 @@ def test_states_rebuilt_from_the_current_state_equal_states_rebuilt_from_the_rec
                     tickets[state][op[1] % len(tickets[state])], 200, False
                 )
             elif kind == "done" and tickets[state]:
-                state.inflight.on_done(tickets[state].pop(op[1] % len(tickets[state])))
+                ticket = tickets[state].pop(op[1] % len(tickets[state]))
+                state.inflight.on_done(ticket, 100.0 + version)
             elif kind == "report":
                 report = load(op[2], 0, ts=100.0 + version - 0.5)
                 state.apply(delta(1, version, loads=[{"ordinal": op[1], "load": report}]))
@@ -443,6 +466,7 @@ class RebuildingViews(ViewCache):
             current = states[ordinal]
             if ordinal not in self._reloaded and counts == (
                 current.unreported,
+                record.ended,
                 current.queued_prefill_tokens,
                 current.prefill_tokens_per_s,
             ):

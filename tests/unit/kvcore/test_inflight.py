@@ -6,11 +6,12 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcore.policies import InflightLedger, ReplicaState, StaticStateView, create_policy
-from kvcore.policies.inflight import _SLACK
+from kvcore.policies.inflight import _SLACK, discount_ended
 from kvcore.workload import KvAwareWorkload
 from tests.unit.kvcore.policy_helpers import context
 
@@ -153,3 +154,45 @@ def test_total_counts_every_replicas_requests_in_flight() -> None:
     ledger.done(0, a)
     ledger.forget(3)
     assert ledger.total() == 0
+
+
+def test_requests_the_report_counted_that_ended_since_are_known() -> None:
+    """The report at ts=10 counts the requests sent by then that had not ended by then;
+    of those, the ones ended after it are ``ended`` until a report taken after their end
+    arrives (it no longer counts them)."""
+    ledger = InflightLedger()
+    early, a, b = (ledger.sent(0, at) for at in (8.0, 9.0, 9.5))
+    late = ledger.sent(0, 10.5)  # sent after the report: unreported, never ``ended``
+    ledger.done(0, early, 9.9)  # ended before the report was taken: not in it
+    assert (ledger.unreported(0, 10.0), ledger.ended(0, 10.0)) == (1, 0)
+    ledger.done(0, a, 10.2)
+    ledger.done(0, late, 10.7)
+    ledger.done(0, a, 10.8)  # twice: ignored
+    assert (ledger.unreported(0, 10.0), ledger.ended(0, 10.0)) == (0, 1)
+    ledger.done(0, b)  # an end without its time: left out
+    assert ledger.ended(0, 10.0) == 1
+    assert ledger.ended(0, 10.6) == 1  # a report at 10.6 no longer counts ``a``; ``late``
+    assert ledger.ended(0, 10.8) == 0  # ... ended after it, a report at 10.8 neither
+    assert ledger.ended(0, 10.0) == 0  # their ends were dropped: a report walks forward
+    assert ledger.ended(5) == 0 and ledger.inflight(0) == 0
+
+
+def test_a_replica_keeps_a_bounded_number_of_ends_without_reports() -> None:
+    ledger = InflightLedger()
+    tickets = [ledger.sent(0, 1.0) for _ in range(5000)]
+    assert ledger.ended(0, 2.0) == 0
+    for ticket in tickets:
+        ledger.done(0, ticket, 3.0)
+    assert ledger.ended(0, 2.0) == 4096  # the oldest ends dropped beyond the bound
+
+
+def test_ended_requests_leave_the_reports_figures_as_the_engine_refills_them() -> None:
+    """An ended request's room goes to a waiting one if any (the waiting figure drops,
+    the running one and the KV usage stay); else it leaves the running figure and its
+    share of the KV usage."""
+    assert discount_ended(4, 0, 0.4, 1) == (3, 0, pytest.approx(0.3))
+    assert discount_ended(4, 3, 0.9, 2) == (4, 1, 0.9)  # two waiting took their room
+    assert discount_ended(4, 1, 0.8, 2) == (3, 0, pytest.approx(0.6))
+    assert discount_ended(2, 0, 0.5, 5) == (0, 0, 0.0)  # never below nothing
+    assert discount_ended(0, 0, 0.2, 3) == (0, 0, 0.2)  # a report of nothing: as it is
+    assert discount_ended(3, 1, 0.6, 0) == (3, 1, 0.6)
