@@ -263,7 +263,10 @@ class Simulation:
         if too_large(req, self.config.shape):
             self.rejected += 1
             return
-        router = self.routers[len(self.requests) % len(self.routers)]
+        # behind the round-robin L4 balancer: a client's keep-alive connection stays on
+        # the router it was given; a request of its own is the next connection
+        turn = len(self.requests) if req.client is None else req.client
+        router = self.routers[turn % len(self.routers)]
         started = time.perf_counter()
         ordinal = router.route(req, now)
         self._decide_s += time.perf_counter() - started

@@ -53,6 +53,7 @@ class Request:
     session: str | None = None
     seq_keys: Sequence[int] = ()  # full-block keys of prompt + answer (multi-turn history)
     turn: int = 0
+    client: int | None = None  # the client connection it came on (None: a request of its own)
     # outcome
     replica: int = -1
     cached_tokens: int = 0
@@ -375,3 +376,70 @@ def oracle_hit_rate(requests: Sequence[Request], block_size: int) -> float:
         total += req.prompt_tokens
         seen.update(req.seq_keys or req.keys)
     return hit / total if total else 0.0
+
+
+@dataclass
+class ChatClients:
+    """``bench.e2e``'s chat workload (:class:`bench.e2e.chat.ChatWorkload`) as its clients
+    send it: ``clients`` clients, each on one keep-alive connection, take conversations
+    from one queue; a conversation's next turn is sent the moment its last answered, and
+    a client starts its next conversation the moment its last ends. Every conversation
+    opens with one shared system prompt and a long first message of its own, then asks
+    short follow-ups, each prompt the whole history. Requests carry their client, so a
+    balancer in front of several routers keeps each client on one router
+    (:class:`~bench.sim.simulator.Simulation`), as an L4 balancer keeps a connection."""
+
+    conversations: int = 48
+    turns: int = 5
+    clients: int = 8
+    system_tokens: int = 208  # the e2e's ~200-token system prompt as the template makes it
+    opening_tokens: int = 608
+    followup_tokens: int = 72  # the new question and the fixed reply before it
+    output_tokens: int = 8
+    pause_s: float = 0.0  # mean (exponential) between an answer and the client's next send
+    block_size: int = 16
+    seed: int = 1
+    name: str = "chat_clients"
+    _rng: random.Random = field(init=False, repr=False)
+    _space: KeySpace = field(init=False, repr=False)
+    _queue: Iterator[int] = field(init=False, repr=False)
+    _rids: Iterator[int] = field(init=False, repr=False)
+    _system: list[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+        self._space = KeySpace(self.seed)
+        self._queue = iter(range(self.conversations))
+        self._rids = itertools.count()
+        self._system = chained(self.seed, 1 << 42, self.system_tokens // self.block_size)
+
+    def arrivals(self) -> Iterator[Request]:
+        for client in range(self.clients):
+            request = self._open(client, 0.0)
+            if request is not None:
+                yield request
+
+    def follow_up(self, done: Request, now: float) -> Request | None:
+        assert done.client is not None and done.session is not None
+        if self.pause_s > 0:
+            now += self._rng.expovariate(1 / self.pause_s)
+        if done.turn + 1 >= self.turns:
+            return self._open(done.client, now)
+        prompt = done.prompt_tokens + done.output_tokens + self.followup_tokens
+        return self._request(done.client, done.session, done.turn + 1, now, done.seq_keys, prompt)
+
+    def _open(self, client: int, at: float) -> Request | None:
+        conversation = next(self._queue, None)
+        if conversation is None:
+            return None
+        prompt = self.system_tokens + self.opening_tokens
+        return self._request(client, f"c{conversation}", 0, at, self._system, prompt)
+
+    def _request(
+        self, client: int, session: str, turn: int, at: float, history: Sequence[int], prompt: int
+    ) -> Request:
+        bs = self.block_size
+        keys = list(history) + self._space.fresh(prompt // bs - len(history))
+        seq_keys = keys + self._space.fresh((prompt + self.output_tokens) // bs - len(keys))
+        rid = next(self._rids)
+        return Request(rid, at, keys, prompt, self.output_tokens, session, seq_keys, turn, client)
