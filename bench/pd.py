@@ -330,11 +330,17 @@ def main(argv: Sequence[str] | None = None, prog: str = "kvroute bench pd") -> i
     return 1 if lost else 0
 
 
+E2E_ARGV = ("--peers", "--time-scale", "1", "--groups", "16", "--prompts-per-group", "8")
+
+
 def e2e(out: Path) -> int:
-    """``kvroute bench e2e --pd``: both protocols with the peers, into ``out``."""
+    """``kvroute bench e2e --pd``: both protocols with the peers, into ``out``; in real
+    time (a miss costs its modelled prefill, as in ``bench e2e``) and with more shared
+    prefixes than the prefill replicas can hold, so the prefill pick decides what stays
+    cached."""
     status = 0
     for protocol in ("vllm", "sglang"):
-        argv = ["--event-format", protocol, "--peers", "--out", str(out)]
+        argv = [*E2E_ARGV, "--event-format", protocol, "--out", str(out)]
         status |= main(argv, prog="kvroute bench e2e --pd")
     return status
 

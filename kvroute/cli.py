@@ -38,7 +38,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "epp": ("bench.epp:main", "kvroute-epp's pick latency and held streams, as Envoy drives it"),
     "pd": (
         "bench.pd:main",
-        "disaggregated prefill/decode: kv_cost vs round-robin prefill, colocated",
+        "disaggregated prefill/decode: kv_cost vs round-robin prefill, the peers, colocated",
     ),
     "controlplane": (
         "bench.controlplane.__main__:main",
