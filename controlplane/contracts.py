@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from kvcore.pb import routing_pb2
 from kvcore.policies import StateView
@@ -55,6 +55,9 @@ class ReplicaInfo:
     bootstrap_port: int = 0  # an SGLang prefill server's bootstrap server; 0: none
     # the LoRA adapters the engine has loaded: name -> the path it was loaded from
     lora_adapters: dict[str, str] = field(default_factory=dict)
+    # the leader's warm-up of the replica, running or last (controlplane.fleet.warmup):
+    # warming, prefixes pending, and per workload planned/sent/confirmed/failed/outcome
+    warmup: dict[str, Any] | None = None
 
     @property
     def hit_rate(self) -> float | None:

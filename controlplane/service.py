@@ -30,6 +30,8 @@ from controlplane.fleet.ingest import Ingest
 from controlplane.fleet.leadership import Leadership
 from controlplane.fleet.metrics import FleetCollector
 from controlplane.fleet.routing_server import RoutingStateService, start_server
+from controlplane.fleet.warmup import Warmer, WarmupCollector, workloads_of
+from controlplane.fleet.warmup_client import EngineCompletions
 from controlplane.settings import ControlPlaneSettings
 from kvcore.pb import routing_pb2
 from kvruntime.sockets import bind_tcp
@@ -75,6 +77,18 @@ class CountingSink:
     async def record(self, report: routing_pb2.ProxyReport) -> None:
         self.received.append(report)
         del self.received[:-100]
+
+
+class WarmupTee:
+    """The records' :class:`ReportSink`, with each report's hot prefixes also given to
+    the warm-up."""
+
+    def __init__(self, sink: ReportSink, hot: Callable[[routing_pb2.ProxyReport], None]) -> None:
+        self._sink, self._hot = sink, hot
+
+    async def record(self, report: routing_pb2.ProxyReport) -> None:
+        self._hot(report)
+        await self._sink.record(report)
 
 
 class FleetOnlyRecords:
@@ -126,8 +140,18 @@ class ControlPlane:
         )
         self.ingest = Ingest(settings, self.fleet)
         self.leadership = Leadership(settings, self.etcd, self.fleet)
+        self.completions = EngineCompletions()
+        self.warmer = Warmer(
+            self.fleet,
+            lambda: workloads_of(self.records.config.current()),
+            self.leadership.is_leader,
+            self.completions.send,
+        )
         self.view = LiveFleetView(
-            self.fleet, drains=self.leadership, is_leader=self.leadership.is_leader
+            self.fleet,
+            drains=self.leadership,
+            is_leader=self.leadership.is_leader,
+            warmup=self.warmer.state_of,
         )
         self.records = records(settings, self.etcd, self.view, self.registry)
         self.broadcaster: Broadcaster | None = None
@@ -146,6 +170,7 @@ class ControlPlane:
                 self.leadership.is_leader,
             )
         )
+        self.registry.register(WarmupCollector(self.warmer))
 
     @property
     def ready_line(self) -> str:
@@ -177,12 +202,14 @@ class ControlPlane:
             shards=self._shards,
         )
         self._tasks.spawn(self.broadcaster.run(), name="broadcast")
-        self.routing = RoutingStateService(self.broadcaster, self.records.reports, s.served_pools())
+        reports = WarmupTee(self.records.reports, self.warmer.on_report)
+        self.routing = RoutingStateService(self.broadcaster, reports, s.served_pools())
         try:
             self._grpc, self.grpc_port = await start_server(self.routing, s)
         except RuntimeError as exc:
             raise ServiceError(f"cannot serve gRPC on {s.grpc_host}:{s.grpc_port}: {exc}") from exc
         await self._start_admin()
+        await self.warmer.start()
 
     def admin_app(self) -> ASGIApp:
         """What the admin port serves: the records' app, with ``POST /mutate`` (sidecar
@@ -226,6 +253,8 @@ class ControlPlane:
         if self._grpc is not None:
             await self._grpc.stop(grace=0.5)
         await self._tasks.aclose()
+        await self.warmer.aclose()
+        await self.completions.aclose()
         if self._uvicorn is not None and self._uvicorn.started:
             await self._uvicorn.shutdown()
         await self.leadership.aclose()

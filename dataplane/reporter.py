@@ -47,6 +47,7 @@ COUNTERS = (
     "errors",
 )
 HealthSource = Callable[[], Iterable[routing_pb2.ModelHealth]]
+HotSource = Callable[[], Iterable[routing_pb2.HotPrefix]]
 
 
 class Reporter:
@@ -57,6 +58,7 @@ class Reporter:
         settings: ProxySettings,
         *,
         health: HealthSource = lambda: (),
+        hot: HotSource = lambda: (),
         max_pending: int = 60,
         send_timeout_s: float = 5.0,
         rng: random.Random | None = None,
@@ -70,6 +72,7 @@ class Reporter:
         self._interval_s = settings.report_interval_s
         self._credentials = credentials or channel_credentials(settings)
         self._health = health
+        self._hot = hot
         self._max_pending = max(2, max_pending)
         self._send_timeout_s = send_timeout_s
         self._counters: dict[RowKey, list[int]] = {}
@@ -129,11 +132,12 @@ class Reporter:
         now = time.time() if now is None else now
         counters, self._counters = self._counters, {}
         models = list(self._health())
+        hot = list(self._hot())
         interval, self._since = now - self._since, now
-        if not counters and not models:
+        if not counters and not models and not hot:
             return
         report = routing_pb2.ProxyReport(
-            proxy_id=self._proxy_id, ts=now, interval_s=interval, models=models
+            proxy_id=self._proxy_id, ts=now, interval_s=interval, models=models, hot_prefixes=hot
         )
         report.rows.extend(_row(key, values) for key, values in counters.items())
         self.pending.append(report)
@@ -198,7 +202,8 @@ def _row(key: RowKey, values: list[int]) -> routing_pb2.ReportRow:
 def merge_reports(
     older: routing_pb2.ProxyReport, newer: routing_pb2.ProxyReport
 ) -> routing_pb2.ProxyReport:
-    """One report covering both intervals: counters summed per row, the newer health."""
+    """One report covering both intervals: counters summed per row, the newer health and
+    hot prefixes."""
     sums: dict[RowKey, list[int]] = {}
     for row in (*older.rows, *newer.rows):
         values = sums.setdefault((row.workload, row.pool, row.replica_id), [0] * len(COUNTERS))
@@ -209,6 +214,7 @@ def merge_reports(
         ts=newer.ts,
         interval_s=older.interval_s + newer.interval_s,
         models=list(newer.models),
+        hot_prefixes=list(newer.hot_prefixes),
     )
     merged.rows.extend(_row(key, values) for key, values in sums.items())
     return merged

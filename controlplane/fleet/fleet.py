@@ -57,6 +57,9 @@ class ReplicaRecord:
     stream: ReplicaStream = field(default_factory=ReplicaStream)
     held: list[events_pb2.KvEventBatch] | None = None  # batches kept until a ResyncReply
     held_since: float = 0.0
+    # the keys of prefixes being warmed there, not confirmed yet (None: not warming;
+    # controlplane.fleet.warmup sets it on the leader)
+    warmup: frozenset[int] | None = None
 
     @property
     def announced(self) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from controlplane.contracts import (
     ReplicaInfo,
@@ -66,6 +66,9 @@ def replica_pb(record: ReplicaRecord) -> routing_pb2.Replica:
         msg.lora_adapters.update(announce.lora_adapters)
     if record.load is not None:
         msg.load.CopyFrom(record.load)
+    if record.warmup is not None:
+        msg.warmup.warming = True
+        msg.warmup.pending_keys.extend(sorted(record.warmup))
     return msg
 
 
@@ -85,7 +88,9 @@ def replica_state(record: ReplicaRecord) -> ReplicaState:
     )
 
 
-def replica_info(record: ReplicaRecord, resident_blocks: int) -> ReplicaInfo:
+def replica_info(
+    record: ReplicaRecord, resident_blocks: int, warmup: dict[str, Any] | None = None
+) -> ReplicaInfo:
     announce, load = record.announce, record.load
     return ReplicaInfo(
         replica_id=record.replica_id,
@@ -110,6 +115,7 @@ def replica_info(record: ReplicaRecord, resident_blocks: int) -> ReplicaInfo:
         role=role_name(announce.role) if announce else "both",
         bootstrap_port=announce.bootstrap_port if announce else 0,
         lora_adapters=dict(announce.lora_adapters) if announce else {},
+        warmup=warmup,
     )
 
 
@@ -122,16 +128,20 @@ class LiveFleetView:
         *,
         drains: DrainStore | None = None,
         is_leader: Callable[[], bool] = lambda: False,
+        warmup: Callable[[str], dict[str, Any] | None] = lambda replica_id: None,
     ) -> None:
         self.fleet = fleet
         self.drains = drains
         self._is_leader = is_leader
         self.summary_rows = 1 << 18  # rows of the index ranked between two yields
+        self.warmup = warmup
 
     def replicas(self, pool: str | None = None) -> Sequence[ReplicaInfo]:
         index = self.fleet.index
         records = self.fleet.replicas_in(None if pool is None else frozenset({pool}))
-        return [replica_info(r, index.key_count(r.ordinal)) for r in records]
+        return [
+            replica_info(r, index.key_count(r.ordinal), self.warmup(r.replica_id)) for r in records
+        ]
 
     async def set_draining(self, replica_id: str, draining: bool) -> ReplicaInfo:
         record = self.fleet.by_id.get(replica_id)
@@ -140,7 +150,9 @@ class LiveFleetView:
         if self.drains is not None:
             await self.drains.persist_draining(record.pool, replica_id, draining)
         self.fleet.set_draining(replica_id, draining)
-        return replica_info(record, self.fleet.index.key_count(record.ordinal))
+        return replica_info(
+            record, self.fleet.index.key_count(record.ordinal), self.warmup(replica_id)
+        )
 
     async def residency_summary(self, top: int = 20) -> ResidencySummary:
         """Counts per replica, and the most shared keys ranked piece by piece

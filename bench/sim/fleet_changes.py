@@ -1,0 +1,592 @@
+"""Fleet changes in virtual time: scale-out, a rolling restart and a drain, warm-up off or on.
+
+A :class:`ChangingFleet` is a :class:`~bench.sim.simulator.Simulation` whose replicas
+join, restart and leave while the load goes on. The routers are kvroute proxies
+(:class:`~bench.sim.routers.KvrouteRouter`, the real ``kvcore`` policy) that also count
+hot prefixes with the proxies' own :class:`kvcore.warmup.HotPrefixes`; a small control
+plane here plays the leader's part with the real :func:`kvcore.warmup.plan`,
+:class:`~kvcore.warmup.Pacer` and :class:`~kvcore.warmup.Warming`, and the routers keep
+requests off a warming replica with :func:`kvcore.warmup.warming_excluded`. Modes:
+
+- ``off``: a replica that joins is routed to at once, as any other (the policy alone).
+- ``on``: kvroute's warm-up: each hot prefix sent once, one at a time, as a one-token
+  request within the budget (skipped when the replica holds it already); meanwhile the
+  replica takes ``new_prefix_share`` of new prefixes, what it holds, and no other request
+  (none of the prefixes it is being warmed with until its KV events confirm them).
+- ``smg``: a model of smg 1.13's warming workers (``--worker-warmup-secs 60
+  --worker-warmup-share 0.25``): for 60 s a joining replica is offered a quarter of the
+  cache misses and nothing else; nothing is sent to warm it (smg's thin-ratio and
+  divert-every refinements are not modelled).
+
+A restart drains the replica (no new requests; running ones finish), then it is down for
+``restart_s`` and joins again empty. A drain sends its hot prefixes that no other replica
+holds to the least busy one first (mode ``on``), then takes it out once its requests finish.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from bench.sim.engine import EngineShape, ReplicaModel
+from bench.sim.metrics import percentile
+from bench.sim.routers import MODEL, KvrouteRouter
+from bench.sim.simulator import FleetReadout, SimConfig, Simulation
+from bench.sim.workloads import Request, SharedPrefix, Workload
+from kvcore.policies import ReplicaState
+from kvcore.policies.board import ReplicaBoard
+from kvcore.warmup import HotPrefix, HotPrefixes, Pacer, Warming, plan, warming_excluded
+from kvcore.workload import WarmupSettings
+
+Mode = Literal["off", "on", "smg"]
+MODES: tuple[Mode, ...] = ("off", "on", "smg")
+SMG_WARMUP_S = 60.0
+SMG_SHARE = 0.25
+_CONTROL = 9  # the heap kind of a control-plane callback
+_WARM_RID = -1
+
+
+@dataclass(frozen=True)
+class Change:
+    """At ``at`` seconds: ``add`` (a new replica joins), ``restart`` or ``drain`` one."""
+
+    at: float
+    kind: Literal["add", "restart", "drain"]
+    replica: int
+
+
+class ChangeRouter(KvrouteRouter):
+    """A kvroute proxy that knows which replicas are routable and which are warming."""
+
+    def __init__(self, spec: str, fleet: ChangingFleet, index: int) -> None:
+        self.changes = fleet
+        shape = fleet.config.shape
+        super().__init__(spec, fleet.readout, shape, seed=index + 1, load_period_s=0.5)
+        self.hot = HotPrefixes(fleet.warmup, half_life_s=30.0)
+        self._rng = random.Random(1000 + index)
+
+    def _state(self, ordinal: int) -> ReplicaState:
+        if ordinal not in self.changes.routable:
+            return ReplicaState(ordinal, f"replica-{ordinal}", healthy=False)
+        return super()._state(ordinal)
+
+    def rebuild(self) -> None:
+        self.board = ReplicaBoard(self._state(i) for i in range(len(self.board)))
+
+    def excluded(self, req: Request, now: float) -> frozenset[int]:
+        pending = self.changes.warming_keys()
+        if not pending:
+            return frozenset()
+        runs = self.index.leading_runs(req.keys, now=now)
+        found = warming_excluded(pending, req.keys, runs, self.changes.share, self._rng.random())
+        return frozenset() if self.changes.routable <= found else found
+
+    def route(self, req: Request, now: float, exclude: frozenset[int] = frozenset()) -> int:
+        exclude = exclude | self.excluded(req, now)
+        if req.keys:
+            keys = req.keys
+            bs = self.shape.block_size
+            tokens = _BlockTokens(keys, bs, self.changes.block_ids)
+            self.hot.observe(MODEL, keys, lambda: tokens, bs, now)
+        return super().route(req, now, exclude)
+
+
+class _BlockTokens(Sequence[int]):
+    """A simulated prompt's "tokens": each block's number, ``block_size`` times, built
+    only for the slice read (a hot prefix's)."""
+
+    def __init__(self, keys: Sequence[int], block_size: int, ids: Callable[[int], int]):
+        self.keys, self.block_size, self.ids = keys, block_size, ids
+
+    def __len__(self) -> int:
+        return len(self.keys) * self.block_size
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def,override]
+        if isinstance(index, slice):
+            blocks = self.keys[: index.stop // self.block_size]
+            return [self.ids(k) for k in blocks for _ in range(self.block_size)]
+        return self.ids(self.keys[index // self.block_size])
+
+
+@dataclass
+class _Joined:
+    replica: int
+    at: float
+    warming: Warming | None = None
+    pacer: Pacer | None = None
+    smg_until: float = -math.inf
+
+
+class ChangingFleet(Simulation):
+    """A simulation whose fleet changes (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: SimConfig,
+        workload: Workload,
+        *,
+        spec: str,
+        mode: Mode,
+        start_replicas: int,
+        changes: Sequence[Change],
+        warmup: WarmupSettings,
+        restart_s: float = 5.0,
+    ) -> None:
+        self.mode = mode
+        self.warmup = warmup
+        self.share = SMG_SHARE if mode == "smg" else warmup.new_prefix_share
+        self.routable: set[int] = set(range(start_replicas))
+        self.joined: list[_Joined] = []
+        self.left: dict[int, float] = {}  # drained replica -> when it left
+        self.restart_s = restart_s
+        self.warm_sent = 0
+        self._warm_rids = iter(range(-2, -(10**9), -1))
+        self._now = 0.0
+        self._ids: dict[int, int] = {}
+        self._after_warm: dict[int, Callable[[float], None]] = {}
+        self._keys_by_id: list[int] = []
+        super().__init__(config, workload, lambda fleet, i: ChangeRouter(spec, self, i))
+        for change in changes:
+            self._push(change.at, _CONTROL, lambda now, c=change: self._change(c, now))
+
+    # -- what the routers read --------------------------------------------------------
+
+    def warming_keys(self) -> dict[int, set[int]]:
+        found: dict[int, set[int]] = {}
+        for joined in self.joined:
+            if joined.warming is not None and joined.warming.warming:
+                found[joined.replica] = set(joined.warming.pending)
+            elif joined.smg_until > self._now:
+                found[joined.replica] = set()
+        return found
+
+    def _router_views(self) -> None:
+        for router in self.routers:
+            cast_router(router).rebuild()
+
+    # -- the loop's extra event kind ----------------------------------------------------
+
+    def _dispatch(self, kind: int, payload: object, now: float) -> None:
+        self._now = now
+        if kind == _CONTROL:
+            callback: Callable[[float], None] = payload  # type: ignore[assignment]
+            callback(now)
+            return
+        super()._dispatch(kind, payload, now)
+
+    def _finished(self, req: Request, now: float) -> None:
+        if req.rid <= _WARM_RID:  # a warm-up request: no router owns it, no follow-up
+            then = self._after_warm.pop(req.rid, None)
+            if then is not None:
+                self._push(now, _CONTROL, then)
+            return
+        super()._finished(req, now)
+
+    # -- changes ---------------------------------------------------------------------
+
+    def _change(self, change: Change, now: float) -> None:
+        if change.kind == "add":
+            self._join(change.replica, now)
+        elif change.kind == "restart":
+            self._leave(change.replica, now, then=self._restart)
+        else:
+            if self.mode == "on":
+                self._rehome(change.replica, now)
+            self._leave(change.replica, now, then=lambda r, t: self.left.__setitem__(r, t))
+
+    def _leave(self, replica: int, now: float, then: Callable[[int, float], None]) -> None:
+        self.routable.discard(replica)
+        self._router_views()
+        self._when_idle(replica, now, then)
+
+    def _when_idle(self, replica: int, now: float, then: Callable[[int, float], None]) -> None:
+        model = self.replicas[replica]
+        if model.running or model.num_waiting:
+            self._push(now + 0.1, _CONTROL, lambda t: self._when_idle(replica, t, then))
+        else:
+            then(replica, now)
+
+    def _restart(self, replica: int, now: float) -> None:
+        fresh = ReplicaModel(replica, self.config.shape, self._schedule_wake, self._publish)
+        fresh.finished_callback = self._finished
+        fresh.first_token_callback = self._first_token
+        self.replicas[replica] = fresh
+        for router in self.routers:
+            cast_router(router).index.clear_replica(replica)
+        self._push(now + self.restart_s, _CONTROL, lambda t: self._join(replica, t))
+
+    def _join(self, replica: int, now: float) -> None:
+        joined = _Joined(replica, now)
+        self.joined.append(joined)
+        if self.mode == "smg":
+            joined.smg_until = now + SMG_WARMUP_S
+        elif self.mode == "on":
+            joined.warming = self._plan_warmup(replica, now)
+            joined.pacer = Pacer(self.warmup.tokens_per_s, now)
+            self._push(now, _CONTROL, lambda t: self._warm_next(joined, t))
+        self.routable.add(replica)
+        self._router_views()
+
+    # -- the leader's warm-up -------------------------------------------------------
+
+    def _hot(self, now: float) -> list[HotPrefix]:
+        merged: dict[int, HotPrefix] = {}
+        rates: dict[int, float] = {}
+        for router in self.routers:
+            for prefix in cast_router(router).hot.hot(now):
+                merged.setdefault(prefix.key, prefix)
+                rates[prefix.key] = rates.get(prefix.key, 0.0) + prefix.requests_per_s
+        return [
+            HotPrefix(p.model, p.key, p.tokens, p.block_size, rates[p.key]) for p in merged.values()
+        ]
+
+    def block_ids(self, key: int) -> int:
+        """A small number standing for a block key: the simulated prompts have keys, not
+        tokens, and a hot prefix keeps tokens (each block is its number, repeated)."""
+        found = self._ids.get(key)
+        if found is None:
+            found = self._ids[key] = len(self._keys_by_id)
+            self._keys_by_id.append(key)
+        return found
+
+    def _keys(self, prefix: HotPrefix) -> list[int]:
+        return [self._keys_by_id[i] for i in prefix.tokens[:: prefix.block_size]]
+
+    def _plan_warmup(self, replica: int, now: float) -> Warming:
+        index = cast_router(self.routers[0]).index
+        warming = Warming(f"replica-{replica}", "default", now, self.warmup)
+
+        def held(prefix: HotPrefix) -> int:
+            return index.leading_runs(self._keys(prefix), now=None).get(replica, 0)
+
+        warming.steps = plan(self._hot(now), held, self.warmup.max_tokens)
+        warming.pending = {step.prefix.key: step for step in warming.steps}
+        return warming
+
+    def _warm_next(self, joined: _Joined, now: float) -> None:
+        """Send the next prefix once the one before is answered (as the leader does: one
+        at a time, so the replica serves what it holds between them), within the pace."""
+        warming = joined.warming
+        assert warming is not None
+        index = cast_router(self.routers[0]).index
+        warming.confirm(lambda key: joined.replica in index.replicas_of(key))
+        if not warming.warming:
+            return
+        if now >= warming.deadline():
+            warming.end("timeout", now)
+            return
+        while warming.sent < len(warming.steps):
+            step = warming.steps[warming.sent]
+            keys = self._keys(step.prefix)
+            if index.leading_runs(keys, now=None).get(joined.replica, 0) < len(keys):
+                break
+            warming.sent += 1  # traffic brought it already: skip
+            warming.pending.pop(step.prefix.key, None)
+        if warming.sent >= len(warming.steps):
+            if warming.pending:
+                self._push(now + 0.05, _CONTROL, lambda t: self._warm_next(joined, t))
+            else:
+                warming.end("done", now)
+            return
+        pacer = joined.pacer
+        assert pacer is not None
+        tokens = len(step.prefix.tokens)
+        wait = pacer.wait_s(tokens, now)
+        if wait > 0:
+            self._push(now + wait, _CONTROL, lambda t: self._warm_next(joined, t))
+            return
+        pacer.take(tokens, now)
+        warming.sent += 1
+        warming.sent_tokens += tokens
+        rid = self._send_warm(joined.replica, keys, now)
+        self._after_warm[rid] = lambda t: self._warm_next(joined, t)
+
+    def _send_warm(self, replica: int, keys: list[int], now: float) -> int:
+        bs = self.config.shape.block_size
+        req = Request(next(self._warm_rids), now, keys, len(keys) * bs + 1, 1)
+        self.warm_sent += 1
+        self.replicas[replica].arrive(req, now)
+        return req.rid
+
+    def _rehome(self, replica: int, now: float) -> None:
+        """Before a drain: its hot prefixes no other replica holds, to the least busy."""
+        index = cast_router(self.routers[0]).index
+        others = sorted(self.routable - {replica}, key=lambda r: self.replicas[r].running)
+        if not others:
+            return
+        for prefix in self._hot(now):
+            holders = index.replicas_of(prefix.key)
+            if replica in holders and not holders - {replica}:
+                self._send_warm(others[0], self._keys(prefix), now)
+
+
+def cast_router(router: object) -> ChangeRouter:
+    assert isinstance(router, ChangeRouter)
+    return router
+
+
+# -- measuring a transition -------------------------------------------------------------
+
+
+@dataclass
+class Transition:
+    """How joined replicas caught up: seconds until they served their fair share of
+    requests at 90% of the fleet's hit rate (``None``: not within the run)."""
+
+    catch_up_s: list[float | None] = field(default_factory=list)
+    hit_catch_up_s: list[float | None] = field(default_factory=list)
+
+
+def _hit(requests: Sequence[Request]) -> float | None:
+    prompt = sum(r.prompt_tokens for r in requests)
+    return sum(r.cached_tokens for r in requests) / prompt if prompt else None
+
+
+def catch_up(
+    requests: Sequence[Request],
+    joiners: Sequence[int],
+    fleet: int,
+    joined_at: float,
+    *,
+    window_s: float = 2.0,
+    horizon_s: float = 120.0,
+) -> tuple[float | None, float | None]:
+    """(seconds until ``joiners`` held 90% of the others' hit rate and 90% of their fair
+    share of requests in two windows running; the same for the hit rate alone)."""
+    both = hit_only = None
+    streak_both = streak_hit = 0
+    fair = len(joiners) / fleet
+    start = joined_at
+    while start < joined_at + horizon_s and (both is None or hit_only is None):
+        window = [r for r in requests if start <= r.arrival < start + window_s and r.replica >= 0]
+        mine = [r for r in window if r.replica in joiners]
+        theirs = [r for r in window if r.replica not in joiners]
+        hit_mine, hit_theirs = _hit(mine), _hit(theirs)
+        hit_ok = hit_mine is not None and hit_theirs is not None and hit_mine >= 0.9 * hit_theirs
+        share_ok = bool(window) and len(mine) / len(window) >= 0.9 * fair
+        streak_hit = streak_hit + 1 if hit_ok else 0
+        streak_both = streak_both + 1 if hit_ok and share_ok else 0
+        end = start + window_s - joined_at
+        if hit_only is None and streak_hit == 3:
+            hit_only = end - 3 * window_s
+        if both is None and streak_both == 3:
+            both = end - 3 * window_s
+        start += window_s
+    return both, hit_only
+
+
+@dataclass(frozen=True)
+class FleetScenario:
+    """One fleet change under steady load."""
+
+    name: str
+    start_replicas: int
+    total_replicas: int
+    changes: tuple[Change, ...]
+    duration_s: float
+    transition: tuple[float, float]  # the TTFT window (arrival times)
+    rate: float = 16.0
+    groups: int = 16
+    output_tokens: int = 256
+    system_tokens: int = 6000  # llm-d's shared-prefix benchmark's system prompt
+    question_tokens: int = 200
+
+
+@dataclass
+class FleetRun:
+    scenario: str
+    mode: Mode
+    seed: int
+    requests: int
+    lost: int
+    hit_rate: float
+    hit_rate_after: float | None  # requests arriving after the last change settled
+    ttft_p90_s: float  # over the transition window
+    ttft_p50_s: float
+    ttft_p99_s: float
+    catch_up_s: list[float | None]  # per joining (group of) replica(s)
+    hit_catch_up_s: list[float | None]
+    warm_requests: int
+    share_after: list[float]  # each replica's share of requests after the last change
+
+
+def _workload(scenario: FleetScenario, seed: int) -> Workload:
+    per_group = int(scenario.rate * scenario.duration_s / scenario.groups) + 1
+    return SharedPrefix(
+        groups=scenario.groups,
+        prompts_per_group=per_group,
+        system_tokens=scenario.system_tokens,
+        question_tokens=scenario.question_tokens,
+        output_tokens=scenario.output_tokens,
+        rate=scenario.rate,
+        seed=seed,
+        name=scenario.name,
+    )
+
+
+def run_fleet(
+    scenario: FleetScenario,
+    mode: Mode,
+    *,
+    seed: int = 1,
+    spec: str = "kv_cost",
+    warmup: WarmupSettings | None = None,
+) -> FleetRun:
+    settings = warmup or WarmupSettings(enabled=True, min_requests=4)
+    config = SimConfig(replicas=scenario.total_replicas, shape=shape(), router_instances=1)
+    fleet = ChangingFleet(
+        config,
+        _workload(scenario, seed),
+        spec=spec,
+        mode=mode,
+        start_replicas=scenario.start_replicas,
+        changes=scenario.changes,
+        warmup=settings,
+    )
+    outcome = fleet.run()
+    requests = [r for r in outcome.requests if r.replica >= 0]
+    done = [r for r in requests if not math.isnan(r.finished_at)]
+    low, high = scenario.transition
+    ttfts = sorted(r.ttft for r in done if low <= r.arrival < high)
+    return FleetRun(
+        scenario=scenario.name,
+        mode=mode,
+        seed=seed,
+        requests=len(requests),
+        lost=len(requests) - len(done),
+        hit_rate=_hit(done) or 0.0,
+        hit_rate_after=_hit([r for r in done if r.arrival >= high]),
+        ttft_p90_s=percentile(ttfts, 0.9),
+        ttft_p50_s=percentile(ttfts, 0.5),
+        ttft_p99_s=percentile(ttfts, 0.99),
+        catch_up_s=[c for c, _ in _catch_ups(fleet, done, scenario)],
+        hit_catch_up_s=[h for _, h in _catch_ups(fleet, done, scenario)],
+        warm_requests=fleet.warm_sent,
+        share_after=_shares([r for r in done if r.arrival >= high], scenario.total_replicas),
+    )
+
+
+def _catch_ups(
+    fleet: ChangingFleet, done: Sequence[Request], scenario: FleetScenario
+) -> list[tuple[float | None, float | None]]:
+    """One per join time (replicas joining together count as one group)."""
+    groups: dict[float, list[int]] = {}
+    for joined in fleet.joined:
+        groups.setdefault(round(joined.at, 3), []).append(joined.replica)
+    routable = scenario.total_replicas - sum(1 for c in scenario.changes if c.kind == "drain")
+    return [
+        catch_up(done, joiners, routable, at, horizon_s=scenario.duration_s - at)
+        for at, joiners in sorted(groups.items())
+    ]
+
+
+def _shares(requests: Sequence[Request], replicas: int) -> list[float]:
+    counts = [0] * replicas
+    for r in requests:
+        counts[r.replica] += 1
+    total = sum(counts) or 1
+    return [round(c / total, 3) for c in counts]
+
+
+SCENARIOS: dict[str, FleetScenario] = {
+    s.name: s
+    for s in (
+        FleetScenario(
+            "scale_out",
+            start_replicas=4,
+            total_replicas=6,
+            changes=(Change(40.0, "add", 4), Change(40.0, "add", 5)),
+            duration_s=120.0,
+            transition=(40.0, 80.0),
+        ),
+        FleetScenario(
+            "rolling_restart",
+            start_replicas=4,
+            total_replicas=4,
+            changes=tuple(Change(40.0 + 30.0 * i, "restart", i) for i in range(4)),
+            duration_s=180.0,
+            transition=(40.0, 160.0),
+            rate=12.0,
+        ),
+        FleetScenario(
+            "drain",
+            start_replicas=4,
+            total_replicas=4,
+            changes=(Change(40.0, "drain", 3),),
+            duration_s=100.0,
+            transition=(40.0, 70.0),
+            rate=12.0,
+        ),
+    )
+}
+
+
+def shape(num_blocks: int = 8192, max_num_seqs: int = 16) -> EngineShape:
+    return EngineShape(num_blocks=num_blocks, max_num_seqs=max_num_seqs)
+
+
+def readout_of(fleet: ChangingFleet) -> FleetReadout:
+    return fleet.readout
+
+
+# -- the command line ------------------------------------------------------------------
+
+
+def _cell(value: float | None, unit: str = "") -> str:
+    return "never" if value is None else f"{value:g}{unit}"
+
+
+def report(runs: Sequence[FleetRun]) -> str:
+    """Markdown: one row per (scenario, seed, mode), then the targets per scenario."""
+    lines = [
+        "| scenario | seed | warm-up | catch-up (share at 90% hit) s | 90% hit rate s "
+        "| TTFT p50 / p90 / p99 s (transition) | hit rate | hit rate after | lost "
+        "| warm-up requests |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        ttft = f"{r.ttft_p50_s:.3f} / {r.ttft_p90_s:.3f} / {r.ttft_p99_s:.3f}"
+        after = "" if r.hit_rate_after is None else f"{r.hit_rate_after:.1%}"
+        catch = ", ".join(_cell(c) for c in r.catch_up_s) or "-"
+        hit = ", ".join(_cell(c) for c in r.hit_catch_up_s) or "-"
+        lines.append(
+            f"| {r.scenario} | {r.seed} | {r.mode} | {catch} | {hit} | {ttft} | "
+            f"{r.hit_rate:.1%} | {after} | {r.lost} | {r.warm_requests} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+    import json
+    from dataclasses import asdict
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(
+        prog="kvroute bench sim --fleet-changes",
+        description="Scale-out, rolling restart and drain under steady shared-prefix load, "
+        "warm-up off / on / smg's warm-up share, in virtual time.",
+    )
+    parser.add_argument("--scenario", action="append", choices=sorted(SCENARIOS))
+    parser.add_argument("--seeds", default="1,2,3", help="comma-separated (default 1,2,3)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/fleet-changes"))
+    args = parser.parse_args(argv)
+    runs = []
+    for name in args.scenario or list(SCENARIOS):
+        for seed in (int(s) for s in args.seeds.split(",")):
+            for mode in MODES:
+                run = run_fleet(SCENARIOS[name], mode, seed=seed)
+                runs.append(run)
+                print(report([run]).splitlines()[-1], flush=True)
+    lost = sum(r.lost for r in runs)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "report.json").write_text(json.dumps([asdict(r) for r in runs], indent=1))
+    (args.out / "report.md").write_text(report(runs))
+    return 1 if lost else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

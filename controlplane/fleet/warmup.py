@@ -1,0 +1,500 @@
+"""The leader warms replicas that join empty with the workloads' hot prefixes.
+
+Proxies report each workload's hot prefixes (``ProxyReport.hot_prefixes``: token ids
+that many distinct requests began with); :class:`HotPrefixStore` keeps them, the rates
+of the proxies' latest reports summed, and forgets a prefix no proxy reported for
+``ttl_s``. Every ``interval_s`` the :class:`Warmer`, on the leader only, looks for a
+replica that joined empty: announced, healthy, its residency known exactly (the stream
+is in sync) and holding nothing; new, restarted, or its cache cleared. For each workload
+with ``warmup.enabled`` it plans (:func:`kvcore.warmup.plan`: most valuable first,
+requests per second times uncached tokens, within ``warmup.max_tokens``) and sends each
+prefix once as a ``max_tokens`` 1 completion by token ids to the engine's own API, at
+most ``warmup.tokens_per_s``, one at a time. A prefix the replica holds by then (traffic
+brought it) is skipped. A failed send is counted and not retried; three in a row, or an
+answer refusing the request (4xx), end the warm-up. It ends too when its prefixes are
+confirmed by the replica's KV events, after ``warmup.max_duration_s``, or when the
+replica goes away.
+
+While it warms, the replica's ``Replica.warmup`` (streamed to proxies) says so and
+names the prefixes sent or queued and not yet confirmed: the proxies give it only
+``warmup.new_prefix_share`` of new prefixes and none of those (``kvcore.warmup.gate``).
+Routing never waits on any of this.
+
+A drained replica's hot prefixes that no other replica holds are first sent to the
+least busy healthy replica (:meth:`Warmer.rehome`), so that they survive its leaving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from array import array
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from controlplane.fleet.fleet import Fleet, ReplicaRecord
+from kvcore.keys import chain_keys, root_key
+from kvcore.pb import routing_pb2
+from kvcore.warmup import HotPrefix, Pacer, Step, Warming, plan
+from kvcore.workload import InvalidWorkload, Workload, parse_workload
+from kvruntime.tasks import BackgroundTasks
+
+log = logging.getLogger(__name__)
+
+MAX_PREFIX_TOKENS = 131_072
+MAX_STORED = 4096  # hot prefixes kept in all
+FAILURES_IN_A_ROW = 3
+
+
+class WarmupRefused(RuntimeError):
+    """The engine refused a warm-up request (a 4xx): the warm-up ends."""
+
+
+class WarmupFailed(RuntimeError):
+    """A warm-up request failed (connection, timeout, 5xx): counted, not retried."""
+
+
+# base URL, model, token ids -> None, or raises WarmupRefused / WarmupFailed
+Send = Callable[[str, str, list[int]], Awaitable[None]]
+
+
+@dataclass
+class _Stored:
+    prefix: HotPrefix
+    workload: str
+    rates: dict[str, tuple[float, float]] = field(default_factory=dict)  # proxy -> rate, at
+
+
+class HotPrefixStore:
+    """The proxies' hot prefixes by (workload, last key), rates summed over proxies."""
+
+    def __init__(self, ttl_s: float = 60.0) -> None:
+        self.ttl_s = ttl_s
+        self._stored: dict[tuple[str, int], _Stored] = {}
+        self.rejected = 0
+
+    def add(self, report: routing_pb2.ProxyReport, now: float) -> None:
+        for hot in report.hot_prefixes:
+            problem = _problem(hot)
+            if problem:
+                self.rejected += 1
+                continue
+            key = (hot.workload, hot.key)
+            stored = self._stored.get(key)
+            if stored is None:
+                if len(self._stored) >= MAX_STORED:
+                    self.expire(now, keep=MAX_STORED // 2)
+                tokens = array("I", hot.token_ids)
+                prefix = HotPrefix(hot.model, hot.key, tokens, hot.block_size, 0.0)
+                stored = self._stored[key] = _Stored(prefix, hot.workload)
+            stored.rates[report.proxy_id] = (hot.requests_per_s, now)
+
+    def expire(self, now: float, keep: int | None = None) -> None:
+        for key, stored in list(self._stored.items()):
+            stored.rates = {p: r for p, r in stored.rates.items() if now - r[1] <= self.ttl_s}
+            if not stored.rates:
+                del self._stored[key]
+        if keep is not None and len(self._stored) > keep:
+            ranked = sorted(self._stored, key=lambda k: self._rate(self._stored[k]))
+            for key in ranked[: len(self._stored) - keep]:
+                del self._stored[key]
+
+    def prefixes(self, workload: str, model: str, now: float) -> list[HotPrefix]:
+        self.expire(now)
+        return [
+            HotPrefix(s.prefix.model, s.prefix.key, s.prefix.tokens, s.prefix.block_size, rate)
+            for s in self._stored.values()
+            if s.workload == workload and s.prefix.model == model and (rate := self._rate(s)) >= 0
+        ]
+
+    def all_prefixes(self, now: float) -> list[HotPrefix]:
+        self.expire(now)
+        return [s.prefix for s in self._stored.values()]
+
+    def __len__(self) -> int:
+        return len(self._stored)
+
+    @staticmethod
+    def _rate(stored: _Stored) -> float:
+        return sum(rate for rate, _ in stored.rates.values())
+
+
+def _problem(hot: routing_pb2.HotPrefix) -> str:
+    size = hot.block_size
+    if not hot.workload or not hot.model or size < 1:
+        return "names"
+    if not hot.token_ids or len(hot.token_ids) % size or len(hot.token_ids) > MAX_PREFIX_TOKENS:
+        return "tokens"
+    if not math.isfinite(hot.requests_per_s) or hot.requests_per_s < 0:
+        return "rate"
+    return ""
+
+
+@dataclass
+class _Job:
+    """One replica's warm-up: one :class:`Warming` per workload, sent in turn."""
+
+    record: ReplicaRecord
+    warmings: list[Warming]
+    keys: dict[int, list[int]] = field(default_factory=dict)  # last key -> all its keys
+
+    @property
+    def active(self) -> bool:
+        return any(w.warming for w in self.warmings)
+
+    def pending(self) -> frozenset[int]:
+        return frozenset(k for w in self.warmings if w.warming for k in w.pending)
+
+
+@dataclass
+class WarmupCounters:
+    started: int = 0
+    sent: int = 0
+    sent_tokens: int = 0
+    skipped: int = 0
+    confirmed: int = 0
+    failed: int = 0
+    rehomed: int = 0
+    outcomes: dict[str, int] = field(default_factory=dict)
+
+
+class Warmer:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        workloads: Callable[[], Iterable[Workload]],
+        is_leader: Callable[[], bool],
+        send: Send,
+        *,
+        interval_s: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.fleet = fleet
+        self.store = HotPrefixStore()
+        self.counters = WarmupCounters()
+        self._workloads = workloads
+        self._is_leader = is_leader
+        self._send = send
+        self._interval_s = interval_s
+        self._clock = clock
+        self._jobs: dict[str, _Job] = {}  # replica id -> its warm-up, running or last
+        self._done: set[str] = set()  # warmed (or found nothing to warm) since last empty
+        self._rehomed: set[str] = set()  # drained replicas whose prefixes were sent away
+        self._tasks = BackgroundTasks()
+
+    # -- inputs -------------------------------------------------------------------------
+
+    def on_report(self, report: routing_pb2.ProxyReport) -> None:
+        if report.hot_prefixes:
+            self.store.add(report, self._clock())
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if not self._tasks.running:
+            self._tasks.spawn(self._run(), name="warmup")
+
+    async def aclose(self) -> None:
+        await self._tasks.aclose()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)  # the check period, not a readiness wait
+            if self._is_leader():
+                self.tick()
+
+    # -- what /v1/replicas and the metrics read -------------------------------------------
+
+    def state_of(self, replica_id: str) -> dict[str, object] | None:
+        job = self._jobs.get(replica_id)
+        if job is None:
+            return None
+        return {
+            "warming": job.active,
+            "pending": len(job.pending()),
+            "workloads": [w.summary() for w in job.warmings],
+        }
+
+    def warming_count(self) -> int:
+        return sum(1 for job in self._jobs.values() if job.active)
+
+    # -- the check ------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Start warm-ups of replicas found empty, confirm and end running ones, send
+        away drained replicas' prefixes."""
+        now = self._clock()
+        for record in list(self.fleet.by_id.values()):
+            job = self._jobs.get(record.replica_id)
+            if job is not None and job.active:
+                self._check(job, now)
+            elif self._empty(record) and record.replica_id not in self._done:
+                self._start(record, now)
+            elif self.fleet.index.key_count(record.ordinal) > 0:
+                self._done.discard(record.replica_id)  # empty again later: warm again
+            if record.is_draining and record.replica_id not in self._rehomed:
+                self._rehomed.add(record.replica_id)
+                self.rehome(record)
+            elif not record.is_draining:
+                self._rehomed.discard(record.replica_id)
+
+    def _empty(self, record: ReplicaRecord) -> bool:
+        return (
+            record.announced
+            and not record.down
+            and not record.stale
+            and not record.is_draining
+            and not record.state_incomplete
+            and record.stream.exact
+            and self.fleet.index.key_count(record.ordinal) == 0
+        )
+
+    def _start(self, record: ReplicaRecord, now: float) -> None:
+        self._done.add(record.replica_id)
+        announce = record.announce
+        assert announce is not None
+        job = _Job(record, [])
+        for workload in self._workloads():
+            if not workload.warmup.enabled:
+                continue
+            warming = Warming(record.replica_id, workload.name, now, workload.warmup)
+            prefixes = self.store.prefixes(workload.name, announce.model, now)
+            warming.steps = plan(
+                prefixes, lambda p: self._held(job, record, p), warming.settings.max_tokens
+            )
+            warming.pending = {s.prefix.key: s for s in warming.steps}
+            if not warming.steps:
+                warming.end("nothing", now)
+            job.warmings.append(warming)
+        if not job.warmings:
+            return
+        self._jobs[record.replica_id] = job
+        self.counters.started += 1
+        self._publish(job)
+        if job.active:
+            self._tasks.spawn(self._warm(job), name=f"warmup-{record.replica_id}")
+            log.info(
+                "warming replica %s: %d prefixes",
+                record.replica_id,
+                sum(len(w.steps) for w in job.warmings),
+            )
+
+    def _held(self, job: _Job, record: ReplicaRecord, prefix: HotPrefix) -> int:
+        keys = job.keys.get(prefix.key)
+        if keys is None:
+            root = root_key(model=prefix.model)
+            keys = job.keys[prefix.key] = chain_keys(root, prefix.tokens, prefix.block_size)
+        return self.fleet.index.leading_runs(keys).get(record.ordinal, 0)
+
+    def _check(self, job: _Job, now: float) -> None:
+        record = job.record
+        gone = (
+            record.down
+            or record.is_draining
+            or self.fleet.by_id.get(record.replica_id) is not record
+        )
+        index = self.fleet.index
+        keys_of = job.keys
+        for warming in job.warmings:
+            if not warming.warming:
+                continue
+            before = warming.confirmed
+            warming.confirm(lambda key: self._confirmed(index, keys_of, key, record.ordinal))
+            self.counters.confirmed += warming.confirmed - before
+            if gone:
+                warming.end("left", now)
+            elif now >= warming.deadline():
+                warming.end("timeout", now)
+            elif warming.sent >= len(warming.steps) and not warming.pending:
+                warming.end("done" if not warming.failed else "failed", now)
+        self._publish(job)
+        if not job.active:
+            for warming in job.warmings:
+                outcome = warming.outcome or "done"
+                self.counters.outcomes[outcome] = self.counters.outcomes.get(outcome, 0) + 1
+
+    @staticmethod
+    def _confirmed(index: object, keys_of: dict[int, list[int]], key: int, ordinal: int) -> bool:
+        keys = keys_of.get(key)
+        if not keys:
+            return False
+        runs = index.leading_runs(keys)  # type: ignore[attr-defined]
+        return bool(runs.get(ordinal, 0) >= len(keys))
+
+    def _publish(self, job: _Job) -> None:
+        """Put the replica's warm-up state where proxies get it (its next upsert)."""
+        record = job.record
+        record.warmup = job.pending() if job.active else None
+        self.fleet.changes.replica(record.ordinal)
+
+    # -- sending --------------------------------------------------------------------------
+
+    async def _warm(self, job: _Job) -> None:
+        for warming in job.warmings:
+            if warming.warming:
+                await self._warm_workload(job, warming)
+        self._check(job, self._clock())
+
+    async def _warm_workload(self, job: _Job, warming: Warming) -> None:
+        record = job.record
+        announce = record.announce
+        assert announce is not None
+        pacer = Pacer(warming.settings.tokens_per_s, self._clock())
+        in_a_row = 0
+        for step in warming.steps:
+            if not warming.warming or not self._is_leader():
+                return
+            if self._held(job, record, step.prefix) >= step.prefix.blocks:
+                warming.pending.pop(step.prefix.key, None)  # traffic brought it: skip
+                warming.confirmed += 1
+                self.counters.skipped += 1
+                continue
+            tokens = len(step.prefix.tokens)
+            if warming.sent_tokens + tokens > warming.settings.max_tokens:
+                warming.end("budget", self._clock())
+                return
+            wait = pacer.wait_s(tokens, self._clock())
+            if wait > 0:
+                await asyncio.sleep(wait)  # the budget's pace, not a readiness wait
+            pacer.take(tokens, self._clock())
+            in_a_row = await self._send_one(announce.base_url, warming, step, in_a_row)
+            if in_a_row < 0:
+                return
+
+    async def _send_one(self, base_url: str, warming: Warming, step: Step, in_a_row: int) -> int:
+        """Send one prefix; the failures in a row after it (-1: the warm-up ended)."""
+        tokens = len(step.prefix.tokens)
+        warming.sent += 1
+        warming.sent_tokens += tokens
+        self.counters.sent += 1
+        self.counters.sent_tokens += tokens
+        try:
+            await self._send(base_url, step.prefix.model, list(step.prefix.tokens))
+        except WarmupRefused as exc:
+            self._failed(warming, step, str(exc))
+            warming.end("refused", self._clock())
+            return -1
+        except WarmupFailed as exc:
+            self._failed(warming, step, str(exc))
+            if in_a_row + 1 >= FAILURES_IN_A_ROW:
+                warming.end("failed", self._clock())
+                return -1
+            return in_a_row + 1
+        return 0
+
+    def _failed(self, warming: Warming, step: Step, why: str) -> None:
+        warming.failed += 1
+        warming.pending.pop(step.prefix.key, None)
+        self.counters.failed += 1
+        log.warning("warm-up request to %s failed: %s", warming.replica_id, why)
+
+    # -- drains ----------------------------------------------------------------------------
+
+    def rehome(self, record: ReplicaRecord) -> None:
+        """Send a draining replica's hot prefixes that no other replica holds to the
+        least busy healthy replica of its model, once each (no wait, no retry)."""
+        announce = record.announce
+        if announce is None:
+            return
+        target = self._least_busy(record, announce.model)
+        if target is None or target.announce is None:
+            return
+        now, index = self._clock(), self.fleet.index
+        for prefix in self.store.all_prefixes(now):
+            if prefix.model != announce.model:
+                continue
+            keys = chain_keys(root_key(model=prefix.model), prefix.tokens, prefix.block_size)
+            runs = index.leading_runs(keys)
+            if runs.get(record.ordinal, 0) and not any(
+                run for ordinal, run in runs.items() if ordinal != record.ordinal
+            ):
+                self.counters.rehomed += 1
+                self._tasks.spawn(
+                    self._send_quietly(target.announce.base_url, prefix),
+                    name=f"rehome-{record.replica_id}",
+                )
+
+    async def _send_quietly(self, base_url: str, prefix: HotPrefix) -> None:
+        try:
+            await self._send(base_url, prefix.model, list(prefix.tokens))
+        except (WarmupRefused, WarmupFailed) as exc:
+            self.counters.failed += 1
+            log.warning("re-homing a drained replica's prefix failed: %s", exc)
+
+    def _least_busy(self, leaving: ReplicaRecord, model: str) -> ReplicaRecord | None:
+        candidates = [
+            r
+            for r in self.fleet.by_id.values()
+            if r is not leaving
+            and r.announce is not None
+            and r.announce.model == model
+            and not r.down
+            and not r.is_draining
+        ]
+        return min(
+            candidates,
+            key=lambda r: (r.load.running + r.load.waiting) if r.load else 0,
+            default=None,
+        )
+
+
+def workloads_of(config: routing_pb2.RoutingConfig) -> list[Workload]:
+    """The config's workloads, parsed (one that does not parse is left out)."""
+    found = []
+    for entry in config.workloads:
+        try:
+            found.append(parse_workload(entry.policy_json))
+        except InvalidWorkload:
+            continue
+    return found
+
+
+class WarmupCollector(Collector):
+    """The warm-up's Prometheus metrics, read from the warmer's counters at scrape time."""
+
+    def __init__(self, warmer: Warmer) -> None:
+        self.warmer = warmer
+
+    def collect(self) -> Iterator[Metric]:
+        counters = self.warmer.counters
+        yield GaugeMetricFamily(
+            "kvroute_controlplane_warmup_replicas",
+            "Replicas being warmed by this instance (the leader)",
+            value=self.warmer.warming_count(),
+        )
+        yield GaugeMetricFamily(
+            "kvroute_controlplane_hot_prefixes",
+            "Hot prefixes the proxies reported, kept for warm-ups",
+            value=len(self.warmer.store),
+        )
+        prefixes = CounterMetricFamily(
+            "kvroute_controlplane_warmup_prefixes",
+            "Warm-up prefixes by what became of them: sent, confirmed (by the replica's KV "
+            "events), skipped (held already), failed, rehomed (a drained replica's, sent "
+            "elsewhere)",
+            labels=["result"],
+        )
+        for result in ("sent", "confirmed", "skipped", "failed", "rehomed"):
+            prefixes.add_metric([result], getattr(counters, result))
+        yield prefixes
+        yield CounterMetricFamily(
+            "kvroute_controlplane_warmup_tokens",
+            "Prompt tokens sent in warm-up requests",
+            value=counters.sent_tokens,
+        )
+        ended = CounterMetricFamily(
+            "kvroute_controlplane_warmups",
+            "Warm-ups (per replica and workload) by how they ended: done, nothing (no hot "
+            "prefix to send), budget, timeout, refused, failed, left",
+            labels=["outcome"],
+        )
+        for outcome, count in sorted(counters.outcomes.items()):
+            ended.add_metric([outcome], count)
+        yield ended

@@ -1,0 +1,42 @@
+"""The warm-up's one request: a prefix as a ``max_tokens`` 1 completion by token ids.
+
+vLLM's and SGLang's OpenAI servers (and enginesim) take ``prompt`` as a list of token
+ids, so the engine prefills exactly the tokens the proxies saw and caches their blocks
+as it would for a client's request. An answer of 4xx is a refusal (the warm-up ends);
+a connection failure, a timeout or a 5xx is a failure (counted, not retried).
+"""
+
+from __future__ import annotations
+
+import aiohttp
+
+from controlplane.fleet.warmup import WarmupFailed, WarmupRefused
+
+
+class EngineCompletions:
+    """Sends warm-up completions over one keep-alive session."""
+
+    def __init__(self, timeout_s: float = 60.0) -> None:
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def send(self, base_url: str, model: str, token_ids: list[int]) -> None:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        body = {"model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0}
+        url = base_url.rstrip("/") + "/v1/completions"
+        try:
+            async with self._session.post(url, json=body) as response:
+                await response.read()
+                status = response.status
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise WarmupFailed(f"{url}: {type(exc).__name__}") from None
+        if 400 <= status < 500:
+            raise WarmupRefused(f"{url} answered {status}")
+        if status >= 500:
+            raise WarmupFailed(f"{url} answered {status}")
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

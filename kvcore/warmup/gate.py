@@ -1,0 +1,43 @@
+"""Which warming replicas a request must not go to (applied before the workload's policy).
+
+While a replica warms it takes only a share of *new* prefixes, those no replica holds
+yet (as smg's ``--worker-warmup-share`` offers a warming worker a share of cache
+misses), and what it holds already (confirmed by its KV events: a hit there as
+anywhere). It takes no request whose prefix only other replicas hold (a miss there,
+which the warm-up is about to spare), and none starting with a prefix it is being
+warmed with (``pending`` keys: planned or sent, not confirmed): sent there before the
+warm-up's prefill lands, the request would compute it again.
+
+When the gate would leave no replica, the caller ignores it: warming never refuses a
+request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+
+
+def warming_excluded(
+    pending: Mapping[int, Collection[int]],
+    keys: Sequence[int],
+    runs: Mapping[int, int],
+    share: float,
+    draw: float,
+) -> frozenset[int]:
+    """The warming replicas (``pending``: ordinal -> keys being warmed there) that must
+    not take a request with block ``keys`` whose leading runs are ``runs``; ``draw`` is a
+    uniform number in [0, 1) (one per request)."""
+    if not pending:
+        return frozenset()
+    held_elsewhere = any(run > 0 for run in runs.values())
+    excluded = []
+    for ordinal, warming_keys in pending.items():
+        if runs.get(ordinal, 0) > 0 and not _starts_with_any(keys, warming_keys):
+            continue  # it holds the prompt's beginning: a hit as anywhere else
+        if held_elsewhere or draw >= share or _starts_with_any(keys, warming_keys):
+            excluded.append(ordinal)
+    return frozenset(excluded)
+
+
+def _starts_with_any(keys: Sequence[int], warming_keys: Collection[int]) -> bool:
+    return bool(warming_keys) and any(key in warming_keys for key in keys)

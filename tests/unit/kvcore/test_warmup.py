@@ -1,0 +1,121 @@
+"""kvcore.warmup: hot prefixes kept only when shared, the warm-up plan and pace, the gate."""
+
+from __future__ import annotations
+
+import random
+
+from kvcore.keys import chain_keys, root_key
+from kvcore.warmup import HotPrefix, HotPrefixes, Pacer, depths, plan, warming_excluded
+from kvcore.workload import WarmupSettings
+
+BS = 16
+ROOT = root_key(model="m")
+
+
+def _prompt(shared: list[int], rng: random.Random, own_blocks: int = 4) -> list[int]:
+    return shared + [rng.randrange(1, 50_000) for _ in range(own_blocks * BS)]
+
+
+def _observe(hot: HotPrefixes, tokens: list[int], now: float) -> None:
+    keys = chain_keys(ROOT, tokens, BS)
+    hot.observe("m", keys, lambda: tokens, BS, now)
+
+
+def test_depths_count_every_block_to_eight_then_four_per_doubling() -> None:
+    assert depths(20) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20]
+    assert len(depths(512)) <= 32
+
+
+def test_a_prefix_becomes_hot_only_after_min_requests_distinct_prompts() -> None:
+    rng = random.Random(1)
+    hot = HotPrefixes(WarmupSettings(enabled=True, min_requests=4))
+    system = [rng.randrange(1, 50_000) for _ in range(40 * BS)]
+    private = _prompt(system[: 3 * BS], rng)  # one user's prompt, resent many times
+    for i in range(200):
+        _observe(hot, private, now=i * 0.01)
+    assert hot.hot(now=2.0) == [], "a prompt resent by one client is never kept"
+    for i in range(200):
+        _observe(hot, _prompt(system, rng), now=2.0 + i * 0.01)
+    (prefix,) = hot.hot(now=4.0)
+    # the deepest counted depth within the shared 40 blocks: 40 itself
+    assert prefix.blocks == 40 and list(prefix.tokens) == system
+    assert prefix.key == chain_keys(ROOT, system, BS)[-1]
+    # a rate over the half-life's window (60 s): 200 requests, 200 * ln 2 / 60 = 2.3 a second
+    assert 1.8 < prefix.requests_per_s < 2.4
+
+
+def test_a_hot_prefix_is_reported_to_its_true_end_between_counted_depths() -> None:
+    rng = random.Random(4)
+    hot = HotPrefixes(WarmupSettings(enabled=True, min_requests=4))
+    system = [rng.randrange(1, 50_000) for _ in range(37 * BS)]  # counted depths: 32, 40
+    for i in range(50):
+        _observe(hot, _prompt(system, rng), now=i * 0.01)
+    (prefix,) = hot.hot(now=1.0)
+    assert prefix.blocks == 37 and list(prefix.tokens) == system
+    assert prefix.key == chain_keys(ROOT, system, BS)[-1]
+
+
+def test_memory_stays_bounded_under_unique_prompts() -> None:
+    rng = random.Random(2)
+    hot = HotPrefixes(WarmupSettings(enabled=True), max_candidates=256)
+    for i in range(5000):
+        _observe(hot, _prompt([], rng, own_blocks=8), now=i * 0.001)
+    assert len(hot) <= 256
+    assert hot.hot(now=5.0) == []
+
+
+def test_hot_prefixes_are_capped_keeping_the_most_requested() -> None:
+    rng = random.Random(3)
+    settings = WarmupSettings(enabled=True, min_requests=2, max_prefixes=2)
+    hot = HotPrefixes(settings)
+    groups = [[rng.randrange(1, 50_000) for _ in range(8 * BS)] for _ in range(3)]
+    weights = [30, 20, 60]
+    now = 0.0
+    for group, weight in zip(groups, weights, strict=True):
+        for _ in range(weight):
+            now += 0.01
+            _observe(hot, _prompt(group, rng), now)
+    kept = hot.hot(now)
+    assert [list(p.tokens) for p in kept] == [groups[2], groups[0]]
+
+
+def _prefix(blocks: int, rate: float, key: int) -> HotPrefix:
+    from array import array
+
+    return HotPrefix("m", key, array("I", range(blocks * BS)), BS, rate)
+
+
+def test_plan_orders_by_rate_times_uncached_skips_held_and_keeps_the_budget() -> None:
+    a, b, c, d = _prefix(10, 5.0, 1), _prefix(40, 2.0, 2), _prefix(20, 1.0, 3), _prefix(8, 9.0, 4)
+    held = {1: 0, 2: 10, 3: 20, 4: 0}  # c is held whole
+    steps = plan([a, b, c, d], lambda p: held[p.key], max_tokens=50 * BS)
+    # values: d 9*128=1152, b 2*480=960, a 5*160=800; c is held whole. Each costs its whole
+    # length: d 128 + b 640 = 768 tokens, and a's 160 more would pass the budget of 800
+    assert [s.prefix.key for s in steps] == [4, 2]
+    assert steps[1].uncached == 30 * BS
+
+
+def test_pacer_keeps_to_tokens_per_second() -> None:
+    pacer = Pacer(1000.0, now=0.0)
+    now, sent = 0.0, 0
+    while now < 10.0:
+        wait = pacer.wait_s(300, now)
+        now += wait
+        pacer.take(300, now)
+        sent += 300
+    assert sent <= 1000 * 10 + 1000 + 300  # ten seconds' worth plus the first burst
+
+
+def test_gate_keeps_a_warming_replica_to_its_share_of_new_prefixes() -> None:
+    pending = {3: {111}}
+    keys = [7, 8, 9]
+    # a prefix only another replica holds: never to the warming one (a miss there)
+    assert warming_excluded(pending, keys, {0: 2}, share=1.0, draw=0.0) == {3}
+    # a new prefix: by the draw against the share
+    assert warming_excluded(pending, keys, {}, share=0.25, draw=0.1) == frozenset()
+    assert warming_excluded(pending, keys, {}, share=0.25, draw=0.5) == {3}
+    # a prefix it is being warmed with, not yet confirmed: never
+    assert warming_excluded(pending, [111, 8], {}, share=1.0, draw=0.0) == {3}
+    # what its events confirmed it holds: a candidate as any other
+    assert warming_excluded(pending, keys, {3: 2, 0: 2}, share=0.0, draw=0.9) == frozenset()
+    assert warming_excluded({}, keys, {}, share=0.0, draw=0.9) == frozenset()
