@@ -35,15 +35,17 @@ class HotPrefixBook:
         keys: Sequence[int],
         tokens: Callable[[], Sequence[int]],
         block_size: int,
+        prompt: int,
     ) -> None:
-        """Count one request's prompt (``tokens`` is read only when a prefix turns hot)."""
+        """Count one request's prompt (``tokens`` is read only when a prefix turns hot;
+        ``prompt`` names the whole prompt, see :meth:`HotPrefixes.observe`)."""
         settings = workload.warmup
         tracked = self._tracked.get(workload.name)
         if tracked is None or tracked.settings != settings:
             if len(self._tracked) >= MAX_WORKLOADS:
                 self._tracked.clear()
             tracked = self._tracked[workload.name] = HotPrefixes(settings)
-        tracked.observe(model, keys, tokens, block_size, self._clock())
+        tracked.observe(model, keys, tokens, block_size, self._clock(), prompt)
 
     def report(self) -> list[routing_pb2.HotPrefix]:
         """Every tracked workload's hot prefixes, as the report carries them."""

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from dataplane.fleet.state import FleetState
 from dataplane.fleet.views import FleetView
+from dataplane.hot_prefixes import HotPrefixBook
 from dataplane.http_errors import BadRequest, NotFound
 from dataplane.openai_request import InferenceRequest
 from kvcore.keys import root_key
@@ -39,6 +40,7 @@ from kvcore.policies import Decision, Policy, ReplicaState, RouteContext, create
 from kvcore.request import InvalidRequest, keyed, later_prompts, prompt_keys, session_id
 from kvcore.tenancy import cache_namespace
 from kvcore.tokenize import Encoded, PrefixTokenCache, Tokenizer, TokenizerError, load_tokenizer
+from kvcore.warmup import warming_excluded
 from kvcore.workload import (
     RequestInfo,
     RoutingConfig,
@@ -179,6 +181,7 @@ class Router:
         self.defaults = defaults
         self.tokenizers = TokenizerPool()
         self._rng = rng or random.Random()
+        self.hot: HotPrefixBook | None = None  # set when a control plane takes reports
         self._config: RoutingConfig | None = None
         self._policies: dict[str, Policy] = {}
         self._roots: dict[tuple[str, str, str], int] = {}
@@ -313,6 +316,27 @@ class Router:
         prompt = self._prompt(request, spec, root, prepared.block_size)
         prepared.prompt_tokens, prepared.block_keys = prompt.count, prompt.keys
         prepared.keyed = True
+        hot = self.hot
+        if hot is not None and prepared.workload.warmup.enabled and not prepared.namespace:
+            # (a tenant's salted prefixes are its own: never kept for warm-ups)
+            self._observe(hot, prepared, prompt)
+
+    @staticmethod
+    def _observe(hot: HotPrefixBook, prepared: Prepared, prompt: Encoded) -> None:
+        """Count the prompt for the warm-up's hot prefixes; named by its last block's key
+        and its partial block's tokens (prompts often differ only in a short question)."""
+        keys = prompt.keys
+        if len(keys) < 2:
+            return
+        tail = prompt.tokens[len(keys) * prepared.block_size :].tobytes()
+        hot.observe(
+            prepared.workload,
+            prepared.key_model,
+            keys,
+            lambda: prompt.tokens,
+            prepared.block_size,
+            hash((keys[-1], tail)),
+        )
 
     def _key_later(self, prepared: Prepared, request: InferenceRequest, spec: str) -> None:
         cache = self.tokenizers.token_cache(spec)
@@ -362,8 +386,30 @@ class Router:
         if not keys:  # nothing to look up, nothing predicted
             return prepared.policy.select(ctx, view), 0
         runs = _RunsOnce(view)
+        if self.fleet.replicas.warming:
+            ctx.exclude = self._warming_gate(prepared, runs, exclude, now)
         decision = prepared.policy.select(ctx, runs)
         return decision, self._predicted(prepared, decision, runs, now)
+
+    def _warming_gate(
+        self, prepared: Prepared, runs: _RunsOnce, exclude: frozenset[int], now: float
+    ) -> frozenset[int]:
+        """``exclude`` and the warming replicas this request must not go to
+        (:mod:`kvcore.warmup.gate`), unless that would leave no replica."""
+        keys = prepared.block_keys
+        gated = warming_excluded(
+            self.fleet.replicas.warming,
+            keys,
+            runs.leading_runs(keys, now=now),
+            prepared.workload.warmup.new_prefix_share,
+            self._rng.random(),
+        )
+        if not gated:
+            return exclude
+        closed = exclude | gated
+        if all(replica.ordinal in closed for replica in runs.replicas()):
+            return exclude  # warming never refuses a request
+        return closed
 
     def least_loaded(self, model: str) -> int | None:
         """The least-loaded replica serving ``model`` (routes other than inference)."""

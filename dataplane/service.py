@@ -23,6 +23,7 @@ from dataplane.breaker import CircuitBreakers, RetryBudget
 from dataplane.exchange import Dispatcher, Policies
 from dataplane.first_byte import FirstByteDeadlines, SuspectProber
 from dataplane.fleet.state import FleetState
+from dataplane.hot_prefixes import HotPrefixBook
 from dataplane.lora import LoraPlacement
 from dataplane.metrics import ProxyMetrics
 from dataplane.model_cards import ModelCards, cards_of
@@ -85,8 +86,12 @@ class ProxyService:
             load=self.router.tokenizers.load,
             ssl_context=self.replica_tls,
         )
+        self.hot_prefixes = None if settings.static else HotPrefixBook()
+        self.router.hot = self.hot_prefixes
         self.reporter = (
-            None if settings.static else Reporter(settings, health=self.probe.model_health)
+            None
+            if self.hot_prefixes is None
+            else Reporter(settings, health=self.probe.model_health, hot=self.hot_prefixes.report)
         )
         self.upstream = Upstream(
             settings.connect_timeout_s, settings.upstream_timeout_s, self.replica_tls

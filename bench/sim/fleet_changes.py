@@ -29,7 +29,7 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from bench.sim.engine import EngineShape, ReplicaModel
 from bench.sim.metrics import percentile
@@ -38,7 +38,15 @@ from bench.sim.simulator import FleetReadout, SimConfig, Simulation
 from bench.sim.workloads import Request, SharedPrefix, Workload
 from kvcore.policies import ReplicaState
 from kvcore.policies.board import ReplicaBoard
-from kvcore.warmup import HotPrefix, HotPrefixes, Pacer, Warming, plan, warming_excluded
+from kvcore.warmup import (
+    HotPrefix,
+    HotPrefixes,
+    Pacer,
+    Warming,
+    plan,
+    settings_of,
+    warming_excluded,
+)
 from kvcore.workload import WarmupSettings
 
 Mode = Literal["off", "on", "smg"]
@@ -104,7 +112,7 @@ class _BlockTokens(Sequence[int]):
     def __len__(self) -> int:
         return len(self.keys) * self.block_size
 
-    def __getitem__(self, index):  # type: ignore[no-untyped-def,override]
+    def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
             blocks = self.keys[: index.stop // self.block_size]
             return [self.ids(k) for k in blocks for _ in range(self.block_size)]
@@ -435,7 +443,7 @@ def run_fleet(
     spec: str = "kv_cost",
     warmup: WarmupSettings | None = None,
 ) -> FleetRun:
-    settings = warmup or WarmupSettings(enabled=True, min_requests=4)
+    settings = warmup or settings_of(enabled=True, min_requests=4)
     config = SimConfig(replicas=scenario.total_replicas, shape=shape(), router_instances=1)
     fleet = ChangingFleet(
         config,

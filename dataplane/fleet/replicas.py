@@ -51,6 +51,9 @@ class ReplicaTable:
         self.records: dict[int, ReplicaRecord] = {}
         self.states: dict[int, ReplicaState] = {}  # routable replicas only
         self.updated_at = -math.inf  # the last message from a control plane
+        # replicas the control plane's leader is warming: ordinal -> the last keys of the
+        # prefixes being warmed there, not confirmed yet (kvcore.warmup.gate reads it)
+        self.warming: dict[int, frozenset[int]] = {}
         self._ledger_keys: dict[str, int] = {}
         self._next_ledger_key = count()
 
@@ -67,6 +70,10 @@ class ReplicaTable:
             record.info.load.CopyFrom(previous.info.load)
             record.report_ts = previous.report_ts
         self.records[info.ordinal] = record
+        if info.warmup.warming:
+            self.warming[info.ordinal] = frozenset(info.warmup.pending_keys)
+        else:
+            self.warming.pop(info.ordinal, None)
 
     def forget_key(self, record: ReplicaRecord) -> int | None:
         """Drop a departed replica's ledger key; the key, or ``None`` if already gone."""

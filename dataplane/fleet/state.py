@@ -267,7 +267,7 @@ class FleetState:
     def _swap_in(self, pending: _Pending) -> None:
         table = self.replicas
         old = table.records
-        table.records = {}
+        table.records, table.warming = {}, {}
         for ordinal, info in pending.replicas.items():
             table.put(info, previous=old.get(ordinal))
         kept = {r.info.replica_id for r in table.records.values()}
@@ -324,6 +324,7 @@ class FleetState:
 
     def _remove(self, ordinal: int) -> Iterator[None]:
         record = self.replicas.records.pop(ordinal, None)
+        self.replicas.warming.pop(ordinal, None)
         if record is None:
             return
         self._forget(record)

@@ -11,6 +11,13 @@ from __future__ import annotations
 from kvcore.warmup.gate import warming_excluded
 from kvcore.warmup.hot_prefixes import HotPrefix, HotPrefixes, depths
 from kvcore.warmup.plan import Pacer, Step, Warming, plan
+from kvcore.workload.warmup import WarmupSettings
+
+
+def settings_of(**fields: object) -> WarmupSettings:
+    """Warm-up settings from keyword fields, validated (tests, the simulator)."""
+    return WarmupSettings.model_validate(fields)
+
 
 __all__ = [
     "HotPrefix",
@@ -20,5 +27,6 @@ __all__ = [
     "Warming",
     "depths",
     "plan",
+    "settings_of",
     "warming_excluded",
 ]

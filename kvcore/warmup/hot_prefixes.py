@@ -90,7 +90,7 @@ class _Counted:
         return 0
 
     def decayed(self, now: float, half_life_s: float) -> float:
-        return self.count * 0.5 ** (max(0.0, now - self.at) / half_life_s)
+        return self.count * float(0.5 ** (max(0.0, now - self.at) / half_life_s))
 
 
 Tokens = Callable[[], Sequence[int]]  # the prompt's token ids, read only when needed
@@ -116,21 +116,29 @@ class HotPrefixes:
         return len(self._counted)
 
     def observe(
-        self, model: str, keys: Sequence[int], tokens: Tokens, block_size: int, now: float
+        self,
+        model: str,
+        keys: Sequence[int],
+        tokens: Tokens,
+        block_size: int,
+        now: float,
+        prompt: int | None = None,
     ) -> None:
         """Count one request whose prompt has block ``keys`` (``tokens``: its token ids,
-        read only when a prefix becomes hot)."""
+        read only when a prefix becomes hot; ``prompt``: a number naming the whole prompt,
+        its partial last block included, so that prompts differing only there count as
+        distinct; default: its last block's key)."""
         if len(keys) < 2:  # a prompt of one block shares nothing worth warming
             return
-        deepest = min(len(keys) - 1, self.settings.max_prefix_tokens // block_size)
-        prompt = keys[-1]
+        deepest = min(len(keys), self.settings.max_prefix_tokens // block_size)
+        prompt = keys[-1] if prompt is None else prompt
         parent: int | None = None
         shared = False  # the prompt began with a prefix another prompt began with
         for depth in depths(deepest):
             key = keys[depth - 1]
             counted = self._counted.get(key)
             if counted is None:  # a depth not seen: count it; go on only past a shared one
-                self._add(key, parent, now)
+                self._add(key, parent, now, prompt)
                 if not shared:
                     return
                 parent = key
@@ -165,11 +173,13 @@ class HotPrefixes:
         counted.count = counted.decayed(now, self.half_life_s) + 1.0
         counted.at = now
 
-    def _add(self, key: int, parent: int | None, now: float) -> None:
+    def _add(self, key: int, parent: int | None, now: float, prompt: int) -> None:
         if len(self._counted) >= self.max_candidates:
             self._forget_half(now)
         counted = self._counted[key] = _Counted(parent, now)
         self._count(counted, now)
+        assert counted.prompts is not None
+        counted.prompts.add(prompt)
 
     def _promote(
         self,
@@ -191,7 +201,7 @@ class HotPrefixes:
                 counted.prompts = set()  # not kept: counts again from scratch
                 return
             self._hot.pop(coldest).hot = None
-        limit = min(len(keys) - 1, self.settings.max_prefix_tokens // block_size)
+        limit = min(len(keys), self.settings.max_prefix_tokens // block_size)
         stop = next((d for d in depths(limit) if d > depth), limit)
         counted.ahead = list(keys[depth:stop])
         counted.agree = [0] * (len(counted.ahead) + 1)
@@ -223,7 +233,7 @@ def _reported(counted: _Counted, requests_per_s: float, needed: int) -> HotPrefi
 def _agreement(keys: Sequence[int], depth: int, ahead: Sequence[int]) -> int:
     """How many of ``ahead`` the keys after ``depth`` blocks repeat (keys are chained, so
     agreeing on block i means agreeing on every block before it: a binary search)."""
-    low, high = 0, min(len(ahead), len(keys) - 1 - depth)
+    low, high = 0, min(len(ahead), len(keys) - depth)
     while low < high:
         mid = (low + high + 1) // 2
         if keys[depth + mid - 1] == ahead[mid - 1]:

@@ -5,8 +5,15 @@ from __future__ import annotations
 import random
 
 from kvcore.keys import chain_keys, root_key
-from kvcore.warmup import HotPrefix, HotPrefixes, Pacer, depths, plan, warming_excluded
-from kvcore.workload import WarmupSettings
+from kvcore.warmup import (
+    HotPrefix,
+    HotPrefixes,
+    Pacer,
+    depths,
+    plan,
+    settings_of,
+    warming_excluded,
+)
 
 BS = 16
 ROOT = root_key(model="m")
@@ -28,7 +35,7 @@ def test_depths_count_every_block_to_eight_then_four_per_doubling() -> None:
 
 def test_a_prefix_becomes_hot_only_after_min_requests_distinct_prompts() -> None:
     rng = random.Random(1)
-    hot = HotPrefixes(WarmupSettings(enabled=True, min_requests=4))
+    hot = HotPrefixes(settings_of(enabled=True, min_requests=4))
     system = [rng.randrange(1, 50_000) for _ in range(40 * BS)]
     private = _prompt(system[: 3 * BS], rng)  # one user's prompt, resent many times
     for i in range(200):
@@ -46,7 +53,7 @@ def test_a_prefix_becomes_hot_only_after_min_requests_distinct_prompts() -> None
 
 def test_a_hot_prefix_is_reported_to_its_true_end_between_counted_depths() -> None:
     rng = random.Random(4)
-    hot = HotPrefixes(WarmupSettings(enabled=True, min_requests=4))
+    hot = HotPrefixes(settings_of(enabled=True, min_requests=4))
     system = [rng.randrange(1, 50_000) for _ in range(37 * BS)]  # counted depths: 32, 40
     for i in range(50):
         _observe(hot, _prompt(system, rng), now=i * 0.01)
@@ -55,9 +62,24 @@ def test_a_hot_prefix_is_reported_to_its_true_end_between_counted_depths() -> No
     assert prefix.key == chain_keys(ROOT, system, BS)[-1]
 
 
+def test_prompts_differing_only_in_their_partial_last_block_count_as_distinct() -> None:
+    rng = random.Random(5)
+    hot = HotPrefixes(settings_of(enabled=True, min_requests=3))
+    system = [rng.randrange(1, 50_000) for _ in range(20 * BS)]
+    keys = chain_keys(ROOT, system, BS)  # every question shorter than a block
+    for question in range(4):  # the first grows one depth, the rest count them all
+        hot.observe("m", keys, lambda: system, BS, now=0.0, prompt=hash((keys[-1], question)))
+    (prefix,) = hot.hot(now=1.0)
+    assert prefix.blocks == 20
+    resent = HotPrefixes(settings_of(enabled=True, min_requests=3))
+    for _ in range(10):
+        resent.observe("m", keys, lambda: system, BS, now=0.0, prompt=7)
+    assert resent.hot(now=1.0) == []
+
+
 def test_memory_stays_bounded_under_unique_prompts() -> None:
     rng = random.Random(2)
-    hot = HotPrefixes(WarmupSettings(enabled=True), max_candidates=256)
+    hot = HotPrefixes(settings_of(enabled=True), max_candidates=256)
     for i in range(5000):
         _observe(hot, _prompt([], rng, own_blocks=8), now=i * 0.001)
     assert len(hot) <= 256
@@ -66,7 +88,7 @@ def test_memory_stays_bounded_under_unique_prompts() -> None:
 
 def test_hot_prefixes_are_capped_keeping_the_most_requested() -> None:
     rng = random.Random(3)
-    settings = WarmupSettings(enabled=True, min_requests=2, max_prefixes=2)
+    settings = settings_of(enabled=True, min_requests=2, max_prefixes=2)
     hot = HotPrefixes(settings)
     groups = [[rng.randrange(1, 50_000) for _ in range(8 * BS)] for _ in range(3)]
     weights = [30, 20, 60]

@@ -1,0 +1,135 @@
+"""Warm-up and drain through the whole fleet (issue 41): sims, sidecars, control plane, proxy.
+
+A workload with warm-up on: the proxy counts its hot prefix (a system prompt many
+distinct requests began with) and reports it; a replica whose cache is cleared joins
+empty, and the control plane's leader warms it with that prefix through the engine's
+own API before any client request reaches it, as its KV events confirm. Then that
+replica is drained under load: no request is lost, its lone hot prefix is sent to the
+other replica first, and the next request there is a hit.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.fullstack import FullStack, wait_for
+from tests.e2e.proxyproc import http_request
+from tests.unit.enginesim.simproc import SimProcess
+
+MODEL = "sim-model"
+SYSTEM = "Every answer is checked by two engineers before it leaves the building. " * 30
+SIM_ARGS = ("--instant", "--max-model-len=8192", f"--model={MODEL}")
+ENV = {"KVROUTE_REPORT_INTERVAL_S": "0.3", "KVROUTE_LOAD_INTERVAL_S": "0.2"}
+WARMUP = {"enabled": True, "min_requests": 3, "tokens_per_s": 100_000}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FullStack]:
+    with ExitStack() as started:
+        sims = [started.enter_context(SimProcess(*SIM_ARGS)) for _ in range(2)]
+        fleet = started.enter_context(FullStack(sims, tmp_path_factory.mktemp("fleet"), ENV))
+        wait_for(lambda: fleet.readyz()["replicas"] == 2, "every replica in the proxy")
+        workload = {"strategy": "kv_cost", "warmup": WARMUP}
+        assert fleet.admin("PUT", "/v1/workloads/default", workload)[0] in (200, 201)
+        yield fleet
+
+
+def ask(stack: FullStack, question: str) -> tuple[int, dict[str, str], Any]:
+    body = {"model": MODEL, "prompt": SYSTEM + question, "max_tokens": 2}
+    status, headers, answer = stack.request("/v1/completions", body)
+    return status, headers, json.loads(answer)
+
+
+def replica(stack: FullStack, replica_id: str) -> dict[str, Any]:
+    status, body = stack.admin("GET", "/v1/replicas")
+    assert status == 200
+    (found,) = [r for r in body["replicas"] if r["replica_id"] == replica_id]
+    return dict(found)
+
+
+def controlplane_metric(stack: FullStack, name: str, **labels: str) -> float:
+    _, _, text = http_request(stack.fleet.admin_urls[0] + "/metrics", None, method="GET")
+    for family in text_string_to_metric_families(text.decode()):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
+
+
+def served(sim: SimProcess) -> float:
+    return sim.metric("vllm:e2e_request_latency_seconds_count")
+
+
+def test_a_replica_whose_cache_was_cleared_is_warmed_before_traffic_reaches_it(
+    stack: FullStack,
+) -> None:
+    owners: list[str] = []
+
+    def another_question() -> bool:  # distinct prompts, until the prefix is reported hot
+        owners.append(ask(stack, f"Question number {len(owners)}?")[1]["x-kvroute-replica"])
+        return controlplane_metric(stack, "kvroute_controlplane_hot_prefixes") >= 1
+
+    wait_for(another_question, "the proxy's hot prefix to reach the control plane")
+    owner = owners[-1]
+    sim = stack.engines[int(owner.removeprefix("r"))]
+    assert replica(stack, owner)["resident_blocks"] > 0
+    before = served(sim)
+    assert sim.call("POST", "/reset_prefix_cache")[0] == 200  # the cache cleared: empty
+    # the leader warms it with the hot prefix, and its own KV events confirm it, with no
+    # client request sent in the meantime
+    wait_for(
+        lambda: (
+            (replica(stack, owner).get("warmup") or {}).get("warming") is False
+            and replica(stack, owner)["warmup"]["workloads"][0]["outcome"] == "done"
+        ),
+        "the warm-up to be confirmed by the replica's KV events",
+    )
+    warmup = replica(stack, owner)["warmup"]["workloads"][0]
+    assert warmup["sent"] >= 1 and warmup["confirmed"] == warmup["planned"] >= 1
+    assert warmup["failed"] == 0
+    assert replica(stack, owner)["resident_blocks"] >= len(SYSTEM) // 4 // 16 // 2
+    assert served(sim) - before == warmup["sent"]  # only the warm-up's requests came
+    # the first client request after the clear is a hit on the warmed prefix
+    status, headers, answer = ask(stack, "After the clear?")
+    assert status == 200
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256, headers
+    assert (
+        controlplane_metric(stack, "kvroute_controlplane_warmup_prefixes_total", result="sent") >= 1
+    )
+
+
+def test_a_drained_replica_loses_no_request_and_its_hot_prefix_moves_first(
+    stack: FullStack,
+) -> None:
+    owner = ask(stack, "Who holds it?")[1]["x-kvroute-replica"]
+    other = "r1" if owner == "r0" else "r0"
+    statuses: list[int] = []
+
+    def load(count: int) -> None:
+        for i in range(count):
+            statuses.append(ask(stack, f"Under load {threading.get_ident()} {i}?")[0])
+
+    workers = [threading.Thread(target=load, args=(15,)) for _ in range(4)]
+    for worker in workers:
+        worker.start()
+    status, body = stack.admin("POST", f"/v1/replicas/{owner}/drain")
+    assert status == 200 and body["draining"] is True
+    for worker in workers:
+        worker.join(timeout=120)
+    assert statuses == [200] * 60  # not one request lost to the drain
+    wait_for(
+        lambda: ask(stack, "Where now?")[1]["x-kvroute-replica"] == other,
+        "the proxy to stop routing to the drained replica",
+    )
+    for i in range(5):
+        status, headers, answer = ask(stack, f"After the drain {i}?")
+        assert status == 200 and headers["x-kvroute-replica"] == other
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256
+    stack.admin("POST", f"/v1/replicas/{owner}/undrain")

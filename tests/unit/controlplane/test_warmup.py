@@ -1,0 +1,182 @@
+"""The leader's warm-up (controlplane.fleet.warmup): who is warmed, with what, how fast,
+and what a failure or a refusal does; what proxies are told while it runs."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from controlplane.fleet.fleet import Fleet
+from controlplane.fleet.fleet_view import replica_pb
+from controlplane.fleet.warmup import Warmer, WarmupFailed, WarmupRefused
+from kvcore.keys import chain_keys, root_key
+from kvcore.pb import routing_pb2
+from kvcore.workload import parse_workload
+from tests.unit.controlplane.support import announce, batch
+
+BS = 16
+MODEL = "m"
+
+
+class Engine:
+    """A fake engine API: records what it is sent; stores the prefix as its KV events
+    would (into the fleet), or fails as told."""
+
+    def __init__(self, fleet: Fleet, fail: type[Exception] | None = None) -> None:
+        self.fleet = fleet
+        self.fail = fail
+        self.sent: list[tuple[str, list[int]]] = []
+        self.seq = 1
+
+    async def send(self, base_url: str, model: str, token_ids: list[int]) -> None:
+        self.sent.append((base_url, token_ids))
+        if self.fail is not None:
+            raise self.fail("no")
+        replica = base_url.rsplit("/", 1)[1]
+        keys = chain_keys(root_key(model=model), token_ids, BS)
+        self.fleet.on_batch(batch(self.seq, stored=[keys], replica=replica), "default", 0.0)
+        self.seq += 1
+
+
+def fleet_with(*replicas: str) -> Fleet:
+    fleet = Fleet(heartbeat_timeout_s=5.0)
+    for replica in replicas:
+        fleet.on_announce(announce(replica, model=MODEL), 0.0)
+        fleet.on_batch(batch(0, replica=replica), "default", 0.0)  # in sync, holds nothing
+    return fleet
+
+
+def report(*prefixes: tuple[list[int], float]) -> routing_pb2.ProxyReport:
+    msg = routing_pb2.ProxyReport(proxy_id="p1", ts=1.0, interval_s=1.0)
+    for tokens, rate in prefixes:
+        key = chain_keys(root_key(model=MODEL), tokens, BS)[-1]
+        msg.hot_prefixes.add(
+            workload="default",
+            model=MODEL,
+            token_ids=tokens,
+            key=key,
+            requests_per_s=rate,
+            block_size=BS,
+        )
+    return msg
+
+
+def tokens(blocks: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 50_000) for _ in range(blocks * BS)]
+
+
+def warmer(fleet: Fleet, engine: Engine, **warmup: object) -> Warmer:
+    settings = {"enabled": True, "tokens_per_s": 1e9, **warmup}
+    workload = parse_workload({"strategy": "kv_cost", "warmup": settings})
+    return Warmer(fleet, lambda: [workload], lambda: True, engine.send)
+
+
+async def settle(w: Warmer) -> None:
+    for _ in range(20):
+        w.tick()
+        await asyncio.sleep(0)
+
+
+@pytest.mark.asyncio
+async def test_an_empty_replica_is_warmed_most_valuable_first_and_confirmed() -> None:
+    fleet = fleet_with("r1")
+    engine = Engine(fleet)
+    w = warmer(fleet, engine)
+    small, large = tokens(4, 1), tokens(40, 2)
+    w.on_report(report((small, 5.0), (large, 1.0)))  # values: 5 * 64 < 1 * 640 tokens
+    await settle(w)
+    assert [sent for _, sent in engine.sent] == [large, small]
+    state = w.state_of("r1")
+    assert state is not None and state["warming"] is False
+    (summary,) = state["workloads"]  # type: ignore[misc]
+    assert summary["outcome"] == "done" and summary["confirmed"] == 2
+    assert fleet.by_id["r1"].warmup is None  # proxies told it is no longer warming
+    await w.aclose()
+
+
+@pytest.mark.asyncio
+async def test_proxies_are_told_the_prefixes_being_warmed_until_confirmed() -> None:
+    fleet = fleet_with("r1")
+    gate = asyncio.Event()
+
+    async def slow_send(base_url: str, model: str, token_ids: list[int]) -> None:
+        await gate.wait()
+
+    workload = parse_workload({"strategy": "kv_cost", "warmup": {"enabled": True}})
+    w = Warmer(fleet, lambda: [workload], lambda: True, slow_send)
+    prefix = tokens(8, 3)
+    w.on_report(report((prefix, 1.0)))
+    w.tick()
+    sent = replica_pb(fleet.by_id["r1"])
+    assert sent.warmup.warming
+    assert list(sent.warmup.pending_keys) == [chain_keys(root_key(model=MODEL), prefix, BS)[-1]]
+    gate.set()
+    await w.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_replica_holding_blocks_is_not_warmed_and_nothing_goes_past_the_budget() -> None:
+    fleet = fleet_with("r1", "r2")
+    fleet.on_batch(batch(1, stored=[[1, 2, 3]], replica="r2"), "default", 0.0)
+    engine = Engine(fleet)
+    w = warmer(fleet, engine, max_tokens=40 * BS)
+    w.on_report(report((tokens(30, 4), 1.0), (tokens(30, 5), 1.0)))
+    await settle(w)
+    assert {url.rsplit("/", 1)[1] for url, _ in engine.sent} == {"r1"}
+    assert sum(len(t) for _, t in engine.sent) <= 40 * BS  # one of the two fits
+    await w.aclose()
+
+
+@pytest.mark.parametrize(
+    ("fault", "sends", "outcome"),
+    [(WarmupFailed, 3, "failed"), (WarmupRefused, 1, "refused")],
+    ids=["three failures in a row end it", "a refusal ends it at once"],
+)
+@pytest.mark.asyncio
+async def test_failures_are_counted_and_never_retried(
+    fault: type[Exception], sends: int, outcome: str
+) -> None:
+    fleet = fleet_with("r1")
+    engine = Engine(fleet, fail=fault)
+    w = warmer(fleet, engine)
+    w.on_report(report(*((tokens(4, seed), 1.0) for seed in range(6))))
+    await settle(w)
+    assert len(engine.sent) == sends and w.counters.failed == sends
+    state = w.state_of("r1")
+    assert state is not None and state["warming"] is False
+    assert state["workloads"][0]["outcome"] == outcome  # type: ignore[index]
+    await settle(w)
+    assert len(engine.sent) == sends  # never retried
+    await w.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_drained_replicas_lone_hot_prefix_is_sent_to_another_first() -> None:
+    fleet = fleet_with("r1", "r2")
+    engine = Engine(fleet)
+    w = warmer(fleet, engine)
+    lone = tokens(6, 7)
+    fleet.on_batch(batch(1, stored=[chain_keys(root_key(model=MODEL), lone, BS)]), "default", 0)
+    fleet.on_batch(batch(1, stored=[[9]], replica="r2"), "default", 0.0)
+    w.on_report(report((lone, 1.0)))
+    fleet.set_draining("r1", True)
+    await settle(w)
+    assert engine.sent == [(fleet.by_id["r2"].announce.base_url, lone)]  # type: ignore[union-attr]
+    assert w.counters.rehomed == 1
+    await w.aclose()
+
+
+def test_malformed_hot_prefixes_are_counted_and_skipped() -> None:
+    fleet = fleet_with("r1")
+    w = warmer(fleet, Engine(fleet))
+    bad = report((tokens(2, 8), 1.0))
+    bad.hot_prefixes[0].token_ids.append(5)  # not whole blocks
+    bad.hot_prefixes.add(workload="default", model=MODEL, token_ids=[1] * BS, block_size=0)
+    bad.hot_prefixes.add(
+        workload="default", model=MODEL, token_ids=[1] * BS, block_size=BS, requests_per_s=-1
+    )
+    w.on_report(bad)
+    assert len(w.store) == 0 and w.store.rejected == 3
