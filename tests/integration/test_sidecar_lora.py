@@ -23,12 +23,22 @@ pytestmark = pytest.mark.integration
 PROMPT = list(range(4_000, 4_067))  # 4 full blocks of 16
 
 
-@pytest.fixture
-async def sim(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[SimProcess]:
+# event format, page size, start-up flag, the model name of adapter sql, the routes' prefix
+ENGINES = {
+    "vllm": ("vllm", 16, "--lora-modules", "sql", "/v1"),
+    "sglang": ("sglang", 1, "--lora-paths", "m:sql", ""),
+}
+
+
+@pytest.fixture(params=sorted(ENGINES))
+async def engine(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[tuple[SimProcess, str, str]]:
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
-    extra = ("--enable-lora", "--lora-modules", "sql=/adapters/sql")
-    process = await SimProcess("vllm", 16, 4096, extra=extra).start()
-    yield process
+    event_format, page, flag, model, routes = ENGINES[request.param]
+    extra = ("--enable-lora", flag, "sql=/adapters/sql")
+    process = await SimProcess(event_format, page, 4096, extra=extra).start()
+    yield process, model, routes
     await process.stop()
 
 
@@ -41,9 +51,11 @@ async def post(sim: SimProcess, path: str, body: object) -> int:
 
 
 async def test_adapters_are_announced_and_their_blocks_keyed_under_them(
-    nats_server: NatsServer, watcher: Watcher, sim: SimProcess
+    nats_server: NatsServer, watcher: Watcher, engine: tuple[SimProcess, str, str]
 ) -> None:
+    sim, model, routes = engine
     settings = sidecar_settings(
+        engine_kind="sglang" if sim.event_format == "sglang" else "vllm",
         engine_url=sim.http_url,
         kv_events_endpoint=sim.events,
         replay_endpoint=sim.replay,
@@ -56,14 +68,14 @@ async def test_adapters_are_announced_and_their_blocks_keyed_under_them(
 
     async with running_sidecar(settings):
         await wait_until(lambda: adapters() == {"sql": "/adapters/sql"})
-        body = {"model": "sql", "prompt": PROMPT, "max_tokens": 1}
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 1}
         assert await post(sim, "/v1/completions", body) == 200
         keyed = set(block_keys(PROMPT, model="m", lora_name="sql"))
         await wait_until(lambda: keyed <= watcher.mirror.gpu_keys())
         assert not set(block_keys(PROMPT, model="m")) & watcher.mirror.gpu_keys()
 
         load = {"lora_name": "chat", "lora_path": "/adapters/chat"}
-        assert await post(sim, "/v1/load_lora_adapter", load) == 200
+        assert await post(sim, f"{routes}/load_lora_adapter", load) == 200
         await wait_until(lambda: "chat" in adapters())
-        assert await post(sim, "/v1/unload_lora_adapter", {"lora_name": "sql"}) == 200
+        assert await post(sim, f"{routes}/unload_lora_adapter", {"lora_name": "sql"}) == 200
         await wait_until(lambda: adapters() == {"chat": "/adapters/chat"})
