@@ -104,6 +104,7 @@ class SidecarService:
         self._delay_s = settings.batch_delay_ms / 1000
         self._last_publish = -self._delay_s  # monotonic time of the last publishing turn
         self._wake_announce = asyncio.Event()
+        self.draining = False  # set on stop: announced, so proxies send nothing new
         self._last_history_request = -_HISTORY_RETRY_S
         self.started = asyncio.Event()
 
@@ -144,10 +145,25 @@ class SidecarService:
                 ]
                 self.started.set()
                 await stop.wait()
+                await self._drain()
                 for worker in workers:
                     worker.cancel()
         finally:
             await self._shutdown()
+
+    async def _drain(self) -> None:
+        """Announce the replica draining (proxies stop sending it new requests), then
+        give the engine ``drain_s`` to finish the ones it has."""
+        self.draining = True
+        with contextlib.suppress(Exception):
+            subject = subjects.announce_subject(self.settings.pool)
+            await asyncio.wait_for(
+                self.link.publish(subject, self.announcement().SerializeToString()), timeout=2
+            )
+            await asyncio.wait_for(self.link.flush(), timeout=2)
+        if self.settings.drain_s > 0:
+            log.info("draining", extra={"seconds": self.settings.drain_s})
+            await asyncio.sleep(self.settings.drain_s)  # the grace period, not a readiness wait
 
     async def _shutdown(self) -> None:
         for source in self.sources:
@@ -310,6 +326,7 @@ class SidecarService:
             role=ROLE_PB[self.role()],
             bootstrap_port=s.bootstrap_port or (load.bootstrap_port if load else 0),
             lora_adapters=self.engine_status.adapters,
+            draining=self.draining,
         )
 
     def role(self) -> str:

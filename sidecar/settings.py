@@ -100,6 +100,15 @@ class SidecarSettings(BaseSettings):
     )
     replay_timeout_s: float = Field(default=1.0, gt=0, le=60, description="Replay answer deadline.")
     announce_interval_s: float = Field(default=10.0, gt=0, description="ReplicaAnnounce period.")
+    drain_s: float = Field(
+        default=0.0,
+        ge=0,
+        le=3600,
+        description="On SIGTERM (a pod's termination) the sidecar first announces the "
+        "replica draining, so that proxies send it no new request, then keeps running this "
+        "long while the engine finishes the requests it has (give the engine's container a "
+        "preStop sleep at least as long), then stops.",
+    )
     load_interval_s: float = Field(default=0.5, gt=0, description="Scrape and LoadReport period.")
     restart_probe_s: float = Field(
         default=5.0,

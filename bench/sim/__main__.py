@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.sim import fleet_changes
 from bench.sim import scale as scale_mode
 from bench.sim.contenders import DEFAULT, KVROUTE, PEERS
 from bench.sim.report import write_reports
@@ -80,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--scale-only", action="store_true", help="run only the scale mode")
     parser.add_argument(
+        "--fleet-changes",
+        action="store_true",
+        help="run the fleet-change scenarios instead (scale-out, rolling restart, drain; "
+        "warm-up off / on / smg's warm-up share); then --scenario, --seeds and --out are "
+        "theirs (see bench/sim/fleet_changes.py)",
+    )
+    parser.add_argument(
         "--out", type=Path, default=Path("bench/results/latest"), help="results folder"
     )
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -141,6 +149,10 @@ def failures(results: Sequence[ScenarioResult], *, quick_mode: bool) -> list[str
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    given = list(sys.argv[1:] if argv is None else argv)
+    if "--fleet-changes" in given:  # its own scenarios and options
+        given.remove("--fleet-changes")
+        return fleet_changes.main(given)
     args = build_parser().parse_args(argv)
     command = "kvroute bench sim " + shlex.join(list(argv if argv is not None else sys.argv[1:]))
     started = time.perf_counter()

@@ -391,3 +391,14 @@ async def test_sglang_unchained_era_is_refused_in_the_announce(
         reason = watcher.announces[-1].labels["kvroute.io/keys-refused"]
         assert "SGLang 0.4.8-0.5.5" in reason and "0.5.10" in reason
         assert watcher.mirror.gpu_keys() == set()
+
+
+async def test_a_stopping_sidecar_announces_its_replica_draining_first(
+    nats_server: NatsServer, watcher: Watcher, engine: FakeEngine
+) -> None:
+    """A pod's termination (SIGTERM) drains the replica: proxies send it nothing new."""
+    settings = settings_for(engine, nats_server.url, watcher, drain_s=0.2)
+    async with running_sidecar(settings):
+        await wait_until(lambda: bool(watcher.announces))
+        assert not watcher.announces[-1].draining
+    await wait_until(lambda: watcher.announces[-1].draining)
