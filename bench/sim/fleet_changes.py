@@ -298,6 +298,7 @@ class ChangingFleet(Simulation):
                 self._push(now + 0.05, _CONTROL, lambda t: self._warm_next(joined, t))
             else:
                 warming.end("done", now)
+                self._forget_rates(joined.replica)
             return
         pacer = joined.pacer
         assert pacer is not None
@@ -311,6 +312,14 @@ class ChangingFleet(Simulation):
         warming.sent_tokens += tokens
         rid = self._send_warm(joined.replica, keys, now)
         self._after_warm[rid] = lambda t: self._warm_next(joined, t)
+
+    def _forget_rates(self, replica: int) -> None:
+        """A warm-up's end: the proxies forget the prefill rate they learned of the
+        replica while its first tokens waited behind the warm-up's prefills."""
+        for router in self.routers:
+            ledger = cast_router(router)._prefill
+            if ledger is not None:
+                ledger.rates.forget(replica)
 
     def _send_warm(self, replica: int, keys: list[int], now: float) -> int:
         bs = self.config.shape.block_size
@@ -509,6 +518,15 @@ SCENARIOS: dict[str, FleetScenario] = {
             changes=(Change(40.0, "add", 4), Change(40.0, "add", 5)),
             duration_s=120.0,
             transition=(40.0, 80.0),
+        ),
+        FleetScenario(
+            "scale_out_moderate",  # the fleet of 4 about three-quarters busy
+            start_replicas=4,
+            total_replicas=6,
+            changes=(Change(40.0, "add", 4), Change(40.0, "add", 5)),
+            duration_s=120.0,
+            transition=(40.0, 80.0),
+            rate=14.0,
         ),
         FleetScenario(
             "rolling_restart",

@@ -114,6 +114,10 @@ class Inflight:
         else:
             self._views.refresh(ordinal)
 
+    def warmed(self, key: int) -> None:
+        """A replica's warm-up ended: forget the prefill rate learned while it warmed."""
+        self._books.forget_rate(key)
+
     def forget(self, key: int) -> None:
         """A replica left: drop its counts."""
         self._ledger.forget(key)

@@ -131,6 +131,12 @@ class PrefillBooks:
         """Tickets still open on the replica (requests without their first bytes)."""
         return 0 if self._ledger is None else self._ledger.pending(key)
 
+    def forget_rate(self, key: int) -> None:
+        """The replica's warm-up ended: the first tokens it gave while warming waited
+        behind the warm-up's prefills, so its learned rate starts over."""
+        if self._ledger is not None:
+            self._ledger.rates.forget(key)
+
     def forget(self, key: int) -> None:
         """The replica left the fleet."""
         if self._ledger is not None:

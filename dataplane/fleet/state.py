@@ -321,6 +321,8 @@ class FleetState:
             yield from self._remove(info.ordinal)
             previous = None
         self.replicas.put(info, previous=previous)
+        if previous is not None and previous.info.warmup.warming and not info.warmup.warming:
+            self.inflight.warmed(previous.ledger_key)
 
     def _remove(self, ordinal: int) -> Iterator[None]:
         record = self.replicas.records.pop(ordinal, None)

@@ -6,7 +6,9 @@ misses), and what it holds already (confirmed by its KV events: a hit there as
 anywhere). It takes no request whose prefix only other replicas hold (a miss there,
 which the warm-up is about to spare), and none starting with a prefix it is being
 warmed with (``pending`` keys: planned or sent, not confirmed): sent there before the
-warm-up's prefill lands, the request would compute it again.
+warm-up's prefill lands, the request would compute it again. The requests it takes wait
+behind the warm-up's prefills, so when the warm-up ends the proxies forget the prefill
+rate they learned of it meanwhile (``kv_cost`` would otherwise rank it slow for long).
 
 When the gate would leave no replica, the caller ignores it: warming never refuses a
 request.
@@ -29,12 +31,14 @@ def warming_excluded(
     uniform number in [0, 1) (one per request)."""
     if not pending:
         return frozenset()
-    held_elsewhere = any(run > 0 for run in runs.values())
+    new = not any(run > 0 for run in runs.values())
     excluded = []
     for ordinal, warming_keys in pending.items():
-        if runs.get(ordinal, 0) > 0 and not _starts_with_any(keys, warming_keys):
-            continue  # it holds the prompt's beginning: a hit as anywhere else
-        if held_elsewhere or draw >= share or _starts_with_any(keys, warming_keys):
+        if _starts_with_any(keys, warming_keys):
+            excluded.append(ordinal)  # being warmed with it: not until confirmed
+        elif runs.get(ordinal, 0) > 0:
+            continue  # it holds the prompt's beginning (confirmed): a hit as anywhere
+        elif not new or draw >= share:
             excluded.append(ordinal)
     return frozenset(excluded)
 
