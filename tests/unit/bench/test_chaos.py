@@ -7,7 +7,7 @@ import os
 
 from bench.chaos.fleet import pinned_argv
 from bench.chaos.residency import PromptBook, compare_replica
-from bench.chaos.soak import group_sample
+from bench.chaos.soak import ProcessSample, ProcessTrend, group_sample
 from kvroute.up import SIM_MODEL
 
 SIM_READY = (
@@ -82,3 +82,16 @@ def test_a_process_group_is_read_from_proc() -> None:
     sample = group_sample(os.getpgid(0))
     assert sample.rss_kib > 1024  # this Python process at least
     assert sample.fds >= 3
+
+
+def _trend(fds: list[int]) -> ProcessTrend:
+    trend = ProcessTrend("sim-0")
+    trend.samples = [(10.0 * i, ProcessSample(60_000, n)) for i, n in enumerate(fds)]
+    return trend
+
+
+def test_fds_grow_when_their_floor_rises_not_when_a_connection_happens_to_be_open() -> None:
+    """An engine's fds over a soak: connections come and go (the soak of issue 42 read
+    29-36 on engines and proxies, +1 at the end by chance); a leak raises the floor."""
+    assert _trend([29, 30, 30, 29, 31, 33, 29, 36, 31, 31, 29]).fd_growth == 0
+    assert _trend([29, 30, 30, 30, 31, 31, 31, 32, 32, 32, 31]).fd_growth == 2
