@@ -278,15 +278,15 @@ def _beats(goal: str, ours: RunMetrics | None, theirs: RunMetrics | None) -> Goa
 
 def _lora_beats(result: ScenarioResult) -> GoalCheck:
     goal = (
-        "adapters: kvroute (lora:kv_cost) beats round-robin and loading on every miss on "
-        "hit rate and mean TTFT, with fewer adapter loads"
+        "adapters: kvroute (lora:kv_cost) has a hit rate at least round-robin's and loading "
+        "on every miss's, a lower mean TTFT and fewer adapter loads"
     )
     ours, rr, miss = (result.run(p) for p in ("lora:kv_cost", "lora-miss:round_robin",
                                               "lora-miss:kv_cost"))  # fmt: skip
     if ours is None or rr is None or miss is None:
         return GoalCheck(goal, None, "a contender it compares was not run")
     met = all(
-        ours.hit_rate > other.hit_rate
+        ours.hit_rate >= other.hit_rate
         and ours.ttft_mean_s < other.ttft_mean_s
         and ours.adapter_loads_per_min < other.adapter_loads_per_min
         for other in (rr, miss)
