@@ -1,0 +1,38 @@
+"""bench/sim/fleet_changes.py on small fleets: what each mode promises holds."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from bench.sim.fleet_changes import SCENARIOS, Change, run_fleet
+
+SMALL = dict(groups=4, rate=6.0, output_tokens=32, system_tokens=2048, question_tokens=64)
+
+
+def test_warm_up_fills_joining_replicas_before_they_serve_and_nothing_is_lost() -> None:
+    scenario = dataclasses.replace(
+        SCENARIOS["scale_out"],
+        changes=(Change(15.0, "add", 4), Change(15.0, "add", 5)),
+        duration_s=45.0,
+        transition=(15.0, 30.0),
+        **SMALL,
+    )
+    on = run_fleet(scenario, "on", seed=1)
+    assert on.lost == 0
+    assert on.warm_requests >= 2 * SMALL["groups"] - 2  # each joiner, (nearly) every group
+    assert on.hit_catch_up_s[0] is not None and on.hit_catch_up_s[0] <= 4.0
+
+
+def test_a_drain_loses_no_request_and_a_restart_rejoins() -> None:
+    drain = dataclasses.replace(
+        SCENARIOS["drain"], changes=(Change(10.0, "drain", 3),), duration_s=30.0,
+        transition=(10.0, 20.0), **SMALL,
+    )  # fmt: skip
+    run = run_fleet(drain, "on", seed=2)
+    assert run.lost == 0 and run.share_after[3] == 0.0
+    restart = dataclasses.replace(
+        SCENARIOS["rolling_restart"], changes=(Change(10.0, "restart", 0),), duration_s=40.0,
+        transition=(10.0, 30.0), **SMALL,
+    )  # fmt: skip
+    run = run_fleet(restart, "on", seed=2)
+    assert run.lost == 0 and run.share_after[0] > 0.1 and run.warm_requests >= 1
