@@ -75,7 +75,11 @@ def replica_pb(record: ReplicaRecord) -> routing_pb2.Replica:
 def replica_state(record: ReplicaRecord) -> ReplicaState:
     """The replica as kvcore's policies see it (for explain)."""
     announce, load = record.announce, record.load
-    models = frozenset((announce.model, *announce.served_names)) if announce else frozenset()
+    models = (
+        frozenset((announce.model, *announce.served_names, *announce.lora_adapters))
+        if announce
+        else frozenset()
+    )  # an adapter: a name only its holders serve, as the proxies see it
     return ReplicaState(
         ordinal=record.ordinal,
         replica_id=record.replica_id,

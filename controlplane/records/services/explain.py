@@ -53,19 +53,21 @@ class Explainer:
         model_name = body.get("model")
         if not isinstance(model_name, str) or not model_name:
             raise InvalidInput("body.request.model", "the request must name a model")
-        spec = self._model(model_name)
+        base = self._adapter_base(model_name)  # a LoRA adapter: its base model's entry
+        spec = self._model(base or model_name)
         chosen = self._classify(path, model_name, workload, headers)
         tokenizer = await self._tokenizer(spec.tokenizer)
         tokens, refused = await self._tokens(body, tokenizer)
         keys = block_keys(
             tokens,
             model=spec.canonical,
+            lora_name=model_name if base is not None else "",
             namespace=cache_namespace(body, tenant=tenant, isolating=chosen.tenant_isolation),
             block_size=spec.block_size,
         )
         ctx = RouteContext(
             workload=chosen,
-            model=spec.canonical,
+            model=model_name if base is not None else spec.canonical,  # holders only
             block_keys=keys,
             token_ids=tokens,
             block_size=spec.block_size,
@@ -78,6 +80,7 @@ class Explainer:
         explained = {
             "workload": chosen.name,
             "model": spec.canonical,
+            "lora_adapter": model_name if base is not None else None,
             "pool": spec.pool,
             "tokenizer": spec.tokenizer,
             "prompt_tokens": len(tokens),
@@ -91,6 +94,12 @@ class Explainer:
                 "it without keys, and the engine judges it"
             )
         return explained
+
+    def _adapter_base(self, name: str) -> str | None:
+        """The base model of the LoRA adapter ``name`` when a replica announces it loaded
+        (the proxy keys its prompts under it and offers only its holders)."""
+        infos = self.fleet.replicas(None)
+        return next((info.model for info in infos if name in info.lora_adapters), None)
 
     def _model(self, requested: str) -> ModelSpec:
         for spec in self.store.models().values():

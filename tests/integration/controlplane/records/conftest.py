@@ -72,7 +72,7 @@ class InTestFleet:
             ReplicaState(
                 ordinal=self.ordinal(info.replica_id),
                 replica_id=info.replica_id,
-                models=frozenset((info.model, *info.served_names)),
+                models=frozenset((info.model, *info.served_names, *info.lora_adapters)),
                 healthy=info.status != "down",
                 draining=info.draining,
                 running=info.running,

@@ -316,6 +316,17 @@ async def test_replicas_drain_residency_and_explain(make_records: RecordsFactory
         assert status == 200
         assert all(r.get("hit_blocks", 0) == 0 for r in body["decision"]["replicas"])
 
+        # a LoRA adapter (r0 announces it): keyed under it, only its holder offered
+        fleet.infos["r0"].lora_adapters["sql"] = "/adapters/sql"
+        fleet.hold("r0", block_keys(tokens, model="kvroute/sim-model", lora_name="sql"))
+        adapter = {"request": {**request, "model": "sql"}}
+        status, body, _ = await admin.call("POST", "/v1/route/explain", json=adapter)
+        assert status == 200 and body["lora_adapter"] == "sql"
+        reasons = {r["replica_id"]: r for r in body["decision"]["replicas"]}
+        assert body["decision"]["replica_id"] == "r0"
+        assert reasons["r0"]["hit_blocks"] == len(keys)
+        assert "does not serve model 'sql'" in json.dumps(reasons["r1"])
+
         status, body, _ = await admin.call(
             "POST", "/v1/route/explain", json={"request": {"model": "sim"}}
         )
