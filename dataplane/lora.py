@@ -52,11 +52,13 @@ ROUTES = frozenset({*LOAD_PATHS.values(), *UNLOAD_PATHS.values()})
 
 
 class AdapterLoadFailed(ApiError):
-    """An engine refused to load or unload an adapter: its status and words, passed on."""
+    """An engine refused to load or unload an adapter: its 4xx and words passed on; a
+    5xx, or no answer, is the proxy's 502 (the engine's failure, not the client's)."""
 
     def __init__(self, status: int, message: str) -> None:
-        super().__init__(message, None, "adapter_load_failed")
-        self.status = status
+        super().__init__(message, "lora_name", "adapter_load_failed")
+        self.status = status if 400 <= status < 500 else 502
+        self.error_type = "invalid_request_error" if self.status < 500 else "upstream_error"
 
 
 class LoraPlacement:
@@ -103,7 +105,16 @@ class LoraPlacement:
             target = self._target(model, {h.ordinal for h in holders})
             if target is None:
                 return None
-            await self._load_onto(target, model, path, workload.lora_max_per_replica)
+            try:
+                await self._load_onto(target, model, path, workload.lora_max_per_replica)
+            except AdapterLoadFailed as exc:
+                if exc.status >= 500:
+                    raise
+                raise NotFound(  # the engine will not have it: no such model, as refused
+                    f"The model `{model}` does not exist: loading it failed ({exc.message}).",
+                    "model",
+                    "model_not_found",
+                ) from None
             self._placed[model] = (target.ordinal, self.clock() + PLACED_TTL_S)
             return target.ordinal
 

@@ -11,7 +11,7 @@ import pytest
 
 from dataplane.fleet.state import FleetState
 from dataplane.http_errors import BadRequest, NotFound
-from dataplane.lora import LoraPlacement
+from dataplane.lora import AdapterLoadFailed, LoraPlacement
 from kvcore.workload import parse_workload
 from tests.unit.dataplane.state_messages import replica, snapshot
 
@@ -38,6 +38,7 @@ class Engines:
     def __init__(self, held: dict[int, dict[str, str]]) -> None:
         self.calls: list[tuple[str, str]] = []  # (url, lora_name)
         self.held = {_url(o): set(adapters) for o, adapters in held.items()}
+        self.refuse: int | None = None  # every load answered with this status
 
     async def open(self, method: str, url: str, body: bytes, headers: Any) -> _Opened:
         await asyncio.sleep(0)  # another request may run meanwhile
@@ -45,6 +46,8 @@ class Engines:
         self.calls.append((url, name))
         base, _, path = url.partition("/v1/")
         held = self.held.setdefault(base, set())
+        if self.refuse is not None and path == "load_lora_adapter":
+            return _Opened(self.refuse)
         if path == "unload_lora_adapter":
             if name not in held:
                 return _Opened(404)
@@ -124,3 +127,20 @@ async def test_the_pool_routes_check_names_and_act_on_every_replica() -> None:
     assert not any("sql" in adapters for adapters in engines.held.values())
     with pytest.raises(NotFound):  # asked everywhere, held nowhere
         await lora.admin("/v1/unload_lora_adapter", b'{"lora_name": "nowhere"}', {})
+
+
+@pytest.mark.parametrize(("engine_status", "proxy_status"), [(404, 404), (500, 502)])
+async def test_a_refused_load_is_the_clients_404_and_a_failed_one_a_502(
+    engine_status: int, proxy_status: int
+) -> None:
+    """vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING has no load route (404): the
+    adapter cannot be had, as if unknown; an engine failing (500) is the proxy's 502."""
+    state = fleet_of({}, {})
+    lora, engines = placement(state)
+    lora._remember("sql", "/a/sql")  # seen announced once
+    engines.refuse = engine_status
+    with pytest.raises((NotFound, AdapterLoadFailed)) as refused:
+        await lora.place("sql", LOAD)
+    assert refused.value.status == proxy_status
+    if proxy_status == 404:
+        assert refused.value.code == "model_not_found"
