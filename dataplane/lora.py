@@ -15,7 +15,7 @@ one goes only to its holders, scored by their residency. This module covers the 
   there; so does any request for it until the replica's announce shows the adapter
   (``PLACED_TTL_S``). A replica already holding ``lora_max_per_replica`` adapters first
   unloads the one this proxy routed to least recently. When every holder is at the
-  workload's ``load_threshold``, ``load`` adds a replica the same way.
+  workload's ``lora_spread_load`` (0.6), ``load`` adds a replica the same way.
 - ``POST /v1/load_lora_adapter`` through the proxy loads onto ``lora_load_replicas``
   replicas of the model (least loaded first; 0: all), ``/v1/unload_lora_adapter``
   unloads from every holder; never one replica picked at random. A name an engine would
@@ -299,7 +299,7 @@ def _all_saturated(holders: Any, workload: Workload) -> bool:
 
 
 def _saturated(state: ReplicaState, workload: Workload) -> bool:
-    return state.load >= workload.load_threshold
+    return state.load >= workload.lora_spread_load
 
 
 def _fields(body: bytes) -> dict[str, Any]:

@@ -14,7 +14,7 @@ The contenders, each the real ``kvcore`` policy of :mod:`bench.sim.routers`:
 
 - ``lora:<strategy>``: kvroute with the workload's ``lora_on_miss: load``, as
   ``dataplane.lora`` does: the adapter's holders only, scored by adapter-keyed residency;
-  when none holds it or every holder is at ``load_threshold``, the other replicas
+  when none holds it or every holder is at ``lora_spread_load``, the other replicas
   (where it gets loaded);
 - ``lora-miss:<strategy>``: the policy over every replica, loading whenever the chosen
   one lacks the adapter ("load on every miss"); ``lora-miss:round_robin`` is plain
@@ -145,7 +145,7 @@ class AdapterRouter:
         if self.mode != LORA[:-1]:
             return frozenset()
         holders = self.slots.holders(self.adapter_of[req.rid])
-        threshold = self.inner.workload.load_threshold
+        threshold = self.inner.workload.lora_spread_load
         board = self.inner.board
         if holders and any(board.at(o).load < threshold for o in holders):
             return self._all - holders  # its holders, scored as any request

@@ -65,7 +65,15 @@ class WorkloadBase(_Settings):
         "'refuse' answers OpenAI's 404 model_not_found; 'load' loads it (its path as a "
         "replica announced it) onto the least-loaded replica of its base model through the "
         "engine's API and routes there; 'load' also loads it onto another replica when "
-        "every holder is at load_threshold.",
+        "every holder is at lora_spread_load.",
+    )
+    lora_spread_load: float = Field(
+        0.6,
+        gt=0,
+        le=1,
+        description="With lora_on_miss 'load': once every replica holding an adapter is at "
+        "this load (1: every seat taken), the adapter is loaded onto one more replica "
+        "(0.6: the best of 0.5-0.9 in kvroute bench sim's adapters scenarios).",
     )
     lora_max_per_replica: int = Field(
         8,
