@@ -23,7 +23,11 @@ def _native() -> list[Extension]:
     native = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(native)
     sources = [str(native.source(name, Path())) for name in native.MODULES]
-    return mypycify(sources, opt_level="3", group_name=native.GROUP)
+    written_in_c = [
+        Extension(name, [str(native.c_source(name, Path()))], extra_compile_args=["-O3"])
+        for name in native.C_MODULES
+    ]
+    return [*mypycify(sources, opt_level="3", group_name=native.GROUP), *written_in_c]
 
 
 setup(ext_modules=_native())

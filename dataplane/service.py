@@ -36,7 +36,7 @@ from dataplane.tokenizer_probe import TokenizerProbe
 from dataplane.tracing import Tracing
 from dataplane.transport.worker_metrics import Siblings, WorkerGroup
 from dataplane.upstream import Upstream
-from kvcore.index import READ_ALWAYS_INDEXES
+from kvcore.index import read_always_index
 from kvcore.workload import RoutingConfig, parse_workload
 from kvruntime.tasks import BackgroundTasks
 
@@ -69,7 +69,7 @@ class ProxyService:
             self.fleet = FleetState(
                 max_age_s=settings.state_max_age_s,
                 prefill_step_s=settings.prefill_step_ms / 1000,
-                index=READ_ALWAYS_INDEXES[settings.residency_index],
+                index=read_always_index(settings.residency_index),
             )
         self.state_client = None if settings.static else StateClient(settings, self.fleet)
         self.metrics = ProxyMetrics()

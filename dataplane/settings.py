@@ -117,12 +117,13 @@ class ProxySettings(BaseSettings):
         "the prefill it has queued on each replica (its own books): an estimate is at most "
         "this much prefill high.",
     )
-    residency_index: Literal["bitmask", "compact"] = Field(
-        default="bitmask",
-        description="How the proxy keeps the residency map: bitmask (a dict, ~110 bytes a "
-        "key; the fastest decisions, prompts sharing a beginning read from its end) or "
-        "compact (numpy arrays, ~30 bytes a key; faster on long prompts never seen before, "
-        "slower on ordinary ones). compact suits a proxy whose pools hold millions of keys.",
+    residency_index: Literal["auto", "bitmask", "compact"] = Field(
+        default="auto",
+        description="How the proxy keeps the residency map: compact (numpy arrays, ~30 "
+        "bytes a key; prompts read in C where it is built, as in the images and after make "
+        "native: as fast on ordinary prompts, several times faster on long ones never seen "
+        "before) or bitmask (a dict, ~110 bytes a key; without the C build, the faster on "
+        "ordinary prompts). auto: compact where its C lookup is built, else bitmask.",
     )
     report_interval_s: float = Field(
         default=10.0, gt=0, le=3600, description="Period of the counters sent to the control plane."

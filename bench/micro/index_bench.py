@@ -1,6 +1,7 @@
 """Residency indexes side by side: prompt lookups, batch changes, memory per key.
 
-Both implementations over the same keys: ``leading_runs`` of prompts never looked up
+Both implementations (and the compact one without its C lookup, where that is built:
+before and after in one run) over the same keys: ``leading_runs`` of prompts never looked up
 before (every key of every prompt new, each replica holding a prefix of it, as 64
 replicas that served parts of a conversation do), batches added and removed, memory per
 resident key (tracemalloc: numpy's arrays are traced too) and clearing a replica; and
@@ -8,6 +9,7 @@ what the choice costs a proxy: kv_aware's decision p50 at ordinary prompt sizes 
 system prompt, then each request's own blocks), speculation recorded as a proxy records it,
 and its p99 while the fleet stores and evicts 200,000 blocks/s (a proxy deciding 2,000
 times a second applies 100 block events between two decisions) against a still fleet.
+Last, a dict's lookups alone of new prompts' keys: the floor under the dict index.
 """
 
 from __future__ import annotations
@@ -18,11 +20,17 @@ import time
 import tracemalloc
 from collections.abc import Callable
 from functools import partial
+from itertools import repeat
 
 import numpy as np
 
 from bench.micro.report import Figure, median_us_each
-from kvcore.index import READ_ALWAYS_INDEXES, ResidencyIndex
+from kvcore.index import (
+    NATIVE_LOOKUP,
+    READ_ALWAYS_INDEXES,
+    CompactResidencyIndex,
+    ResidencyIndex,
+)
 from kvcore.policies import ReplicaState, RouteContext, StaticStateView, create_policy
 from kvcore.workload import parse_workload
 
@@ -96,7 +104,7 @@ def _batch_figures(name: str, make: Callable[[], ResidencyIndex]) -> list[Figure
             f"{name}: memory per resident key at {keys / 1e6:.0f}M keys",
             per_key,
             "B",
-            MAX_BYTES_PER_KEY if name == "compact" else None,
+            MAX_BYTES_PER_KEY if name.startswith("compact") else None,
         ),
         Figure(f"{name}: clear_replica of 1 of {REPLICAS}", _clear_ms(index), "ms"),
     ]
@@ -182,12 +190,48 @@ def _churn_figures(name: str, make: Callable[[], ResidencyIndex]) -> list[Figure
     ]
 
 
+def _numpy_compact() -> ResidencyIndex:
+    index = CompactResidencyIndex(hold_changes=False)
+    index.native = None
+    return index
+
+
+def indexes() -> dict[str, Callable[[], ResidencyIndex]]:
+    """The proxy's choices, and where the compact index reads prompts in C, the same
+    without it (numpy, as in a checkout with no compiler), side by side."""
+    variants = dict(READ_ALWAYS_INDEXES)
+    if NATIVE_LOOKUP:
+        variants["compact without C"] = _numpy_compact
+    return variants
+
+
+def _dict_floor() -> list[Figure]:
+    """What a dict index cannot go below on prompts never looked up: the dict lookups
+    alone, one per key (``map(dict.get)`` at C speed), of keys added as the lookup
+    figures add them."""
+    rng = random.Random(3)
+    masks: dict[int, int] = {rng.getrandbits(64): 1 for _ in range(100_000)}
+    figures = []
+    for length in LOOKUP_TARGETS_US:
+        prompts = [[rng.getrandbits(64) for _ in range(length)] for _ in range(PROMPTS)]
+        for prompt in prompts:
+            for key in prompt:
+                masks[key] = rng.getrandbits(64)
+        us = median_us_each([partial(_gets, masks, p) for p in prompts])
+        figures.append(Figure(f"a dict's get of each of {length} new keys alone", us, "us"))
+    return figures
+
+
+def _gets(masks: dict[int, int], keys: list[int]) -> list[int]:
+    return list(map(masks.get, keys, repeat(0)))
+
+
 def run() -> list[Figure]:
     figures: list[Figure] = []
-    for name, make in READ_ALWAYS_INDEXES.items():
+    for name, make in indexes().items():
         figures += _decision_figures(name, make)
         figures += _churn_figures(name, make)
         figures += _lookup_figures(name, make)
         batch = _batch_figures(name, make)
         figures += [_rate_figure(f) if f.unit == "M keys/s" else f for f in batch]
-    return figures
+    return figures + _dict_floor()

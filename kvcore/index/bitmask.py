@@ -217,6 +217,14 @@ class BitmaskResidencyIndex:
             return None
         return list(map(self._spec_mask.get, keys, repeat(0)))
 
+    def speculative_by_key(self, now: float) -> dict[int, int] | None:
+        """Each key's replicas holding it speculatively at ``now`` (the index's own dict:
+        read it, do not change it), or ``None`` when nothing is speculative."""
+        in_order = self._in_order
+        if (in_order and in_order[0][0] <= now) or self._out_of_order:
+            self.expire(now)
+        return self._spec_mask or None
+
     def key_count(self, replica: int | None = None) -> int:
         """Overall, keys only a replica being cleared step by step held still count."""
         return len(self._masks) if replica is None else self._counts.get(replica, 0)

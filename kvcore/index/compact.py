@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import random
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +40,13 @@ from kvcore.index.bitmask import BitmaskResidencyIndex, _bits, _short_runs
 from kvcore.index.columns import holders, joined, rows_of, words_of
 from kvcore.index.hashtable import MAX_LOAD, KeyTable
 from kvcore.index.pending import PendingChanges
+
+try:  # the lookup in C, built with the proxy's compiled modules (dataplane/native.py)
+    from kvcore.index import _probe
+
+    NATIVE_RUNS: Callable[..., dict[int, int]] | None = _probe.leading_runs
+except ImportError:  # a checkout without a C compiler: numpy
+    NATIVE_RUNS = None
 
 _SCALAR_KEYS = 32  # prompts and batches up to this many keys are handled key by key
 _HELD_BATCH = 4_096  # batches up to this many keys are held back (PendingChanges)
@@ -67,6 +74,7 @@ class CompactResidencyIndex:
         self._hidden = 0  # replicas being cleared step by step
         self._clearing: dict[int, _Clearing] = {}
         self.scalar_keys = _SCALAR_KEYS  # (tests set 0 to check the array paths)
+        self.native = NATIVE_RUNS  # (tests set None to check the numpy paths)
         self._pending = PendingChanges()  # small batches, applied in bulk when read
         self.held_keys = _HELD_KEYS if hold_changes else 0
 
@@ -237,8 +245,22 @@ class CompactResidencyIndex:
         return frozenset(_bits(self._mask_of(key) & ~self._hidden))
 
     def leading_runs(self, keys: Sequence[int], *, now: float | None = None) -> dict[int, int]:
-        """Probed key by key for a short prompt, else all keys at once (``_runs_of``)."""
+        """In one C pass where :mod:`kvcore.index._probe` is built; else probed key by key
+        for a short prompt, and all keys at once for a long one (``_runs_of``)."""
         self._apply_pending()
+        if self.native is not None:
+            table = self._table
+            return self.native(
+                keys,
+                table.keys,
+                table.masks,
+                table.bits,
+                table.multiplier,
+                table.words,
+                words_of(self._zero, table.words),
+                None if now is None else self._spec.speculative_by_key(now),
+                words_of(self._hidden, table.words) if self._hidden else None,
+            )
         speculative = None if now is None else self._spec.speculative_masks(keys, now=now)
         if len(keys) <= self.scalar_keys:
             return self._short_runs(keys, speculative)

@@ -13,7 +13,12 @@ from dataplane.errors import SnapshotNeeded
 from dataplane.fleet.state import FleetState
 from dataplane.main import SettingsRefused, load_settings
 from dataplane.service import ProxyService
-from kvcore.index import BitmaskResidencyIndex, CompactResidencyIndex, ResidencyIndex
+from kvcore.index import (
+    NATIVE_LOOKUP,
+    BitmaskResidencyIndex,
+    CompactResidencyIndex,
+    ResidencyIndex,
+)
 from kvcore.pb import events_pb2, routing_pb2
 from tests.unit.dataplane.state_messages import MODEL, delta, replica, residency_change, snapshot
 
@@ -111,7 +116,12 @@ def test_a_proxy_keeps_its_residency_in_the_index_its_settings_name() -> None:
     assert (
         compact.fleet.replicas.index._pending.count == 0
     )  # applied by the delta, not by a request
-    default = ProxyService(load_settings(["--controlplane", "127.0.0.1:9"]))
-    assert isinstance(default.fleet.replicas.index, BitmaskResidencyIndex)
+    bitmask = ProxyService(
+        load_settings(["--controlplane", "127.0.0.1:9", "--residency-index", "bitmask"])
+    )
+    assert isinstance(bitmask.fleet.replicas.index, BitmaskResidencyIndex)
+    default = ProxyService(load_settings(["--controlplane", "127.0.0.1:9"]))  # auto
+    chosen = CompactResidencyIndex if NATIVE_LOOKUP else BitmaskResidencyIndex
+    assert type(default.fleet.replicas.index) is chosen
     with pytest.raises(SettingsRefused, match="--residency-index"):
         load_settings(["--controlplane", "127.0.0.1:9", "--residency-index", "radix"])

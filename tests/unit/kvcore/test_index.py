@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dataplane import native
 from kvcore.index import (
     MAX_REPLICA_ORDINAL,
     BitmaskResidencyIndex,
@@ -21,16 +22,30 @@ from kvcore.index import (
 )
 
 
-def vectorised_compact() -> CompactResidencyIndex:
-    """The compact index reading even a one-key prompt by its array path, and applying
-    the changes it holds back as soon as it holds four keys."""
+def numpy_compact() -> CompactResidencyIndex:
+    """The compact index without its C lookup (a checkout with no compiler): short
+    prompts key by key, long ones by numpy."""
     index = CompactResidencyIndex()
+    index.native = None
+    return index
+
+
+def vectorised_compact() -> CompactResidencyIndex:
+    """The compact index reading even a one-key prompt by its numpy array path, and
+    applying the changes it holds back as soon as it holds four keys."""
+    index = numpy_compact()
     index.scalar_keys = 0
     index.held_keys = 4
     return index
 
 
-FAST: list[Callable[[], Any]] = [BitmaskResidencyIndex, CompactResidencyIndex, vectorised_compact]
+# (CompactResidencyIndex reads prompts in C where it is built: make native, make check)
+FAST: list[Callable[[], Any]] = [
+    BitmaskResidencyIndex,
+    CompactResidencyIndex,
+    numpy_compact,
+    vectorised_compact,
+]
 IMPLEMENTATIONS: list[Callable[[], ResidencyIndex]] = [*FAST, ReferenceResidencyIndex]
 BIG = 2**64 - 1  # keys are unsigned 64-bit
 
@@ -526,3 +541,25 @@ def test_the_compact_index_grows_and_rebuilds_keeping_every_key() -> None:
     keys, masks = index.residency()
     second_word = dict(zip(keys.tolist(), masks[:, 1].tolist(), strict=True))
     assert second_word[batches[0][0]] == 1 << (70 - 64)
+
+
+def test_the_compact_index_reads_prompts_in_c_where_the_request_path_is_compiled() -> None:
+    """``make native`` builds the C lookup with the compiled modules, so ``make check``
+    runs the conformance suite over it (and over numpy, above)."""
+    if not native.built():
+        pytest.skip("a checkout run from source")
+    assert "kvcore.index._probe" in native.built()
+    assert CompactResidencyIndex().native is not None
+
+
+@pytest.mark.parametrize(
+    "make", [CompactResidencyIndex, numpy_compact, vectorised_compact], ids=lambda f: f.__name__
+)
+def test_the_compact_index_refuses_a_key_outside_64_bits_in_c_as_in_numpy(
+    make: Callable[[], ResidencyIndex],
+) -> None:
+    index = make()
+    index.add(0, [1, 2])
+    for bad in ([1, -1], [1, 2**64], [1, "2"]):
+        with pytest.raises((OverflowError, TypeError, ValueError)):
+            index.leading_runs([*bad] * 40)  # (long: the array and C paths)
