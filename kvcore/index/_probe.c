@@ -123,9 +123,13 @@ leading_runs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *keys = args[0], *spec = args[7];
     long bits = PyLong_AsLong(args[3]);
+    if (bits == -1 && PyErr_Occurred())
+        return NULL;
     uint64_t multiplier = PyLong_AsUnsignedLongLong(args[4]);
+    if (multiplier == (uint64_t)-1 && PyErr_Occurred())
+        return NULL;
     Py_ssize_t words = PyLong_AsSsize_t(args[5]);
-    if (PyErr_Occurred())
+    if (words == -1 && PyErr_Occurred())
         return NULL;
     if (bits < 1 || bits > 62 || words < 1 || words > MAX_WORDS) {
         PyErr_SetString(PyExc_ValueError, "bits must be in [1, 62] and words in [1, 64]");
