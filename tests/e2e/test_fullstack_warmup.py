@@ -3,8 +3,9 @@
 A workload with warm-up on: the proxy counts its hot prefix (a system prompt many
 distinct requests began with) and reports it; a replica whose cache is cleared joins
 empty, and the control plane's leader warms it with that prefix through the engine's
-own API before any client request reaches it, as its KV events confirm. Then that
-replica is drained under load: no request is lost, its lone hot prefix is sent to the
+own API before any client request reaches it, as its KV events confirm; so is an engine
+restarted (stopped, started again empty on the same ports). Then a replica is drained
+under load: no request is lost, its lone hot prefix is sent to the
 other replica first, and the next request there is a hit.
 """
 
@@ -31,14 +32,20 @@ WARMUP = {"enabled": True, "min_requests": 3, "tokens_per_s": 100_000}
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FullStack]:
-    with ExitStack() as started:
-        sims = [started.enter_context(SimProcess(*SIM_ARGS)) for _ in range(2)]
-        fleet = started.enter_context(FullStack(sims, tmp_path_factory.mktemp("fleet"), ENV))
-        wait_for(lambda: fleet.readyz()["replicas"] == 2, "every replica in the proxy")
-        workload = {"strategy": "kv_cost", "warmup": WARMUP}
-        assert fleet.admin("PUT", "/v1/workloads/default", workload)[0] in (200, 201)
-        yield fleet
+def started() -> Iterator[ExitStack]:
+    """What the module started (engines a test restarts join it)."""
+    with ExitStack() as stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, started: ExitStack) -> FullStack:
+    sims = [started.enter_context(SimProcess(*SIM_ARGS)) for _ in range(2)]
+    fleet = started.enter_context(FullStack(sims, tmp_path_factory.mktemp("fleet"), ENV))
+    wait_for(lambda: fleet.readyz()["replicas"] == 2, "every replica in the proxy")
+    workload = {"strategy": "kv_cost", "warmup": WARMUP}
+    assert fleet.admin("PUT", "/v1/workloads/default", workload)[0] in (200, 201)
+    return fleet
 
 
 def ask(stack: FullStack, question: str) -> tuple[int, dict[str, str], Any]:
@@ -103,6 +110,45 @@ def test_a_replica_whose_cache_was_cleared_is_warmed_before_traffic_reaches_it(
     assert (
         controlplane_metric(stack, "kvroute_controlplane_warmup_prefixes_total", result="sent") >= 1
     )
+
+
+def test_a_restarted_engine_is_warmed_before_traffic_reaches_it(
+    stack: FullStack, started: ExitStack
+) -> None:
+    owner = ask(stack, "Who holds it now?")[1]["x-kvroute-replica"]
+    index = int(owner.removeprefix("r"))
+    old = stack.engines[index]
+    port = old.url.rsplit(":", 1)[1]
+    confirmed = controlplane_metric(
+        stack, "kvroute_controlplane_warmup_prefixes_total", result="confirmed"
+    )
+    assert old.proc is not None
+    old.proc.terminate()  # the engine stops; the same one starts again, empty
+    old.proc.wait(timeout=30)
+    again = (
+        f"--port={port}",
+        f"--kv-events-endpoint={old.events}",
+        f"--replay-endpoint={old.replay}",
+    )
+    engine = started.enter_context(SimProcess(*SIM_ARGS, *again))
+    stack.engines[index] = engine
+    wait_for(
+        lambda: (
+            controlplane_metric(
+                stack, "kvroute_controlplane_warmup_prefixes_total", result="confirmed"
+            )
+            > confirmed
+            and (replica(stack, owner).get("warmup") or {}).get("warming") is False
+        ),
+        "the restarted engine's warm-up to be confirmed by its KV events",
+    )
+    warmup = replica(stack, owner)["warmup"]["workloads"][0]
+    assert warmup["outcome"] == "done" and warmup["sent"] >= 1
+    assert served(engine) == warmup["sent"]  # nothing but the warm-up reached it yet
+    # its cache holds the prompt's shared beginning: the first request is a hit
+    body = {"model": MODEL, "prompt": SYSTEM + "After the restart?", "max_tokens": 2}
+    answer = engine.post("/v1/completions", body)
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256
 
 
 def test_a_drained_replica_loses_no_request_and_its_hot_prefix_moves_first(
