@@ -31,6 +31,7 @@ import math
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from kvcore.workload.warmup import WarmupSettings
 
@@ -54,13 +55,14 @@ class HotPrefix:
         return len(self.tokens) // self.block_size
 
 
-def depths(blocks: int) -> list[int]:
+@lru_cache(maxsize=1024)
+def depths(blocks: int) -> tuple[int, ...]:
     """The depths (in blocks) a prompt of ``blocks`` whole blocks is counted at."""
     found, depth = [], 1
     while depth <= blocks:
         found.append(depth)
         depth += max(1, (1 << (depth.bit_length() - 1)) >> 2)
-    return found
+    return tuple(found)
 
 
 class _Counted:
@@ -134,7 +136,10 @@ class HotPrefixes:
         prompt = keys[-1] if prompt is None else prompt
         parent: int | None = None
         shared = False  # the prompt began with a prefix another prompt began with
-        for depth in depths(deepest):
+        counted_at = depths(deepest)
+        # from the deepest depth counted already: the shallower ones a shared prefix
+        # passed are not counted again (its deepest is what is reported)
+        for depth in counted_at[max(self._deepest_seen(keys, counted_at), 0) :]:
             key = keys[depth - 1]
             counted = self._counted.get(key)
             if counted is None:  # a depth not seen: count it; go on only past a shared one
@@ -154,6 +159,19 @@ class HotPrefixes:
                 if len(prompts) >= self.settings.min_requests:
                     self._promote(key, counted, model, keys, depth, tokens, block_size)
             parent = key
+
+    def _deepest_seen(self, keys: Sequence[int], counted_at: Sequence[int]) -> int:
+        """The index in ``counted_at`` of the deepest depth of ``keys`` counted already
+        (-1: none): a binary search, since a depth is counted only after the one before."""
+        low, high, found = 0, len(counted_at) - 1, -1
+        counted = self._counted
+        while low <= high:
+            middle = (low + high) // 2
+            if keys[counted_at[middle] - 1] in counted:
+                found, low = middle, middle + 1
+            else:
+                high = middle - 1
+        return found
 
     def hot(self, now: float) -> list[HotPrefix]:
         """The deepest hot prefixes, most requested first, with their recent rates."""

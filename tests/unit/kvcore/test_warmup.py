@@ -29,7 +29,7 @@ def _observe(hot: HotPrefixes, tokens: list[int], now: float) -> None:
 
 
 def test_depths_count_every_block_to_eight_then_four_per_doubling() -> None:
-    assert depths(20) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20]
+    assert depths(20) == (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20)
     assert len(depths(512)) <= 32
 
 
