@@ -10,7 +10,9 @@ health, such as ``tokenizer_mismatch``) queued for sending.
 Routing must never wait on this: :meth:`Reporter.record` only adds to a dict, and
 sending runs in its own task. Reports not yet acknowledged stay queued; the queue is
 bounded (``max_pending``) by merging its two oldest reports, so when the control plane
-is away for long the counters are all kept, at a coarser time resolution. Each flush is
+is away for long the counters are all kept, at a coarser time resolution. A report's hot
+prefixes (warm-up, :mod:`dataplane.hot_prefixes`) also go, alone, to the other
+``--controlplane`` addresses: the leader warms replicas, whichever instance it is. Each flush is
 one short client stream (write the queued reports, close, read the ``ReportAck``), so a
 report counts as delivered only once the control plane says it read it; a failure moves
 to the next ``--controlplane`` address for the next flush.
@@ -19,6 +21,7 @@ to the next ``--controlplane`` address for the next flush.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -160,6 +163,21 @@ class Reporter:
         for _ in range(min(acked, len(batch))):
             self.pending.popleft()
         self.sent += min(acked, len(batch))
+        await self._share_hot(address, batch)
+
+    async def _share_hot(self, sent_to: str, batch: list[routing_pb2.ProxyReport]) -> None:
+        """The latest hot prefixes to the other control planes too (best effort: one try
+        each, within the send timeout): only the leader warms replicas, and this proxy's
+        reports reach one instance at a time."""
+        hot = next((r.hot_prefixes for r in reversed(batch) if r.hot_prefixes), None)
+        if hot is None or len(self._addresses) < 2:
+            return
+        copy = routing_pb2.ProxyReport(proxy_id=self._proxy_id, ts=batch[-1].ts, hot_prefixes=hot)
+        for address in self._addresses:
+            if address != sent_to:
+                with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
+                    async with asyncio.timeout(self._send_timeout_s):
+                        await self._send(address, [copy])
 
     async def _send(self, address: str, batch: list[routing_pb2.ProxyReport]) -> int:
         async with self._channel(address) as channel:

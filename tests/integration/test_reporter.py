@@ -133,3 +133,25 @@ async def test_closing_sends_what_was_counted_since_the_last_report() -> None:
         }
     finally:
         await server.stop()
+
+
+async def test_hot_prefixes_reach_every_control_plane_the_counters_one() -> None:
+    servers = [await RoutingStateServer(1).start() for _ in range(2)]
+    hot = routing_pb2.HotPrefix(
+        workload="chat", model="m", token_ids=list(range(32)), key=7, block_size=16
+    )
+    reporter = Reporter(settings(*(s.address for s in servers)), hot=lambda: [hot])
+    reporter.record("chat", "default", "r0", 100, 64, 48, error=False)
+    reporter.close_interval()
+    try:
+        await reporter.flush()
+        async with asyncio.timeout(10):
+            for server in servers:
+                await server.wait_for_reports(1)
+        got = [report for server in servers for report in server.reports]
+        assert sum(len(report.rows) for report in got) == 1  # counted once
+        assert [list(r.hot_prefixes) for r in got] == [[hot], [hot]]
+    finally:
+        await reporter.aclose()
+        for server in servers:
+            await server.stop()
