@@ -118,15 +118,14 @@ async def watch(
             mirror.apply(update)
 
 
-async def drain(address: str, pools: tuple[str, ...] = ()) -> int:
+async def drain(address: str, pools: tuple[str, ...] = (), read: list[int] | None = None) -> None:
     """Read the stream as a proxy would receive it, without parsing or applying it
-    (another watcher of the same state); the updates read when it ends."""
+    (another watcher of the same state), counting the updates in ``read[0]``."""
     options = [("grpc.max_receive_message_length", 16 * 1024 * 1024)]
-    updates = 0
     async with grpc.aio.insecure_channel(address, options=options) as channel:
         method = channel.unary_stream(
             WATCH_METHOD, request_serializer=routing_pb2.WatchRequest.SerializeToString
         )
         async for _ in method(routing_pb2.WatchRequest(proxy_id="drain", pools=pools)):
-            updates += 1
-    return updates
+            if read is not None:
+                read[0] += 1

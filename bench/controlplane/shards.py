@@ -98,6 +98,7 @@ class RunFigures:
     publishers_cpu: float  # the publisher processes' cores
     watcher_cpu: float  # this process's cores (every shard's watch, applied)
     late_ticks: int
+    drained: int  # updates the further watchers read (all of them)
     load_average: tuple[float, float, float]
 
     def row(self) -> str:
@@ -105,6 +106,7 @@ class RunFigures:
             f"machine {self.machine_busy:.2f} of {os.cpu_count()} cores busy "
             f"({self.machine_steal:.2f} stolen); publishers {self.publishers_cpu:.2f}, "
             f"watchers {self.watcher_cpu:.2f}; {self.late_ticks} late ticks; "
+            f"{self.drained:,} updates read by further watchers; "
             f"load average {self.load_average[0]:.1f}"
         )
 
@@ -140,13 +142,15 @@ async def measure_run(load: Load) -> RunFigures:
         mirrors = {name: StateMirror() for name in names}
         arrived: dict[str, dict[int, float]] = {name: {} for name in names}
         watching: list[asyncio.Task[object]] = []
+        drained = [0]  # updates the further watchers read
         for name in names:
             mirrors[name].on_update = _arrivals(arrived[name])
             watching.append(
                 asyncio.create_task(watch(addresses[name], mirrors[name], pools=pools[name]))
             )
             for _ in range(load.watchers - 1):  # (more proxies: what each costs the shard)
-                watching.append(asyncio.create_task(drain(addresses[name], pools[name])))
+                reading = drain(addresses[name], pools[name], drained)
+                watching.append(asyncio.create_task(reading))
         start_at = time.monotonic() + 2.0 + 0.25 * load.publishers  # (workers start)
         plans = [
             Plan(
@@ -196,6 +200,7 @@ async def measure_run(load: Load) -> RunFigures:
         publishers_cpu=sum(p.cpu_s for p in played) / load.seconds,
         watcher_cpu=mine / wall,
         late_ticks=sum(p.late_ticks for p in played),
+        drained=drained[0],
         load_average=os.getloadavg(),
     )
 
