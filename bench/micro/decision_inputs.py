@@ -67,11 +67,11 @@ def decision_fleet(spec: str, block_size: int) -> FleetState:
     return fleet
 
 
-def hold(fleet: FleetState, ordinal: int, keys: list[int]) -> None:
-    """Replica ``ordinal`` now holds ``keys``."""
+def hold(fleet: FleetState, ordinal: int, keys: list[int], version: int = 2) -> None:
+    """Replica ``ordinal`` now holds ``keys`` (the fleet's ``version``-th update)."""
     change = routing_pb2.ResidencyChange(ordinal=ordinal, added=keys)
     delta = routing_pb2.Delta(residency=[change])
-    fleet.apply(routing_pb2.StateUpdate(epoch=1, version=2, delta=delta))
+    fleet.apply(routing_pb2.StateUpdate(epoch=1, version=version, delta=delta))
 
 
 def _sentence(rng: random.Random, vocabulary: list[str]) -> str:

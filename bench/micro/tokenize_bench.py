@@ -7,7 +7,7 @@ rendered, tokenized and keyed) and cached (``PrefixTokenCache.encode_keyed`` hol
 prompt with the same first 90%: only the new tail is tokenized and keyed), beside the
 tokenizer's own encode of the new 10% alone; wall and CPU (thread) time, since a machine
 shared with other work stretches the first. Then the proxy's whole routing decision for
-300 such prompts in CPU time, p50 and p99.
+300 such prompts in CPU time, p50 and p99, and for 300 prompts never seen before.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ PROMPT_TOKENS = 8192
 SEEN_FRACTION = 0.9
 VARIANTS = 60
 DECISIONS = 300
+NEW_PROMPT_TOKENS = 2048  # a prompt never seen before: 128 blocks of 16
 MODEL = "bench-model"
 
 
@@ -94,14 +95,18 @@ def _measure(tokenizer: Tokenizer, label: str) -> list[Figure]:
     return figures
 
 
-def _decisions_cpu(count: int = DECISIONS) -> list[Figure]:
+def _decisions_cpu(count: int = DECISIONS, *, new_prompts: bool = False) -> list[Figure]:
     """The proxy's whole routing decision (``Router.prepare`` + ``choose``, ``kv_aware``,
-    64 replicas, built-in tokenizer) for ``count`` prompts, each with a new 10%: CPU time
-    over enough samples for a p99 that is not the slowest of a few (``bench.proxy``'s
-    decision figures are wall time over 79)."""
+    64 replicas, built-in tokenizer) for ``count`` prompts, each with a new 10% (or, with
+    ``new_prompts``, each of ``NEW_PROMPT_TOKENS`` never seen before: every block
+    tokenized, keyed and looked up): CPU time over enough samples for a p99 that is not
+    the slowest of a few (``bench.proxy``'s decision figures are wall time over 79)."""
     tokenizer, rng, vocabulary = BuiltinTokenizer(), random.Random(11), words()
-    system = text_of(tokenizer, int(PROMPT_TOKENS * SEEN_FRACTION), rng, vocabulary)
-    tail = int(PROMPT_TOKENS * (1 - SEEN_FRACTION))
+    if new_prompts:
+        system, tail = "You are a helpful assistant.", NEW_PROMPT_TOKENS
+    else:
+        system = text_of(tokenizer, int(PROMPT_TOKENS * SEEN_FRACTION), rng, vocabulary)
+        tail = int(PROMPT_TOKENS * (1 - SEEN_FRACTION))
     questions = ["warm-up", *(text_of(tokenizer, tail, rng, vocabulary) for _ in range(count))]
     fleet = decision_fleet("builtin", 16)
     router = Router(fleet, Defaults(), random.Random(3))
@@ -116,18 +121,25 @@ def _decisions_cpu(count: int = DECISIONS) -> list[Figure]:
                         "chat")
         for q in questions
     ]  # fmt: skip
-    _, first = decide(requests[0])
-    hold(fleet, 7, first.block_keys[: int(len(first.block_keys) * SEEN_FRACTION)])
+    if new_prompts:  # residency to look up, none of it these prompts'
+        for ordinal in range(8):
+            hold(fleet, ordinal, [rng.getrandbits(63) for _ in range(4096)], 2 + ordinal)
+    else:
+        _, first = decide(requests[0])
+        hold(fleet, 7, first.block_keys[: int(len(first.block_keys) * SEEN_FRACTION)])
+    decide(requests[0])
     thresholds = gc.get_threshold()
     tune_gc()  # as kvroute-proxy's workers run
     before = _collections()
     cpu = sorted(_timed(partial(decide, request))[1] / 1000 for request in requests[1:])
     collections = _collections() - before
     gc.set_threshold(*thresholds)
-    name = f"routing decision, {count} chats 90% seen, 64 replicas, kv_aware, builtin: CPU"
+    prompts = f"new {NEW_PROMPT_TOKENS}-token chats" if new_prompts else "chats 90% seen"
+    name = f"routing decision, {count} {prompts}, 64 replicas, kv_aware, builtin: CPU"
+    p50_target, p99_target = (None, None) if new_prompts else (1.0, 3.0)
     return [
-        Figure(f"{name} (p50)", statistics.median(cpu), "ms", 1.0),
-        Figure(f"{name} (p99)", cpu[int(len(cpu) * 0.99)], "ms", 3.0),
+        Figure(f"{name} (p50)", statistics.median(cpu), "ms", p50_target),
+        Figure(f"{name} (p99)", cpu[int(len(cpu) * 0.99)], "ms", p99_target),
         Figure("  garbage collections during them", collections, "runs"),
     ]
 
@@ -138,6 +150,7 @@ def _collections() -> int:
 
 def run() -> list[Figure]:
     figures = _measure(BuiltinTokenizer(), "builtin") + _decisions_cpu()
+    figures += _decisions_cpu(new_prompts=True)
     with tempfile.TemporaryDirectory() as scratch:
         corpus = [" ".join(words()[i : i + 12]) for i in range(0, 3000, 12)]
         model = write_tiny_model(Path(scratch) / "bpe", vocab_size=8000, corpus=corpus)
