@@ -112,10 +112,41 @@ def measure() -> dict[str, float]:
     for figure in policies_bench.run():
         if figure.name.startswith("select, "):
             out[figure.name.split(",")[1].strip() + " select (512 blocks)"] = figure.value
+    out.update(_kv_aware_paths())
     tune_gc()
     for strategy, prompt in (("kv_aware", "shared"), ("round_robin", "hello")):
         samples = uvloop.run(proxy_path(5000, strategy, False, debug_headers=False, prompt=prompt))
         out[f"proxy path, {strategy}, {prompt} prompt (median batch)"] = statistics.median(samples)
+    return out
+
+
+def _kv_aware_paths() -> dict[str, float]:
+    """``kv_aware``'s two shortcuts against its general path (``select_scored``) on the
+    same decisions: a prompt replicas hold (512 blocks) and a prompt shorter than a block."""
+    import random
+    from functools import partial
+
+    from bench.micro.policies_bench import MODEL, PROMPT_TOKENS, _view
+    from bench.micro.report import median_us
+    from kvcore.keys import block_keys
+    from kvcore.policies import RouteContext, create_policy
+    from kvcore.policies.kv_scoring import KvScoringPolicy
+    from kvcore.workload import parse_workload
+
+    rng = random.Random(9)
+    tokens = [rng.randrange(128_000) for _ in range(PROMPT_TOKENS)]
+    keys = block_keys(tokens, model=MODEL)
+    view = _view(rng, keys)
+    workload = parse_workload({"strategy": "kv_aware", "speculative_ttl_s": 0})
+    policy = create_policy(workload, rng=random.Random(1))
+    assert isinstance(policy, KvScoringPolicy)
+    out = {}
+    for name, ctx in (
+        ("held 512-block prompt", RouteContext(workload, MODEL, keys, tokens, now=1.0)),
+        ("prompt under a block", RouteContext(workload, MODEL, [], tokens[:5], now=1.0)),
+    ):
+        for path, select in (("select", policy.select), ("general path", policy.select_scored)):
+            out[f"kv_aware {path}, {name}"] = median_us(partial(select, ctx, view), repeat=300)
     return out
 
 
