@@ -4,7 +4,8 @@ of kvcore modules compiled or not, side by side in one run.
 ``python -m bench.native_groups --work DIR [--rounds N] [--out DIR]`` copies this
 checkout's committed tree (``git archive HEAD``) into ``DIR`` once per variant of
 :data:`VARIANTS` (nothing compiled; the dataplane modules alone; every module of
-``dataplane/native.py`` but one kvcore group; every module), compiles each with mypyc as
+``dataplane/native.py`` but one kvcore group; every module; every module and the dict
+residency index, which it leaves out), compiles each with mypyc as
 ``make native`` does, then times in each variant, round by round in turn so that the
 machine's phases weigh on every variant alike, in CPU (thread) time:
 
@@ -13,6 +14,8 @@ machine's phases weigh on every variant alike, in CPU (thread) time:
   never seen before (``bench.micro tokenize``'s figures);
 - one ``select`` per strategy over 64 replicas and a 512-block prompt
   (``bench.micro policies``);
+- ``kv_aware``'s shortcuts against its general path (``select_scored``) on the same
+  decisions: a held 512-block prompt and a prompt under a block;
 - the proxy's own work per request in process (``bench.proxy_path``): ``kv_aware`` on
   shared-prefix prompts (its keyed path) and ``round_robin`` on short ones.
 
@@ -41,7 +44,7 @@ KEYING = (
     "kvcore.tokenize.builtin",
     "kvcore.tokenize.prefix_cache",
 )
-INDEX = ("kvcore.index.bitmask",)
+INDEX = ("kvcore.index.bitmask",)  # the dict residency index
 POLICIES = tuple(m for m in MODULES if m.startswith("kvcore.policies."))
 DATAPLANE = tuple(m for m in MODULES if m.startswith("dataplane."))
 
@@ -55,9 +58,9 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "none": (),
     "dataplane only": DATAPLANE,
     "all but keying": _without(KEYING),
-    "all but index": _without(INDEX),
     "all but policies": _without(POLICIES),
     "all": MODULES,
+    "all + dict index": (*MODULES, *INDEX),  # left out of MODULES: no faster compiled
 }
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -4,15 +4,17 @@ current.
 The modules in :data:`MODULES` are what a routed request runs through: the HTTP server,
 the handler, the exchange with the replica, request parsing, routing, the requests
 upstream, the fleet state, the HTTP client, the metrics, the circuit breakers and the
-prefill books, and kvcore's keys, prompt reading, built-in tokenizer and prefix cache,
-residency index, routing contract, replica board, in-flight ledger, screening, view, hash
-ring and the level-0, -2 and -3 policies; :data:`C_MODULES` are written in C (the
+prefill books, and the kvcore modules that earn their keep compiled (``python -m
+bench.native_groups``): keys, prompt reading, built-in tokenizer and prefix cache (the
+keying), and the routing contract, replica board, in-flight ledger, screening, view, hash
+ring and the level-0, -2 and -3 policies. The dict residency index runs from source: its
+lookups are dict probes, no faster compiled. :data:`C_MODULES` are written in C (the
 compact residency index's prompt lookup, kvcore/index/_probe.c). ``setup.py`` compiles
 them when ``KVROUTE_NATIVE=1`` (the images are built so; in a checkout, ``make native``,
 which ``make test`` runs first), and an extension module sitting beside its source is
-what Python imports. Compiled, the request path costs a quarter less CPU in process
-(docs/architecture.md, "The request path compiled"); the code is the same either way,
-and a checkout without a C compiler runs it from source.
+what Python imports. Compiled, the request path costs about 40% less CPU in process
+(docs/benchmarks.md, "Compiled modules"); the code is the same either way, and a
+checkout without a C compiler runs it from source.
 
 A checkout's compiled modules go stale when a source changes: :func:`stale` lists them
 (``make native`` rebuilds, ``make clean-native`` removes), and the test suite refuses to
@@ -56,7 +58,6 @@ MODULES = (
     "dataplane.transport.client",
     "dataplane.transport.server",
     "dataplane.upstream",
-    "kvcore.index.bitmask",
     "kvcore.keys",
     "kvcore.policies.base",
     "kvcore.policies.board",
