@@ -11,12 +11,13 @@
  *
  * Two passes over the prompt: the first converts every key (so that a bad one raises as
  * numpy's conversion does, whatever comes after it) and computes its home slot; the
- * second probes, ORs in speculation, drops hidden replicas and ANDs the row into the
- * replicas still in the run, recording where each one leaves it. While it probes a key
- * it asks the memory for the home slot of the key PREFETCH_AHEAD places on (a long
- * prompt's keys are mostly in no cache, and their fetches then overlap; asked much
- * earlier, as for a whole prompt at once, they would be out of the TLB again by the
- * time they are read).
+ * second probes, ORs in speculation (looked up only where a replica still in the run
+ * lacks the key confirmed: elsewhere it cannot change the run), drops hidden replicas
+ * and ANDs the row into the replicas still in the run, recording where each one leaves
+ * it. While it probes a key it asks the memory for the home slot of the key
+ * PREFETCH_AHEAD places on (a long prompt's keys are mostly in no cache, and their
+ * fetches then overlap; asked much earlier, as for a whole prompt at once, they would be
+ * out of the TLB again by the time they are read).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -213,7 +214,12 @@ leading_runs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             }
         }
         memcpy(row, held, words * sizeof(uint64_t));
-        if (spec != Py_None) {
+        /* Speculation matters only for a replica still in the run that lacks the key:
+         * along a run its holders already hold it, so most keys skip the dict. */
+        int lacking = i == 0;
+        for (Py_ssize_t w = 0; w < words && !lacking; w++)
+            lacking = (live[w] & ~row[w]) != 0;
+        if (spec != Py_None && lacking) {
             PyObject *mask = PyDict_GetItemWithError(spec, items[i]);
             if (mask == NULL && PyErr_Occurred())
                 goto fail;
