@@ -230,20 +230,23 @@ class LocalFleet:
     def _common_env(self) -> dict[str, str]:
         return {"KVROUTE_ADMIN_TOKEN": self.fleet.admin_token}
 
+    def controlplane_argv(self, index: int) -> list[str]:
+        """The command line of the fleet's ``index``-th control plane."""
+        return [
+            venv_tool_or_fail("kvroute-controlplane"),
+            "--nats-url", self.fleet.nats_url,
+            "--etcd-endpoints", self.fleet.etcd_endpoint,
+            "--database-url", f"sqlite+aiosqlite:///{self.fleet.run_dir / 'kvroute.db'}",
+            "--admin-port", "0",
+            "--grpc-port", "0",
+            "--instance-id", f"cp-{index}",
+        ]  # fmt: skip
+
     async def _start_control_planes(self) -> None:
         for index in range(2 if self.options.ha else 1):
-            argv = [
-                venv_tool_or_fail("kvroute-controlplane"),
-                "--nats-url", self.fleet.nats_url,
-                "--etcd-endpoints", self.fleet.etcd_endpoint,
-                "--database-url", f"sqlite+aiosqlite:///{self.fleet.run_dir / 'kvroute.db'}",
-                "--admin-port", "0",
-                "--grpc-port", "0",
-                "--instance-id", f"cp-{index}",
-            ]  # fmt: skip
             spec = ChildSpec(
                 f"controlplane-{index}",
-                argv,
+                self.controlplane_argv(index),
                 env=self._common_env(),
                 ready_line="kvroute-controlplane ready",
             )

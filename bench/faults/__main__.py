@@ -1,14 +1,16 @@
 """``python -m bench.faults [nats hung slow]`` (``kvroute bench faults``): faults of the fleet
 under steady load on ``kvroute up``'s fleet, each run's figures beside issue 46's
 targets. ``nats``: ``nats-server`` killed -9 for each ``--outages`` length (0 failed
-requests; a new prefix routed by its KV events within 2 s of NATS's return). ``hung``:
+requests, no replica down; a new prefix routed by its KV events within 2 s of NATS's
+return). ``nats-cp``: the control plane's own link to NATS cut (silent, as a partition)
+for each ``--cuts`` length while the sidecars keep theirs; the same targets. ``hung``:
 one engine SIGSTOPped for each ``--stops`` length, under streamed then whole
 (non-streamed) requests (0 failed; nothing started 2 s after the stop takes over 3 s; the
 engine serves again within 2 s of SIGCONT). ``slow`` (not run unless named): one engine
 ``--slowdown`` times slower than its peers (0 failed; its share of the requests
 proportional to its speed, at most twice that). Loopback only; every run stops by itself.
 
-Options: ``--outages 5,10,30,120`` and ``--stops 10`` (seconds), ``--answers
+Options: ``--outages 5,10,30,120``, ``--cuts 5,10,30`` and ``--stops 10`` (seconds), ``--answers
 streamed,whole`` (the hung fault's loads), ``--rate 10`` (requests/s, open loop),
 ``--slowdown 10``, ``--replicas 3``, ``--out DIR`` (a JSON of each fault's runs).
 Exit status 1 when a target is missed.
@@ -42,8 +44,10 @@ def _ms(value: float | None) -> str:
 
 
 def nats_row(r: OutageResult) -> str:
+    what = "NATS down" if r.cut == "server" else "control plane cut from NATS"
     return (
-        f"NATS down {r.outage_s:>5.0f} s   failed {r.failed:>4} / {r.sent:<5} (target 0)   "
+        f"{what} {r.outage_s:>5.0f} s   failed {r.failed:>4} / {r.sent:<5} (target 0)   "
+        f"replicas stale {r.stale_seen}, down {r.down_seen} (target 0)   "
         f"routed by events again {_seconds(r.events_back_s):>7} after its return "
         f"(target <= {EVENTS_BACK_TARGET_S:.0f} s)   TTFT p99 while down "
         f"{_ms(r.ttft_p99_during_s):>7}   {'ok' if r.met else 'MISSED'}"
@@ -83,8 +87,11 @@ async def _awaited(work: Awaitable[T]) -> T:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.faults")
-    parser.add_argument("faults", nargs="*", default=["nats", "hung"], help="nats, hung, slow")
+    parser.add_argument(
+        "faults", nargs="*", default=["nats", "nats-cp", "hung"], help="nats, nats-cp, hung, slow"
+    )
     parser.add_argument("--outages", default="5,10,30,120")
+    parser.add_argument("--cuts", default="5,10,30")
     parser.add_argument("--stops", default="10")
     parser.add_argument("--answers", default="streamed,whole")
     parser.add_argument("--slowdown", type=float, default=10.0)
@@ -92,23 +99,30 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    unknown = set(args.faults) - {"nats", "hung", "slow"}
+    unknown = set(args.faults) - {"nats", "nats-cp", "hung", "slow"}
     if unknown:
-        parser.error(f"unknown fault(s) {sorted(unknown)}; choose from nats, hung, slow")
+        parser.error(f"unknown fault(s) {sorted(unknown)}; choose from nats, nats-cp, hung, slow")
     answers = args.answers.split(",")
     if set(answers) - {"streamed", "whole"}:
         parser.error(f"--answers {args.answers!r}: choose from streamed, whole")
     met = True
     report: dict[str, Any] = {"rate": args.rate, "replicas": args.replicas}
-    if "nats" in args.faults:
+    for fault, cut, lengths, key in (
+        ("nats", "server", args.outages, "nats_outage"),
+        ("nats-cp", "controlplane", args.cuts, "controlplane_cut_from_nats"),
+    ):
+        if fault not in args.faults:
+            continue
         runs: list[dict[str, Any]] = []
-        for outage_s in (float(s) for s in args.outages.split(",")):
-            config = OutageConfig(outage_s=outage_s, rate=args.rate, replicas=args.replicas)
+        for outage_s in (float(s) for s in lengths.split(",")):
+            config = OutageConfig(
+                outage_s=outage_s, rate=args.rate, replicas=args.replicas, cut=cut
+            )
             result = _in_a_run_dir(functools.partial(run_outage, config))
             print(nats_row(result), flush=True)
             runs.append(result.summary())
             met = met and result.met
-        report["nats_outage"] = runs
+        report[key] = runs
     if "hung" in args.faults:
         runs = []
         loads = [(float(s), a == "streamed") for s in args.stops.split(",") for a in answers]

@@ -10,11 +10,12 @@ Liveness comes from evidence about a replica, not from the bus's silence. A repl
 silent past the heartbeat timeout is marked down (its residency dropped) only when its
 silence says something about it: silence counts from when this instance's NATS link last
 came up, never while it is down, and when more than ``panic_threshold`` of the live replicas
-fall silent together (Envoy's panic threshold) the bus, not the fleet, is the likelier
-fault. Those replicas are kept as they were and flagged ``stale`` instead: proxies go on
-routing to them on their last state and on what they see themselves (connect failures,
-their breaker). Any message from a replica clears ``stale``; an announce or a load report
-clears ``down``.
+fall silent together (Envoy's panic threshold; "together": silent past half the timeout
+when the first is past all of it, so replicas whose last reports were a sweep apart are
+not downed one by one) the bus, not the fleet, is the likelier fault. Those replicas are
+kept as they were and flagged ``stale`` instead: proxies go on routing to them on their
+last state and on what they see themselves (connect failures, their breaker). Any message
+from a replica clears ``stale``; an announce or a load report clears ``down``.
 
 Replicas get a small ordinal on first sight (the residency index's bit), stable for the
 life of the process. Only the device tier (``MEDIUM_GPU``) is residency: routing cares
@@ -36,6 +37,7 @@ from kvcore.pb import events_pb2
 
 GPU = events_pb2.MEDIUM_GPU
 MAX_HELD_BATCHES = 10_000  # waiting for a ResyncReply; past this, stop waiting
+TOGETHER_SHARE = 0.5  # of the heartbeat timeout: silent this long beside a silent one
 
 
 class FleetFull(RuntimeError):
@@ -254,10 +256,12 @@ class Fleet:
         ``heard_since`` is when this instance's NATS link last came up (monotonic), or
         ``None`` while it is down: silence counts only from then."""
         live = [r for r in self.by_ordinal.values() if not r.down]
-        silent = [
-            r for r in live if self._silent_for(r, now, heard_since) > self.heartbeat_timeout_s
-        ]
-        if heard_since is None or len(silent) > self.panic_threshold * len(live):
+        silences = [(r, self._silent_for(r, now, heard_since)) for r in live]
+        silent = [r for r, s in silences if s > self.heartbeat_timeout_s]
+        if not silent:
+            return []
+        together = sum(1 for _, s in silences if s > self.heartbeat_timeout_s * TOGETHER_SHARE)
+        if heard_since is None or together > self.panic_threshold * len(live):
             for record in silent:
                 self._keep_stale(record)
             return []

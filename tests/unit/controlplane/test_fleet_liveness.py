@@ -45,6 +45,8 @@ def test_silence_counts_only_from_when_the_link_came_back() -> None:
     fleet.on_load(load("r1"), "default", now=30.5)
     fleet.on_load(load("r2"), "default", now=30.5)
     assert statuses(fleet)["r1"] == ("healthy", False)  # heard from again: not stale
+    fleet.on_load(load("r1"), "default", now=35.0)  # and go on reporting
+    fleet.on_load(load("r2"), "default", now=35.0)
     gone = fleet.expire(now=35.5, heard_since=30.0)  # r3 silent 5.5 s with the link up
     assert [r.replica_id for r in gone] == ["r3"]
     assert statuses(fleet)["r3"] == ("down", False)
@@ -62,6 +64,28 @@ def test_more_than_the_panic_threshold_silent_together_is_kept_stale() -> None:
     for record in gone:
         list(fleet.drop_steps(record, chunk=10))
     assert fleet.index.key_count() == 2 and fleet.stale_count() == 0
+
+
+def test_replicas_falling_silent_a_sweep_apart_are_silent_together() -> None:
+    """Their last reports 0.4 s apart (a NATS partition of the sidecars): the sweep that
+    finds the first past the timeout finds the others past half of it, and downs none
+    (it downed the first, the panic threshold not yet reached, and kept only the rest)."""
+    fleet = fleet_of("r1", "r2", "r3")
+    fleet.on_load(load("r2"), "default", now=0.4)
+    fleet.on_load(load("r3"), "default", now=0.8)
+    assert fleet.expire(now=5.2) == []  # r1 past the timeout, r2 and r3 past half of it
+    assert statuses(fleet)["r1"] == ("healthy", True)
+    assert fleet.expire(now=6.0) == [] and fleet.stale_count() == 3
+    assert fleet.index.key_count() == 3
+
+
+def test_a_replica_silent_alone_is_downed_though_others_were_late() -> None:
+    fleet = fleet_of("r1", "r2", "r3", "r4")
+    fleet.on_load(load("r2"), "default", now=3.0)
+    fleet.on_load(load("r3"), "default", now=5.0)
+    fleet.on_load(load("r4"), "default", now=5.0)
+    gone = fleet.expire(now=5.6)  # r1 past the timeout, r2 past half: two of four, not more
+    assert [r.replica_id for r in gone] == ["r1"]
 
 
 def test_a_threshold_of_one_turns_the_panic_guard_off() -> None:
