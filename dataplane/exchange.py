@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -215,7 +216,11 @@ class Dispatcher:
                     if self.deadlines is None:
                         opened = await pending.opened()
                     else:
-                        opened = await self._first_bytes(pending, exchange, endpoint, predicted)
+                        uncached = exchange.prepared.prompt_tokens - predicted
+                        deadline_s = self.deadline_s(endpoint, uncached)
+                        opened = await self.first_bytes(
+                            pending, endpoint, deadline_s, exchange.request.stream
+                        )
                 except Retriable as failure:
                     self.inflight.on_done(ticket)
                     self.breakers.on_failure(endpoint.replica_id, endpoint.ordinal, self._clock())
@@ -237,18 +242,27 @@ class Dispatcher:
             f"No replica could take the request ({last_failure}).", self.policies.retry_after_s
         )
 
-    async def _first_bytes(
-        self, pending: Pending, exchange: Exchange, endpoint: Endpoint, predicted: int
+    def deadline_s(self, endpoint: Endpoint, uncached: int) -> float:
+        """How long a request sent now to ``endpoint`` with ``uncached`` tokens to compute
+        may wait for its first bytes (``dataplane.first_byte``); ``upstream_timeout_s``
+        stands when there are no deadlines."""
+        deadlines = self.deadlines
+        if deadlines is None:
+            return math.inf
+        return deadlines.deadline_s(endpoint.replica_id, uncached)
+
+    async def first_bytes(
+        self, pending: Pending, endpoint: Endpoint, deadline_s: float, streamed: bool
     ) -> Opened:
-        """The answer's first bytes (a whole answer's head) within their deadline (for a
+        """The answer's first bytes (a whole answer's head) within ``deadline_s`` (for a
         whole answer: before its replica has been silent that long,
         ``dataplane.first_byte``), past which the replica is suspect and the request
-        :class:`Retriable` elsewhere."""
+        :class:`Retriable` elsewhere. Also the two halves of a P/D request's
+        (``dataplane.pd``)."""
         deadlines = self.deadlines
-        assert deadlines is not None
-        uncached = exchange.prepared.prompt_tokens - predicted
-        deadline_s = deadlines.deadline_s(endpoint.replica_id, uncached)
-        if exchange.request.stream:
+        if deadlines is None or deadline_s == math.inf:
+            return await pending.opened()
+        if streamed:
             task = deadlines.begin(deadline_s)
         else:
             task = deadlines.begin_whole(endpoint, deadline_s)

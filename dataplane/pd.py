@@ -21,9 +21,17 @@ before any byte reached the client (none after, so nothing is duplicated): a pre
 that fails goes to another prefill replica; a decode that fails, or answers that it
 could not read the KV (vLLM's ``kv_load_failure_policy`` "fail": 500, or an error event
 first in a stream), gets a new prefill and another decode replica, and
-``kvroute_pd_reprefills_total`` counts it. A pool without a prefill (or decode) replica
-is answered 503 naming what is missing. Usage and the fidelity counters are the decode's
-answer with the prefill's cached tokens: the prediction is the prefill replica's.
+``kvroute_pd_reprefills_total`` counts it. A hung replica (stopped, wedged: it still
+accepts connections) fails its half the same way: each half waits for its first bytes
+within its replica's first-byte deadline (``Dispatcher.first_bytes``,
+``dataplane.first_byte``; for the prefill, always a whole answer, a bound on its
+replica's silence), past which the replica is suspect. The prefill's deadline counts the
+prompt's uncached tokens; the decode's counts the whole prompt (what it reads, at the
+slowest prefill rate: more than any transfer takes), and over SGLang's protocol adds the
+prefill's, since the decode's first bytes wait for the prefill beside it. A pool
+without a prefill (or decode) replica is answered 503 naming what is missing. Usage and
+the fidelity counters are the decode's answer with the prefill's cached tokens: the
+prediction is the prefill replica's.
 """
 
 from __future__ import annotations
@@ -85,9 +93,10 @@ class _Pair:
 class _Failed(Exception):
     """One half failed before any byte reached the client: try again."""
 
-    def __init__(self, message: str, *, reprefill: bool = False) -> None:
+    def __init__(self, message: str, *, reprefill: bool = False, reason: str = "pd") -> None:
         super().__init__(message)
         self.reprefill = reprefill
+        self.reason = reason  # the retry's label: "pd", or the upstream failure's
 
 
 class PdSplit:
@@ -155,7 +164,7 @@ class PdSplit:
                         self.reprefills.labels("decode").inc()
                     else:
                         tried_p.add(prefill.ordinal)
-                    if not self.d._may_retry(Retriable(last, "pd"), tries):
+                    if not self.d._may_retry(Retriable(last, failure.reason), tries):
                         break
         finally:
             if not exchange.tried:
@@ -268,7 +277,8 @@ class PdSplit:
         replica read the KV, so a decode that fails first abandons it."""
         paired = {**pair.request, **_bootstrap(pair.picked[0])}
         whole = {k: v for k, v in paired.items() if k != "stream_options"} | {"stream": False}
-        decoding = asyncio.create_task(self._decode(pair, paired))
+        prefill_s = self._prefill_deadline_s(pair)  # the decode's first bytes wait for it too
+        decoding = asyncio.create_task(self._decode(pair, paired, prefill_s))
         prefilling = asyncio.create_task(self._prefill(pair, whole))
         try:
             done, _ = await asyncio.wait((decoding, prefilling), return_when="FIRST_EXCEPTION")
@@ -298,10 +308,12 @@ class PdSplit:
         now = self._clock()
         ticket = self.d.sent(pair.exchange, decision, endpoint, now, predicted)
         try:
-            opened = await pending.opened()
+            opened = await self.d.first_bytes(
+                pending, endpoint, self._prefill_deadline_s(pair), streamed=False
+            )
         except Retriable as failure:
             self.breakers.on_failure(endpoint.replica_id, endpoint.ordinal, self._clock())
-            raise _Failed(f"{endpoint.replica_id}: {failure}") from None
+            raise _Failed(f"{endpoint.replica_id}: {failure}", reason=failure.reason) from None
         finally:
             self.fleet.inflight.on_done(ticket)
         if 400 <= opened.status < 500:  # the request's fault: the client gets it as is
@@ -312,24 +324,37 @@ class PdSplit:
         self.d.first_byte(None, endpoint.replica_id, opened.status, False, opened.ttfb_s)
         return opened
 
+    def _prefill_deadline_s(self, pair: _Pair) -> float:
+        """The prefill half's first-byte deadline: its replica's, for the prompt's tokens
+        it does not hold."""
+        endpoint, _, predicted = pair.picked
+        return self.d.deadline_s(endpoint, pair.exchange.prepared.prompt_tokens - predicted)
+
     async def _decode(
-        self, pair: _Pair, request: dict[str, Any]
+        self, pair: _Pair, request: dict[str, Any], prefill_s: float = 0.0
     ) -> tuple[Opened, InflightTicket | None]:
-        """The decode half's first bytes, or :class:`_Failed` (re-prefill) when it failed
-        or could not read the KV."""
+        """The decode half's first bytes, or :class:`_Failed` (re-prefill) when it failed,
+        missed its first-byte deadline or could not read the KV. Its deadline is its
+        replica's for reading the whole prompt's KV (counted as if computed: a bound no
+        transfer reaches), plus ``prefill_s`` when the prefill runs meanwhile."""
         endpoint = pair.decode
         body = json.dumps(request).encode()
         pending = self.upstream.send("POST", endpoint.base_url + pair.path, body, pair.headers)
         now = self._clock()
         ticket = self.fleet.inflight.on_sent(endpoint.ordinal, time.time(), 0, 0)
         self.breakers.on_sent(endpoint.replica_id, endpoint.ordinal, now)
+        deadline_s = prefill_s + self.d.deadline_s(endpoint, pair.exchange.prepared.prompt_tokens)
         try:
-            opened = await pending.opened()
+            opened = await self.d.first_bytes(
+                pending, endpoint, deadline_s, pair.exchange.request.stream
+            )
         except BaseException as exc:
             self.fleet.inflight.on_done(ticket)
             if isinstance(exc, Retriable):
                 self.breakers.on_failure(endpoint.replica_id, endpoint.ordinal, self._clock())
-                raise _Failed(f"{endpoint.replica_id}: {exc}", reprefill=True) from None
+                raise _Failed(
+                    f"{endpoint.replica_id}: {exc}", reprefill=True, reason=exc.reason
+                ) from None
             pending.close()
             raise
         if opened.status >= 500 or (opened.streaming and _error_event(opened.first)):

@@ -2,14 +2,19 @@
 processes, over vLLM's protocol (roles given as ``prefill=URL``) and SGLang's (roles read
 from the engines' ``/server_info``): answers whole and streamed, chat and completions,
 the prefill side's cache found again, client transfer fields ignored, a decode replica
-that cannot read the KV re-prefilled, and a pool missing a half answered 503."""
+that cannot read the KV re-prefilled, a pool missing a half answered 503, and a hung
+(SIGSTOPped) prefill or decode replica of either protocol holding no request."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import time
+import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import Any
 
@@ -197,3 +202,89 @@ def test_a_failed_prefill_is_retried_on_the_other_prefill_replica(vllm_pool: Any
     assert [status for status, _, _ in answers] == [200] * 8
     # the failure was served: some request met it, and another prefill replica took it
     assert prefills[0].call("GET", "/sim/faults")[1]["fail_requests"] == 0
+
+
+# -- a hung engine (issue 46 item 2, for P/D pools) ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sglang_pairs() -> Iterator[tuple[list[SimProcess], list[SimProcess], ProxyProcess]]:
+    """Two SGLang prefill and two decode servers: a hung one of each has a peer."""
+    args = (*COMMON, "--event-format=sglang")
+    with ExitStack() as stack:
+        prefills = [
+            stack.enter_context(SimProcess(*args, "--disaggregation-mode=prefill"))
+            for _ in range(2)
+        ]
+        decodes = [
+            stack.enter_context(SimProcess(*args, "--disaggregation-mode=decode")) for _ in range(2)
+        ]
+        urls = ",".join(s.url for s in (*prefills, *decodes))
+        proxy = stack.enter_context(ProxyProcess(f"--static-replicas={urls}"))
+        ready(proxy, {"prefill": 2, "decode": 2})
+        yield prefills, decodes, proxy
+
+
+def timed(proxy: ProxyProcess, i: int, tag: str) -> tuple[bool, float]:
+    """One completion (streamed when ``i`` is odd): whether it came whole, and its time.
+    The client gives up after 10 s (a request held by the hung engine)."""
+    body = {"model": MODEL, "prompt": f"{tag} {i} " * 30, "max_tokens": 3, "stream": i % 2 == 1}
+    request = urllib.request.Request(
+        proxy.url + "/v1/completions", json.dumps(body).encode(), method="POST"
+    )
+    request.add_header("content-type", "application/json")
+    started = time.monotonic()
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            raw = answer.read()
+    except OSError:
+        return False, time.monotonic() - started
+    took = time.monotonic() - started
+    if i % 2 == 1:
+        return events(raw)[-1] == "[DONE]", took
+    return json.loads(raw)["usage"]["completion_tokens"] == 3, took
+
+
+def while_stopped(proxy: ProxyProcess, sim: SimProcess, tag: str) -> list[tuple[bool, float]]:
+    """12 requests, half streamed, 4 at a time, all started while ``sim`` is stopped
+    (SIGSTOP: its port still accepts connections, nothing answers); then it resumes and
+    the proxy routes to it again (its probe answered: no breaker open)."""
+    assert sim.proc is not None
+    os.kill(sim.proc.pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda i: timed(proxy, i, tag), range(12)))
+    finally:
+        os.kill(sim.proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while json.loads(proxy.request("/readyz", method="GET")[2])["circuit_open"]:
+        assert time.monotonic() < deadline, "the resumed replica is still held out"
+        time.sleep(0.05)  # polling the proxy's readiness, bounded by the deadline
+    return results
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+@pytest.mark.parametrize("half", ["prefill", "decode"])
+def test_a_hung_prefill_or_decode_replica_holds_no_request(
+    kind: str, half: str, request: pytest.FixtureRequest
+) -> None:
+    """A stopped replica of either half: every request started after the stop is served
+    whole by the other replica of that half within 3 s (the first-byte deadline of 1 s,
+    or for a whole answer its replica's silence, moved it; the replica is suspect), the
+    move counted as a first-byte-deadline retry; none fails."""
+    prefills, decodes, proxy = request.getfixturevalue(
+        f"{kind}_pool" if kind == "vllm" else "sglang_pairs"
+    )
+    victim = (prefills if half == "prefill" else decodes)[0]
+    moved = _retries(proxy, "first_byte_deadline")
+    reprefills = _metric(proxy, "kvroute_pd_reprefills_total")
+    results = while_stopped(proxy, victim, f"hung {kind} {half}")
+    assert [ok for ok, _ in results] == [True] * 12
+    assert max(took for _, took in results) <= 3.0, results
+    assert _retries(proxy, "first_byte_deadline") > moved  # the hang was met, and left
+    if half == "decode":  # a decode that missed its deadline: prefilled again
+        assert _metric(proxy, "kvroute_pd_reprefills_total") > reprefills
+
+
+def _retries(proxy: ProxyProcess, reason: str) -> float:
+    return _metric(proxy, f'kvroute_proxy_retries_total{{reason="{reason}"}}')

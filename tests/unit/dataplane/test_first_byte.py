@@ -67,7 +67,7 @@ def test_a_request_the_suspect_still_had_answering_clears_it_too() -> None:
 async def wait_for_first_bytes(
     deadlines: FirstByteDeadlines, answer: asyncio.Future[str], deadline_s: float
 ) -> str:
-    """What ``Dispatcher._first_bytes`` does around a replica's answer."""
+    """What ``Dispatcher.first_bytes`` does around a replica's answer."""
     task = deadlines.begin(deadline_s)
     try:
         got = await answer
@@ -141,7 +141,7 @@ async def test_a_suspect_gone_from_the_fleet_or_renumbered_is_forgotten_not_prob
 async def wait_for_whole_answer(
     deadlines: FirstByteDeadlines, endpoint: Endpoint, answer: asyncio.Future[str]
 ) -> str:
-    """What ``Dispatcher._first_bytes`` does around a replica's whole answer."""
+    """What ``Dispatcher.first_bytes`` does around a replica's whole answer."""
     task = deadlines.begin_whole(endpoint, 0.2)
     try:
         got = await answer
