@@ -146,6 +146,7 @@ class ControlPlane:
             lambda: workloads_of(self.records.config.current()),
             self.leadership.is_leader,
             self.completions.send,
+            share=self.leadership.share_warmup,
         )
         self.view = LiveFleetView(
             self.fleet,

@@ -163,11 +163,28 @@ class EtcdKeys:
         return f"{self.prefix}draining/"
 
     def replica_drain(self, pool: str, replica: str) -> str:
-        return f"{self.drains_prefix()}{check_name('pool', pool)}/{check_name('replica', replica)}"
+        return self._pool_replica(self.drains_prefix(), pool, replica)
 
     def drain_parts(self, key: str) -> tuple[str, str]:
         """``(pool, replica)`` of a key made by :meth:`replica_drain`."""
-        pool, _, replica = self.name_in_path(key, self.drains_prefix()).partition("/")
+        return self._pool_replica_parts(key, self.drains_prefix())
+
+    def warming_prefix(self) -> str:
+        return f"{self.prefix}warming/"
+
+    def replica_warming(self, pool: str, replica: str) -> str:
+        return self._pool_replica(self.warming_prefix(), pool, replica)
+
+    def warming_parts(self, key: str) -> tuple[str, str]:
+        """``(pool, replica)`` of a key made by :meth:`replica_warming`."""
+        return self._pool_replica_parts(key, self.warming_prefix())
+
+    @staticmethod
+    def _pool_replica(prefix: str, pool: str, replica: str) -> str:
+        return f"{prefix}{check_name('pool', pool)}/{check_name('replica', replica)}"
+
+    def _pool_replica_parts(self, key: str, prefix: str) -> tuple[str, str]:
+        pool, _, replica = self.name_in_path(key, prefix).partition("/")
         return check_name("pool", pool), check_name("replica", replica)
 
     def name_in_path(self, key: str, prefix: str) -> str:

@@ -186,6 +186,14 @@ class Fleet:
             self.changes.replica(record.ordinal)
         return record
 
+    def set_warmup(self, replica_id: str, pending: frozenset[int] | None) -> None:
+        """A warm-up's state as the leader shared it (see ``Leadership``); a replica not
+        seen yet is left alone (the leader shares it again as its warm-up goes on)."""
+        record = self.by_id.get(replica_id)
+        if record is not None and record.warmup != pending:
+            record.warmup = pending
+            self.changes.replica(record.ordinal)
+
     # -- residency -----------------------------------------------------------------
     def on_batch(self, batch: events_pb2.KvEventBatch, pool: str, now: float) -> None:
         record = self.record(pool, batch.replica_id, now)

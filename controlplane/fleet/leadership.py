@@ -14,6 +14,11 @@ records in etcd:
   pool named by ``--pools``. A new leader writes them all again.
 - **drain flags**: ``draining/<pool>/<id>`` (no lease: a drain outlives both instances),
   written by whichever instance the operator asked; both watch the prefix and apply it.
+- **warm-ups**: ``warming/<pool>/<id>`` (JSON: the keys of the prefixes being warmed there,
+  not confirmed yet), written by the leader's warmer on its lease while a replica warms and
+  deleted when the warm-up ends. The standby applies them to its replicas, so the proxies
+  watching it keep a warming replica's prefixes off it as the leader's proxies do; a new
+  leader drops what it applied (the keys died with the old lease) and warms afresh.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import Callable
 
 import aetcd
 from aetcd.leases import Lease
@@ -34,6 +40,7 @@ from kvruntime.tasks import BackgroundTasks
 
 log = logging.getLogger(__name__)
 _RETRY_S = 0.5
+_Apply = Callable[[str, bytes | None], None]  # (key, value; None when deleted)
 
 
 class Leadership:
@@ -48,13 +55,22 @@ class Leadership:
         self._written: dict[str, bytes] = {}  # membership key -> value, this term
         self._tasks = BackgroundTasks()
         self._lease: Lease | None = None
+        self._warm_out: dict[tuple[str, str], frozenset[int] | None] = {}  # to write
+        self._warm_wake = asyncio.Event()
+        self._warm_applied: set[str] = set()  # replicas whose warm-up state came from etcd
 
     def is_leader(self) -> bool:
         return self.leader
 
     async def start(self) -> None:
-        revision = await self._load_drains()
-        self._tasks.spawn(self._watch_drains(revision + 1), name="drain-watch")
+        drains, warming = self.keys.drains_prefix(), self.keys.warming_prefix()
+        revision = await self._load(drains, self._apply_drain)
+        self._tasks.spawn(self._watch(drains, revision + 1, self._apply_drain), name="drain-watch")
+        revision = await self._load(warming, self._apply_warming)
+        self._tasks.spawn(
+            self._watch(warming, revision + 1, self._apply_warming), name="warm-watch"
+        )
+        self._tasks.spawn(self._write_warmups(), name="warm-write")
         self._tasks.spawn(self._campaign(), name="campaign")
 
     async def aclose(self) -> None:
@@ -105,6 +121,9 @@ class Leadership:
     async def _lead(self) -> None:
         assert self._lease is not None
         self.leader, self._written = True, {}
+        for replica_id in self._warm_applied:  # the old leader's: its lease took them
+            self.fleet.set_warmup(replica_id, None)
+        self._warm_applied.clear()
         log.info("leader", extra={"shard": self.settings.shard})
         period = self.settings.lease_ttl_s / 3
         while True:
@@ -164,27 +183,69 @@ class Leadership:
         else:
             await self.etcd.delete(key)
 
-    async def _load_drains(self) -> int:
-        found = await self.etcd.get_prefix(self.keys.drains_prefix().encode())
+    async def _load(self, prefix: str, apply: _Apply) -> int:
+        found = await self.etcd.get_prefix(prefix.encode())
         for kv in found:
-            self._apply_drain(kv.key.decode(), True)
+            apply(kv.key.decode(), kv.value)
         return int(found.header.revision)
 
-    async def _watch_drains(self, start_revision: int) -> None:
-        prefix = self.keys.drains_prefix().encode()
+    async def _watch(self, prefix: str, start_revision: int, apply: _Apply) -> None:
         while True:
             try:
-                watch = await self.etcd.watch_prefix(prefix, start_revision=start_revision)
+                watch = await self.etcd.watch_prefix(prefix.encode(), start_revision=start_revision)
                 async for event in watch:
-                    self._apply_drain(event.kv.key.decode(), event.kind == "PUT")
+                    apply(event.kv.key.decode(), event.kv.value if event.kind == "PUT" else None)
                     start_revision = event.kv.mod_revision + 1
             except aetcd.ClientError:
                 await asyncio.sleep(_RETRY_S)
 
-    def _apply_drain(self, key: str, draining: bool) -> None:
+    def _apply_drain(self, key: str, value: bytes | None) -> None:
         try:
             _, replica_id = self.keys.drain_parts(key)
         except InvalidName:
             log.warning("ignoring a malformed drain key")
             return
-        self.fleet.set_draining(replica_id, draining)
+        self.fleet.set_draining(replica_id, value is not None)
+
+    # -- warm-ups ------------------------------------------------------------------------
+    def share_warmup(self, pool: str, replica_id: str, pending: frozenset[int] | None) -> None:
+        """The leader's warmer: a replica's warm-up state (``None``: not warming), written
+        for the standby soon after (never blocking the caller)."""
+        self._warm_out[(pool, replica_id)] = pending
+        self._warm_wake.set()
+
+    async def _write_warmups(self) -> None:
+        while True:
+            await self._warm_wake.wait()
+            self._warm_wake.clear()
+            while self._warm_out:
+                (pool, replica_id), pending = item = self._warm_out.popitem()
+                lease = self._lease
+                if not self.leader or lease is None:
+                    continue  # a standby shares nothing; a new leader shares its own
+                try:
+                    key = self.keys.replica_warming(pool, replica_id).encode()
+                    if pending is None:
+                        await self.etcd.delete(key)
+                    else:
+                        await self.etcd.put(key, json.dumps(sorted(pending)).encode(), lease=lease)
+                except InvalidName:
+                    log.warning("not sharing the warm-up of a replica with a malformed id")
+                except aetcd.ClientError:
+                    self._warm_out.setdefault(*item)  # unless a newer state came meanwhile
+                    await asyncio.sleep(_RETRY_S)
+
+    def _apply_warming(self, key: str, value: bytes | None) -> None:
+        if self.leader:
+            return  # the leader's warmer holds its own state
+        try:
+            _, replica_id = self.keys.warming_parts(key)
+            pending = None if value is None else frozenset(int(k) for k in json.loads(value))
+        except (InvalidName, ValueError, TypeError):
+            log.warning("ignoring a malformed warm-up key")
+            return
+        if pending is None:
+            self._warm_applied.discard(replica_id)
+        else:
+            self._warm_applied.add(replica_id)
+        self.fleet.set_warmup(replica_id, pending)

@@ -18,7 +18,9 @@ replica goes away.
 While it warms, the replica's ``Replica.warmup`` (streamed to proxies) says so and
 names the prefixes sent or queued and not yet confirmed: the proxies give it only
 ``warmup.new_prefix_share`` of new prefixes and none of those (``kvcore.warmup.gate``).
-Routing never waits on any of this.
+Routing never waits on any of this. The state is also shared (``share``: through etcd, see
+:class:`~controlplane.fleet.leadership.Leadership`) with the standby, whose proxies apply
+it alike.
 
 A drained replica's hot prefixes that no other replica holds are first sent to the
 least busy healthy replica (:meth:`Warmer.rehome`), so that they survive its leaving.
@@ -61,6 +63,7 @@ class WarmupFailed(RuntimeError):
 
 # base URL, model, token ids -> None, or raises WarmupRefused / WarmupFailed
 Send = Callable[[str, str, list[int]], Awaitable[None]]
+Share = Callable[[str, str, frozenset[int] | None], None]  # (pool, replica id, pending)
 
 
 @dataclass
@@ -175,6 +178,7 @@ class Warmer:
         *,
         interval_s: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
+        share: Share | None = None,
     ) -> None:
         self.fleet = fleet
         self.store = HotPrefixStore()
@@ -184,6 +188,7 @@ class Warmer:
         self._send = send
         self._interval_s = interval_s
         self._clock = clock
+        self._share = share
         self._jobs: dict[str, _Job] = {}  # replica id -> its warm-up, running or last
         self._done: set[str] = set()  # warmed (or found nothing to warm) since last empty
         self._rehomed: set[str] = set()  # drained replicas whose prefixes were sent away
@@ -331,8 +336,12 @@ class Warmer:
     def _publish(self, job: _Job) -> None:
         """Put the replica's warm-up state where proxies get it (its next upsert)."""
         record = job.record
-        record.warmup = job.pending() if job.active else None
+        pending = job.pending() if job.active else None
+        changed = pending != record.warmup
+        record.warmup = pending
         self.fleet.changes.replica(record.ordinal)
+        if changed and self._share is not None:
+            self._share(record.pool, record.replica_id, pending)
 
     # -- sending --------------------------------------------------------------------------
 
