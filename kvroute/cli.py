@@ -46,7 +46,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     ),
     "faults": (
         "bench.faults.__main__:main",
-        "NATS killed under steady load: failed requests, time to route by events again",
+        "NATS killed or cut from the control plane, a hung engine, a slow one, under load",
     ),
     "chaos": (
         "bench.chaos.__main__:main",
