@@ -296,7 +296,7 @@ class KvScoringPolicy:
         for replica in found.fleet:
             if admits(replica):
                 usable.append(replica)
-                sent = placed_blocks(replica.ordinal, now=now)
+                sent = float(placed_blocks(replica.ordinal, now=now))
                 rate = replica.prefill_tokens_per_s
                 if configured and rate:  # in time: a slower replica's blocks count more
                     sent *= configured / rate
