@@ -3,8 +3,8 @@ service started, one ready line printed, SIGTERM or SIGINT awaited, the service 
 
 :func:`serve_until_signalled` is the body of a component's ``serve`` and
 :func:`main_of` its ``main`` (``kvroute-controlplane``, ``kvroute-epp``);
-:func:`signalled` is the one event every server stops on (the proxy's workers and the
-sidecar, whose shapes differ, use it alone).
+:func:`signalled` is the one event every server stops on (the proxy's workers use it
+alone; the sidecar, whose service waits on it itself, with :func:`main_of`).
 """
 
 from __future__ import annotations
