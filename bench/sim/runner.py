@@ -169,15 +169,7 @@ def _ahead_of_sglang(result: ScenarioResult) -> GoalCheck:
 
 def _kv_beats_rr(result: ScenarioResult) -> GoalCheck:
     goal = f"{DEFAULT} beats round_robin on hit rate and mean TTFT"
-    kv, rr = result.run(DEFAULT), result.run("round_robin")
-    if kv is None or rr is None:
-        return GoalCheck(goal, None, f"{DEFAULT} or round_robin not run")
-    met = kv.hit_rate > rr.hit_rate and kv.ttft_mean_s < rr.ttft_mean_s
-    detail = (
-        f"hit {kv.hit_rate:.1%} vs {rr.hit_rate:.1%}; "
-        f"TTFT {kv.ttft_mean_s:.3f} s vs {rr.ttft_mean_s:.3f} s"
-    )
-    return GoalCheck(goal, met, detail)
+    return _beats(goal, result.run(DEFAULT), result.run("round_robin"))
 
 
 def _default_is_best(result: ScenarioResult) -> GoalCheck:
