@@ -60,7 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--load-period-ms", type=float, help="engine load sample period (default 500)"
     )
     parser.add_argument(
-        "--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake hash-id trace (JSONL)"
+        "--trace",
+        type=Path,
+        default=DEFAULT_TRACE,
+        help="Mooncake hash-id trace (JSONL; not in the repository: "
+        "FAST25-release/traces/conversation_trace.jsonl of github.com/kvcache-ai/Mooncake); "
+        "its scenarios are skipped when absent",
     )
     parser.add_argument(
         "--compression",
