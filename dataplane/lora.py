@@ -74,7 +74,6 @@ class LoraPlacement:
         self._placed: dict[str, tuple[int, float]] = {}  # adapter -> (ordinal, until)
         self._used: dict[int, OrderedDict[str, None]] = {}  # per replica, LRU first
         self._locks: dict[str, asyncio.Lock] = {}
-        self.loads = 0  # adapters this proxy loaded onto replicas
         # (action "load"/"unload", outcome "ok"/"failed") of each engine call, for metrics
         self.counted: Callable[[str, str], None] = lambda action, outcome: None
         fleet.subscribe(self._learn_paths)  # kept after the adapter is unloaded everywhere
@@ -95,7 +94,7 @@ class LoraPlacement:
         placed = self._placement(model)
         if placed is not None or workload.lora_on_miss != "load":
             return placed
-        path = self._path_of(model)
+        path = self._paths.get(model)
         if path is None:
             return None  # never seen loaded anywhere: nothing to load from (404)
         async with self._locks.setdefault(model, asyncio.Lock()):
@@ -141,9 +140,6 @@ class LoraPlacement:
         for name, path in self.fleet.catalogue.adapter_paths().items():
             self._remember(name, path)
 
-    def _path_of(self, model: str) -> str | None:
-        return self._paths.get(model)
-
     def _remember(self, name: str, path: str) -> None:
         if path:
             self._paths[name] = path
@@ -182,7 +178,6 @@ class LoraPlacement:
             self.counted("load", "failed")
             raise AdapterLoadFailed(status, f"replica {endpoint.replica_id} refused: {words}")
         self.counted("load", "ok")
-        self.loads += 1
         log.info("loaded LoRA adapter", extra={"adapter": model, "replica": endpoint.replica_id})
 
     async def _unload(self, endpoint: Endpoint, model: str) -> bool:
@@ -294,12 +289,8 @@ async def _all_or_first_error(calls: Iterable[Awaitable[T]]) -> list[T]:
     return cast(list[T], results)
 
 
-def _all_saturated(holders: Any, workload: Workload) -> bool:
-    return all(_saturated(h, workload) for h in holders)
-
-
-def _saturated(state: ReplicaState, workload: Workload) -> bool:
-    return state.load >= workload.lora_spread_load
+def _all_saturated(holders: Iterable[ReplicaState], workload: Workload) -> bool:
+    return all(h.load >= workload.lora_spread_load for h in holders)
 
 
 def _fields(body: bytes) -> dict[str, Any]:
