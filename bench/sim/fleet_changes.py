@@ -508,26 +508,27 @@ def _shares(requests: Sequence[Request], replicas: int) -> list[float]:
     return [round(c / total, 3) for c in counts]
 
 
+def _scale_out(name: str, *, rate: float, groups: int = 16) -> FleetScenario:
+    """4 -> 6 replicas at 40 s, under ``groups`` shared prefixes at ``rate`` requests/s."""
+    return FleetScenario(
+        name,
+        start_replicas=4,
+        total_replicas=6,
+        changes=(Change(40.0, "add", 4), Change(40.0, "add", 5)),
+        duration_s=120.0,
+        transition=(40.0, 80.0),
+        rate=rate,
+        groups=groups,
+    )
+
+
 SCENARIOS: dict[str, FleetScenario] = {
     s.name: s
     for s in (
-        FleetScenario(
-            "scale_out",
-            start_replicas=4,
-            total_replicas=6,
-            changes=(Change(40.0, "add", 4), Change(40.0, "add", 5)),
-            duration_s=120.0,
-            transition=(40.0, 80.0),
-        ),
-        FleetScenario(
-            "scale_out_moderate",  # the fleet of 4 about three-quarters busy
-            start_replicas=4,
-            total_replicas=6,
-            changes=(Change(40.0, "add", 4), Change(40.0, "add", 5)),
-            duration_s=120.0,
-            transition=(40.0, 80.0),
-            rate=14.0,
-        ),
+        _scale_out("scale_out", rate=16.0),  # the fleet of 4 saturated
+        _scale_out("scale_out_moderate", rate=14.0),  # the 4 about three-quarters busy
+        # 48 hot prefixes, each of the 4 holding about a quarter: misses saturate them
+        _scale_out("scale_out_wide", rate=14.0, groups=48),
         FleetScenario(
             "rolling_restart",
             start_replicas=4,
