@@ -26,9 +26,9 @@ accepts connections) fails its half the same way: each half waits for its first 
 within its replica's first-byte deadline (``Dispatcher.first_bytes``,
 ``dataplane.first_byte``; for the prefill, always a whole answer, a bound on its
 replica's silence), past which the replica is suspect. The prefill's deadline counts the
-prompt's uncached tokens; the decode's counts the whole prompt (what it reads, at the
-slowest prefill rate: more than any transfer takes), and over SGLang's protocol adds the
-prefill's, since the decode's first bytes wait for the prefill beside it. A pool
+prompt's uncached tokens; the decode's none (reading the KV is part of its replica's
+typical time to first byte, times the factor, or the floor), and over SGLang's protocol
+it adds the prefill's, since the decode's first bytes wait for the prefill beside it. A pool
 without a prefill (or decode) replica is answered 503 naming what is missing. Usage and
 the fidelity counters are the decode's answer with the prefill's cached tokens: the
 prediction is the prefill replica's.
@@ -335,15 +335,15 @@ class PdSplit:
     ) -> tuple[Opened, InflightTicket | None]:
         """The decode half's first bytes, or :class:`_Failed` (re-prefill) when it failed,
         missed its first-byte deadline or could not read the KV. Its deadline is its
-        replica's for reading the whole prompt's KV (counted as if computed: a bound no
-        transfer reaches), plus ``prefill_s`` when the prefill runs meanwhile."""
+        replica's with nothing to compute (reading the KV is in its typical time to first
+        byte), plus ``prefill_s`` when the prefill runs meanwhile."""
         endpoint = pair.decode
         body = json.dumps(request).encode()
         pending = self.upstream.send("POST", endpoint.base_url + pair.path, body, pair.headers)
         now = self._clock()
         ticket = self.fleet.inflight.on_sent(endpoint.ordinal, time.time(), 0, 0)
         self.breakers.on_sent(endpoint.replica_id, endpoint.ordinal, now)
-        deadline_s = prefill_s + self.d.deadline_s(endpoint, pair.exchange.prepared.prompt_tokens)
+        deadline_s = prefill_s + self.d.deadline_s(endpoint, 0)
         try:
             opened = await self.d.first_bytes(
                 pending, endpoint, deadline_s, pair.exchange.request.stream

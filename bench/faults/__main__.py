@@ -14,9 +14,10 @@ on ``kvroute up --pd 2:2``'s fleet, a prefill then a decode engine stopped, over
 Loopback only; every run stops by itself.
 
 Options: ``--outages 5,10,30,120``, ``--cuts 5,10,30`` and ``--stops 10`` (seconds),
-``--answers streamed,whole`` (the hung faults' loads), ``--protocols vllm,sglang``
-(hung-pd's), ``--rate 10`` (requests/s, open loop), ``--slowdown 10``, ``--replicas 3``,
-``--out DIR`` (a JSON of each fault's runs). Exit status 1 when a target is missed.
+``--answers streamed,whole`` (the hung faults' loads), ``--protocols vllm,sglang`` and
+``--halves prefill,decode`` (hung-pd's), ``--rate 10`` (requests/s, open loop),
+``--slowdown 10``, ``--replicas 3``, ``--out DIR`` (a JSON of each fault's runs). Exit
+status 1 when a target is missed.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--stops", default="10")
     parser.add_argument("--answers", default="streamed,whole")
     parser.add_argument("--protocols", default="vllm,sglang")
+    parser.add_argument("--halves", default="prefill,decode")
     parser.add_argument("--slowdown", type=float, default=10.0)
     parser.add_argument("--rate", type=float, default=10.0)
     parser.add_argument("--replicas", type=int, default=3)
@@ -150,7 +152,7 @@ def main(argv: list[str]) -> int:
     if "hung-pd" in args.faults:
         runs = []
         for protocol in args.protocols.split(","):
-            for half in ("prefill", "decode"):
+            for half in args.halves.split(","):
                 for stop_s, stream in loads:
                     pd = PdHungConfig(
                         stop_s=stop_s, rate=args.rate, stream=stream, half=half, protocol=protocol
