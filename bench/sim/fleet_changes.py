@@ -28,13 +28,13 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from bench.sim.engine import EngineShape, ReplicaModel
 from bench.sim.metrics import percentile
 from bench.sim.routers import MODEL, KvrouteRouter
-from bench.sim.simulator import FleetReadout, SimConfig, Simulation
+from bench.sim.simulator import SimConfig, Simulation
 from bench.sim.workloads import Request, SharedPrefix, Workload
 from kvcore.policies import ReplicaState
 from kvcore.policies.board import ReplicaBoard
@@ -348,15 +348,6 @@ def cast_router(router: object) -> ChangeRouter:
 # -- measuring a transition -------------------------------------------------------------
 
 
-@dataclass
-class Transition:
-    """How joined replicas caught up: seconds until they served their fair share of
-    requests at 90% of the fleet's hit rate (``None``: not within the run)."""
-
-    catch_up_s: list[float | None] = field(default_factory=list)
-    hit_catch_up_s: list[float | None] = field(default_factory=list)
-
-
 def _hit(requests: Sequence[Request]) -> float | None:
     prompt = sum(r.prompt_tokens for r in requests)
     return sum(r.cached_tokens for r in requests) / prompt if prompt else None
@@ -553,10 +544,6 @@ SCENARIOS: dict[str, FleetScenario] = {
 
 def shape(num_blocks: int = 8192, max_num_seqs: int = 16) -> EngineShape:
     return EngineShape(num_blocks=num_blocks, max_num_seqs=max_num_seqs)
-
-
-def readout_of(fleet: ChangingFleet) -> FleetReadout:
-    return fleet.readout
 
 
 # -- the command line ------------------------------------------------------------------
