@@ -58,6 +58,9 @@ class ReplicaInfo:
     # the leader's warm-up of the replica, running or last (controlplane.fleet.warmup):
     # warming, prefixes pending, and per workload planned/sent/confirmed/failed/outcome
     warmup: dict[str, Any] | None = None
+    # the prefill speed the proxies have learned (controlplane.fleet.learned_rates):
+    # medians over the proxies that reported one lately; None while none has
+    learned: dict[str, Any] | None = None
 
     @property
     def hit_rate(self) -> float | None:

@@ -28,6 +28,7 @@ from controlplane.fleet.fleet import Fleet
 from controlplane.fleet.fleet_view import LiveFleetView
 from controlplane.fleet.ingest import Ingest
 from controlplane.fleet.leadership import Leadership
+from controlplane.fleet.learned_rates import LearnedRates
 from controlplane.fleet.metrics import FleetCollector
 from controlplane.fleet.routing_server import RoutingStateService, start_server
 from controlplane.fleet.warmup import Warmer, WarmupCollector, workloads_of
@@ -80,8 +81,8 @@ class CountingSink:
 
 
 class WarmupTee:
-    """The records' :class:`ReportSink`, with each report's hot prefixes also given to
-    the warm-up."""
+    """The records' :class:`ReportSink`, with each report also given to the warm-up (its
+    hot prefixes) and the learned rates (``/v1/replicas``)."""
 
     def __init__(self, sink: ReportSink, hot: Callable[[routing_pb2.ProxyReport], None]) -> None:
         self._sink, self._hot = sink, hot
@@ -148,11 +149,13 @@ class ControlPlane:
             self.completions.send,
             share=self.leadership.share_warmup,
         )
+        self.learned = LearnedRates()
         self.view = LiveFleetView(
             self.fleet,
             drains=self.leadership,
             is_leader=self.leadership.is_leader,
             warmup=self.warmer.state_of,
+            learned=self.learned.state_of,
         )
         self.records = records(settings, self.etcd, self.view, self.registry)
         self.broadcaster: Broadcaster | None = None
@@ -203,7 +206,7 @@ class ControlPlane:
             shards=self._shards,
         )
         self._tasks.spawn(self.broadcaster.run(), name="broadcast")
-        reports = WarmupTee(self.records.reports, self.warmer.on_report)
+        reports = WarmupTee(self.records.reports, self._on_report)
         self.routing = RoutingStateService(self.broadcaster, reports, s.served_pools())
         try:
             self._grpc, self.grpc_port = await start_server(self.routing, s)
@@ -211,6 +214,10 @@ class ControlPlane:
             raise ServiceError(f"cannot serve gRPC on {s.grpc_host}:{s.grpc_port}: {exc}") from exc
         await self._start_admin()
         await self.warmer.start()
+
+    def _on_report(self, report: routing_pb2.ProxyReport) -> None:
+        self.warmer.on_report(report)
+        self.learned.on_report(report)
 
     def admin_app(self) -> ASGIApp:
         """What the admin port serves: the records' app, with ``POST /mutate`` (sidecar

@@ -5,7 +5,8 @@ hold no NATS credentials), so every proxy counts, per workload and replica: requ
 prompt tokens, the cached tokens the router predicted, the cached tokens the engine
 reported (and how many responses reported them), and errors. Every interval the
 counters become one :class:`~kvcore.pb.routing_pb2.ProxyReport` (with the models'
-health, such as ``tokenizer_mismatch``) queued for sending.
+health, such as ``tokenizer_mismatch``, and the prefill rates it has learned per replica,
+for ``/v1/replicas``) queued for sending.
 
 Routing must never wait on this: :meth:`Reporter.record` only adds to a dict, and
 sending runs in its own task. Reports not yet acknowledged stay queued; the queue is
@@ -51,6 +52,7 @@ COUNTERS = (
 )
 HealthSource = Callable[[], Iterable[routing_pb2.ModelHealth]]
 HotSource = Callable[[], Iterable[routing_pb2.HotPrefix]]
+RatesSource = Callable[[], Iterable[routing_pb2.LearnedRate]]
 
 
 class Reporter:
@@ -62,6 +64,7 @@ class Reporter:
         *,
         health: HealthSource = lambda: (),
         hot: HotSource = lambda: (),
+        rates: RatesSource = lambda: (),
         max_pending: int = 60,
         send_timeout_s: float = 5.0,
         rng: random.Random | None = None,
@@ -76,6 +79,7 @@ class Reporter:
         self._credentials = credentials or channel_credentials(settings)
         self._health = health
         self._hot = hot
+        self._rates = rates
         self._max_pending = max(2, max_pending)
         self._send_timeout_s = send_timeout_s
         self._counters: dict[RowKey, list[int]] = {}
@@ -136,12 +140,14 @@ class Reporter:
         counters, self._counters = self._counters, {}
         models = list(self._health())
         hot = list(self._hot())
+        rates = list(self._rates())
         interval, self._since = now - self._since, now
-        if not counters and not models and not hot:
+        if not counters and not models and not hot and not rates:
             return
         report = routing_pb2.ProxyReport(
             proxy_id=self._proxy_id, ts=now, interval_s=interval, models=models, hot_prefixes=hot
         )
+        report.learned_rates.extend(rates)
         report.rows.extend(_row(key, values) for key, values in counters.items())
         self.pending.append(report)
         while len(self.pending) > self._max_pending:
@@ -220,8 +226,8 @@ def _row(key: RowKey, values: list[int]) -> routing_pb2.ReportRow:
 def merge_reports(
     older: routing_pb2.ProxyReport, newer: routing_pb2.ProxyReport
 ) -> routing_pb2.ProxyReport:
-    """One report covering both intervals: counters summed per row, the newer health and
-    hot prefixes."""
+    """One report covering both intervals: counters summed per row, the newer health,
+    hot prefixes and learned rates."""
     sums: dict[RowKey, list[int]] = {}
     for row in (*older.rows, *newer.rows):
         values = sums.setdefault((row.workload, row.pool, row.replica_id), [0] * len(COUNTERS))
@@ -234,5 +240,6 @@ def merge_reports(
         models=list(newer.models),
         hot_prefixes=list(newer.hot_prefixes),
     )
+    merged.learned_rates.extend(newer.learned_rates)
     merged.rows.extend(_row(key, values) for key, values in sums.items())
     return merged

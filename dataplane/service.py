@@ -91,7 +91,12 @@ class ProxyService:
         self.reporter = (
             None
             if self.hot_prefixes is None
-            else Reporter(settings, health=self.probe.model_health, hot=self.hot_prefixes.report)
+            else Reporter(
+                settings,
+                health=self.probe.model_health,
+                hot=self.hot_prefixes.report,
+                rates=self.fleet.inflight.learned_rates,
+            )
         )
         self.upstream = Upstream(
             settings.connect_timeout_s, settings.upstream_timeout_s, self.replica_tls

@@ -93,7 +93,10 @@ def replica_state(record: ReplicaRecord) -> ReplicaState:
 
 
 def replica_info(
-    record: ReplicaRecord, resident_blocks: int, warmup: dict[str, Any] | None = None
+    record: ReplicaRecord,
+    resident_blocks: int,
+    warmup: dict[str, Any] | None = None,
+    learned: dict[str, Any] | None = None,
 ) -> ReplicaInfo:
     announce, load = record.announce, record.load
     return ReplicaInfo(
@@ -120,6 +123,7 @@ def replica_info(
         bootstrap_port=announce.bootstrap_port if announce else 0,
         lora_adapters=dict(announce.lora_adapters) if announce else {},
         warmup=warmup,
+        learned=learned,
     )
 
 
@@ -133,19 +137,19 @@ class LiveFleetView:
         drains: DrainStore | None = None,
         is_leader: Callable[[], bool] = lambda: False,
         warmup: Callable[[str], dict[str, Any] | None] = lambda replica_id: None,
+        learned: Callable[[str], dict[str, Any] | None] = lambda replica_id: None,
     ) -> None:
         self.fleet = fleet
         self.drains = drains
         self._is_leader = is_leader
         self.summary_rows = 1 << 18  # rows of the index ranked between two yields
         self.warmup = warmup
+        self.learned = learned
 
     def replicas(self, pool: str | None = None) -> Sequence[ReplicaInfo]:
         index = self.fleet.index
         records = self.fleet.replicas_in(None if pool is None else frozenset({pool}))
-        return [
-            replica_info(r, index.key_count(r.ordinal), self.warmup(r.replica_id)) for r in records
-        ]
+        return [self._info(r, index.key_count(r.ordinal)) for r in records]
 
     async def set_draining(self, replica_id: str, draining: bool) -> ReplicaInfo:
         record = self.fleet.by_id.get(replica_id)
@@ -154,8 +158,12 @@ class LiveFleetView:
         if self.drains is not None:
             await self.drains.persist_draining(record.pool, replica_id, draining)
         self.fleet.set_draining(replica_id, draining)
+        return self._info(record, self.fleet.index.key_count(record.ordinal))
+
+    def _info(self, record: ReplicaRecord, resident_blocks: int) -> ReplicaInfo:
+        replica_id = record.replica_id
         return replica_info(
-            record, self.fleet.index.key_count(record.ordinal), self.warmup(replica_id)
+            record, resident_blocks, self.warmup(replica_id), self.learned(replica_id)
         )
 
     async def residency_summary(self, top: int = 20) -> ResidencySummary:

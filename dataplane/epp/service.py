@@ -112,7 +112,9 @@ class EppService:
         self.probe = TokenizerProbe(
             self.fleet, settings.tokenizer, load=self.router.tokenizers.load
         )
-        self.reporter = Reporter(proxy, health=self.probe.model_health)
+        self.reporter = Reporter(
+            proxy, health=self.probe.model_health, rates=self.fleet.inflight.learned_rates
+        )
         self.breakers = CircuitBreakers(proxy.breaker_failures, proxy.breaker_open_s)
         self.dispatcher = Dispatcher(
             self.fleet,

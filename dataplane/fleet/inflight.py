@@ -19,6 +19,7 @@ from mypy_extensions import mypyc_attr
 from dataplane.fleet.prefill_books import PrefillBooks
 from dataplane.fleet.replicas import ReplicaTable
 from dataplane.fleet.views import ViewCache
+from kvcore.pb import routing_pb2
 from kvcore.policies import InflightLedger
 
 
@@ -131,6 +132,26 @@ class Inflight:
         records = self._table.records.values()
         rates = {r.info.replica_id: books.rate(r.ledger_key) for r in records}
         return {replica: rate for replica, rate in rates.items() if rate is not None}
+
+    def learned_rates(self) -> list[routing_pb2.LearnedRate]:
+        """What this proxy has learned of each replica's prefill speed, for its reports
+        to the control plane (``/v1/replicas``): replicas with nothing learned are left
+        out."""
+        rows = []
+        for record in self._table.records.values():
+            learned = self._books.learned(record.ledger_key)
+            if learned is None:
+                continue
+            rate, line, slower = learned
+            row = routing_pb2.LearnedRate(
+                replica_id=record.info.replica_id, prefill_tokens_per_s=rate
+            )
+            if line is not None:
+                row.line_fixed_s, row.line_tokens_per_s = line
+            if slower is not None:
+                row.slowness = slower
+            rows.append(row)
+        return rows
 
     def total(self) -> int:
         """This proxy's requests in flight to any replica (what the HPA scales on)."""

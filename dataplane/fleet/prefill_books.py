@@ -118,6 +118,19 @@ class PrefillBooks:
         assert self._ledger is not None
         return self._ledger.rates.rate(key)
 
+    def learned(self, key: int) -> tuple[float, tuple[float, float] | None, float | None] | None:
+        """What the replica's timings have taught: (the rate routing ranks it at, its own
+        line (fixed seconds, tokens per second) or ``None``, its slowness against the
+        fleet's typical replica or ``None``); ``None`` while neither is known."""
+        if not self.on:
+            return None
+        assert self._ledger is not None
+        rates = self._ledger.rates
+        line, slower = rates.line(key), rates.slower(key)
+        if line is None and slower is None:
+            return None
+        return rates.rate(key), line, slower
+
     def due(self) -> bool:
         """Whether the draining replicas' states are a step old (if so, a new step
         starts now: rebuild them)."""

@@ -282,20 +282,36 @@ class ModelHealth(_message.Message):
     def __init__(self, model: _Optional[str] = ..., tokenizer_mismatch: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class ProxyReport(_message.Message):
-    __slots__ = ("proxy_id", "ts", "interval_s", "rows", "models", "hot_prefixes")
+    __slots__ = ("proxy_id", "ts", "interval_s", "rows", "models", "hot_prefixes", "learned_rates")
     PROXY_ID_FIELD_NUMBER: _ClassVar[int]
     TS_FIELD_NUMBER: _ClassVar[int]
     INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     HOT_PREFIXES_FIELD_NUMBER: _ClassVar[int]
+    LEARNED_RATES_FIELD_NUMBER: _ClassVar[int]
     proxy_id: str
     ts: float
     interval_s: float
     rows: _containers.RepeatedCompositeFieldContainer[ReportRow]
     models: _containers.RepeatedCompositeFieldContainer[ModelHealth]
     hot_prefixes: _containers.RepeatedCompositeFieldContainer[HotPrefix]
-    def __init__(self, proxy_id: _Optional[str] = ..., ts: _Optional[float] = ..., interval_s: _Optional[float] = ..., rows: _Optional[_Iterable[_Union[ReportRow, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelHealth, _Mapping]]] = ..., hot_prefixes: _Optional[_Iterable[_Union[HotPrefix, _Mapping]]] = ...) -> None: ...
+    learned_rates: _containers.RepeatedCompositeFieldContainer[LearnedRate]
+    def __init__(self, proxy_id: _Optional[str] = ..., ts: _Optional[float] = ..., interval_s: _Optional[float] = ..., rows: _Optional[_Iterable[_Union[ReportRow, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelHealth, _Mapping]]] = ..., hot_prefixes: _Optional[_Iterable[_Union[HotPrefix, _Mapping]]] = ..., learned_rates: _Optional[_Iterable[_Union[LearnedRate, _Mapping]]] = ...) -> None: ...
+
+class LearnedRate(_message.Message):
+    __slots__ = ("replica_id", "prefill_tokens_per_s", "line_tokens_per_s", "line_fixed_s", "slowness")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    LINE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    LINE_FIXED_S_FIELD_NUMBER: _ClassVar[int]
+    SLOWNESS_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    prefill_tokens_per_s: float
+    line_tokens_per_s: float
+    line_fixed_s: float
+    slowness: float
+    def __init__(self, replica_id: _Optional[str] = ..., prefill_tokens_per_s: _Optional[float] = ..., line_tokens_per_s: _Optional[float] = ..., line_fixed_s: _Optional[float] = ..., slowness: _Optional[float] = ...) -> None: ...
 
 class HotPrefix(_message.Message):
     __slots__ = ("workload", "model", "token_ids", "key", "requests_per_s", "block_size")

@@ -285,6 +285,17 @@ def test_routing_between_the_steps_of_a_replica_leaving_reads_the_fleet_as_it_wa
     assert queued(state) == [0]
 
 
+def time_r1_at_2000(state: FleetState, clock: Clock) -> None:
+    """30 requests to r1, each timed from idle: it answers 2,000 tokens/s plus 20 ms."""
+    for i in range(30):
+        tokens = (500, 2_000, 1_000, 4_000, 250, 3_000)[i % 6]
+        ticket = state.inflight.on_sent(1, 1e9, uncached_tokens=tokens)
+        clock.now += 0.02 + tokens / 2_000
+        state.inflight.on_first_byte(ticket, 200, streaming=True)
+        state.inflight.on_done(ticket)
+        clock.now += 1.0
+
+
 def test_the_rate_each_replica_is_ranked_at_is_a_metric() -> None:
     """``kvroute_proxy_prefill_tokens_per_second{replica}``: the configured rate until a
     replica's timings show it 2x slower, then what they show (and a replica with no
@@ -292,13 +303,7 @@ def test_the_rate_each_replica_is_ranked_at_is_a_metric() -> None:
     clock = Clock()
     state = fleet(clock)
     assert state.inflight.prefill_rates() == {"r0": RATE, "r1": RATE}
-    for i in range(30):  # r1 answers 2,000 tokens/s plus 20 ms, timed from idle each time
-        tokens = (500, 2_000, 1_000, 4_000, 250, 3_000)[i % 6]
-        ticket = state.inflight.on_sent(1, 1e9, uncached_tokens=tokens)
-        clock.now += 0.02 + tokens / 2_000
-        state.inflight.on_first_byte(ticket, 200, streaming=True)
-        state.inflight.on_done(ticket)
-        clock.now += 1.0
+    time_r1_at_2000(state, clock)
     rates = state.inflight.prefill_rates()
     assert rates["r1"] == pytest.approx(2_000, rel=0.01) and rates["r0"] == rates["r1"]
     assert state.views.view(MODEL).replicas()[1].prefill_tokens_per_s == rates["r1"]
@@ -308,3 +313,21 @@ def test_the_rate_each_replica_is_ranked_at_is_a_metric() -> None:
     assert (
         fleet(clock, [{"name": "default", "strategy": "kv_aware"}]).inflight.prefill_rates() == {}
     )
+
+
+def test_what_the_proxy_learned_goes_in_its_reports() -> None:
+    """``learned_rates`` (each report's, for ``/v1/replicas``): a replica's fitted line and
+    the rate routing ranks it at once its timings tell them; none for a replica with no
+    timings (r0), none without kv_cost."""
+    clock = Clock()
+    state = fleet(clock)
+    assert state.inflight.learned_rates() == []
+    time_r1_at_2000(state, clock)
+    [r1] = state.inflight.learned_rates()
+    assert r1.replica_id == "r1"
+    assert r1.prefill_tokens_per_s == pytest.approx(2_000, rel=0.01)
+    assert r1.line_tokens_per_s == pytest.approx(2_000, rel=0.01)
+    assert r1.line_fixed_s == pytest.approx(0.02, abs=0.001)
+    assert r1.slowness == pytest.approx(1.0, rel=0.01)  # the only line: the typical one
+    kv_aware = fleet(clock, [{"name": "default", "strategy": "kv_aware"}])
+    assert kv_aware.inflight.learned_rates() == []

@@ -1,6 +1,7 @@
 """Records wired into the real ControlPlane service: what an operator writes through the
 admin port reaches a proxy's gRPC watch, drains reach the fleet, and proxies' reports
-through gRPC Report become stats."""
+through gRPC Report become stats, and the prefill rates a proxy learned show in
+``/v1/replicas``."""
 
 from __future__ import annotations
 
@@ -17,12 +18,15 @@ from bench.controlplane.mirror import REPORT_METHOD, StateMirror, watch
 from controlplane.records import Records
 from controlplane.service import ControlPlane
 from controlplane.settings import ControlPlaneSettings
+from dataplane.reporter import Reporter
+from dataplane.settings import ProxySettings
 from kvcore.pb import routing_pb2
 from kvroute.servers import EtcdServer, NatsServer
 from tests.integration.controlplane.records.conftest import ADMIN_TOKEN, AdminClient
 from tests.integration.controlplane.records.test_database_and_reports import report
 from tests.integration.controlplane_harness import SidecarDouble
 from tests.integration.sidecar_harness import wait_until
+from tests.unit.dataplane.test_prefill_books import Clock, fleet, time_r1_at_2000
 
 pytestmark = pytest.mark.integration
 
@@ -98,3 +102,38 @@ async def test_admin_writes_reach_watchers_drains_reach_the_fleet_reports_become
     finally:
         watching.cancel()
         await sidecar.stop()
+
+
+async def test_the_prefill_rate_a_proxy_learned_shows_in_the_replicas_list(
+    service: ControlPlane, nats_server: NatsServer
+) -> None:
+    """A kv_cost proxy's books time r1 at 2,000 tokens/s plus 20 ms (r0 untimed); its
+    real Reporter sends the next report over gRPC, and ``GET /v1/replicas`` shows r1's
+    learned figures and ``null`` for r0."""
+    sidecars = [await SidecarDouble(nats_server.url, f"r{i}", pool="wired").start() for i in (0, 1)]
+    try:
+        for sidecar in sidecars:
+            await sidecar.announce()
+        await wait_until(lambda: len(service.view.replicas("wired")) == 2)
+        clock = Clock()
+        proxy_state = fleet(clock)  # r0 and r1, as the control plane streams them
+        time_r1_at_2000(proxy_state, clock)
+        proxy = ProxySettings(controlplane=[f"127.0.0.1:{service.grpc_port}"], proxy_id="p1")
+        reporter = Reporter(proxy, rates=proxy_state.inflight.learned_rates)
+        reporter.close_interval()
+        await reporter.flush()
+        assert reporter.sent == 1, reporter.last_error
+        async with aiohttp.ClientSession() as http:
+            admin = AdminClient(http, f"http://127.0.0.1:{service.admin_port}", ADMIN_TOKEN)
+            status, body, _ = await admin.call("GET", "/v1/replicas?pool=wired")
+        assert status == 200
+        learned = {r["replica_id"]: r["learned"] for r in body["replicas"]}
+        assert learned["r0"] is None
+        r1 = learned["r1"]
+        assert r1["proxies"] == 1
+        assert r1["prefill_tokens_per_s"] == pytest.approx(2_000, rel=0.01)
+        assert r1["line_tokens_per_s"] == pytest.approx(2_000, rel=0.01)
+        assert r1["line_fixed_s"] == pytest.approx(0.02, abs=0.001)
+    finally:
+        for sidecar in sidecars:
+            await sidecar.stop()
