@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
+from enginesim.blockpool import VllmKVCacheManager
 from enginesim.errors import RequestRejected
-from enginesim.hashing import SglangSha256Hasher, prompt_digests
+from enginesim.hashing import SglangSha256Hasher, VllmSha256CborHasher, prompt_digests
 from enginesim.kv_manager import BlockEvicted, BlocksStored
 from enginesim.radix_cache import SglangRadixCache
 from enginesim.request import SimRequest
@@ -18,6 +21,12 @@ def make_core(num_pages: int = 256, page_size: int = 1, max_running: int = 8) ->
     limits = CoreLimits(page_size, num_pages, max_running, max_model_len=1 << 16)
     cache = SglangRadixCache(num_pages, page_size)
     return EngineCore(limits, SglangSha256Hasher(), TimingModel(), cache)
+
+
+def make_vllm_core(num_blocks: int, block_size: int) -> EngineCore:
+    limits = CoreLimits(block_size, num_blocks, 8, max_model_len=1 << 16)
+    kv = VllmKVCacheManager(num_blocks, block_size)
+    return EngineCore(limits, VllmSha256CborHasher(), TimingModel(), kv)
 
 
 def drain(core: EngineCore) -> None:
@@ -141,3 +150,30 @@ def test_a_resumed_requests_output_is_evicted_apart_from_its_prompt():
     assert cache.admit(other)
     cache.after_forward([other])
     assert evicted(cache) == req.digests[10:14]
+
+
+def test_whole_node_eviction_keeps_less_of_a_shared_prefix_workload_than_vllms_pool():
+    """Why an SGLang prefill fleet hits less than a vLLM one under the same routing
+    (docs/benchmarks.md, P/D): SGLang evicts whole radix nodes, so making room for one
+    prompt can drop a whole system prompt and leave most of it free, where vLLM's pool
+    evicts block by block. The same requests, one at a time, on the same cache size."""
+    rng = random.Random(7)
+    systems = [[rng.randrange(1000, 30000) for _ in range(60)] for _ in range(6)]
+    order = [group for group in range(6) for _ in range(12)]
+    rng.shuffle(order)
+    prompts = [systems[g] + [rng.randrange(1000, 30000) for _ in range(8)] for g in order]
+    figures = {}
+    for name, core in (("sglang", make_core(64, 4)), ("vllm", make_vllm_core(64, 4))):
+        hits, cached_pages = 0, []
+        for n, prompt in enumerate(prompts):
+            req = SimRequest(str(n), prompt, 1)
+            core.add(req)
+            drain(core)
+            hits += req.num_cached_tokens
+            cached_pages.append(len(core.kv.cached_digests()))
+        warm = cached_pages[len(prompts) // 4 :]
+        figures[name] = (hits / sum(map(len, prompts)), sum(warm) / len(warm))
+    (sglang_hit, sglang_held), (vllm_hit, vllm_held) = figures["sglang"], figures["vllm"]
+    assert vllm_held >= 62  # vLLM's pool stays full of cached blocks (63 usable)
+    assert sglang_held <= vllm_held - 6  # SGLang's tree leaves pages free after evicting
+    assert sglang_hit <= vllm_hit - 0.05
