@@ -15,7 +15,7 @@ from typing import Any
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import event, text
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
@@ -30,7 +30,9 @@ class Database:
     """An async engine, its session factory and the migrations."""
 
     def __init__(self, url: str, *, migrations_dir: Path = MIGRATIONS_DIR) -> None:
-        self.engine: AsyncEngine = create_async_engine(url, **_engine_options(url))
+        options = _engine_options(url)
+        self.engine: AsyncEngine = create_async_engine(url, **options)
+        self._fixed_pool = "pool_size" in options  # a SQLite file: opened whole at start
         self.sessions = async_sessionmaker(self.engine, expire_on_commit=False)
         self.dialect = self.engine.dialect.name
         self._migrations_dir = migrations_dir
@@ -55,8 +57,8 @@ class Database:
 
     async def open_connections(self) -> None:
         """Open the SQLite pool's every connection now, so that its open files are what
-        they will be (``_engine_options``); nothing for a server database."""
-        if self.dialect != "sqlite":
+        they will be (``_engine_options``); nothing for a server or in-memory database."""
+        if not self._fixed_pool:
             return
         async with contextlib.AsyncExitStack() as held:
             for _ in range(SQLITE_CONNECTIONS):
@@ -98,14 +100,19 @@ def _engine_options(url: str) -> dict[str, Any]:
     sessions, and SQLite keeps the file of a connection closed while another one holds
     its shared lock, which in WAL mode an open connection always does (issue 42: the
     control plane's open files grew with each burst). SQLite runs one writer at a time,
-    so more connections buy nothing; a session beyond them waits for one."""
-    if url.startswith("sqlite"):
-        return {
-            "connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_S},
-            "pool_size": SQLITE_CONNECTIONS,
-            "max_overflow": 0,
-        }
-    return {"pool_pre_ping": True}
+    so more connections buy nothing; a session beyond them waits for one. An in-memory
+    database keeps SQLAlchemy's one shared connection (its ``StaticPool`` takes no size)."""
+    if not url.startswith("sqlite"):
+        return {"pool_pre_ping": True}
+    options: dict[str, Any] = {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_S}}
+    if not _in_memory(url):
+        options |= {"pool_size": SQLITE_CONNECTIONS, "max_overflow": 0}
+    return options
+
+
+def _in_memory(url: str) -> bool:
+    database = make_url(url).database
+    return not database or ":memory:" in database or "mode=memory" in url
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy import text
 
 from controlplane.records import Records
-from controlplane.records.db.database import SQLITE_CONNECTIONS
+from controlplane.records.db.database import SQLITE_CONNECTIONS, Database
 from tests.integration.controlplane.records.conftest import InTestFleet, make_settings
 
 pytestmark = pytest.mark.integration
@@ -63,3 +63,17 @@ async def test_bursts_of_concurrent_sessions_leave_the_sqlite_files_open_no_more
             assert open_files_under(tmp_path) == serving
     finally:
         await records.aclose()
+
+
+async def test_an_in_memory_sqlite_database_starts_and_keeps_its_tables() -> None:
+    """``--database-url sqlite+aiosqlite:///:memory:`` (a trial run): one shared
+    connection, which a fixed pool's size would refuse at start."""
+    database = Database("sqlite+aiosqlite:///:memory:")
+    try:
+        await database.migrate()
+        await database.open_connections()
+        async with database.sessions() as session:
+            rows = await session.execute(text("SELECT count(*) FROM config_revisions"))
+            assert rows.scalar_one() == 0
+    finally:
+        await database.aclose()
