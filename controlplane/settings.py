@@ -126,6 +126,14 @@ class ControlPlaneSettings(BaseSettings):
         description="Secret (in the engine's namespace) whose keys become injected sidecars' "
         "environment, e.g. KVROUTE_NATS_TOKEN ('' = none).",
     )
+    inject_drain_s: float = Field(
+        default=30.0,
+        ge=0,
+        le=3600,
+        description="Injected sidecars' --drain-s: a terminating engine pod is announced "
+        "draining and keeps serving this long (the engine gets a preStop sleep as long and "
+        "the pod a grace period of this plus 30 s; 0 = stop at once).",
+    )
 
     # --- records: stats rollups and hit-rate alerts -----------------------------------------
     alert_hit_ratio: float = Field(

@@ -13,6 +13,10 @@ For a pod labelled ``kvroute.io/inject: "true"`` this module answers with a JSON
 - turns the engine's report of cached tokens on (``usage.prompt_tokens_details``, which
   the proxies compare with their predictions): vLLM's ``--enable-prompt-tokens-details``,
   SGLang's ``--enable-cache-report``;
+- makes termination drain (``--inject-drain-s``, 30 s; 0 = off): the sidecar gets
+  ``KVROUTE_DRAIN_S``, the engine a preStop ``sleep`` as long (unless it has a preStop
+  hook) so that it serves while proxies stop sending to it, and the pod a
+  ``terminationGracePeriodSeconds`` of at least the drain plus 30 s;
 - marks the pod ``kvroute.io/injected: "true"``.
 
 The sidecar reads the engine on loopback and announces it to the proxies at the pod's
@@ -52,6 +56,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +74,7 @@ SGLANG_METRICS_FLAG = "--enable-metrics"
 CACHE_REPORT_FLAGS = {"vllm": "--enable-prompt-tokens-details", "sglang": "--enable-cache-report"}
 MODEL_FLAGS = ("--served-model-name", "--model", "--model-path")
 SHELLS = ("sh", "bash", "/bin/sh", "/bin/bash")
+ENGINE_STOP_S = 30  # grace beyond the drain for the engine to stop after its preStop
 
 Json = dict[str, Any]
 
@@ -86,6 +92,7 @@ class InjectionConfig:
     nats_secret: str = ""  # a Secret whose keys become env (e.g. KVROUTE_NATS_TOKEN)
     sidecar_port: int = 9100
     image_pull_policy: str = "IfNotPresent"
+    drain_s: float = 30.0  # the sidecar's --drain-s: how long a terminating pod drains
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +162,7 @@ def pod_patch(request: Json, config: InjectionConfig) -> tuple[list[Json], list[
     engine = read_engine(containers, annotations)
     warnings: list[str] = []
     ops = engine_arg_ops(containers[engine.index], engine, warnings)
+    ops += drain_ops(spec, containers[engine.index], engine, config, warnings)
     ops.append({"op": "add", "path": "/spec/containers/-", "value": sidecar(engine, config)})
     ops.append(_annotation_op(metadata))
     return ops, warnings
@@ -347,6 +355,39 @@ def _shell_wrapped(argv: list[str]) -> bool:
     return len(argv) >= 2 and argv[0] in SHELLS and argv[1].startswith("-")
 
 
+# --- termination: drain before the engine stops -----------------------------------------
+
+
+def drain_ops(
+    spec: Json, container: Json, engine: EngineSpec, config: InjectionConfig, warnings: list[str]
+) -> list[Json]:
+    """On a pod's termination every container gets SIGTERM at once: the sidecar announces
+    the replica draining and keeps running ``drain_s``; a preStop sleep as long keeps the
+    engine serving the requests it has meanwhile, and the grace period covers both plus
+    the engine's own stop (:data:`ENGINE_STOP_S`)."""
+    if config.drain_s <= 0:
+        return []
+    ops: list[Json] = []
+    grace = math.ceil(config.drain_s) + ENGINE_STOP_S
+    given = spec.get("terminationGracePeriodSeconds")
+    if not isinstance(given, int) or given < grace:
+        op = "replace" if "terminationGracePeriodSeconds" in spec else "add"
+        ops.append({"op": op, "path": "/spec/terminationGracePeriodSeconds", "value": grace})
+    lifecycle = container.get("lifecycle")
+    base = f"/spec/containers/{engine.index}/lifecycle"
+    pre_stop = {"exec": {"command": ["sleep", str(math.ceil(config.drain_s))]}}
+    if not isinstance(lifecycle, dict):
+        ops.append({"op": "add", "path": base, "value": {"preStop": pre_stop}})
+    elif "preStop" not in lifecycle:
+        ops.append({"op": "add", "path": base + "/preStop", "value": pre_stop})
+    else:
+        warnings.append(
+            f"kvroute: the engine has its own preStop hook; it should last the sidecar's "
+            f"drain ({config.drain_s:g} s) so that the engine serves while the pod drains"
+        )
+    return ops
+
+
 # --- the sidecar container ----------------------------------------------------------------
 
 
@@ -397,6 +438,7 @@ def sidecar_env(engine: EngineSpec, config: InjectionConfig) -> list[Json]:
         "KVROUTE_ROUTER_BLOCK_SIZE": engine.block_size,
         "KVROUTE_HOST": "0.0.0.0",
         "KVROUTE_PORT": str(config.sidecar_port),
+        "KVROUTE_DRAIN_S": f"{config.drain_s:g}",
     }
     env: list[Json] = [
         {"name": "KVROUTE_REPLICA_ID", "valueFrom": _field("metadata.name")},

@@ -33,6 +33,7 @@ def injection_config(settings: ControlPlaneSettings) -> InjectionConfig:
         sidecar_image=settings.inject_sidecar_image,
         nats_url=settings.inject_nats_url or settings.nats_url,
         nats_secret=settings.inject_nats_secret,
+        drain_s=settings.inject_drain_s,
     )
 
 

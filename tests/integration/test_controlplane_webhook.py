@@ -36,6 +36,7 @@ async def tls_control_plane(
         admin_tls_cert=cert,
         admin_tls_key=key,
         inject_sidecar_image="registry.example/kvroute/sidecar:9.9",
+        inject_drain_s=20,
     )
     service = ControlPlane(settings)
     await service.start()
@@ -67,6 +68,10 @@ async def test_mutate_over_tls_injects_the_configured_sidecar(
     assert sidecar["image"] == "registry.example/kvroute/sidecar:9.9"
     env = {e["name"]: e.get("value") for e in sidecar["env"]}
     assert env["KVROUTE_NATS_URL"] == nats_server.url  # --inject-nats-url unset: --nats-url
+    assert env["KVROUTE_DRAIN_S"] == "20"  # --inject-drain-s: the pod drains 20 s on SIGTERM
+    values = {op["path"]: op["value"] for op in ops}
+    assert values["/spec/terminationGracePeriodSeconds"] == 50
+    assert values["/spec/containers/0/lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "20"]
     assert malformed["response"]["allowed"] is True and "patch" not in malformed["response"]
 
 

@@ -13,6 +13,8 @@ import jsonpatch
 import pytest
 
 from controlplane.admission.injection import InjectionConfig, mutate, mutate_review
+from controlplane.admission.webhook import injection_config
+from controlplane.settings import ControlPlaneSettings
 from tests.unit.controlplane.admission import review, sglang_pod, vllm_pod
 
 CONFIG = InjectionConfig(sidecar_image="kvroute/sidecar:test", nats_url="nats://nats:4222")
@@ -69,7 +71,11 @@ def test_vllm_pod_gets_the_sidecar_and_kv_events() -> None:
         "KVROUTE_SERVED_NAMES": "l3",
         "KVROUTE_HOST": "0.0.0.0",
         "KVROUTE_PORT": "9100",
+        "KVROUTE_DRAIN_S": "30",  # on SIGTERM: announced draining, 30 s before it stops
     }
+    # the engine serves while the sidecar drains; the grace covers the drain and its stop
+    assert engine["lifecycle"] == {"preStop": {"exec": {"command": ["sleep", "30"]}}}
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 60
     assert sidecar["securityContext"]["readOnlyRootFilesystem"] is True
     assert pod["metadata"]["annotations"]["kvroute.io/injected"] == "true"
 
@@ -157,8 +163,50 @@ def test_engine_args_can_be_left_alone() -> None:
     pod["metadata"]["annotations"] = {"kvroute.io/patch-engine-args": "false"}
     _, patched = admit(pod)
     engine, sidecar = patched["spec"]["containers"]
+    lifecycle = engine.pop("lifecycle")  # the drain's preStop sleep is not an argument
+    assert lifecycle["preStop"]["exec"]["command"][0] == "sleep"
     assert engine == pod["spec"]["containers"][0]
     assert env_of(sidecar)["KVROUTE_KV_EVENTS_ENDPOINT"] == "tcp://127.0.0.1:5557"
+
+
+def test_termination_drain_follows_the_config_and_keeps_what_the_pod_has() -> None:
+    pod = vllm_pod()
+    pod["spec"]["terminationGracePeriodSeconds"] = 10  # too short for the drain: raised
+    config = InjectionConfig(sidecar_image="s", nats_url="nats://n:4222", drain_s=45.5)
+    patched, warnings = apply(pod, config)
+    engine, sidecar = patched["spec"]["containers"]
+    assert env_of(sidecar)["KVROUTE_DRAIN_S"] == "45.5"
+    assert engine["lifecycle"]["preStop"] == {"exec": {"command": ["sleep", "46"]}}
+    assert patched["spec"]["terminationGracePeriodSeconds"] == 76
+    assert warnings == []
+
+    pod = vllm_pod()
+    pod["spec"]["terminationGracePeriodSeconds"] = 600  # longer: kept
+    own_hook = {"exec": {"command": ["/bin/stop-gracefully"]}}
+    pod["spec"]["containers"][0]["lifecycle"] = {"preStop": own_hook}
+    patched, warnings = apply(pod, CONFIG)
+    engine = patched["spec"]["containers"][0]
+    assert engine["lifecycle"] == {"preStop": own_hook}
+    assert patched["spec"]["terminationGracePeriodSeconds"] == 600
+    assert len(warnings) == 1 and "preStop" in warnings[0] and "30 s" in warnings[0]
+
+    off = InjectionConfig(sidecar_image="s", nats_url="nats://n:4222", drain_s=0)
+    patched, _ = apply(vllm_pod(), off)
+    engine, sidecar = patched["spec"]["containers"]
+    assert env_of(sidecar)["KVROUTE_DRAIN_S"] == "0" and "lifecycle" not in engine
+    assert "terminationGracePeriodSeconds" not in patched["spec"]
+
+
+def test_the_control_planes_settings_choose_the_drain() -> None:
+    settings = ControlPlaneSettings(inject_drain_s=12)
+    assert injection_config(settings).drain_s == 12
+    assert injection_config(ControlPlaneSettings()).drain_s == 30
+
+
+def apply(pod: dict[str, Any], config: InjectionConfig) -> tuple[dict[str, Any], list[str]]:
+    response = mutate_review(review(pod), config)["response"]
+    ops = json.loads(base64.b64decode(response["patch"]))
+    return jsonpatch.apply_patch(pod, ops), response.get("warnings", [])
 
 
 def test_nats_secret_becomes_the_sidecars_env() -> None:
@@ -257,6 +305,7 @@ def test_a_shell_wrapped_engine_gets_the_sidecar_and_a_warning() -> None:
     pod["spec"]["containers"][0]["command"] = ["sh", "-c"]
     pod["spec"]["containers"][0]["args"] = ["vllm serve /models/llama"]
     response, patched = admit(pod)
-    assert patched["spec"]["containers"][0] == pod["spec"]["containers"][0]
+    assert patched["spec"]["containers"][0]["args"] == pod["spec"]["containers"][0]["args"]
+    assert patched["spec"]["containers"][0]["command"] == ["sh", "-c"]
     assert patched["spec"]["containers"][1]["name"] == "kvroute-sidecar"
     assert "--kv-events-config" in response["warnings"][0]

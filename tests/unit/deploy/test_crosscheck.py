@@ -318,6 +318,12 @@ def test_injected_engine_pods_are_valid_pods_with_a_working_sidecar(
         assert sidecars[0]["image"] == SIDECAR_IMAGE
         assert problems(pod, "1.30.0") == [], name
         assert check_pod(pod, monkeypatch) == [], name
+        # termination drains: proxies are told, the engine serves meanwhile, the grace covers it
+        env = {e["name"]: e.get("value") for e in sidecars[0]["env"]}
+        assert env["KVROUTE_DRAIN_S"] == "30", name
+        engine = containers(pod)[0]
+        assert engine["lifecycle"]["preStop"] == {"exec": {"command": ["sleep", "30"]}}, name
+        assert pod["spec"]["terminationGracePeriodSeconds"] >= 60, name
 
 
 def test_the_crosscheck_catches_what_the_code_does_not_have(
@@ -358,6 +364,7 @@ def test_the_webhook_path_is_served_and_injects_what_deploy_ships(
     assert serves(resolve_port(container, "admin") or 0, path)
     args = dict(arg[2:].split("=", 1) for arg in container["args"])
     assert image_repository({"image": args["inject-sidecar-image"]}) == "kvroute/sidecar"
+    assert float(args["inject-drain-s"]) == INJECTION.drain_s  # what the test injects
     nats = urlsplit(args["inject-nats-url"])
     service, namespace, *_ = str(nats.hostname).split(".")
     nats_service = find(docs, "Service", service)
