@@ -93,9 +93,12 @@ class _Pair:
 class _Failed(Exception):
     """One half failed before any byte reached the client: try again."""
 
-    def __init__(self, message: str, *, reprefill: bool = False, reason: str = "pd") -> None:
+    def __init__(
+        self, message: str, *, reprefill: bool = False, kv_lost: bool = False, reason: str = "pd"
+    ) -> None:
         super().__init__(message)
         self.reprefill = reprefill
+        self.kv_lost = kv_lost  # the decode could not read the prefill's KV: both are suspect
         self.reason = reason  # the retry's label: "pd", or the upstream failure's
 
 
@@ -162,7 +165,9 @@ class PdSplit:
                     if failure.reprefill:
                         tried_d.add(decode.ordinal)
                         self.reprefills.labels("decode").inc()
-                    else:
+                    if not failure.reprefill or (
+                        failure.kv_lost and len(tried_p) + 1 < len(prefills)
+                    ):  # a KV that could not be read is the prefill's too (a dead bootstrap)
                         tried_p.add(prefill.ordinal)
                     if not self.d._may_retry(Retriable(last, failure.reason), tries):
                         break
@@ -282,8 +287,8 @@ class PdSplit:
         prefilling = asyncio.create_task(self._prefill(pair, whole))
         try:
             done, _ = await asyncio.wait((decoding, prefilling), return_when="FIRST_EXCEPTION")
-            for task in done:
-                task.result()  # a failure: raised
+            for task in sorted(done, key=lambda task: task is not prefilling):
+                task.result()  # a failure: raised, the prefill's first (the cause when both)
             answer = await prefilling
             opened, ticket = await decoding
         except BaseException:
@@ -360,7 +365,9 @@ class PdSplit:
         if opened.status >= 500 or (opened.streaming and _error_event(opened.first)):
             opened.close()
             self.fleet.inflight.on_done(ticket)
-            raise _Failed(f"{endpoint.replica_id}: could not read the KV", reprefill=True)
+            raise _Failed(
+                f"{endpoint.replica_id}: could not read the KV", reprefill=True, kv_lost=True
+            )
         return opened, ticket
 
 
