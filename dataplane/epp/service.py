@@ -38,6 +38,7 @@ from dataplane.state_client import StateClient
 from dataplane.tokenizer_probe import TokenizerProbe
 from dataplane.transport.server import HttpServer, Request, Response
 from dataplane.upstream import Upstream
+from kvcore.index import read_always_index
 from kvruntime.sockets import bind_tcp
 from kvruntime.tasks import BackgroundTasks
 
@@ -100,7 +101,9 @@ class EppService:
         self.settings = settings
         proxy = settings.proxy_settings()
         self.fleet = FleetState(
-            max_age_s=settings.state_max_age_s, prefill_step_s=settings.prefill_step_ms / 1000
+            max_age_s=settings.state_max_age_s,
+            prefill_step_s=settings.prefill_step_ms / 1000,
+            index=read_always_index(settings.residency_index),
         )
         self.state_client = StateClient(proxy, self.fleet)
         self.metrics = ProxyMetrics()

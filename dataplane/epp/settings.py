@@ -26,7 +26,7 @@ LIST_FIELDS = ("controlplane", "pools", "sheddable_objectives")
 FROM_THE_PROXY = (
     "controlplane", "pools", "controlplane_tls", "controlplane_tls_ca", "tokenizer",
     "block_size", "state_max_age_s", "prefill_step_ms", "report_interval_s", "tenant_header",
-    "log_level",
+    "log_level", "residency_index",
 )  # fmt: skip
 
 
@@ -72,6 +72,7 @@ class EppSettings(BaseSettings):
     state_max_age_s: float = _proxy("state_max_age_s")
     prefill_step_ms: float = _proxy("prefill_step_ms")
     report_interval_s: float = _proxy("report_interval_s")
+    residency_index: Literal["auto", "bitmask", "compact"] = _proxy("residency_index")
     # -- picking ----------------------------------------------------------------------
     fallback_endpoints: int = Field(
         default=2,

@@ -9,6 +9,9 @@ import pytest
 
 from controlplane.fleet.broadcast import Broadcaster, EmptyConfig
 from controlplane.fleet.fleet import Fleet
+from dataplane.epp.main import SettingsRefused as EppSettingsRefused
+from dataplane.epp.main import load_settings as load_epp_settings
+from dataplane.epp.service import EppService
 from dataplane.errors import SnapshotNeeded
 from dataplane.fleet.state import FleetState
 from dataplane.main import SettingsRefused, load_settings
@@ -125,3 +128,14 @@ def test_a_proxy_keeps_its_residency_in_the_index_its_settings_name() -> None:
     assert type(default.fleet.replicas.index) is chosen
     with pytest.raises(SettingsRefused, match="--residency-index"):
         load_settings(["--controlplane", "127.0.0.1:9", "--residency-index", "radix"])
+
+
+def test_the_endpoint_picker_takes_the_residency_index_as_the_proxy_does() -> None:
+    picker = EppService(load_epp_settings(["--controlplane", "127.0.0.1:9"]))  # auto
+    chosen = CompactResidencyIndex if NATIVE_LOOKUP else BitmaskResidencyIndex
+    assert type(picker.fleet.replicas.index) is chosen
+    for name, kind in (("compact", CompactResidencyIndex), ("bitmask", BitmaskResidencyIndex)):
+        argv = ["--controlplane", "127.0.0.1:9", "--residency-index", name]
+        assert type(EppService(load_epp_settings(argv)).fleet.replicas.index) is kind
+    with pytest.raises(EppSettingsRefused, match="--residency-index"):
+        load_epp_settings(["--controlplane", "127.0.0.1:9", "--residency-index", "radix"])
