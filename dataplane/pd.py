@@ -21,7 +21,7 @@ before any byte reached the client (none after, so nothing is duplicated): a pre
 that fails goes to another prefill replica; a decode that fails, or answers that it
 could not read the KV (vLLM's ``kv_load_failure_policy`` "fail": 500, or an error event
 first in a stream), gets a new prefill and another decode replica, and
-``kvroute_pd_reprefills_total`` counts it. A hung replica (stopped, wedged: it still
+``kvroute_proxy_pd_reprefills_total`` counts it. A hung replica (stopped, wedged: it still
 accepts connections) fails its half the same way: each half waits for its first bytes
 within its replica's first-byte deadline (``Dispatcher.first_bytes``,
 ``dataplane.first_byte``; for the prefill, always a whole answer, a bound on its
@@ -115,7 +115,7 @@ class PdSplit:
         )
         self.breakers = dispatcher.breakers
         self.reprefills = Counter(
-            "kvroute_pd_reprefills",
+            "kvroute_proxy_pd_reprefills",
             "P/D requests prefilled again: the decode replica failed or could not read the KV",
             ["reason"],
             registry=dispatcher.metrics.registry,

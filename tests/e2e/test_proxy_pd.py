@@ -112,13 +112,13 @@ def test_a_failed_decode_is_reprefilled_on_another_decode_replica_and_counted(
     vllm_pool: Any,
 ) -> None:
     _, decodes, proxy = vllm_pool
-    before = _metric(proxy, "kvroute_pd_reprefills_total")
+    before = _metric(proxy, "kvroute_proxy_pd_reprefills_total")
     decodes[0].call("POST", "/sim/faults", {"fail_requests": 1})  # the least loaded's turn
     body = {"model": MODEL, "prompt": "hi " * 30, "max_tokens": 2}
     status, _, raw = proxy.request("/v1/completions", body)
     assert status == 200, raw
     assert json.loads(raw)["usage"]["completion_tokens"] == 2
-    assert _metric(proxy, "kvroute_pd_reprefills_total") == before + 1
+    assert _metric(proxy, "kvroute_proxy_pd_reprefills_total") == before + 1
 
 
 def _metric(proxy: ProxyProcess, name: str) -> float:
@@ -277,13 +277,13 @@ def test_a_hung_prefill_or_decode_replica_holds_no_request(
     )
     victim = (prefills if half == "prefill" else decodes)[0]
     moved = _retries(proxy, "first_byte_deadline")
-    reprefills = _metric(proxy, "kvroute_pd_reprefills_total")
+    reprefills = _metric(proxy, "kvroute_proxy_pd_reprefills_total")
     results = while_stopped(proxy, victim, f"hung {kind} {half}")
     assert [ok for ok, _ in results] == [True] * 12
     assert max(took for _, took in results) <= 3.0, results
     assert _retries(proxy, "first_byte_deadline") > moved  # the hang was met, and left
     if half == "decode":  # a decode that missed its deadline: prefilled again
-        assert _metric(proxy, "kvroute_pd_reprefills_total") > reprefills
+        assert _metric(proxy, "kvroute_proxy_pd_reprefills_total") > reprefills
 
 
 def _retries(proxy: ProxyProcess, reason: str) -> float:
