@@ -101,11 +101,6 @@ class InferenceRequest:
             n = sampling.get("n") if isinstance(sampling, dict) else None
         return self.is_batch or (isinstance(n, int) and n > 1)
 
-    def text_field(self, name: str) -> str | None:
-        """A string field of the body, or None when absent."""
-        value = self.body.get(name)
-        return value if isinstance(value, str) else None
-
     def upstream_body(self, *, include_usage: bool, cache_salt: str | None) -> bytes:
         """The body to send upstream: the client's bytes unless a field must change."""
         if not include_usage and cache_salt is None:

@@ -149,10 +149,6 @@ class ReplicaBoard(Sequence[ReplicaState]):
                 queue.sort()
         return iter(queues.items())
 
-    def position_after(self, ordinal: int) -> int:
-        """Index (in ordinal order) of the first replica with an ordinal above ``ordinal``."""
-        return bisect_left(self._ordinals, ordinal + 1)
-
     @overload
     def __getitem__(self, index: int) -> ReplicaState: ...
     @overload
