@@ -69,6 +69,9 @@ def test_a_replica_ten_times_slower_gets_its_share_of_the_default(tmp_path: Path
     much)."""
     argv = ["bench", "sim", "--quick", "--no-plots", "--out", str(tmp_path)]
     argv += ["--scenario", "slow_replica", "--policy", "kv_cost", "--policy", "round_robin"]
+    # the synthetic chats, the same in every checkout: the ShareGPT lengths are read from
+    # beside the project where they exist (../shared), and a fresh clone has none
+    argv += ["--data", str(tmp_path / "no-sharegpt.jsonl")]
     assert main(argv) == 0, capsys.readouterr().err
     report = json.loads((tmp_path / "report.json").read_text())
     (scenario,) = report["scenarios"]
