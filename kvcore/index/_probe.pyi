@@ -15,3 +15,25 @@ def leading_runs(
     spec: dict[int, int] | None,
     hidden: U64 | None,
 ) -> dict[int, int]: ...
+def change(
+    keys: Sequence[int],
+    table_keys: U64,
+    table_masks: U64,
+    bits: int,
+    multiplier: int,
+    words: int,
+    replica: int,
+    added: bool,
+    room: int,
+    start: int,
+) -> tuple[int, int, int, int, bool]: ...
+def rebuild(
+    table_keys: U64,
+    table_masks: U64,
+    bits: int,
+    multiplier: int,
+    words: int,
+    new_keys: U64,
+    new_masks: U64,
+    new_bits: int,
+) -> int: ...

@@ -12,7 +12,12 @@ Rules:
 - speculative entries are few (a proxy's last seconds of decisions) and churn on every
   decision, so they stay in a :class:`BitmaskResidencyIndex` that holds nothing else,
   and a lookup ORs its masks in;
-- a prompt, or a batch added or removed, of at most ``_SCALAR_KEYS`` keys (most
+- where :mod:`kvcore.index._probe` is built (``native``), a prompt is looked up and a
+  batch of keys (a list, not an array) added or removed in one C pass each: a proxy
+  applies an engine's few dozen stored and evicted blocks between two requests, and
+  numpy's dozens of array operations for them cost ~100 us and left the next decision's
+  code and data out of the caches;
+- else a prompt, or a batch added or removed, of at most ``_SCALAR_KEYS`` keys (most
   requests, an engine's event batch) is handled key by key in plain Python, which beats
   a dozen array operations' fixed cost;
 - a change of at most ``_HELD_BATCH`` keys (an engine's event batch) is held back in
@@ -38,15 +43,17 @@ import numpy.typing as npt
 from kvcore.index.base import U64, check_replica
 from kvcore.index.bitmask import BitmaskResidencyIndex, _bits, _short_runs
 from kvcore.index.columns import holders, joined, rows_of, words_of
-from kvcore.index.hashtable import MAX_LOAD, KeyTable
+from kvcore.index.hashtable import MAX_LOAD, KeyTable, Rebuild
 from kvcore.index.pending import PendingChanges
 
 try:  # the lookup in C, built with the proxy's compiled modules (dataplane/native.py)
     from kvcore.index import _probe
 
     NATIVE_RUNS: Callable[..., dict[int, int]] | None = _probe.leading_runs
+    NATIVE_CHANGE: Callable[..., tuple[int, int, int, int, bool]] | None = _probe.change
+    NATIVE_REBUILD: Rebuild | None = _probe.rebuild
 except ImportError:  # a checkout without a C compiler: numpy
-    NATIVE_RUNS = None
+    NATIVE_RUNS = NATIVE_CHANGE = NATIVE_REBUILD = None
 
 _SCALAR_KEYS = 32  # prompts and batches up to this many keys are handled key by key
 _HELD_BATCH = 4_096  # batches up to this many keys are held back (PendingChanges)
@@ -74,7 +81,7 @@ class CompactResidencyIndex:
         self._hidden = 0  # replicas being cleared step by step
         self._clearing: dict[int, _Clearing] = {}
         self.scalar_keys = _SCALAR_KEYS  # (tests set 0 to check the array paths)
-        self.native = NATIVE_RUNS  # (tests set None to check the numpy paths)
+        self.native = NATIVE_RUNS  # (tests set None to check the Python and numpy paths)
         self._pending = PendingChanges()  # small batches, applied in bulk when read
         self.held_keys = _HELD_KEYS if hold_changes else 0
 
@@ -111,15 +118,17 @@ class CompactResidencyIndex:
                     self._remove_now(replica, removed)
 
     def _add_now(self, replica: int, keys: Iterable[int]) -> None:
+        if self._in_c(keys):
+            self._change_in_c(replica, keys, added=True)
+            return
         if isinstance(keys, Sequence) and len(keys) <= self.scalar_keys:
             self._add_few(replica, keys)
             return
-        batch, bit = _distinct(keys), 1 << replica
+        batch = _distinct(keys)
         word, mask = self._column(replica)
         added = 0
         if batch.size and batch[0] == 0:
-            added += not self._zero & bit
-            self._zero |= bit
+            added += self._change_zero(replica, added=True)
             batch = batch[1:]
         slots, ends = self._table.probe(batch)
         known = slots < self._table.capacity
@@ -136,19 +145,68 @@ class CompactResidencyIndex:
         self._counts[replica] = self._counts.get(replica, 0) + added + lacking.size + new.size
 
     def _remove_now(self, replica: int, keys: Iterable[int]) -> None:
+        if self._in_c(keys) and replica < 64 * self._table.words:
+            self._change_in_c(replica, keys, added=False)
+            return
         if isinstance(keys, Sequence) and len(keys) <= self.scalar_keys:
             self._remove_few(replica, keys)
             return
-        batch, bit = _distinct(keys), 1 << replica
+        batch = _distinct(keys)
         removed = 0
         if batch.size and batch[0] == 0:
-            removed += bool(self._zero & bit)
-            self._zero &= ~bit
+            removed += self._change_zero(replica, added=False)
             batch = batch[1:]
         if replica < 64 * self._table.words:  # else the table holds none of its keys
             removed += self._remove_bits(replica, batch)
         if removed:
             self._counts[replica] -= removed
+
+    def _in_c(self, keys: Iterable[int]) -> bool:
+        """Whether a change of ``keys`` goes to C: an array is numpy's already."""
+        return self.native is not None and not isinstance(keys, np.ndarray)
+
+    def _change_in_c(self, replica: int, keys: Iterable[int], *, added: bool) -> None:
+        """``add`` or ``remove`` in one C pass (:func:`_probe.change`); a table too full
+        for the keys still to add is rebuilt between passes. Key 0 stays here."""
+        assert NATIVE_CHANGE is not None
+        batch = keys if isinstance(keys, list | tuple) else list(keys)
+        if added:
+            self._column(replica)
+        start, changed, zero = 0, 0, False
+        while True:
+            table = self._table
+            done, count, live, placed, saw_zero = NATIVE_CHANGE(
+                batch,
+                table.keys,
+                table.masks,
+                table.bits,
+                table.multiplier,
+                table.words,
+                replica,
+                added,
+                table.room(),
+                start,
+            )
+            table.filled += placed
+            self._live += live
+            changed, zero = changed + count, zero or saw_zero
+            if done == len(batch):
+                break
+            self._make_room(len(batch) - done)
+            start = done
+        if zero:
+            changed += self._change_zero(replica, added=added)
+        if changed:
+            self._counts[replica] = self._counts.get(replica, 0) + (changed if added else -changed)
+
+    def _change_zero(self, replica: int, *, added: bool) -> int:
+        """Key 0 (kept aside) added to or removed from ``replica``: 1 if that changed it."""
+        held = self._zero >> replica & 1
+        if added:
+            self._zero |= 1 << replica
+            return 1 - held
+        self._zero &= ~(1 << replica)
+        return held
 
     def _add_few(self, replica: int, keys: Sequence[int]) -> None:
         """``add`` of a few keys (an engine's event batch), key by key in plain Python."""
@@ -156,8 +214,7 @@ class CompactResidencyIndex:
         bit, added = 1 << (replica & 63), 0
         for key in keys:
             if key == 0:
-                added += not self._zero >> replica & 1
-                self._zero |= 1 << replica
+                added += self._change_zero(replica, added=True)
                 continue
             slot, end = self._table.locate(key)
             if slot == self._table.capacity:
@@ -178,8 +235,7 @@ class CompactResidencyIndex:
         table, bit, removed = self._table, 1 << (replica & 63), 0
         for key in keys:
             if key == 0:
-                removed += self._zero >> replica & 1
-                self._zero &= ~(1 << replica)
+                removed += self._change_zero(replica, added=False)
                 continue
             slot = table.slot_of(key)
             if slot == table.capacity or replica >> 6 >= table.words:
@@ -414,7 +470,8 @@ class CompactResidencyIndex:
             return True
         for replica in list(self._clearing):
             self._finish_clearing(replica)
-        self._table = self._table.rebuilt(self._live + more, fill)
+        native = NATIVE_REBUILD if self.native is not None else None
+        self._table = self._table.rebuilt(self._live + more, fill, native)
         return False
 
     def _step(self, replica: int, job: _Clearing, budget: int) -> bool:

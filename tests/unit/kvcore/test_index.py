@@ -39,10 +39,18 @@ def vectorised_compact() -> CompactResidencyIndex:
     return index
 
 
-# (CompactResidencyIndex reads prompts in C where it is built: make native, make check)
+def proxy_compact() -> CompactResidencyIndex:
+    """The compact index as a proxy holds it: every change applied at once (in C where
+    built, as the changes held back by the default are when applied)."""
+    return CompactResidencyIndex(hold_changes=False)
+
+
+# (CompactResidencyIndex reads prompts and applies changes in C where it is built: make
+# native, make check)
 FAST: list[Callable[[], Any]] = [
     BitmaskResidencyIndex,
     CompactResidencyIndex,
+    proxy_compact,
     numpy_compact,
     vectorised_compact,
 ]
@@ -563,3 +571,64 @@ def test_the_compact_index_refuses_a_key_outside_64_bits_in_c_as_in_numpy(
     for bad in ([1, -1], [1, 2**64], [1, "2"]):
         with pytest.raises((OverflowError, TypeError, ValueError)):
             index.leading_runs([*bad] * 40)  # (long: the array and C paths)
+
+
+def test_a_change_with_a_key_outside_64_bits_is_refused_whole_in_c() -> None:
+    """A proxy's index is never left half changed by a bad key: the C pass converts
+    every key before it changes any."""
+    index = proxy_compact()
+    if index.native is None:
+        pytest.skip("a checkout run from source")
+    index.add(0, [1, 2])
+    for bad in ([3, 4, -1], [3, 4, 2**64], [3, 4, "5"]):
+        with pytest.raises((OverflowError, TypeError)):
+            index.add(1, bad)
+        with pytest.raises((OverflowError, TypeError)):
+            index.remove(0, [1, *bad])
+    assert dict(index.holdings()) == {1: 0b1, 2: 0b1}
+    assert (index.key_count(), index.key_count(0), index.key_count(1)) == (2, 2, 0)
+
+
+def test_a_batch_past_the_tables_room_is_applied_across_a_rebuild() -> None:
+    """A proxy's batch bigger than the room left before a rebuild: the C pass stops at
+    the room, the table is rebuilt (tombstones dropped) and the rest applied."""
+    index, oracle = proxy_compact(), ReferenceResidencyIndex()
+    rng = random.Random(9)
+    first = [rng.getrandbits(64) for _ in range(600)]
+    second = [rng.getrandbits(64) for _ in range(5000)]
+    for impl in (index, oracle):
+        impl.add(0, first)
+        impl.remove(0, first[:500])  # tombstones
+        impl.add(1, [*first[:300], *second, *second[:10]])  # (repeats count once)
+    assert dict(index.holdings()) == dict(oracle.holdings())
+    assert [index.key_count(r) for r in (None, 0, 1)] == [oracle.key_count(r) for r in (None, 0, 1)]
+    assert index.leading_runs(second) == oracle.leading_runs(second) == {1: 5000}
+
+
+@pytest.mark.parametrize("make", [proxy_compact, numpy_compact], ids=lambda f: f.__name__)
+def test_keys_coming_and_going_at_a_steady_count_stay_exact_through_slot_reuse_and_rebuilds(
+    make: Callable[[], ResidencyIndex],
+) -> None:
+    """Replicas evicting as many keys as they store (an engine at a full cache), a word of
+    bitset past 64 too: new keys take removed keys' slots (in C) and the table is rebuilt
+    from time to time, and every key, count and run stays the reference's."""
+    index, oracle = make(), ReferenceResidencyIndex()
+    rng = random.Random(11)
+    held = {replica: [rng.getrandbits(64) for _ in range(400)] for replica in (0, 3, 70)}
+    for impl in (index, oracle):
+        for replica, keys in held.items():
+            impl.add(replica, keys)
+    for _ in range(300):
+        replica = rng.choice(list(held))
+        stored = [rng.getrandbits(64) for _ in range(rng.randrange(1, 60))]
+        evicted, held[replica] = held[replica][: len(stored)], held[replica][len(stored) :]
+        held[replica] += stored
+        for impl in (index, oracle):
+            impl.add(replica, stored)
+            impl.remove(replica, evicted)
+    assert dict(index.holdings()) == dict(oracle.holdings())
+    assert [index.key_count(r) for r in (None, 0, 3, 70)] == [
+        oracle.key_count(r) for r in (None, 0, 3, 70)
+    ]
+    for keys in held.values():
+        assert index.leading_runs(keys) == oracle.leading_runs(keys)
