@@ -8,14 +8,15 @@ resident key (tracemalloc: numpy's arrays are traced too) and clearing a replica
 what the choice costs a proxy: kv_aware's decision p50 at ordinary prompt sizes (a shared
 system prompt, then each request's own blocks), speculation recorded as a proxy records it,
 and its p99 while the fleet stores and evicts 200,000 blocks/s against a still fleet.
-Under churn a proxy deciding 2,000 times a second applies 100 block events between two
-decisions, on its one thread as its event loop does: the next decision pays what the
-change left in the caches, but not the change itself, so each decision is timed alone, in
-the thread's CPU time (a preempted decision is the machine's, not the index's); the
-change's own time is a figure of its own, with its longest: the stall of the event loop
-when the index rebuilds its table (the churn runs past the first rebuild). The bench's
-record of what each replica holds costs nothing beside it (a deque: the oldest blocks
-evicted, the new ones appended).
+Still and churned decisions alternate in blocks of 2,000, so that the machine's bursts
+fall on both. Under churn a proxy deciding 2,000 times a second applies 100 block events
+between two decisions, on its one thread as its event loop does: the next decision pays
+what the change left in the caches, but not the change itself, so each decision is timed
+alone, in the thread's CPU time (a preempted decision is the machine's, not the index's);
+the change's own time is a figure of its own, with its longest: the stall of the event
+loop when the index rebuilds its table (the churn runs past the first rebuild). The
+bench's record of what each replica holds costs nothing beside it (a deque: the oldest
+blocks evicted, the new ones appended).
 Last, a dict's lookups alone of new prompts' keys: the floor under the dict index.
 """
 
@@ -51,9 +52,11 @@ MIN_KEYS_PER_S = 1e6
 MAX_BYTES_PER_KEY = 48.0  # the compact index's; the bitmask index is reported only
 ORDINARY_BLOCKS = (16, 64, 256)  # prompts of 256 to 4,096 tokens
 CHURN_PER_DECISION = 100  # block events between two decisions: 200,000/s at 2,000/s
-STILL_DECISIONS = 2_000
-# past the first rebuild of the compact index's table at 1M keys (~620,000 stored keys)
-CHURNED_DECISIONS = 14_000
+# still and churned decisions in alternate blocks (the machine's bursts fall on both), the
+# churned ones past the first rebuild of the compact index's table at 1M keys (~620,000
+# stored keys)
+DECISION_BLOCK = 2_000
+DECISION_BLOCKS = 7
 
 
 def _lookup_figures(name: str, make: Callable[[], ResidencyIndex]) -> list[Figure]:
@@ -185,19 +188,21 @@ def _churn_figures(name: str, make: Callable[[], ResidencyIndex]) -> list[Figure
         view.index.remove(replica, evicted)
         changes.append((time.thread_time_ns() - started) / 1000)
 
-    def p99(churning: bool) -> float:
-        samples = []
-        for i in range(CHURNED_DECISIONS if churning else STILL_DECISIONS):
+    def decide(i: int) -> float:
+        prompt = [*system, *(rng.getrandbits(64) for _ in range(16))]
+        ctx = RouteContext(workload, "m", prompt, now=1.0 + i / 1000)
+        started = time.thread_time_ns()
+        policy.select(ctx, view)
+        return (time.thread_time_ns() - started) / 1000
+
+    samples: dict[bool, list[float]] = {False: [], True: []}  # churning: decisions' CPU us
+    for block in range(2 * DECISION_BLOCKS):
+        churning = block % 2 == 1
+        for i in range(DECISION_BLOCK):
             if churning:
                 churn()
-            prompt = [*system, *(rng.getrandbits(64) for _ in range(16))]
-            ctx = RouteContext(workload, "m", prompt, now=1.0 + i / 1000)
-            started = time.thread_time_ns()
-            policy.select(ctx, view)
-            samples.append((time.thread_time_ns() - started) / 1000)
-        return sorted(samples)[int(len(samples) * 0.99)]
-
-    still, churned = p99(False), p99(True)
+            samples[churning].append(decide(i))
+    still, churned = (sorted(s)[int(len(s) * 0.99)] for s in samples.values())
     return [
         Figure(f"{name}: kv_aware decision p99, 64 blocks, fleet still (CPU)", still, "us"),
         Figure(
