@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import aiohttp
 
 from bench.faults.children import local_fleet
 from bench.faults.load import SteadyLoad, p99
@@ -47,6 +50,10 @@ class SlowResult:
     failed: int
     by_replica: dict[str, int]  # answers of the measured window, per replica
     ttft_p99_s: float | None
+    # the measured window's median TTFT per replica, and what the fleet learned of each
+    # replica's speed (``/v1/replicas``' learned rates) at its end
+    ttft_p50_by_replica: dict[str, float] = dataclasses.field(default_factory=dict)
+    learned: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def proportional(self) -> float:
@@ -79,10 +86,36 @@ async def run_slow(config: SlowConfig, run_dir: Path) -> SlowResult:
             measured_from = time.perf_counter()
             await asyncio.sleep(config.measure_s)  # the window measured
             measured_to = time.perf_counter()
+            learned = await _learned(session, fleet.admin_urls, fleet.admin_token)
     window = [a for a in load.result.answers if measured_from <= a.sent_at < measured_to]
     by_replica: dict[str, int] = {}
     for answer in window:
         by_replica[answer.replica] = by_replica.get(answer.replica, 0) + 1
     failed = load.result.errors + sum(1 for a in load.result.answers if a.error)
     ttft = p99([a.ttft_s for a in window])
-    return SlowResult(config.slowdown, config.replicas, load.sent, failed, by_replica, ttft)
+    p50 = {
+        replica: statistics.median(a.ttft_s for a in window if a.replica == replica)
+        for replica in by_replica
+    }
+    return SlowResult(
+        config.slowdown, config.replicas, load.sent, failed, by_replica, ttft, p50, learned
+    )
+
+
+async def _learned(
+    session: aiohttp.ClientSession, admin_urls: list[str], token: str
+) -> dict[str, Any]:
+    """Each replica's learned speed as the control plane shows it (empty if none)."""
+    if not admin_urls:
+        return {}
+    headers = {"Authorization": f"Bearer {token}"}
+    async with session.get(f"{admin_urls[0]}/v1/replicas", headers=headers) as response:
+        if response.status != 200:
+            return {}
+        body = await response.json()
+    rows = body.get("replicas", body) if isinstance(body, dict) else body
+    return {
+        row.get("replica_id", "?"): row.get("learned")
+        for row in rows
+        if isinstance(row, dict) and row.get("learned")
+    }

@@ -135,6 +135,7 @@ class KvrouteRouter:
             capacity=self.shape.max_num_seqs,
             prefill_tokens_per_s=self._prefill_rate(ordinal),
             queued_prefill_tokens=self._queued_prefill(ordinal),
+            extra_step_s=self._extra_step(ordinal),
         )
 
     @staticmethod
@@ -148,6 +149,10 @@ class KvrouteRouter:
     def _prefill_rate(self, ordinal: int) -> float | None:
         ledger = self._prefill
         return None if ledger is None else ledger.rates.rate(ordinal)
+
+    def _extra_step(self, ordinal: int) -> float:
+        ledger = self._prefill
+        return 0.0 if ledger is None else ledger.rates.step_s(ordinal)
 
     def _queued_prefill(self, ordinal: int) -> float | None:
         ledger = self._prefill

@@ -16,7 +16,15 @@ from bench.sim.contenders import DEFAULT, KVROUTE, PEERS
 from bench.sim.engine import EngineShape
 from bench.sim.lora import AdapterTraffic
 from bench.sim.simulator import SimConfig
-from bench.sim.workloads import MooncakeTrace, MultiTurn, NoReuse, Rag, SharedPrefix, Workload
+from bench.sim.workloads import (
+    MooncakeTrace,
+    MultiTurn,
+    NoReuse,
+    PrefixClients,
+    Rag,
+    SharedPrefix,
+    Workload,
+)
 
 SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"  # beside the project
 DEFAULT_TRACE = SHARED_DATA / "mooncake_conversation_trace.jsonl"
@@ -89,6 +97,10 @@ def _shared_prefix_llmd(inputs: Inputs) -> Workload:
     )
 
 
+def _e2e_shared_prefix(inputs: Inputs) -> Workload:
+    return PrefixClients(seed=inputs.seed)
+
+
 def _multi_turn(inputs: Inputs) -> Workload:
     sessions = 60 if inputs.quick else (inputs.requests or 3000) // 3
     return MultiTurn(sessions=sessions, rate=4.0, data=inputs.data, seed=inputs.seed)
@@ -150,6 +162,18 @@ SCENARIOS: dict[str, Scenario] = {
             "(each peer instance learns its own tree; kvroute's share one residency map)",
             SimConfig(replicas=8, shape=_shape(4096), router_instances=4),
             _shared_prefix,
+        ),
+        Scenario(
+            "e2e_shared_prefix",
+            "kvroute bench e2e's shared-prefix run as its clients send it: 16 groups x 16 "
+            "prompts (2,000-token system prompt, 80-token question, 8 out), 8 clients each "
+            "on one keep-alive connection sending its next prompt when its last answered, "
+            "onto 4 replicas of 768 blocks (its kvroute-sim engines); --routers N puts N "
+            "routers behind the balancer (issue 39's target: at 8, 98% of one's hit rate)",
+            SimConfig(replicas=4, shape=_shape(768, max_num_seqs=256)),
+            _e2e_shared_prefix,
+            policies=("round_robin", "kv_aware", "kv_cost"),
+            in_default_run=False,
         ),
         Scenario(
             "shared_prefix_llmd",

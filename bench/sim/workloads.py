@@ -29,7 +29,7 @@ import json
 import math
 import random
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -240,13 +240,24 @@ def sharegpt_conversations(path: Path, *, chars_per_token: float = 4.0) -> list[
 
 
 def synthetic_conversations(n: int, rng: random.Random) -> list[Conversation]:
-    """Log-normal turn lengths of ShareGPT's rough shape (user ~60, answer ~300 tokens)."""
+    """Chats of ShareGPT's shape, drawn, not copied: heavy-tailed messages (median ~20
+    tokens, one in ten over ~150 and one in a hundred over ~1,300: a pasted document or
+    program), answers of ~300 tokens (one in ten over ~650), and a quarter of the chats
+    one turn long, with a tail to a dozen turns and more (``1 + geometric``, mean 3.5).
+    The tail is what matters to routing: a chat whose first message is long holds that
+    much history on the replica that served it, and its next turns stick there."""
 
-    def length(median: float) -> int:
-        return max(1, min(4000, round(rng.lognormvariate(math.log(median), 0.9))))
+    def length(median: float, sigma: float, cap: int) -> int:
+        return max(1, min(cap, round(rng.lognormvariate(math.log(median), sigma))))
+
+    def turns() -> int:
+        count = 1
+        while rng.random() < 0.72 and count < 40:
+            count += 1
+        return count
 
     return [
-        Conversation([(length(60), length(300)) for _ in range(rng.randint(1, 8))])
+        Conversation([(length(20.0, 1.7, 8000), length(300.0, 0.6, 4000)) for _ in range(turns())])
         for _ in range(n)
     ]
 
@@ -378,6 +389,14 @@ def oracle_hit_rate(requests: Sequence[Request], block_size: int) -> float:
     return hit / total if total else 0.0
 
 
+def first_sends(clients: int, first: Callable[[int, float], Request | None]) -> Iterator[Request]:
+    """Each of ``clients`` closed-loop clients' first request, all sent at time 0."""
+    for client in range(clients):
+        request = first(client, 0.0)
+        if request is not None:
+            yield request
+
+
 @dataclass
 class ChatClients:
     """``bench.e2e``'s chat workload (:class:`bench.e2e.chat.ChatWorkload`) as its clients
@@ -414,10 +433,7 @@ class ChatClients:
         self._system = chained(self.seed, 1 << 42, self.system_tokens // self.block_size)
 
     def arrivals(self) -> Iterator[Request]:
-        for client in range(self.clients):
-            request = self._open(client, 0.0)
-            if request is not None:
-                yield request
+        return first_sends(self.clients, self._open)
 
     def follow_up(self, done: Request, now: float) -> Request | None:
         assert done.client is not None and done.session is not None
@@ -443,3 +459,49 @@ class ChatClients:
         seq_keys = keys + self._space.fresh((prompt + self.output_tokens) // bs - len(keys))
         rid = next(self._rids)
         return Request(rid, at, keys, prompt, self.output_tokens, session, seq_keys, turn, client)
+
+
+@dataclass
+class PrefixClients:
+    """``bench.e2e``'s shared-prefix workload (:class:`kvroute.demo.DemoWorkload`) as its
+    clients send it: ``groups`` x ``prompts_per_group`` prompts (a group's system prompt
+    and a question of its own), shuffled into one list that ``clients`` clients, each on
+    one keep-alive connection (and so on one router behind a balancer), take from, each
+    sending its next prompt the moment its last one's answer ends."""
+
+    groups: int = 16
+    prompts_per_group: int = 16
+    clients: int = 8
+    system_tokens: int = 2000
+    question_tokens: int = 80
+    output_tokens: int = 8
+    block_size: int = 16
+    seed: int = 1
+    name: str = "prefix_clients"
+    _queue: Iterator[Request] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        stream = SharedPrefix(
+            groups=self.groups,
+            prompts_per_group=self.prompts_per_group,
+            system_tokens=self.system_tokens,
+            question_tokens=self.question_tokens,
+            output_tokens=self.output_tokens,
+            block_size=self.block_size,
+            seed=self.seed,
+        )
+        self._queue = stream.arrivals()  # its order; the clients set the times
+
+    def arrivals(self) -> Iterator[Request]:
+        return first_sends(self.clients, self._next)
+
+    def follow_up(self, done: Request, now: float) -> Request | None:
+        assert done.client is not None
+        return self._next(done.client, now)
+
+    def _next(self, client: int, at: float) -> Request | None:
+        request = next(self._queue, None)
+        if request is None:
+            return None
+        request.arrival, request.client = at, client
+        return request

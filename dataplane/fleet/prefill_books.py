@@ -118,6 +118,12 @@ class PrefillBooks:
         assert self._ledger is not None
         return self._ledger.rates.rate(key)
 
+    def extra_step(self, key: int) -> float:
+        """How much longer than the fleet's typical replica's each prefill's step takes
+        on the replica, as learned from its first tokens (0: as typical, or no books)."""
+        ledger = self._ledger
+        return ledger.rates.step_s(key) if self.on and ledger is not None else 0.0
+
     def learned(self, key: int) -> tuple[float, tuple[float, float] | None, float | None] | None:
         """What the replica's timings have taught: (the rate routing ranks it at, its own
         line (fixed seconds, tokens per second) or ``None``, its slowness against the

@@ -34,7 +34,7 @@ from kvcore.policies.inflight import discount_ended
 DEFAULT_CAPACITY = 256  # a replica that does not announce max_num_seqs
 
 # unreported, reported and ended since, queued prefill, prefill rate
-_Counts = tuple[int, int, float | None, float | None]
+_Counts = tuple[int, int, float | None, float | None, float]
 
 
 class FleetView:
@@ -162,14 +162,16 @@ class ViewCache:
 
     def _counts(self, record: ReplicaRecord) -> _Counts:
         """This proxy's own figures for a replica: unreported requests, reported ones
-        ended since, queued prefill, its prefill rate as the books learned it."""
+        ended since, queued prefill, its prefill rate and extra step time as the books
+        learned them."""
         key, books, ledger, ts = record.ledger_key, self._books, self._ledger, record.report_ts
         unreported, ended = ledger.unreported(key, ts), ledger.ended(key, ts)
-        return unreported, ended, books.queued(record.info.ordinal, key), books.rate(key)
+        queued, rate = books.queued(record.info.ordinal, key), books.rate(key)
+        return unreported, ended, queued, rate, books.extra_step(key)
 
     def _replica_state(self, record: ReplicaRecord, counts: _Counts | None = None) -> ReplicaState:
         info, load = record.info, record.info.load
-        unreported, ended, queued, rate = counts or self._counts(record)
+        unreported, ended, queued, rate, step = counts or self._counts(record)
         running, waiting, kv_usage = discount_ended(
             load.running, load.waiting, load.kv_usage, ended
         )
@@ -185,6 +187,7 @@ class ViewCache:
             capacity=info.capacity_seqs or DEFAULT_CAPACITY,
             prefill_tokens_per_s=rate,
             queued_prefill_tokens=queued,
+            extra_step_s=step,
         )
 
     def _bring_up_to_date(self) -> None:
@@ -203,19 +206,20 @@ class ViewCache:
             if record is None:  # leaving, in a delta not yet applied to its end
                 continue
             counts = self._counts(record)
-            unreported, ended, queued, rate = counts
+            unreported, ended, queued, rate, step = counts
             current = states[ordinal]
             if ordinal not in self._reloaded and counts == (
                 current.unreported,
                 record.ended,
                 current.queued_prefill_tokens,
                 current.prefill_tokens_per_s,
+                current.extra_step_s,
             ):
                 continue
             if ordinal in self._reloaded or record.state is not current or ended != record.ended:
                 state = self._replica_state(record, counts)
             else:  # only this proxy's counts changed: the rest is the current state's
-                state = _recounted(current, unreported, queued, rate)
+                state = _recounted(current, unreported, queued, rate, step)
             states[ordinal] = record.state = state
             for view in self._views.values():
                 view._replace(state)
@@ -224,7 +228,7 @@ class ViewCache:
 
 
 def _recounted(
-    state: ReplicaState, unreported: int, queued: float | None, rate: float | None
+    state: ReplicaState, unreported: int, queued: float | None, rate: float | None, step: float
 ) -> ReplicaState:
     """``state`` with this proxy's own counts replaced, for a replica whose record has not
     changed since ``state`` was built from it: read from ``state``'s plain attributes,
@@ -243,4 +247,5 @@ def _recounted(
         capacity=state.capacity,
         prefill_tokens_per_s=rate,
         queued_prefill_tokens=queued,
+        extra_step_s=step,
     )

@@ -44,6 +44,9 @@ class ReplicaState:
     capacity: int = 256  # concurrent sequences the engine runs (max_num_seqs)
     prefill_tokens_per_s: float | None = None  # measured or announced, if known
     queued_prefill_tokens: float | None = None  # prompt tokens waiting, if known
+    # seconds more than on the fleet's typical replica that each prefill's engine step
+    # takes there (learned from first tokens: a slower GPU or model; 0 for the others)
+    extra_step_s: float = 0.0
     # derived once (policies read them for every replica on every request):
     requests: int = field(init=False, compare=False)  # running + waiting + unreported
     # max(reported, kv_usage) + unreported, per seat: 1 = every seat taken; above 1, the
@@ -64,6 +67,7 @@ class ReplicaState:
         capacity: int = 256,
         prefill_tokens_per_s: float | None = None,
         queued_prefill_tokens: float | None = None,
+        extra_step_s: float = 0.0,
     ) -> None:
         self.ordinal = ordinal
         self.replica_id = replica_id
@@ -77,6 +81,7 @@ class ReplicaState:
         self.capacity = capacity
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.queued_prefill_tokens = queued_prefill_tokens
+        self.extra_step_s = extra_step_s
         reported, seats = running + waiting, max(capacity, 1)
         self.requests = reported + unreported
         # unreported requests add on top of whichever reported measure dominates: with
@@ -177,6 +182,7 @@ class ReplicaReason:
     wait_s: float | None = None
     prefill_s: float | None = None
     prefill_tokens_per_s: float | None = None
+    extra_step_s: float | None = None  # of prefill_s: the replica's longer steps (learned)
     # what a second of prefill weighs against one of waiting ((1 - alpha) each)
     prefill_weight: float | None = None
 
@@ -195,6 +201,7 @@ class ReplicaReason:
             "prefill_tokens_per_s": (
                 None if self.prefill_tokens_per_s is None else round(self.prefill_tokens_per_s)
             ),
+            "extra_step_s": None if self.extra_step_s is None else round(self.extra_step_s, 6),
             "prefill_weight": (
                 None if self.prefill_weight is None else round(self.prefill_weight, 4)
             ),

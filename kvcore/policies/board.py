@@ -26,14 +26,16 @@ from typing import overload
 
 from kvcore.policies.base import ReplicaState
 
-QueueKind = tuple[float | None, bool]  # (announced prefill rate, queued tokens reported)
+# (announced prefill rate, queued tokens reported, extra step seconds)
+QueueKind = tuple[float | None, bool, float]
 QueueEntry = tuple[float, float, int]  # (queued work, load, ordinal)
 
 
 def queue_kind(replica: ReplicaState) -> QueueKind:
-    """Replicas whose queued work compares in one unit: same prefill rate, and queued
-    tokens either reported by the engine or counted in requests."""
-    return replica.prefill_tokens_per_s, replica.queued_prefill_tokens is not None
+    """Replicas whose queued work compares in one unit: same prefill rate and step time,
+    and queued tokens either reported by the engine or counted in requests."""
+    rate, queued = replica.prefill_tokens_per_s, replica.queued_prefill_tokens
+    return rate, queued is not None, replica.extra_step_s
 
 
 def queued_work(replica: ReplicaState) -> float:

@@ -2,9 +2,9 @@
 counting what its cache saves and what the request waits for.
 
     cost(r)    = (1 - alpha) * wait(r) + alpha * (1 + behind) * prefill(r)   lowest wins
-    wait(r)    = queued(r) / rate(r)      seconds of prefill queued ahead of it on r
-    prefill(r) = uncached(r) / rate(r)    seconds to prefill what r does not hold of it
-    behind     = median(waiting)          requests the engines report waiting, per replica
+    wait(r)    = queued(r) / rate(r)              seconds of prefill queued ahead of it on r
+    prefill(r) = uncached(r) / rate(r) + step(r)  seconds r spends prefilling what it lacks
+    behind     = median(waiting)                  requests the engines report waiting
 
 - ``alpha`` is the workload's ``locality_weight``: 0.5 ranks by the plain predicted time
   to first token; above it a second of recomputation weighs ``alpha / (1 - alpha)``
@@ -27,6 +27,15 @@ counting what its cache saves and what the request waits for.
   first token yet, less what r has prefilled since) when the caller keeps them, else
   (waiting + sent since r's last load report) times ``queued_request_tokens``.
 - ``uncached(r)``: this prompt's tokens beyond r's leading run of cached blocks.
+- ``step(r)``: how much longer than the fleet's typical replica each engine step that
+  prefills takes on r (``ReplicaState.extra_step_s``, learned from first tokens:
+  :meth:`~kvcore.policies.prefill.PrefillRates.step_s`); 0 but on a replica ranked
+  slower. An engine prefills inside a step that also decodes every running request, so
+  a replica ten times slower spends ten times the typical step on each prefill, however
+  few tokens it lacks, and every request queued there waits for it: the step is
+  prefill time, weighed as such. Without it a chat whose history the slow replica held
+  stayed there (a 20-token turn cost 20 ms at its rate, where its steps took 150 ms
+  more), and it kept 11-13% of bench sim's ShareGPT-length chats, its share being 3%.
 - saturation is counted by requests only (:func:`~kvcore.policies.kv_scoring.request_saturation`):
   an engine whose KV cache is full of running requests, with some waiting for room, has
   a longer wait, not a reason to send the prefix it holds elsewhere.
@@ -105,7 +114,7 @@ class KvCostPolicy(KvScoringPolicy):
             queued = (replica.waiting + replica.unreported) * workload.queued_request_tokens
         uncached = max(0, ctx.prompt_tokens - held_blocks * ctx.block_size)
         rate = replica.prefill_tokens_per_s or workload.prefill_tokens_per_s
-        return queued / rate, uncached / rate
+        return queued / rate, uncached / rate + replica.extra_step_s
 
     def predicted_ttft_s(self, ctx: RouteContext, replica: ReplicaState, held_blocks: int) -> float:
         """Seconds until ``replica`` would start decoding this prompt (wait + prefill)."""
@@ -148,5 +157,6 @@ class KvCostPolicy(KvScoringPolicy):
         row = super()._row(ctx, replica, held, scores)
         row.wait_s, row.prefill_s = self.times_s(ctx, replica, held)
         row.prefill_tokens_per_s = replica.prefill_tokens_per_s or self.cost.prefill_tokens_per_s
+        row.extra_step_s = replica.extra_step_s or None
         row.prefill_weight = self.prefill_weight()
         return row

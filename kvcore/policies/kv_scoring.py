@@ -206,6 +206,16 @@ class PrefixHeat:
         return len(self._counts)
 
 
+def _pace(ctx: RouteContext, replica: ReplicaState) -> float:
+    """``replica``'s prefill rate over the configured one, at most 1 (1: not known
+    slower, or a strategy that does not rank by rate)."""
+    configured = getattr(ctx.workload, "prefill_tokens_per_s", None)
+    rate = replica.prefill_tokens_per_s
+    if not configured or not rate or rate >= configured:
+        return 1.0
+    return float(rate / configured)
+
+
 def fleet_per_request(state: StateView, fleet: Iterable[ReplicaState]) -> float:
     """How many of the fleet's requests each of this router's stands for: the requests
     the replicas hold (the engines count every router's) over this router's own in
@@ -391,7 +401,11 @@ class KvScoringPolicy:
         share, with at least ``HOT_MIN_REQUESTS`` of the fleet's requests lately behind
         that share, :func:`fleet_per_request`) and ``chosen`` has more than
         ``hot_prefix_gap`` requests beyond the least busy usable replica, to
-        :meth:`hot_target`.
+        :meth:`hot_target`. A fair share is of the fleet's speed: a holder ten times
+        slower than the others (its learned prefill rate) has a tenth of their share, so
+        one prompt of three is hot there among three replicas (the replica holding it
+        otherwise kept its requests while its hits were as quick as a miss on a faster
+        one: 10-14% of them in real processes, its share of the speed 4.8%).
 
         A prefix's share counts every request that contains it as far as the residency
         map shows: the prefix ``chosen`` holds, and each shorter one another replica's
@@ -407,12 +421,18 @@ class KvScoringPolicy:
         for shorter in {n for n in runs.values() if 0 < n < held}:
             heat.share(keys[shorter - 1], now)  # a prefix this prompt shares with others
         hot = heat.share(keys[held - 1], now)
-        if hot * len(fleet) < HOT_REPLICAS or chosen.requests <= gap:
+        pace = _pace(ctx, chosen)
+        if (pace == 1.0 and hot * len(fleet) < HOT_REPLICAS) or chosen.requests <= gap:
             return None  # not hot even were every replica usable, or no gap to close
         if self._heat.lately(ctx.now) * fleet_per_request(state, fleet) < HOT_MIN_REQUESTS:
             return None  # too few requests behind the share to tell it from chance
         least, usable = _least_busy_of(ctx, fleet, self.usable)
-        if least is None or hot * usable < HOT_REPLICAS or chosen.requests - least.requests <= gap:
+        if least is None or chosen.requests - least.requests <= gap:
+            return None
+        shares = float(usable)  # fair shares in the fleet: one a usable replica
+        if pace < 1.0:  # or as many as the fleet's speed is ``chosen``'s
+            shares = sum(_pace(ctx, r) for r in fleet if self.usable(r, ctx)) / pace
+        if hot * shares < HOT_REPLICAS:
             return None
         target = self.hot_target(ctx, least, fleet, {**runs, HELD: held})
         if target is chosen:

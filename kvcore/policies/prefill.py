@@ -13,10 +13,14 @@ last moved. When a first token comes back, the replica has just finished a prefi
 everything still pending starts from there, so that moment *anchors* the queue; between
 anchors the replica works through it at ``rate`` tokens per second::
 
-    queued(r, now) = max(0, pending(r) - rate * (now - anchor(r)))
+    queued(r, now) = max(0, pending(r) - rate * (now - anchor(r) - around(r)))
 
-An idle replica (nothing pending) anchors at the next send, and a send never inherits
-more work done than was pending (a replica slower than ``rate``, whose estimate reached
+where ``around(r)`` counts only from a send to an idle replica (nothing pending): the
+request waits there for the step under way and the engine's overhead before its tokens
+(:meth:`PrefillRates.around_s`, the fleet's typical time around a prefill; counted from
+the send, a replica mid-step read idle while its step still ran); from a first token,
+the step has just ended. An idle replica anchors at the next send, and a send never
+inherits more work done than was pending (a replica slower than ``rate``, whose estimate reached
 zero before its first token, still owes the new request all of it). ``rate`` is only
 used to age the queue between first tokens; an error in it is corrected at the next one.
 
@@ -48,7 +52,11 @@ LEARN_HALF_LIFE = 32.0
 every this many timed after it."""
 LEARN_MIN_SAMPLES = 8.0
 """Timed requests (decayed) a replica needs before its own rate is used; before, the
-fleet's median of the learned rates, else the configured one."""
+fleet's median of the learned rates, else the configured one. A replica whose timings
+show it much slower than the fleet's needs fewer (:meth:`PrefillRates.slower`)."""
+LEARN_FIRST = 2.0
+"""Timed requests (decayed: three) before a replica's timings tell anything of it: one
+timing may be an accident (a step held by another proxy's long prefill)."""
 LEARN_APART = 2.0
 """A replica is ranked at its learned rate when that is this many times slower than the
 configured one, at the configured one otherwise: timings are noisy (the time around a
@@ -67,6 +75,7 @@ class _Queue:
     anchor: float = 0.0  # when the replica last started on its pending work
     timed: int = 0  # the ticket sent while nothing was pending, to learn the rate from
     timed_at: float = 0.0  # when it was sent
+    from_idle: bool = False  # anchored by a send to an idle replica, not a first token
 
 
 class PrefillRates:
@@ -88,7 +97,7 @@ class PrefillRates:
     (:meth:`slower`), the typical line the median of the replicas' own lines, or without
     any, the median seconds per token."""
 
-    __slots__ = ("_fits", "_median", "_per_token", "_typical", "default")
+    __slots__ = ("_around", "_fits", "_median", "_per_token", "_steps", "_typical", "default")
 
     def __init__(self, default: float) -> None:
         self.default = default
@@ -96,6 +105,8 @@ class PrefillRates:
         self._median: float | None = None
         self._typical: tuple[float, float] | None = None  # median fixed s, median rate
         self._per_token: float | None = None  # median seconds per timed token
+        self._steps: dict[int, float] = {}  # replica -> step_s, where above 0
+        self._around = 0.0  # the typical replica's seconds around a prefill
 
     def observe(self, replica: int, tokens: float, seconds: float) -> None:
         """A request of ``tokens`` uncached tokens to idle ``replica`` had its first
@@ -113,8 +124,9 @@ class PrefillRates:
         self._median = None if median is None else _rounded(median)
         fixed = _median(fixed for fixed, _ in lines)
         self._typical = None if fixed is None or median is None else (fixed, median)
-        fits = [f for f in self._fits.values() if f[0] >= LEARN_MIN_SAMPLES and f[1] > 0]
+        fits = [f for f in self._fits.values() if f[0] >= LEARN_FIRST and f[1] > 0]
         self._per_token = _median(f[2] / f[1] for f in fits)
+        self._steps = self._slow_steps()
 
     def learned(self, replica: int) -> float | None:
         """``replica``'s own prefill rate, once its timings can tell it."""
@@ -138,13 +150,24 @@ class PrefillRates:
 
     def slower(self, replica: int) -> float | None:
         """How many times as long as the fleet's typical replica ``replica`` took over
-        its timings (``LEARN_MIN_SAMPLES`` of them at least): against the typical line
-        when the fleet has one, else seconds per token against the median's."""
+        its timings: against the typical line when the fleet has one; else against the
+        typical replica's time around a prefill plus the tokens at the typical rate; else
+        seconds per token against the median's. (Short prompts' time is mostly the time
+        around them: per token, an engine ten times slower in every step read 2x slower
+        than the fleet in real processes, against its time 4.4x.)
+
+        Told after ``LEARN_MIN_SAMPLES`` timings, or sooner when the gap is wide: ``n``
+        timings (``LEARN_FIRST`` at least) tell a replica ``LEARN_MIN_SAMPLES *
+        LEARN_APART / n`` or more times slower (10x after three: a gap that wide is no
+        timing's noise, and each timing more sends it a request it serves ten times
+        slower)."""
         fit = self._fits.get(replica)
-        if fit is None or fit[0] < LEARN_MIN_SAMPLES:
+        if fit is None or fit[0] < LEARN_FIRST:
             return None
         n, tokens, seconds = fit[0], fit[1], fit[2]
         typical = self._typical
+        if typical is None and self._around > 0:  # no line: the typical time around
+            typical = self._around, self.typical_rate()  # a prefill, at the typical rate
         if typical is not None:
             fixed, rate = typical
             expected = n * fixed + tokens / rate
@@ -152,7 +175,11 @@ class PrefillRates:
             expected = self._per_token * tokens
         else:
             return None
-        return seconds / expected if expected > 0 else None
+        if expected <= 0:
+            return None
+        ratio = seconds / expected
+        told = n >= LEARN_MIN_SAMPLES or n * ratio >= LEARN_MIN_SAMPLES * LEARN_APART
+        return ratio if told else None
 
     def rate(self, replica: int) -> float:
         """Tokens per second ``replica`` prefills, as routing ranks it: the configured
@@ -165,15 +192,59 @@ class PrefillRates:
         own = self.learned(replica)
         if own is not None:
             return _rounded(own) if own < slow else self.default
-        median = self._median
-        typical = median if median is not None and median < slow else self.default
+        typical = self.typical_rate()
         slower = self.slower(replica)
         if slower is not None and slower >= LEARN_APART:
             return _rounded(typical / slower)
         return typical
 
+    def typical_rate(self) -> float:
+        """The rate of a replica with no history: the fleet's median when that is
+        ``LEARN_APART`` times slower than configured, else the configured rate."""
+        median = self._median
+        return (
+            median if median is not None and median < self.default / LEARN_APART else self.default
+        )
+
+    def own_around_s(self, replica: int) -> float | None:
+        """Seconds ``replica``'s timed requests took beyond their uncached tokens at the
+        rate routing ranks it at (:meth:`rate`), on average: the time around a prefill
+        there (the step it waits for, the decode steps batched with it, the engine's
+        overhead); ``None`` before ``LEARN_FIRST`` timings."""
+        fit = self._fits.get(replica)
+        if fit is None or fit[0] < LEARN_FIRST:
+            return None
+        n, tokens, seconds = fit[0], fit[1], fit[2]
+        return max((seconds - tokens / self.rate(replica)) / n, 0.0)
+
+    def around_s(self, replica: int) -> float:
+        """Seconds a request waits around its prefill on ``replica`` (as ranked: the
+        fleet's typical replica's :meth:`own_around_s`, plus :meth:`step_s`); 0 before
+        any replica was timed."""
+        return self._around + self._steps.get(replica, 0.0)
+
+    def step_s(self, replica: int) -> float:
+        """Seconds more than on the fleet's typical replica that a request waits around
+        its prefill on ``replica``, for a replica ranked slower than one with no history
+        (0 for the others, whose differences are the timings' noise): a replica ten
+        times slower in every step also runs its decode steps ten times as long, and
+        each of them delays the prefills that wait for it."""
+        return self._steps.get(replica, 0.0)
+
+    def _slow_steps(self) -> dict[int, float]:
+        """:meth:`step_s` of every replica ranked slow, from the timings as they are."""
+        typical = self.typical_rate()
+        around = {o: a for o in self._fits if (a := self.own_around_s(o)) is not None}
+        slow = {o for o in around if self.rate(o) < typical}
+        fixed = _median(a for o, a in around.items() if o not in slow)
+        self._around = fixed or 0.0
+        if fixed is None:
+            return {}
+        return {o: around[o] - fixed for o in slow if around[o] > fixed}
+
     def forget(self, replica: int) -> None:
         self._fits.pop(replica, None)
+        self._steps.pop(replica, None)
 
 
 _KEEP = 0.5 ** (1 / LEARN_HALF_LIFE)
@@ -224,6 +295,7 @@ class PrefillLedger:
         ticket = next(self._tickets)
         if not queue.pending:
             queue.anchor = queue.timed_at = at  # idle: the replica starts on it now
+            queue.from_idle = True
             queue.timed = ticket
         else:  # work beyond what it had been sent is no head start on this one
             queue.anchor = max(queue.anchor, at - queue.tokens / self.rates.rate(replica))
@@ -244,6 +316,7 @@ class PrefillLedger:
         if ticket == queue.timed:
             self.rates.observe(replica, tokens, at - queue.timed_at)
         queue.anchor = max(queue.anchor, at)
+        queue.from_idle = False
 
     def prefilled(self, replica: int, ticket: int, at: float) -> None:
         """The request of ``ticket`` was prefilled at some time before ``at`` (its whole
@@ -278,7 +351,9 @@ class PrefillLedger:
         queue = self._queues.get(replica)
         if queue is None or not queue.pending:
             return 0.0
-        return max(0.0, queue.tokens - self.rates.rate(replica) * max(0.0, now - queue.anchor))
+        rates = self.rates
+        working = now - queue.anchor - (rates.around_s(replica) if queue.from_idle else 0.0)
+        return max(0.0, queue.tokens - rates.rate(replica) * max(0.0, working))
 
     def pending(self, replica: int) -> int:
         """This proxy's requests on ``replica`` still waiting for their first token."""

@@ -469,6 +469,7 @@ class RebuildingViews(ViewCache):
                 record.ended,
                 current.queued_prefill_tokens,
                 current.prefill_tokens_per_s,
+                current.extra_step_s,
             ):
                 continue
             state = states[ordinal] = self._replica_state(record, counts)

@@ -666,6 +666,29 @@ def test_kv_cost_counts_a_hot_prefix_as_held_everywhere_from_one_request_beyond(
     assert _hot_choice([PROMPT], 40, 1, KvAwareWorkload()).replica_id == "holder"
 
 
+def test_a_prompt_is_hot_on_a_holder_by_its_share_of_the_fleets_speed() -> None:
+    """Three prompts share the traffic over three replicas: each fills one replica's fair
+    share, and stays with its holder. Held by a replica learned ten times slower (its
+    share of the fleet's speed 1/21), a third of the traffic is hot there, and it moves
+    to a faster replica (in real processes the slow replica kept its prompt's requests,
+    its hits about as quick as a miss elsewhere: 10-14% of them, where 4.8% is its
+    share)."""
+    workload = KvCostWorkload()
+    prompts = [PROMPT, *([1000 * p + t for t in range(128)] for p in (1, 2))]
+
+    def chosen(rate: float | None) -> Decision:
+        policy = create_policy(workload, rng=random.Random(3))
+        _traffic(policy, workload, prompts, 60)
+        fleet = [ReplicaState(0, "holder", running=1, prefill_tokens_per_s=rate)]
+        fleet += [ReplicaState(i, f"other{i}") for i in (1, 2)]
+        return policy.select(context(workload, PROMPT, now=1.6), _view(fleet, {0: 8}))
+
+    assert chosen(None).replica_id == "holder"
+    moved = chosen(1_000.0)
+    assert moved.replica_id.startswith("other")
+    assert moved.note.startswith("hot prefix (34% of recent requests)"), moved.note
+
+
 def test_prefix_heat_forgets_by_half_life_and_stays_bounded() -> None:
     heat = PrefixHeat(half_life_s=10.0, keys=64)
 

@@ -177,9 +177,10 @@ def test_the_learned_prefill_rate_follows_a_replica_whose_speed_changes() -> Non
     assert learned[90] == pytest.approx(4_000, rel=0.05)
     assert learned[-1] == pytest.approx(4_000, rel=0.001)
     assert ranked[0] == 10_000 and ranked[-1] == pytest.approx(4_000, rel=0.01)
-    # and the queue it sees drains at the learned rate
+    # and the queue it sees drains at the learned rate, once the 20 ms around a prefill
+    # there have passed
     ledger.sent(0, 8_000, at=now)
-    assert ledger.queued_tokens(0, now=now + 1.0) == pytest.approx(4_000, rel=0.01)
+    assert ledger.queued_tokens(0, now=now + 1.0) == pytest.approx(8_000 - 4_000 * 0.98, rel=0.01)
 
 
 def test_a_replica_with_no_history_starts_from_the_fleets_median() -> None:
@@ -246,3 +247,76 @@ def test_without_any_line_slowness_is_read_against_the_fleets_seconds_per_token(
     assert [ledger.rates.line(r) for r in range(4)] == [None] * 4
     assert ledger.rates.rate(3) == pytest.approx(1_000, rel=0.06)
     assert [ledger.rates.rate(r) for r in range(3)] == [10_000] * 3
+
+
+def test_a_replica_ten_times_slower_in_every_step_is_told_in_three_timings() -> None:
+    """Three replicas answer in 20 ms plus their prefill at 10,000 tokens/s; replica 3
+    runs every step ten times as long (0.5 s for 300 tokens, where the fleet takes 50 ms).
+    Three timings tell it (eight for a smaller gap, and a replica 1.5x as slow is never
+    told from noise): with no line yet, against the fleet's 20 ms around a prefill plus
+    the tokens at its rate (per token, the fleet's 20 ms spread over longer prompts read
+    it 14x). It is ranked at a tenth of the rate, and each prefill there counts the
+    180 ms its steps take beyond the fleet's 20 ms, which its rate alone leaves out; the
+    other replicas count none."""
+    ledger = PrefillLedger(prefill_tokens_per_s=10_000)
+    now = 0.0
+    for replica in range(3):
+        for i in range(3):
+            now = serve(ledger, replica, LENGTHS[i % 6], 10_000, now) + 1.0
+    told = []
+    for _ in range(3):
+        for replica, seconds in ((3, 0.5), (4, 0.075)):  # 10x and 1.5x the fleet's 50 ms
+            ticket = ledger.sent(replica, 300, at=now)
+            ledger.first_token(replica, ticket, at=now + seconds)
+        told.append(ledger.rates.slower(3))
+        now += 1.0
+    assert told[:2] == [None, None] and told[2] == pytest.approx(10, rel=0.01)
+    assert ledger.rates.rate(3) == pytest.approx(1_000, rel=0.01)
+    assert ledger.rates.step_s(3) == pytest.approx(0.5 - 300 / 1_000 - 0.02, rel=0.02)
+    assert ledger.rates.slower(4) is None and ledger.rates.rate(4) == 10_000
+    assert [ledger.rates.step_s(r) for r in (0, 1, 2, 4)] == [0.0] * 4
+
+
+def test_a_queue_drains_once_the_time_around_its_prefill_has_passed() -> None:
+    """The fleet's replicas answer 20 ms plus their prefill after a send: a request just
+    sent still has all its tokens ahead for those 20 ms (the step it waits for, the
+    engine's overhead), then drains at the rate. Counted from the send, a replica
+    mid-step read idle while its step still ran, and bench sim's one-system-prompt run
+    sent requests into it (2.8% more mean TTFT than round-robin in steady state)."""
+    ledger = PrefillLedger(prefill_tokens_per_s=10_000)
+    now = 0.0
+    for replica in range(3):
+        for i in range(3):
+            now = serve(ledger, replica, LENGTHS[i % 6], 10_000, now) + 1.0
+    ledger.sent(0, 1_000, at=now)
+    assert ledger.queued_tokens(0, now=now + 0.015) == 1_000
+    assert ledger.queued_tokens(0, now=now + 0.07) == pytest.approx(500)
+    assert ledger.queued_tokens(0, now=now + 0.121) == 0.0
+
+
+def test_kv_cost_moves_a_chat_off_a_replica_whose_steps_are_ten_times_longer() -> None:
+    """A chat's 2,000-token history is cached on replica 0, whose every engine step takes
+    180 ms more than the fleet's (learned: ``extra_step_s``). Its next turn, 48 new
+    tokens, costs 48 ms of prefill there at its 1,000 tokens/s, but the step that prefills
+    them lasts 180 ms more, and every request queued there waits for it: the turn goes to
+    a replica that recomputes the history in 200 ms of its typical steps. A replica with
+    typical steps keeps the history."""
+    workload = KvCostWorkload(prefill_tokens_per_s=10_000)
+    tokens = list(range(1_000, 1_000 + 2_048))
+    ctx = context(workload, tokens, now=10.0)
+
+    def chosen(step_s: float) -> str:
+        replicas = [
+            ReplicaState(0, "r0", prefill_tokens_per_s=1_000, extra_step_s=step_s),
+            ReplicaState(1, "r1"),
+        ]
+        view = StaticStateView(replicas, residency_known=True)
+        view.index.add(0, ctx.block_keys[:125])  # all but the last 48 tokens
+        decision = create_policy(workload).select(ctx, view)
+        rows = {r.replica_id: r for r in decision.reasons}
+        assert rows["r0"].prefill_s == pytest.approx(48 / 1_000 + step_s)
+        assert rows["r0"].extra_step_s == (step_s or None)
+        return decision.replica_id
+
+    assert chosen(0.18) == "r1"
+    assert chosen(0.0) == "r0"

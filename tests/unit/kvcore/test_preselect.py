@@ -54,6 +54,7 @@ REPLICA = st.fixed_dictionaries(
         "models": st.sampled_from([frozenset(), frozenset(), frozenset({"other"})]),
         "queued_prefill_tokens": st.sampled_from([None, None, 0.0, 2048.0]),
         "prefill_tokens_per_s": st.sampled_from([None, None, 4000.0]),
+        "extra_step_s": st.sampled_from([0.0, 0.0, 0.0, 0.15]),
     }
 )
 WORKLOAD = st.fixed_dictionaries(
@@ -138,6 +139,7 @@ def _busier(replica: ReplicaState, rng: random.Random) -> ReplicaState:
         capacity=replica.capacity,
         prefill_tokens_per_s=replica.prefill_tokens_per_s,
         queued_prefill_tokens=replica.queued_prefill_tokens,
+        extra_step_s=replica.extra_step_s,
     )
 
 
@@ -216,9 +218,13 @@ def test_a_board_keeps_the_orders_once_read_through_later_changes(
 def _assert_orders(board: ReplicaBoard, truth: dict[int, ReplicaState]) -> None:
     assert list(board) == [truth[o] for o in sorted(truth)]
     assert list(board.by_load()) == sorted(truth.values(), key=lambda r: (r.load, r.ordinal))
-    queues: dict[tuple[float | None, bool], list[tuple[float, float, int]]] = {}
+    queues: dict[tuple[float | None, bool, float], list[tuple[float, float, int]]] = {}
     for state in truth.values():
-        kind = (state.prefill_tokens_per_s, state.queued_prefill_tokens is not None)
+        kind = (
+            state.prefill_tokens_per_s,
+            state.queued_prefill_tokens is not None,
+            state.extra_step_s,
+        )
         work = state.queued_prefill_tokens
         work = float(state.waiting + state.unreported) if work is None else work
         queues.setdefault(kind, []).append((work, state.load, state.ordinal))
