@@ -93,6 +93,7 @@ class SidecarService:
             settings.nats_url,
             name=f"kvroute-sidecar-{settings.replica_id}",
             on_connected=self._on_nats_connected,
+            ping_interval_s=settings.nats_ping_interval_s,
             token=settings.nats_token.get_secret_value() if settings.nats_token else None,
             user=settings.nats_user,
             password=settings.nats_password.get_secret_value() if settings.nats_password else None,

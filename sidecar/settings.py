@@ -77,6 +77,16 @@ class SidecarSettings(BaseSettings):
     nats_password: SecretStr | None = Field(
         default=None, description="NATS password (environment only)."
     )
+    nats_ping_interval_s: float = Field(
+        default=1.0,
+        gt=0,
+        le=120,
+        description="Seconds between pings on the NATS connection. A server that stops "
+        "answering without closing it (a partition, a stopped process) is declared dead on "
+        "the tick after two pings went unanswered, within three intervals; the sidecar then "
+        "reconnects and republishes its state. The control plane pings every "
+        "--heartbeat-timeout-s/5, 1 s by default; nats-py's own default is 2 minutes.",
+    )
     replica_id: str = Field(..., description="This replica's id (a subject token).")
     pool: str = Field(default="default", description="The replica's pool (a subject token).")
     model: str = Field(..., description="Canonical model id: part of every router key.")

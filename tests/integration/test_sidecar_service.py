@@ -209,6 +209,41 @@ def watcher_free_nats() -> AsyncIterator[NatsServer]:
     server.stop()
 
 
+PING_S = 0.5  # the sidecar's NATS ping interval here: a silent link is dead within 1.5 s
+NOTICED_S = 15.0  # a bound on a failure under load; nats-py's default pings took 6 min
+
+
+async def test_a_nats_server_that_stops_answering_is_noticed_and_the_state_republished(
+    watcher_free_nats: NatsServer, engine: FakeEngine
+) -> None:
+    """nats-server stopped (SIGSTOP: the connection stays open, nothing answers, what a
+    partition looks like): the sidecar's pings go unanswered, it declares the link dead
+    (its /readyz and metric say so) and reconnects once the server answers again, then
+    publishes the state it kept meanwhile."""
+    nats_server = watcher_free_nats
+    watcher = Watcher(nats_server.url)
+    await watcher.start()
+    cache = FakeCache(16)
+    rng = random.Random(46)
+    settings = settings_for(engine, nats_server.url, watcher, nats_ping_interval_s=PING_S)
+    proc = nats_server._proc  # the fixture class has no pause(); SIGSTOP it directly
+    assert proc is not None
+    async with running_sidecar(settings) as service:
+        await feed(engine, list(cache.store(prompts(rng, 1)[0])))
+        await wait_until(lambda: watcher.mirror.gpu_keys() == cache.router_keys(16))
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            await wait_until(lambda: not service.link.connected, NOTICED_S)
+            assert not service.ready
+            for tokens in prompts(rng, 3):  # while it cannot publish: kept, not lost
+                await feed(engine, list(cache.store(tokens)))
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        await wait_until(lambda: service.link.connected)
+        await wait_until(lambda: watcher.mirror.gpu_keys() == cache.router_keys(16))
+    await watcher.stop()
+
+
 async def test_announce_load_health_and_metrics(
     nats_server: NatsServer, watcher: Watcher, engine: FakeEngine
 ) -> None:
