@@ -4,6 +4,10 @@ Pure parsing, no HTTP. Only the lines of the few metrics the router needs are re
 large exposition (histograms per model and engine) costs little. Series of one metric
 (several engine cores, DP ranks) are summed, except the usage ratio, which is averaged.
 
+The queries counter also tells a restarted engine (:func:`restarted_between`): a
+Prometheus counter only goes back when its process started again, and a new engine
+process starts with an empty cache, whether or not its KV events say so.
+
 =================  ==============================================  ========================
 LoadReport field   vLLM (first name present wins)                  SGLang
 =================  ==============================================  ========================
@@ -51,6 +55,7 @@ class EngineLoad:
     kv_usage: float = 0.0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    queries_reported: bool = False  # the queries counter was in the exposition
     capacity_blocks: int = 0
     engine_block_size: int = 0
     role: str = ""  # the engine's P/D role where it tells it (SGLang): prefill/decode/both
@@ -106,12 +111,25 @@ def parse_engine_load(text: str) -> EngineLoad:
     """The load figures in one ``/metrics`` exposition (vLLM or SGLang names)."""
     series, cache_info = _collect(text)
     usage = _first(series, USAGE)
+    queries = _first(series, QUERIES)
     return EngineLoad(
         running=max(0, round(sum(_first(series, RUNNING)))),
         waiting=max(0, round(sum(_first(series, WAITING)))),
         kv_usage=min(1.0, max(0.0, sum(usage) / len(usage))) if usage else 0.0,
-        prefix_cache_queries=max(0, round(sum(_first(series, QUERIES)))),
+        prefix_cache_queries=max(0, round(sum(queries))),
         prefix_cache_hits=max(0, round(sum(_first(series, HITS)))),
+        queries_reported=bool(queries),
         capacity_blocks=_int_label(cache_info, "num_gpu_blocks"),
         engine_block_size=_int_label(cache_info, "block_size"),
+    )
+
+
+def restarted_between(before: EngineLoad | None, after: EngineLoad) -> bool:
+    """Whether the engine restarted between two scrapes: its prefix-cache queries counter
+    went back (a counter's reset, as Prometheus's ``rate()`` reads it)."""
+    return (
+        before is not None
+        and before.queries_reported
+        and after.queries_reported
+        and after.prefix_cache_queries < before.prefix_cache_queries
     )

@@ -14,7 +14,8 @@ engine, publish what is pending, drain NATS. Tasks:
 - ``_report_load``: scrapes ``/metrics`` (and ``/v1/models`` for the LoRA adapters,
   announced on change) every ``load_interval_s`` and publishes a ``LoadReport``; an
   engine that becomes reachable (first contact or after an outage), or that has sent
-  nothing for ``restart_probe_s``, triggers a probe through replay;
+  nothing for ``restart_probe_s``, triggers a probe through replay; an engine whose
+  counters went back between two scrapes restarted, and its old state goes at once;
 - resync requests are answered with a ``ResyncReply``, then a snapshot and an announce
   (a control plane that restarted learns the replica's base URL at once, not one
   ``announce_interval_s`` later).
@@ -34,7 +35,7 @@ from kvcore.roles import ROLE_PB
 from sidecar.adapters import adapter_for
 from sidecar.engine_http import EngineHttp, EventEndpoints, configured_endpoints
 from sidecar.errors import EngineUnavailable
-from sidecar.load_metrics import EngineLoad
+from sidecar.load_metrics import EngineLoad, restarted_between
 from sidecar.nats_link import NatsLink, Respond
 from sidecar.outbox import Outbox, OutboxConfig, OutgoingBatch
 from sidecar.pipeline import Pipeline
@@ -378,6 +379,7 @@ class SidecarService:
             status.up = False
             return
         before, status.load = status.load, load
+        self._note_restart(before, load)
         if before is None or (before.capacity_blocks, before.engine_block_size) != (
             load.capacity_blocks,
             load.engine_block_size,
@@ -390,6 +392,19 @@ class SidecarService:
             log.info("engine reachable: probing its replay buffer")
             for source in self.sources:
                 source.request_restart_probe()
+
+    def _note_restart(self, before: EngineLoad | None, load: EngineLoad) -> None:
+        """The engine's counters went back since the last scrape: a new process, its
+        cache empty. Its KV events would say so only with its first batch (or through
+        replay, which may be off): the state is replaced now, unless the events said so
+        already."""
+        restarted = restarted_between(before, load)
+        if restarted:
+            log.warning("engine restarted: its counters went back")
+        for source in self.sources:
+            if restarted:
+                source.restarted_since_mark()
+            source.mark()
 
     async def _scrape_adapters(self) -> None:
         """The engine's LoRA adapters; a change is announced at once (a replica that

@@ -19,7 +19,11 @@ The consumer may ask for the engine's whole history (:meth:`ZmqEventSource.reque
 to rebuild state after an unknown parent) and for a probe
 (:meth:`ZmqEventSource.request_restart_probe`, when the engine becomes reachable or has
 been quiet): a restart is detected, and batches that never arrived live (a SUB socket
-still connecting when the engine's first batches went out) are caught up.
+still connecting when the engine's first batches went out) are caught up. Without a replay
+socket a restart shows only in the new process's first batch, which may be long in coming
+(no request reaches it); the consumer's other evidence of one (its counters went back
+between two scrapes: :meth:`ZmqEventSource.restarted_since_mark`) ends the old stream at
+once, unless the stream saw that restart itself.
 """
 
 from __future__ import annotations
@@ -204,6 +208,8 @@ class ZmqEventSource:
         self._seen = _SeenFrames(config.seen_window)
         self._want_history = False
         self._want_probe = False
+        self._marked_restarts = 0  # restarts seen at the consumer's last mark()
+        self._restart_claim: int | None = None  # restarted_since_mark(): restarts at the mark
         self._closed = False
         self.caught_up = asyncio.Event()  # set once the start-up replay has been read
         self.last_frame_at = time.monotonic()  # of the last live message
@@ -239,6 +245,17 @@ class ZmqEventSource:
         """Ask to check, through replay, whether the engine restarted unseen."""
         self._want_probe = True
 
+    def mark(self) -> None:
+        """Remember how many restarts were seen so far (the consumer marks each time it
+        finds the engine process it knew still running)."""
+        self._marked_restarts = self.stats.restarts
+
+    def restarted_since_mark(self) -> None:
+        """The engine process restarted since the last :meth:`mark`: unless this stream
+        saw that restart (a seq going back), the next item is :class:`EngineRestarted`
+        and the new process's seq 0 is expected."""
+        self._restart_claim = self._marked_restarts
+
     # -- the stream ------------------------------------------------------------------
     async def items(self) -> AsyncIterator[SourceItem]:
         if self._sub is None:
@@ -247,7 +264,7 @@ class ZmqEventSource:
             yield item
         self.caught_up.set()
         while not self._closed:
-            if self._want_probe or self._want_history:
+            if self._want_probe or self._want_history or self._restart_claim is not None:
                 async for item in self._requested():
                     yield item
             frame = await self._receive()
@@ -313,6 +330,9 @@ class ZmqEventSource:
             _queued(self._sub_now)
 
     async def _requested(self) -> AsyncIterator[SourceItem]:
+        claim, self._restart_claim = self._restart_claim, None
+        if claim == self.stats.restarts and self.expected > 0:
+            yield self._restarted(self.expected - 1)  # its first batches are still to come
         if self._want_probe:
             self._want_probe = False
             async for item in self._probe():

@@ -15,7 +15,7 @@ from sidecar.engine_http import (
     vllm_endpoints,
 )
 from sidecar.errors import EngineUnavailable
-from sidecar.load_metrics import EngineLoad, parse_engine_load
+from sidecar.load_metrics import EngineLoad, parse_engine_load, restarted_between
 from sidecar.main import load_settings, main
 
 VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -47,6 +47,7 @@ def test_vllm_metrics_are_summed_over_engines_and_usage_averaged() -> None:
         kv_usage=0.375,
         prefix_cache_queries=1200,
         prefix_cache_hits=300,
+        queries_reported=True,
         capacity_blocks=2048,
         engine_block_size=16,
     )
@@ -54,8 +55,24 @@ def test_vllm_metrics_are_summed_over_engines_and_usage_averaged() -> None:
 
 def test_sglang_metric_names() -> None:
     assert parse_engine_load(SGLANG) == EngineLoad(
-        running=7, waiting=1, kv_usage=0.75, prefix_cache_queries=5000, prefix_cache_hits=2000
+        running=7,
+        waiting=1,
+        kv_usage=0.75,
+        prefix_cache_queries=5000,
+        prefix_cache_hits=2000,
+        queries_reported=True,
     )
+
+
+def test_a_queries_counter_that_went_back_is_a_restarted_engine() -> None:
+    """A counter goes back only when its process started again (its cache empty); one
+    missing from an exposition says nothing (0 is not read as a reset)."""
+    old = parse_engine_load(VLLM)
+    new = parse_engine_load(VLLM.replace("} 1200.0", "} 0.0"))
+    assert restarted_between(old, new) and not restarted_between(new, old)
+    assert not restarted_between(old, old) and not restarted_between(None, new)
+    missing = parse_engine_load(VLLM.replace("vllm:prefix_cache_queries_total", "other"))
+    assert not restarted_between(old, missing) and not restarted_between(missing, new)
 
 
 def test_old_vllm_usage_name_and_garbage_lines() -> None:

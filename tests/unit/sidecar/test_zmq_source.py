@@ -189,6 +189,46 @@ async def test_restart_probe_detects_a_restart_that_published_nothing(
     await reader.stop()
 
 
+async def test_a_restart_told_by_the_engines_counters_ends_the_old_stream_at_once() -> None:
+    """No replay socket: the new process's seq 0 is the first news of the restart through
+    the events, and it may be long in coming. Counters that went back between two scrapes
+    say so first; the new process's batches then follow from seq 0."""
+    async with FakeEngine(replay=False) as engine:
+        source = source_for(engine)
+        reader = await started(engine, source)
+        for i in range(3):
+            await engine.publish(b"before%d" % i)
+        await reader.take(3)
+        source.mark()  # a scrape found the old process
+        engine.restart()
+        source.restarted_since_mark()  # the next one found its counters gone back
+        assert await reader.take(1) == [EngineRestarted(2)]
+        await engine.publish(b"after0")
+        (item,) = await reader.take(1)
+        assert (item.seq, item.payload) == (0, b"after0")  # type: ignore[union-attr]
+        assert source.stats.restarts == 1
+        await reader.stop()
+
+
+async def test_a_restart_the_stream_saw_first_is_not_ended_twice(engine: FakeEngine) -> None:
+    """The new process published before the scrape that found its counters gone back:
+    the stream saw the restart itself, and what the new process published stays."""
+    source = source_for(engine)
+    reader = await started(engine, source)
+    for i in range(3):
+        await engine.publish(b"before%d" % i)
+    await reader.take(3)
+    source.mark()
+    engine.restart()
+    await engine.publish(b"after0")
+    assert (await reader.take(2))[0] == EngineRestarted(0)
+    source.restarted_since_mark()
+    await engine.publish(b"after1")
+    assert seqs(await reader.take(1)) == [1]
+    assert source.stats.restarts == 1
+    await reader.stop()
+
+
 async def test_restart_probe_on_the_same_engine_changes_nothing(engine: FakeEngine) -> None:
     source = source_for(engine)
     reader = await started(engine, source)
