@@ -105,6 +105,12 @@ class FleetView(Protocol):
         """A kvcore view of the fleet (replicas with load, residency) for explain."""
         ...
 
+    def state_position(self) -> tuple[int, int]:
+        """``(epoch, version)`` of the routing state that carries everything this view
+        shows now: a proxy watching this instance whose ``/readyz`` state shows this epoch
+        and at least this version routes on it. ``(0, 0)`` before the stream starts."""
+        ...
+
     def is_leader(self) -> bool: ...
 
 

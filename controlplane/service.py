@@ -156,6 +156,7 @@ class ControlPlane:
             is_leader=self.leadership.is_leader,
             warmup=self.warmer.state_of,
             learned=self.learned.state_of,
+            position=lambda: self.broadcaster.covering() if self.broadcaster else (0, 0),
         )
         self.records = records(settings, self.etcd, self.view, self.registry)
         self.broadcaster: Broadcaster | None = None

@@ -138,6 +138,12 @@ class Broadcaster:
             self._changed.clear()
             self.flush()
 
+    def covering(self) -> tuple[int, int]:
+        """``(epoch, version)`` of the first version that carries every change applied so
+        far: the last one published, or the next when changes wait for it (a flush takes
+        them all)."""
+        return self.epoch, self.version + (0 if self.fleet.changes.empty() else 1)
+
     def flush(self) -> Version:
         """Publish everything changed since the last version as the next version."""
         changes = self.fleet.changes.take()

@@ -138,6 +138,7 @@ class LiveFleetView:
         is_leader: Callable[[], bool] = lambda: False,
         warmup: Callable[[str], dict[str, Any] | None] = lambda replica_id: None,
         learned: Callable[[str], dict[str, Any] | None] = lambda replica_id: None,
+        position: Callable[[], tuple[int, int]] = lambda: (0, 0),
     ) -> None:
         self.fleet = fleet
         self.drains = drains
@@ -145,6 +146,7 @@ class LiveFleetView:
         self.summary_rows = 1 << 18  # rows of the index ranked between two yields
         self.warmup = warmup
         self.learned = learned
+        self.position = position
 
     def replicas(self, pool: str | None = None) -> Sequence[ReplicaInfo]:
         index = self.fleet.index
@@ -188,6 +190,9 @@ class LiveFleetView:
         records = self.fleet.replicas_in(None if pool is None else frozenset({pool}))
         states = [replica_state(r) for r in records if r.announced]
         return StaticStateView(states, self.fleet.index)
+
+    def state_position(self) -> tuple[int, int]:
+        return self.position()
 
     def is_leader(self) -> bool:
         return self._is_leader()

@@ -124,6 +124,20 @@ class FullStack:
     def readyz(self) -> dict[str, Any]:
         return dict(json.loads(self.request("/readyz", method="GET")[2]))
 
+    def wait_proxy_caught_up(self) -> None:
+        """Wait until the proxy routes on all the control plane shows now: its ``/readyz``
+        state at the epoch and at least the version ``/v1/replicas`` names (the proxy
+        applies each change one delta, <= 50 ms, later; more on a loaded machine)."""
+        status, body = self.admin("GET", "/v1/replicas")
+        assert status == 200
+        wanted = body["state"]
+
+        def caught_up() -> bool:
+            held = self.readyz()["state"]
+            return bool(held["epoch"] == wanted["epoch"] and held["version"] >= wanted["version"])
+
+        wait_for(caught_up, f"the proxy to hold the control plane's state {wanted}")
+
     def admin(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         """One admin API call with the fleet's admin token: ``(status, JSON)``."""
         bearer = {"authorization": f"Bearer {self.fleet.admin_token}"}

@@ -53,9 +53,19 @@ def replica_json(info: ReplicaInfo) -> dict[str, Any]:
     return data
 
 
-@router.get("/replicas", tags=["fleet"], summary="Membership, status, load, residency")
+@router.get(
+    "/replicas",
+    tags=["fleet"],
+    summary="Membership, status, load, residency",
+    description="Every replica as this instance knows it, and `state`: the `epoch` and "
+    "`version` of this instance's routing-state stream that carry all of it. A proxy "
+    "watching this instance has it once its `/readyz` `state` shows that epoch and at "
+    "least that version.",
+)
 async def list_replicas(context: Context, _: Reader, pool: PoolQuery = None) -> dict[str, Any]:
-    return {"replicas": [replica_json(info) for info in context.fleet.replicas(pool)]}
+    replicas = [replica_json(info) for info in context.fleet.replicas(pool)]
+    epoch, version = context.fleet.state_position()
+    return {"replicas": replicas, "state": {"epoch": epoch, "version": version}}
 
 
 async def _set_draining(

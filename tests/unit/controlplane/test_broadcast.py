@@ -49,6 +49,23 @@ async def test_snapshot_then_consecutive_deltas_give_the_fleets_state() -> None:
     assert mirror.version == broadcaster.version == 2
 
 
+async def test_the_covering_version_is_the_one_a_proxy_must_hold_to_see_every_change() -> None:
+    """``/v1/replicas`` names it: a change applied now reaches proxies in the next
+    version, so that is the one named until it is published."""
+    fleet, broadcaster = make()
+    watcher, first = broadcaster.watch(None, 0, 0)
+    mirror = StateMirror()
+    apply_all(mirror, first)
+    assert broadcaster.covering() == (mirror.epoch, mirror.version)  # nothing pending
+    fleet.on_batch(batch(0, stored=[[1, 2]], replica="a"), "default", 0.0)
+    epoch, version = broadcaster.covering()
+    assert (epoch, version) == (mirror.epoch, mirror.version + 1)
+    broadcaster.flush()
+    apply_all(mirror, await watcher.next_batch())
+    assert (mirror.epoch, mirror.version) == (epoch, version) == broadcaster.covering()
+    assert mirror.keys_of("a") == {1, 2}
+
+
 async def test_a_watcher_sees_only_its_pools() -> None:
     fleet, broadcaster = make()
     fleet.on_batch(batch(0, stored=[[1]], replica="a", pool="p1"), "p1", 0.0)

@@ -83,6 +83,9 @@ class InTestFleet:
         ]
         return StaticStateView(states, self.index)
 
+    def state_position(self) -> tuple[int, int]:
+        return (7, 42)  # what a broadcaster would say: (epoch, version)
+
     def is_leader(self) -> bool:
         return self.leader
 

@@ -278,6 +278,7 @@ async def test_replicas_drain_residency_and_explain(make_records: RecordsFactory
         assert status == 200
         rows = {r["replica_id"]: r for r in body["replicas"]}
         assert rows["r0"]["hit_rate"] == 0.25 and rows["r1"]["running"] == 3
+        assert body["state"] == {"epoch": 7, "version": 42}  # what proxies must hold of it
 
         assert (await admin.call("POST", "/v1/replicas/r0/drain"))[1]["draining"] is True
         assert fleet.infos["r0"].draining
