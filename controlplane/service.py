@@ -149,6 +149,7 @@ class ControlPlane:
             self.completions.send,
             share=self.leadership.share_warmup,
         )
+        self.leadership.on_step_down(self.warmer.step_down)
         self.learned = LearnedRates()
         self.view = LiveFleetView(
             self.fleet,

@@ -10,9 +10,15 @@ requests off a warming replica with :func:`kvcore.warmup.warming_excluded`. Mode
 
 - ``off``: a replica that joins is routed to at once, as any other (the policy alone).
 - ``on``: kvroute's warm-up: each hot prefix sent once, one at a time, as a one-token
-  request within the budget (skipped when the replica holds it already); meanwhile the
-  replica takes ``new_prefix_share`` of new prefixes, what it holds, and no other request
-  (none of the prefixes it is being warmed with until its KV events confirm them).
+  request within the budget (skipped when the replica holds it already), replicas joining
+  together in staggered orders (:func:`kvcore.warmup.stagger`); meanwhile the replica
+  takes ``new_prefix_share`` of new prefixes, what it holds, and no other request (none
+  of the prefixes it is being warmed with until its KV events confirm them, which the
+  leader checks every ``CHECK_S``, as the control plane's warmer does).
+- ``bound``: not a router but a measure of what any warm-up could win: ``on`` with its
+  prefills free. Each planned prefix appears in the joiner's cache at the moment it would
+  if the prefixes were prefilled back to back (each its engine prefill time), costing the
+  joiner no step; the same plan, order and gate as ``on``.
 - ``smg``: a model of smg 1.13's warming workers (``--worker-warmup-secs 60
   --worker-warmup-share 0.25``): for 60 s a joining replica is offered a quarter of the
   cache misses and nothing else; nothing is sent to warm it (smg's thin-ratio and
@@ -29,7 +35,7 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast, get_args
 
 from bench.sim.engine import EngineShape, ReplicaModel
 from bench.sim.metrics import percentile
@@ -45,15 +51,17 @@ from kvcore.warmup import (
     Warming,
     plan,
     settings_of,
+    stagger,
     warming_excluded,
 )
 from kvcore.workload import WarmupSettings
 
-Mode = Literal["off", "on", "smg"]
+Mode = Literal["off", "on", "smg", "bound"]
 MODES: tuple[Mode, ...] = ("off", "on", "smg")
 SMG_WARMUP_S = 60.0
 SMG_SHARE = 0.25
 _CONTROL = 9  # the heap kind of a control-plane callback
+CHECK_S = 0.25  # the leader's warm-up check period (controlplane Warmer's interval_s)
 _WARM_RID = -1
 
 
@@ -235,6 +243,11 @@ class ChangingFleet(Simulation):
             joined.warming = self._plan_warmup(replica, now)
             joined.pacer = Pacer(self.warmup.tokens_per_s, now)
             self._push(now, _CONTROL, lambda t: self._warm_next(joined, t))
+            self._push(now + CHECK_S, _CONTROL, lambda t: self._check(joined, t))
+        elif self.mode == "bound":
+            joined.warming = self._plan_warmup(replica, now)
+            self._fill_free(joined, now)
+            self._push(now + CHECK_S, _CONTROL, lambda t: self._check(joined, t))
         self.routable.add(replica)
         self._router_views()
 
@@ -270,9 +283,51 @@ class ChangingFleet(Simulation):
         def held(prefix: HotPrefix) -> int:
             return index.leading_runs(self._keys(prefix), now=None).get(replica, 0)
 
-        warming.steps = plan(self._hot(now), held, self.warmup.max_tokens)
+        steps = plan(self._hot(now), held, self.warmup.max_tokens)
+        running = [j.warming for j in self.joined if j.warming is not None and j.warming.warming]
+        warming.steps = stagger(steps, [w.queue() for w in running])
         warming.pending = {step.prefix.key: step for step in warming.steps}
         return warming
+
+    def _check(self, joined: _Joined, now: float) -> None:
+        """The leader's periodic check: prefixes the replica's KV events show it holds
+        are confirmed (and then no longer kept off it)."""
+        warming = joined.warming
+        assert warming is not None
+        if not warming.warming:
+            return
+        index = cast_router(self.routers[0]).index
+        warming.confirm(lambda key: joined.replica in index.replicas_of(key))
+        if self.mode == "bound" and not warming.pending:
+            warming.end("done", now)
+            return
+        self._push(now + CHECK_S, _CONTROL, lambda t: self._check(joined, t))
+
+    def _fill_free(self, joined: _Joined, now: float) -> None:
+        """Mode ``bound``: the plan's prefixes land in the joiner's cache one after
+        another, each after its prefill time, without taking any of the joiner's steps."""
+        warming = joined.warming
+        assert warming is not None
+        timing = self.config.shape.timing
+        at = now
+        for step in warming.steps:
+            keys = self._keys(step.prefix)
+            at += timing.prefill_seconds(len(step.prefix.tokens) + 1, 0)
+            self._push(at, _CONTROL, lambda t, k=keys: self._cache_free(joined, k, t))
+
+    def _cache_free(self, joined: _Joined, keys: list[int], now: float) -> None:
+        warming = joined.warming
+        assert warming is not None
+        warming.cursor += 1  # landed: no longer in its queue (what stagger reads)
+        warming.sent += 1
+        model = self.replicas[joined.replica]
+        pool = model.pool
+        digests: Any = keys  # the pool treats digests as opaque ids (router keys here)
+        hits = pool.longest_cached_prefix(digests)
+        blocks = [*hits, *pool.allocate(len(keys) - len(hits))]
+        pool.cache_run(blocks[len(hits) :], digests[len(hits) :], None, (), None)
+        pool.free(blocks)
+        self._publish(joined.replica, pool.take_events(), now)
 
     def _warm_next(self, joined: _Joined, now: float) -> None:
         """Send the next prefix once the one before is answered (as the leader does: one
@@ -286,14 +341,14 @@ class ChangingFleet(Simulation):
         if now >= warming.deadline():
             warming.end("timeout", now)
             return
-        while warming.sent < len(warming.steps):
-            step = warming.steps[warming.sent]
+        while warming.cursor < len(warming.steps):
+            step = warming.steps[warming.cursor]
             keys = self._keys(step.prefix)
             if index.leading_runs(keys, now=None).get(joined.replica, 0) < len(keys):
                 break
-            warming.sent += 1  # traffic brought it already: skip
+            warming.cursor += 1  # traffic brought it already: skip
             warming.pending.pop(step.prefix.key, None)
-        if warming.sent >= len(warming.steps):
+        if warming.cursor >= len(warming.steps):
             if warming.pending:
                 self._push(now + 0.05, _CONTROL, lambda t: self._warm_next(joined, t))
             else:
@@ -308,6 +363,7 @@ class ChangingFleet(Simulation):
             self._push(now + wait, _CONTROL, lambda t: self._warm_next(joined, t))
             return
         pacer.take(tokens, now)
+        warming.cursor += 1
         warming.sent += 1
         warming.sent_tokens += tokens
         rid = self._send_warm(joined.replica, keys, now)
@@ -584,12 +640,13 @@ def targets(runs: Sequence[FleetRun]) -> str:
     least 30% lower)."""
     lines = [
         "| scenario | seed | 90% hit rate, off / on s | sooner | share at 90% hit, off / on s "
-        "| TTFT p90 off / on s | change | smg model p90 s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| TTFT p90 off / on s | change | smg model p90 s | bound p90 s (change) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     by = {(r.scenario, r.seed, r.mode): r for r in runs}
     for (scenario, seed, mode), off in by.items():
         on, smg = by.get((scenario, seed, "on")), by.get((scenario, seed, "smg"))
+        bound = by.get((scenario, seed, "bound"))
         if mode != "off" or on is None or not off.hit_catch_up_s:
             continue
         horizon = SCENARIOS[scenario].duration_s
@@ -603,9 +660,17 @@ def targets(runs: Sequence[FleetRun]) -> str:
         lines.append(
             f"| {scenario} | {seed} | {hit_off:.1f} / {hit_on:.1f} | {sooner} | "
             f"{both_off:.1f} / {both_on:.1f} | {off.ttft_p90_s:.3f} / {on.ttft_p90_s:.3f} | "
-            f"{change:+.0%} | {'' if smg is None else f'{smg.ttft_p90_s:.3f}'} |"
+            f"{change:+.0%} | {'' if smg is None else f'{smg.ttft_p90_s:.3f}'} | "
+            f"{_against(bound, off)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _against(run: FleetRun | None, off: FleetRun) -> str:
+    if run is None:
+        return ""
+    change = run.ttft_p90_s / off.ttft_p90_s - 1 if off.ttft_p90_s else math.nan
+    return f"{run.ttft_p90_s:.3f} ({change:+.0%})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -621,13 +686,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--scenario", action="append", choices=sorted(SCENARIOS))
     parser.add_argument("--seeds", default="1,2,3", help="comma-separated (default 1,2,3)")
+    parser.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help="comma-separated, of off, on, smg, bound (default off,on,smg; bound: on with "
+        "its prefills free, a measure of what any warm-up could win)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/fleet-changes"))
     args = parser.parse_args(argv)
+    modes = args.modes.split(",")
+    if not set(modes) <= set(get_args(Mode)):
+        parser.error(f"--modes: each of {', '.join(get_args(Mode))}")
     runs = []
     for name in args.scenario or list(SCENARIOS):
         for seed in (int(s) for s in args.seeds.split(",")):
-            for mode in MODES:
-                run = run_fleet(SCENARIOS[name], mode, seed=seed)
+            for mode in modes:
+                run = run_fleet(SCENARIOS[name], cast(Mode, mode), seed=seed)
                 runs.append(run)
                 print(report([run]).splitlines()[-1], flush=True)
     lost = sum(r.lost for r in runs)

@@ -18,7 +18,10 @@ records in etcd:
   not confirmed yet), written by the leader's warmer on its lease while a replica warms and
   deleted when the warm-up ends. The standby applies them to its replicas, so the proxies
   watching it keep a warming replica's prefixes off it as the leader's proxies do; a new
-  leader drops what it applied (the keys died with the old lease) and warms afresh.
+  leader drops what it applied (the keys died with the old lease) and warms afresh. An
+  instance that stops leading drops the warm-up states it had yet to write and calls its
+  :meth:`Leadership.on_step_down` callbacks (the warmer drops its own plans), so that if
+  it leads again it acts on none of its past term's.
 """
 
 from __future__ import annotations
@@ -58,6 +61,12 @@ class Leadership:
         self._warm_out: dict[tuple[str, str], frozenset[int] | None] = {}  # to write
         self._warm_wake = asyncio.Event()
         self._warm_applied: set[str] = set()  # replicas whose warm-up state came from etcd
+        self._stepped_down: list[Callable[[], None]] = []
+
+    def on_step_down(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (synchronously, never blocking) whenever this instance stops
+        leading."""
+        self._stepped_down.append(callback)
 
     def is_leader(self) -> bool:
         return self.leader
@@ -135,9 +144,14 @@ class Leadership:
             await asyncio.sleep(period)
 
     def _step_down(self, why: str) -> None:
-        if self.leader:
-            log.warning("no longer leader", extra={"reason": why})
+        was_leader = self.leader
         self.leader, self._lease = False, None
+        if not was_leader:
+            return
+        log.warning("no longer leader", extra={"reason": why})
+        self._warm_out.clear()  # a past term's states: the next leader shares its own
+        for callback in self._stepped_down:
+            callback()
 
     # -- membership ----------------------------------------------------------------------
     async def sync_membership(self) -> None:

@@ -24,6 +24,13 @@ it alike.
 
 A drained replica's hot prefixes that no other replica holds are first sent to the
 least busy healthy replica (:meth:`Warmer.rehome`), so that they survive its leaving.
+
+An instance that loses the leadership drops all of it (:meth:`Warmer.step_down`): its
+sends are cancelled, its warm-ups end (outcome ``stepped_down``), the replicas' warm-up
+state it published is withdrawn, and what it had warmed or re-homed is forgotten. The
+new leader plans afresh from the fleet as it finds it; so does this instance if it leads
+again, never from a plan (pending prefixes, a budget half spent) made in a past term.
+Replicas joining together are warmed in staggered orders (:func:`kvcore.warmup.stagger`).
 """
 
 from __future__ import annotations
@@ -33,8 +40,9 @@ import logging
 import math
 import time
 from array import array
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -42,7 +50,7 @@ from prometheus_client.registry import Collector
 from controlplane.fleet.fleet import Fleet, ReplicaRecord
 from kvcore.keys import chain_keys, root_key
 from kvcore.pb import routing_pb2
-from kvcore.warmup import HotPrefix, Pacer, Step, Warming, plan
+from kvcore.warmup import HotPrefix, Pacer, Step, Warming, plan, stagger
 from kvcore.workload import InvalidWorkload, Workload, parse_workload
 from kvruntime.tasks import BackgroundTasks
 
@@ -144,7 +152,9 @@ class _Job:
 
     record: ReplicaRecord
     warmings: list[Warming]
+    term: int  # the warmer's leadership term it was planned in
     keys: dict[int, list[int]] = field(default_factory=dict)  # last key -> all its keys
+    task: asyncio.Task[None] | None = None  # its sends
 
     @property
     def active(self) -> bool:
@@ -152,6 +162,10 @@ class _Job:
 
     def pending(self) -> frozenset[int]:
         return frozenset(k for w in self.warmings if w.warming for k in w.pending)
+
+    def queue(self) -> list[int]:
+        """The keys still to send, in order."""
+        return [k for w in self.warmings if w.warming for k in w.queue()]
 
 
 @dataclass
@@ -192,7 +206,9 @@ class Warmer:
         self._jobs: dict[str, _Job] = {}  # replica id -> its warm-up, running or last
         self._done: set[str] = set()  # warmed (or found nothing to warm) since last empty
         self._rehomed: set[str] = set()  # drained replicas whose prefixes were sent away
+        self._term = 0  # bumped when this instance stops leading: older plans are void
         self._tasks = BackgroundTasks()
+        self._sends: set[asyncio.Task[None]] = set()  # warm-ups' and re-homings' sends
 
     # -- inputs -------------------------------------------------------------------------
 
@@ -214,6 +230,30 @@ class Warmer:
             await asyncio.sleep(self._interval_s)  # the check period, not a readiness wait
             if self._is_leader():
                 self.tick()
+
+    def step_down(self) -> None:
+        """This instance no longer leads: cancel its sends, end its warm-ups, withdraw the
+        warm-up state it gave the replicas, forget what it warmed and re-homed (see the
+        module docstring). Counters and the proxies' hot prefixes stay."""
+        self._term += 1
+        for task in self._sends:
+            task.cancel()
+        self._sends.clear()
+        now = self._clock()
+        for job in self._jobs.values():
+            if not job.active:
+                continue
+            for warming in job.warmings:
+                if warming.warming:
+                    warming.end("stepped_down", now)
+                    self._count_outcome(warming)
+            record = job.record
+            if record.warmup is not None:  # the next leader's state comes through etcd
+                record.warmup = None
+                self.fleet.changes.replica(record.ordinal)
+        self._jobs.clear()
+        self._done.clear()
+        self._rehomed.clear()
 
     # -- what /v1/replicas and the metrics read -------------------------------------------
 
@@ -265,15 +305,17 @@ class Warmer:
         self._done.add(record.replica_id)
         announce = record.announce
         assert announce is not None
-        job = _Job(record, [])
+        job = _Job(record, [], self._term)
+        running = [other.queue() for other in self._jobs.values() if other.active]
         for workload in self._workloads():
             if not workload.warmup.enabled:
                 continue
             warming = Warming(record.replica_id, workload.name, now, workload.warmup)
             prefixes = self.store.prefixes(workload.name, announce.model, now)
-            warming.steps = plan(
+            steps = plan(
                 prefixes, lambda p: self._held(job, record, p), warming.settings.max_tokens
             )
+            warming.steps = stagger(steps, running)
             warming.pending = {s.prefix.key: s for s in warming.steps}
             if not warming.steps:
                 warming.end("nothing", now)
@@ -284,7 +326,7 @@ class Warmer:
         self.counters.started += 1
         self._publish(job)
         if job.active:
-            self._tasks.spawn(self._warm(job), name=f"warmup-{record.replica_id}")
+            job.task = self._spawn_send(self._warm(job), f"warmup-{record.replica_id}")
             log.info(
                 "warming replica %s: %d prefixes",
                 record.replica_id,
@@ -322,8 +364,11 @@ class Warmer:
         self._publish(job)
         if not job.active:
             for warming in job.warmings:
-                outcome = warming.outcome or "done"
-                self.counters.outcomes[outcome] = self.counters.outcomes.get(outcome, 0) + 1
+                self._count_outcome(warming)
+
+    def _count_outcome(self, warming: Warming) -> None:
+        outcome = warming.outcome or "done"
+        self.counters.outcomes[outcome] = self.counters.outcomes.get(outcome, 0) + 1
 
     @staticmethod
     def _confirmed(index: object, keys_of: dict[int, list[int]], key: int, ordinal: int) -> bool:
@@ -345,11 +390,22 @@ class Warmer:
 
     # -- sending --------------------------------------------------------------------------
 
+    def _spawn_send(self, coroutine: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = self._tasks.spawn(coroutine, name=name)
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
+        return task
+
+    def _current(self, job: _Job) -> bool:
+        """Whether ``job`` may go on: planned in this term, and this instance leads."""
+        return job.term == self._term and self._is_leader()
+
     async def _warm(self, job: _Job) -> None:
         for warming in job.warmings:
-            if warming.warming:
+            if warming.warming and self._current(job):
                 await self._warm_workload(job, warming)
-        self._check(job, self._clock())
+        if self._current(job):
+            self._check(job, self._clock())
 
     async def _warm_workload(self, job: _Job, warming: Warming) -> None:
         record = job.record
@@ -358,8 +414,9 @@ class Warmer:
         pacer = Pacer(warming.settings.tokens_per_s, self._clock())
         in_a_row = 0
         for step in warming.steps:
-            if not warming.warming or not self._is_leader():
+            if not warming.warming or not self._current(job):
                 return
+            warming.cursor += 1
             if self._held(job, record, step.prefix) >= step.prefix.blocks:
                 warming.pending.pop(step.prefix.key, None)  # traffic brought it: skip
                 warming.confirmed += 1
@@ -372,6 +429,8 @@ class Warmer:
             wait = pacer.wait_s(tokens, self._clock())
             if wait > 0:
                 await asyncio.sleep(wait)  # the budget's pace, not a readiness wait
+                if not self._current(job):
+                    return
             pacer.take(tokens, self._clock())
             in_a_row = await self._send_one(announce.base_url, warming, step, in_a_row)
             if in_a_row < 0:
@@ -425,9 +484,9 @@ class Warmer:
                 run for ordinal, run in runs.items() if ordinal != record.ordinal
             ):
                 self.counters.rehomed += 1
-                self._tasks.spawn(
+                self._spawn_send(
                     self._send_quietly(target.announce.base_url, prefix),
-                    name=f"rehome-{record.replica_id}",
+                    f"rehome-{record.replica_id}",
                 )
 
     async def _send_quietly(self, base_url: str, prefix: HotPrefix) -> None:
@@ -501,7 +560,8 @@ class WarmupCollector(Collector):
         ended = CounterMetricFamily(
             "kvroute_controlplane_warmups",
             "Warm-ups (per replica and workload) by how they ended: done, nothing (no hot "
-            "prefix to send), budget, timeout, refused, failed, left",
+            "prefix to send), budget, timeout, refused, failed, left, stepped_down (this "
+            "instance lost the leadership)",
             labels=["outcome"],
         )
         for outcome, count in sorted(counters.outcomes.items()):

@@ -3,8 +3,10 @@
 A replica that joins empty is sent each hot prefix once, as a one-token completion.
 :func:`plan` orders the prefixes by value, requests per second times the tokens the
 replica does not hold yet (a prefix it holds whole is skipped), and keeps to the total
-budget. :class:`Pacer` spaces the sends so that no more than ``tokens_per_s`` prompt
-tokens a second reach the replica (a token bucket holding one second's worth).
+budget; :func:`stagger` reorders it for a replica joining while others warm, so that
+each starts with the prefixes the others will send last. :class:`Pacer` spaces the
+sends so that no more than ``tokens_per_s`` prompt tokens a second reach the replica (a
+token bucket holding one second's worth).
 :class:`Warming` is one replica's warm-up as it goes: prefixes sent, confirmed by the
 replica's KV events, failed; when it ends and why.
 """
@@ -49,6 +51,29 @@ def plan(prefixes: Sequence[HotPrefix], held: HeldBlocks, max_tokens: int) -> li
     return kept
 
 
+def stagger(steps: Sequence[Step], others: Sequence[Sequence[int]]) -> list[Step]:
+    """``steps`` (most valuable first) for a replica that starts warming while others do
+    (``others``: each running warm-up's prefix keys still to send, in order): first the
+    prefixes no other will send, then those the others reach late (at or past the median
+    of their soonest places), then the rest; each part most valuable first.
+
+    Replicas that join together (a scale-out) would otherwise all be sent the same prefix
+    first: for the seconds their warm-ups take (each prefix a prefill of its length),
+    every joiner holds the same few prefixes and the requests for the others still queue
+    on the old replicas. Staggered, two joiners start half a plan apart and hold twice as
+    many different prefixes until they meet."""
+    soonest: dict[int, int] = {}  # prefix key -> its earliest place in another's queue
+    for queue in others:
+        for place, key in enumerate(queue):
+            soonest[key] = min(place, soonest.get(key, place))
+    places = sorted(soonest.values())
+    median = (places[(len(places) - 1) // 2] + places[len(places) // 2]) / 2 if places else 0
+    alone = [step for step in steps if step.prefix.key not in soonest]
+    late = [step for step in steps if soonest.get(step.prefix.key, -1) >= median]
+    soon = [step for step in steps if -1 < soonest.get(step.prefix.key, -1) < median]
+    return alone + late + soon
+
+
 class Pacer:
     """A token bucket: at most ``tokens_per_s`` a second, bursts up to one second's."""
 
@@ -85,12 +110,13 @@ class Warming:
     settings: WarmupSettings
     steps: list[Step] = field(default_factory=list)
     sent: int = 0  # prefixes sent
+    cursor: int = 0  # steps sent or skipped (held already): the next to send is steps[cursor]
     sent_tokens: int = 0
     confirmed: int = 0  # prefixes the replica's KV events show it holds
     failed: int = 0
     pending: dict[int, Step] = field(default_factory=dict)  # key -> step, not confirmed yet
     ended: float | None = None
-    outcome: str = ""  # done, budget, timeout, traffic, refused, failed, left
+    outcome: str = ""  # done, budget, timeout, traffic, refused, failed, left, stepped_down
 
     @property
     def warming(self) -> bool:
@@ -102,6 +128,10 @@ class Warming:
     def end(self, outcome: str, now: float) -> None:
         if self.ended is None:
             self.ended, self.outcome = now, outcome
+
+    def queue(self) -> list[int]:
+        """The keys of the prefixes still to send, in order."""
+        return [step.prefix.key for step in self.steps[self.cursor :]]
 
     def confirm(self, held: Callable[[int], bool]) -> int:
         """Drop pending prefixes whose last key ``held`` says the replica holds; how many."""

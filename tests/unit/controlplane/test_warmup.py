@@ -180,3 +180,46 @@ def test_malformed_hot_prefixes_are_counted_and_skipped() -> None:
     )
     w.on_report(bad)
     assert len(w.store) == 0 and w.store.rejected == 3
+
+
+@pytest.mark.asyncio
+async def test_replicas_joining_together_are_warmed_in_staggered_orders() -> None:
+    fleet = fleet_with("r1", "r2")
+    engine = Engine(fleet)
+    w = warmer(fleet, engine)
+    prefixes = [tokens(8, seed) for seed in (11, 12, 13)]
+    w.on_report(report(*((p, 3.0 - i) for i, p in enumerate(prefixes))))
+    await settle(w)
+    sent = {url.rsplit("/", 1)[1]: [] for url, _ in engine.sent}
+    for url, token_ids in engine.sent:
+        sent[url.rsplit("/", 1)[1]].append(prefixes.index(token_ids))
+    assert sent == {"r1": [0, 1, 2], "r2": [1, 2, 0]}  # not the same first
+    await w.aclose()
+
+
+@pytest.mark.asyncio
+async def test_stepping_down_ends_the_warm_ups_and_forgets_them() -> None:
+    fleet = fleet_with("r1")
+    wedged = asyncio.Event()
+    leading = [True]
+
+    async def hang(base_url: str, model: str, token_ids: list[int]) -> None:
+        await wedged.wait()
+
+    workload = parse_workload({"strategy": "kv_cost", "warmup": {"enabled": True}})
+    w = Warmer(fleet, lambda: [workload], lambda: leading[0], hang)
+    w.on_report(report((tokens(8, 4), 1.0)))
+    w.tick()
+    await asyncio.sleep(0)
+    assert fleet.by_id["r1"].warmup  # proxies keep its prefix off it
+    leading[0] = False
+    w.step_down()
+    assert fleet.by_id["r1"].warmup is None
+    assert w.state_of("r1") is None and w.warming_count() == 0
+    assert w.counters.outcomes == {"stepped_down": 1}
+    leading[0] = True
+    w.tick()  # leading again, the replica still empty: a new warm-up, a new send
+    await asyncio.sleep(0)
+    state = w.state_of("r1")
+    assert state is not None and state["warming"] is True
+    await w.aclose()

@@ -12,6 +12,7 @@ from kvcore.warmup import (
     depths,
     plan,
     settings_of,
+    stagger,
     warming_excluded,
 )
 
@@ -115,6 +116,22 @@ def test_plan_orders_by_rate_times_uncached_skips_held_and_keeps_the_budget() ->
     # length: d 128 + b 640 = 768 tokens, and a's 160 more would pass the budget of 800
     assert [s.prefix.key for s in steps] == [4, 2]
     assert steps[1].uncached == 30 * BS
+
+
+def test_replicas_joining_together_start_with_different_prefixes() -> None:
+    a, b, c, d, e = (_prefix(10, 10.0 - k, k) for k in range(1, 6))
+    steps = plan([a, b, c, d], lambda p: 0, max_tokens=10**6)
+    first = stagger(steps, [])
+    assert [s.prefix.key for s in first] == [1, 2, 3, 4]  # alone: most valuable first
+    # a second joiner starts half a plan on, so until they meet the two hold different
+    # prefixes, the most valuable first
+    second = stagger(steps, [[1, 2, 3, 4]])
+    assert [s.prefix.key for s in second] == [3, 4, 1, 2]
+    third = stagger(steps, [[1, 2, 3, 4], [3, 4, 1, 2]])
+    assert [s.prefix.key for s in third] == [2, 4, 1, 3]  # what neither sends first
+    # a prefix no running warm-up will send goes first (one already sent is not queued)
+    more = plan([a, b, c, d, e], lambda p: 0, max_tokens=10**6)
+    assert [s.prefix.key for s in stagger(more, [[3, 4]])] == [1, 2, 5, 4, 3]
 
 
 def test_pacer_keeps_to_tokens_per_second() -> None:
