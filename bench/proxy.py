@@ -4,7 +4,8 @@
 replicas on loopback (KV pools of ``REPLICA_BLOCKS``, which do not cycle in a run) and,
 in front of them, every router of :mod:`bench.proxy_routers`: ``kvroute round_robin``
 (static mode), ``kvroute kv_cost`` (the default strategy: one proxy of a local fleet with
-its control plane and sidecars, debug headers off as deploy/ runs it), ``sglang-router``,
+its control plane and sidecars, debug headers off as deploy/ runs it; ``--fleet-strategy
+kv_aware`` switches it through the admin API), ``sglang-router``,
 ``smg`` and ``vllm-router`` with ``round_robin`` and ``cache_aware`` (installed from PyPI
 into their own virtual environments on first use). Every router is
 pinned to the first CPU, the replicas, the fleet's other processes and this load
@@ -96,6 +97,7 @@ from bench.micro.decision_inputs import REPLICAS, chat, decision_fleet, hold, te
 from bench.micro.model_files import write_tiny_model
 from bench.micro.report import Figure
 from bench.proxy_report import (
+    FLEET_STRATEGIES,
     FLEET_STRATEGY,
     PEERS,
     Measured,
@@ -629,6 +631,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench-results/proxy/proxy.json"))
     parser.add_argument(
+        "--fleet-strategy", default=FLEET_STRATEGY, choices=FLEET_STRATEGIES,
+        help="the fleet proxy's default workload's strategy (set through the admin API "
+        "when not the default's): kv_aware compares like for like with a tree before "
+        "kv_cost became the default",
+    )  # fmt: skip
+    parser.add_argument(
         "--floors", action="store_true",
         help="also measure two bare pass-through proxies (bench.passthrough: uvicorn, and "
         "kvroute-proxy's own server and client) and every floor's throughput",
@@ -682,7 +690,7 @@ def _load(load: tuple[float, float, float]) -> str:
 def _fleet_rows(results: Results, concurrency: int) -> list[Row]:
     rows = latency_rows(results) + throughput_rows(results, concurrency)
     rows += limited_rows(results, concurrency)
-    return rows + extra_rows(results, paired_names()) + awake_rows(results)
+    return rows + extra_rows(results, paired_names(results.fleet_strategy)) + awake_rows(results)
 
 
 async def with_fleet(args: argparse.Namespace, context: dict[str, Any]) -> Results:
@@ -719,7 +727,7 @@ async def _measure_routers(
         procs.append(proc)
         urls.append(url)
     print(f"replicas: {','.join(urls)}", flush=True)
-    routers = Routers(urls, scratch, MODEL, split)
+    routers = Routers(urls, scratch, MODEL, split, args.fleet_strategy)
     try:
         async with aiohttp.ClientSession() as session:
             await routers.start(session, _peer_names(args))
@@ -734,7 +742,8 @@ async def _measure_routers(
             print(f"{name}: request-path modules compiled {compiled}", flush=True)
         context["kvroute_compiled"] = dict(routers.compiled)
         results = await measure(args, urls, targets, split)
-        await _check_strategy(routers, f"kvroute {FLEET_STRATEGY}", FLEET_STRATEGY)
+        results.fleet_strategy = args.fleet_strategy
+        await _check_strategy(routers, f"kvroute {args.fleet_strategy}", args.fleet_strategy)
     finally:
         await routers.aclose()
     for name, why in routers.not_run.items():

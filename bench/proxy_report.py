@@ -24,8 +24,15 @@ IDLE_NOTE = 0.02  # the idle routers' CPU share worth a note beside a router's t
 
 # the strategy of the default workload, what the proxy of ``kvroute up`` routes with
 FLEET_STRATEGY = "kv_cost"
-# (kvroute's contender, the peer policy it is judged against): like for like
-PAIRS = (("round_robin", "round_robin"), (FLEET_STRATEGY, "cache_aware"))
+# the strategies ``--fleet-strategy`` may set on the fleet's default workload instead
+FLEET_STRATEGIES = (FLEET_STRATEGY, "kv_aware")
+
+
+def pairs(fleet_strategy: str = FLEET_STRATEGY) -> tuple[tuple[str, str], ...]:
+    """(kvroute's contender, the peer policy it is judged against): like for like."""
+    return (("round_robin", "round_robin"), (fleet_strategy, "cache_aware"))
+
+
 JUDGE = "sglang-router"  # the peer the targets name
 PEERS = ("sglang-router", "vllm-router", "smg")  # bench.e2e.peers, in its order
 
@@ -99,6 +106,7 @@ class Results:
     cpu_limit: str = ""  # the limited runs' limit, as a pod spec writes it ("400m")
     limit_unavailable: str = ""  # why there were no limited runs
     awake_direct_ms: float | None = None  # direct_ms in the rounds kept awake (--awake)
+    fleet_strategy: str = FLEET_STRATEGY  # the fleet proxy's (--fleet-strategy)
 
     def get(self, name: str) -> Measured:
         return self.routers.get(name) or Measured(name, unavailable="not started")
@@ -128,7 +136,7 @@ def latency_rows(results: Results) -> list[Row]:
             Row("  added latency p50, the hop alone (a byte relay to replica 0, no HTTP: the "
                 "floor of any proxy here)", hop.added_ms, "ms", note=_why(hop))
         )  # fmt: skip
-    for ours, theirs in PAIRS:
+    for ours, theirs in pairs(results.fleet_strategy):
         kvroute = results.get(f"kvroute {ours}")
         rows.append(
             Row(f"added latency p50, {kvroute.name}", kvroute.added_ms, "ms", ADDED_LATENCY_MS,
@@ -154,7 +162,7 @@ def throughput_rows(results: Results, concurrency: int) -> list[Row]:
         Row(f"throughput at concurrency {concurrency}, direct to the replicas (their ceiling)",
             results.direct_rps, "req/s")
     ]  # fmt: skip
-    for ours, theirs in PAIRS:
+    for ours, theirs in pairs(results.fleet_strategy):
         kvroute = results.get(f"kvroute {ours}")
         rows.append(_throughput_row(kvroute, results.direct_rps))
         for peer in PEERS:
@@ -183,7 +191,7 @@ def limited_rows(results: Results, concurrency: int) -> list[Row]:
         return []
     under = f"under a CPU limit of {label}" if label else "under a CPU limit"
     rows = []
-    for ours, theirs in PAIRS:
+    for ours, theirs in pairs(results.fleet_strategy):
         kvroute = results.get(f"kvroute {ours}")
         rows.append(_limited_row(kvroute, under, why))
         for peer in PEERS:
@@ -268,10 +276,11 @@ def extra_rows(results: Results, known: Iterable[str]) -> list[Row]:
     return rows
 
 
-def paired_names() -> list[str]:
+def paired_names(fleet_strategy: str = FLEET_STRATEGY) -> list[str]:
     """Every router the pairs name, kvroute's first."""
-    names = [f"kvroute {ours}" for ours, _ in PAIRS]
-    return names + [f"{peer} {theirs}" for _, theirs in PAIRS for peer in PEERS]
+    paired = pairs(fleet_strategy)
+    names = [f"kvroute {ours}" for ours, _ in paired]
+    return names + [f"{peer} {theirs}" for _, theirs in paired for peer in PEERS]
 
 
 def render(rows: Iterable[Row]) -> str:

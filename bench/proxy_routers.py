@@ -3,8 +3,9 @@
 Contenders, all on loopback: ``kvroute round_robin`` (``kvroute-proxy --static-replicas``,
 one worker: no control plane to ask), ``kvroute kv_cost`` (one ``kvroute-proxy`` of a
 whole local fleet as ``kvroute up --engines`` runs it: NATS, etcd, the control plane and
-a sidecar per replica, the ``default`` workload's strategy, ``kv_cost``; without the debug headers
-the demo shows, as deploy/ runs a proxy), and the peer routers
+a sidecar per replica, the ``default`` workload's strategy, ``kv_cost``, or another set
+through the admin API (``strategy``); without the debug headers the demo shows, as deploy/
+runs a proxy), and the peer routers
 ``sglang-router``, ``vllm-router`` and ``smg`` with their ``round_robin`` and ``cache_aware``
 policies (installed into their own virtual environments by :mod:`bench.e2e.peers`).
 
@@ -29,7 +30,7 @@ from bench.e2e.peers import PEERS, PeerUnavailable
 from bench.proxy_report import FLEET_STRATEGY
 from kvroute.servers import free_port
 from kvroute.supervisor import ChildFailed, ChildSpec, Supervisor
-from kvroute.up import LocalFleet, UpError, UpOptions, ready_field, venv_tool_or_fail
+from kvroute.up import Fleet, LocalFleet, UpError, UpOptions, ready_field, venv_tool_or_fail
 
 PEER_POLICIES = ("round_robin", "cache_aware")
 FLEET_PROXY = "proxy-0"  # the child name LocalFleet gives its first proxy
@@ -115,9 +116,15 @@ class Routers:
     """Starts every contender in front of ``replicas`` and stops them all (``aclose``)."""
 
     def __init__(
-        self, replicas: list[str], run_dir: Path, model: str, split: CpuSplit | None
+        self,
+        replicas: list[str],
+        run_dir: Path,
+        model: str,
+        split: CpuSplit | None,
+        strategy: str = FLEET_STRATEGY,
     ) -> None:
         self.replicas = replicas
+        self.strategy = strategy  # the fleet's default workload's (``kvroute {strategy}``)
         self.run_dir = run_dir
         self.model = model
         self.split = split
@@ -173,13 +180,38 @@ class Routers:
         try:
             fleet = await self.fleet.start()
         except (UpError, ChildFailed) as exc:
-            self.not_run[f"kvroute {FLEET_STRATEGY}"] = f"the local fleet did not start: {exc}"
+            self.not_run[f"kvroute {self.strategy}"] = f"the local fleet did not start: {exc}"
             return
+        if self.strategy != FLEET_STRATEGY:
+            await self._set_strategy(fleet)
         children = self.fleet.supervisor.children
         child = next(c for c in children if c.name == FLEET_PROXY)
         helpers = tuple(c.proc.pid for c in children if c is not child)
-        self._add(f"kvroute {FLEET_STRATEGY}", fleet.proxy_urls[0], child.proc.pid, helpers)
-        self.compiled[f"kvroute {FLEET_STRATEGY}"] = ready_field(child.ready_text, "compiled")
+        self._add(f"kvroute {self.strategy}", fleet.proxy_urls[0], child.proc.pid, helpers)
+        self.compiled[f"kvroute {self.strategy}"] = ready_field(child.ready_text, "compiled")
+
+    async def _set_strategy(self, fleet: Fleet) -> None:
+        """The default workload routes by ``self.strategy`` (the admin API), once its
+        proxy has made a decision with it (bounded: 30 s)."""
+        headers = {"authorization": f"Bearer {fleet.admin_token}"}
+        body = {"strategy": self.strategy}
+        request = {"model": self.model, "prompt": "Hello", "max_tokens": 1}
+        series = f'kvroute_proxy_decision_seconds_count{{strategy="{self.strategy}"}}'
+        async with aiohttp.ClientSession() as session:
+            url = f"{fleet.admin_urls[0]}/v1/workloads/default"
+            async with session.patch(url, json=body, headers=headers) as r:
+                if r.status >= 300:
+                    raise SystemExit(f"--fleet-strategy {self.strategy}: {await r.text()}")
+            proxy = fleet.proxy_urls[0]
+            for _ in range(300):
+                async with session.post(f"{proxy}/v1/completions", json=request) as r:
+                    await r.read()
+                async with session.get(f"{proxy}/metrics") as r:
+                    if any(line.startswith(series) and float(line.split()[-1]) > 0
+                           for line in (await r.text()).splitlines()):  # fmt: skip
+                        return
+                await asyncio.sleep(0.1)  # the control plane's stream to the proxy
+        raise SystemExit(f"--fleet-strategy {self.strategy}: the proxy never routed by it")
 
     async def _start_peer(self, name: str, policy: str) -> None:
         peer = PEERS[name]

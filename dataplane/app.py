@@ -254,7 +254,7 @@ class ProxyApp:
         started = time.perf_counter()
         lora = self.lora
         adapter_on = None
-        if lora is not None and lora.names_adapter(inference.model):
+        if lora is not None and lora.known and lora.names_adapter(inference.model):
             workload = self.router.classify(inference, request.path, request.headers, api_key)
             adapter_on = await lora.place(inference.model, workload)
         if self._prepares_inline(inference):

@@ -58,7 +58,9 @@ class Split(Protocol):
     (``dataplane.pd``), which sends each in two halves with this dispatcher's
     bookkeeping."""
 
-    def applies(self, model: str) -> bool: ...
+    # the models it sends (a set, read on every request: no call into its module, which
+    # runs from source)
+    models: frozenset[str]
 
     async def send(
         self, exchange: Exchange, path: str, body: bytes, headers: Sequence[tuple[str, str]]
@@ -132,6 +134,7 @@ class Exchange:
     usage: Usage | None = None
     outcome: str = "ok"
     tried: list[str] = field(default_factory=list)
+    split: bool = False  # sent by the dispatcher's split (P/D), which finishes it
 
     def __init__(  # written out: one per request (see dataplane/native.py)
         self,
@@ -142,6 +145,7 @@ class Exchange:
         usage: Usage | None = None,
         outcome: str = "ok",
         tried: list[str] | None = None,
+        split: bool = False,
     ) -> None:
         self.request = request
         self.prepared = prepared
@@ -150,6 +154,7 @@ class Exchange:
         self.usage = usage
         self.outcome = outcome
         self.tried = [] if tried is None else tried
+        self.split = split
 
 
 class Dispatcher:
@@ -190,7 +195,8 @@ class Dispatcher:
         attempt's request is written before its bookkeeping (in-flight count, speculative
         residency, breaker probe), which is done before anything is awaited."""
         split = self.split
-        if split is not None and split.applies(exchange.prepared.model):
+        if split is not None and exchange.prepared.model in split.models:
+            exchange.split = True
             return await split.send(exchange, path, body, headers)
         exclude: frozenset[int] = frozenset()
         last_failure = "no replica serves this model"
@@ -352,7 +358,7 @@ class Dispatcher:
 
     def finish(self, exchange: Exchange) -> None:
         """Release the in-flight count and count the request; call exactly once."""
-        if self.split is not None and self.split.finish(exchange):
+        if exchange.split and self.split is not None and self.split.finish(exchange):
             return
         attempt = exchange.attempt
         if attempt is None:

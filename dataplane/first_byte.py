@@ -44,12 +44,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from dataplane.breaker import CircuitBreakers
 from dataplane.endpoints import Endpoint
-from dataplane.upstream import Retriable, Upstream
+from dataplane.upstream import Opened, Retriable
 
 log = logging.getLogger("dataplane")
 SMOOTHING = 0.2  # weight of the newest time to first byte in a replica's typical one
@@ -202,6 +202,15 @@ class Replicas(Protocol):
     def endpoint(self, ordinal: int) -> Endpoint | None: ...
 
 
+class Opening(Protocol):
+    """How the prober asks a replica (``dataplane.upstream.Upstream``; a protocol, so
+    that this compiled module takes any such object)."""
+
+    async def open(
+        self, method: str, url: str, body: bytes, headers: Sequence[tuple[str, str]]
+    ) -> Opened: ...
+
+
 class SuspectProber:
     """Probes each suspect replica's ``/health`` every ``interval_s`` (each probe bounded
     by ``timeout_s``); the first 2xx answer makes it routable again. A suspect that left
@@ -212,7 +221,7 @@ class SuspectProber:
         self,
         breakers: CircuitBreakers,
         replicas: Replicas,
-        upstream: Upstream,
+        upstream: Opening,
         interval_s: float,
         timeout_s: float,
         clock: Callable[[], float],

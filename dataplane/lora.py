@@ -71,6 +71,9 @@ class LoraPlacement:
         self.upstream = upstream
         self.clock = clock
         self._paths: OrderedDict[str, str] = OrderedDict()  # every adapter path seen
+        # whether any adapter was announced or loaded yet: until then no name is one, and
+        # the handler (compiled) asks nothing of this class (from source) for a request
+        self.known = False
         self._placed: dict[str, tuple[int, float]] = {}  # adapter -> (ordinal, until)
         self._used: dict[int, OrderedDict[str, None]] = {}  # per replica, LRU first
         self._locks: dict[str, asyncio.Lock] = {}
@@ -137,11 +140,15 @@ class LoraPlacement:
 
     def _learn_paths(self) -> None:
         """Remember the path of every adapter announced (on each membership change)."""
-        for name, path in self.fleet.catalogue.adapter_paths().items():
+        paths = self.fleet.catalogue.adapter_paths()
+        if paths:
+            self.known = True
+        for name, path in paths.items():
             self._remember(name, path)
 
     def _remember(self, name: str, path: str) -> None:
         if path:
+            self.known = True
             self._paths[name] = path
             self._paths.move_to_end(name)
             while len(self._paths) > PATHS_REMEMBERED:

@@ -3,12 +3,14 @@ current.
 
 The modules in :data:`MODULES` are what a routed request runs through: the HTTP server,
 the handler, the exchange with the replica, request parsing, routing, the requests
-upstream, the fleet state, the HTTP client, the metrics, the circuit breakers and the
-prefill books, and the kvcore modules that earn their keep compiled (``python -m
-bench.native_groups``): keys, prompt reading, built-in tokenizer and prefix cache (the
-keying), and the routing contract, replica board, in-flight ledger, screening, view, hash
-ring and the level-0, -2 and -3 policies. The dict residency index runs from source: its
-lookups are dict probes, no faster compiled. :data:`C_MODULES` are written in C (the
+upstream, the fleet state, the HTTP client, the metrics, the circuit breakers, the
+first-byte deadlines and the prefill books, and the kvcore modules that earn their keep
+compiled (``python -m bench.native_groups``): keys, prompt reading, built-in tokenizer
+and prefix cache (the keying), the routing contract, replica board, in-flight ledger,
+screening, view, hash ring and the level-0, -2 and -3 policies, and the dict residency
+index (its lookups of long prompts are dict probes, no faster compiled, but a request's
+speculative record, which the compact index keeps in one, and a short prompt's lookup
+cost 2-3x less compiled). :data:`C_MODULES` are written in C (the
 compact residency index's prompt lookup, kvcore/index/_probe.c). ``setup.py`` compiles
 them when ``KVROUTE_NATIVE=1`` (the images are built so; in a checkout, ``make native``,
 which ``make test`` runs first), and an extension module sitting beside its source is
@@ -46,6 +48,7 @@ MODULES = (
     "dataplane.app",
     "dataplane.breaker",
     "dataplane.exchange",
+    "dataplane.first_byte",
     "dataplane.fleet.catalogue",
     "dataplane.fleet.inflight",
     "dataplane.fleet.prefill_books",
@@ -58,6 +61,7 @@ MODULES = (
     "dataplane.transport.client",
     "dataplane.transport.server",
     "dataplane.upstream",
+    "kvcore.index.bitmask",
     "kvcore.keys",
     "kvcore.policies.base",
     "kvcore.policies.board",

@@ -121,20 +121,17 @@ class PdSplit:
             registry=dispatcher.metrics.registry,
         )
         self._prefilled: dict[int, _Prefilled] = {}  # by id(Exchange), until finished
-        self._models: frozenset[str] = frozenset()
+        self.models: frozenset[str] = frozenset()
         self.fleet.subscribe(self._membership)
         self._membership()
 
     def _membership(self) -> None:
-        """The models some of whose replicas have a P/D role: what :meth:`applies` to."""
+        """The models some of whose replicas have a P/D role: what this path sends."""
         models: set[str] = set()
         for endpoint in self.fleet.replicas.endpoints():
             if endpoint.role != "both":
                 models.update((endpoint.model, *endpoint.served_names))
-        self._models = frozenset(models)
-
-    def applies(self, model: str) -> bool:
-        return model in self._models
+        self.models = frozenset(models)
 
     def _clock(self) -> float:
         return self.d._clock()

@@ -273,12 +273,16 @@ class VllmKVCacheManager:
 
     def grow(self, req: SimRequest) -> bool:
         """``allocate_slots`` for one decode token."""
-        held = self._held[req]
-        n_new = self._blocks_for(req.num_tokens) - len(held.blocks)
-        if n_new > self.pool.num_free:
-            return False
-        held.blocks.extend(self.pool.allocate(n_new))
-        self._cache_full_blocks(req, held)
+        # (once per running request per step: most tokens fit in the last block, which
+        # they fill only every block_size tokens)
+        held, num_tokens = self._held[req], req.num_tokens
+        n_new = self._blocks_for(num_tokens) - len(held.blocks)
+        if n_new > 0:
+            if n_new > self.pool.num_free:
+                return False
+            held.blocks.extend(self.pool.allocate(n_new))
+        if num_tokens // self.block_size > held.num_cached:
+            self._cache_full_blocks(req, held)
         return True
 
     def after_forward(self, admitted: Sequence[SimRequest]) -> None:

@@ -167,14 +167,14 @@ class EngineCore:
         return sum(1 for req in admitted if req.lora is not None and warm.touch(req.lora.int_id))
 
     def _schedule_running(self, out: StepOutput) -> list[SimRequest]:
-        """Room for every running request's next token, in order."""
-        scheduled: list[SimRequest] = []
-        while len(scheduled) < len(self.running):
-            req = self.running[len(scheduled)]
-            if not self._make_room(req, out):
+        """Room for every running request's next token, in order (a preemption takes
+        the last running request, so those given room are always the first ones)."""
+        running, given = self.running, 0
+        while given < len(running):
+            if not self._make_room(running[given], out):
                 break
-            scheduled.append(req)
-        return scheduled
+            given += 1
+        return running[:given]
 
     def _make_room(self, req: SimRequest, out: StepOutput) -> bool:
         """Grow ``req``, preempting the last running request until it fits; ``False``

@@ -323,8 +323,10 @@ class BitmaskResidencyIndex:
         expiries) finds that none is left, and only a record with some left is walked.
         What it drops depends on the keys' last recorded expiries alone, not on which
         expired records ran before it."""
-        at, _, replica, keys = record
-        if self._open.get(replica) is record:
+        at, seq, replica, keys = record
+        open_record = self._open.get(replica)
+        # (its sequence number, not `is`: compiled, a record tuple is not always one object)
+        if open_record is not None and open_record[1] == seq:
             del self._open[replica]  # later calls with its expiry (in the past) start anew
         until = self._spec_until.get(replica)
         if until is None or at not in map(until.get, keys):

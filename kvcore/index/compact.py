@@ -75,6 +75,7 @@ class CompactResidencyIndex:
         the index on every request (a proxy) and applies changes in steps of its own."""
         self._table = KeyTable(multiplier=random.getrandbits(64) | 1 << 63 | 1)
         self._zero = 0  # key 0's holders
+        self._zero_row = (0, words_of(0, 1))  # _zero, and it as a row (lookups pass it)
         self._live = 0  # keys in the table with a bit set (hidden ones included)
         self._counts: dict[int, int] = {}
         self._spec = BitmaskResidencyIndex()  # speculative entries only
@@ -288,9 +289,12 @@ class CompactResidencyIndex:
         yield job.position
 
     def add_speculative(self, replica: int, keys: Iterable[int], *, expires_at: float) -> None:
+        # (every decision records its prompt here: no more than it takes)
         check_replica(replica)
-        self._finish_clearing(replica)
-        self._column(replica)  # a lookup's rows hold the speculative bits too
+        if self._clearing:
+            self._finish_clearing(replica)
+        if replica >> 6 >= self._table.words:  # a lookup's rows hold the speculative bits too
+            self._table.widen((replica >> 6) + 1)
         self._spec.add_speculative(replica, keys, expires_at=expires_at)
 
     def expire(self, now: float) -> int:
@@ -303,19 +307,26 @@ class CompactResidencyIndex:
     def leading_runs(self, keys: Sequence[int], *, now: float | None = None) -> dict[int, int]:
         """In one C pass where :mod:`kvcore.index._probe` is built; else probed key by key
         for a short prompt, and all keys at once for a long one (``_runs_of``)."""
-        self._apply_pending()
-        if self.native is not None:
+        if self._pending.count:
+            self._apply_pending()
+        native = self.native
+        if native is not None:
             table = self._table
-            return self.native(
+            words = table.words
+            zero, row = self._zero_row
+            if zero != self._zero or row.size != words:  # (a new array a request costs 1 us)
+                row = words_of(self._zero, words)
+                self._zero_row = (self._zero, row)
+            return native(
                 keys,
                 table.keys,
                 table.masks,
                 table.bits,
                 table.multiplier,
-                table.words,
-                words_of(self._zero, table.words),
+                words,
+                row,
                 None if now is None else self._spec.speculative_by_key(now),
-                words_of(self._hidden, table.words) if self._hidden else None,
+                words_of(self._hidden, words) if self._hidden else None,
             )
         speculative = None if now is None else self._spec.speculative_masks(keys, now=now)
         if len(keys) <= self.scalar_keys:

@@ -66,6 +66,7 @@ class KeyTable:
         self.capacity = 1 << bits
         self.keys: U64 = np.zeros(self.capacity + 1, dtype=np.uint64)
         self.masks: U64 = np.zeros((self.capacity + 1, words), dtype=np.uint64)
+        self.words = words  # 64-bit words in a bitset row (masks' second dimension)
         self.filled = 0  # slots ever used since the last rebuild
         self._shift = np.uint64(64 - bits)
         self._mul = np.uint64(multiplier)
@@ -74,16 +75,13 @@ class KeyTable:
         self.key_view = self.keys.data
         self.mask_view = self.masks.reshape(-1).data  # slot * words + word
 
-    @property
-    def words(self) -> int:
-        return int(self.masks.shape[1])
-
     def widen(self, words: int) -> None:
         """Room for replicas up to ``64 * words - 1``."""
         if words > self.words:
             extra = np.zeros((self.capacity + 1, words - self.words), dtype=np.uint64)
             self.masks = np.concatenate([self.masks, extra], axis=1)
             self.mask_view = self.masks.reshape(-1).data
+            self.words = words
 
     def find(self, keys: U64) -> I64:
         """Each (non-zero) key's slot, or ``capacity`` where it is absent."""

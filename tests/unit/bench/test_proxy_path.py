@@ -143,12 +143,53 @@ def test_no_init_that_dataclass_generates_runs_for_a_routed_request(
             if cls.__module__ in native.MODULES:
                 generated[f"{cls.__module__}.{cls.__qualname__}"] += 1
 
+    _route_watched(strategy, prompt, count)
+    assert generated == Counter()
+
+
+# what a routed request may run of the project's code that is not compiled (module ->
+# why): the rest of its path is dataplane/native.py's MODULES, and a call from compiled
+# code into a module run from source costs about as much as the work of several
+# compiled functions (the 2026-12-05/06 changes had put the first-byte deadlines, the P/D
+# split and the LoRA placement on every request from source: docs/benchmarks.md, Proxy)
+FROM_SOURCE = {
+    "dataplane.relay": "reads the answer's usage with msgspec",
+    "dataplane.reporter": "counts for the control plane",
+    "kvcore.workload.classify": "names the request's workload",
+    "kvcore.index.base": "checks a replica's ordinal",
+    "kvcore.index.compact": "the compact index's lookup, in C, and its speculation",
+}
+
+
+@pytest.mark.parametrize(("strategy", "prompt"), [("round_robin", "hello"), ("kv_aware", "shared")])
+def test_a_routed_request_runs_the_project_code_from_source_only_where_named(
+    strategy: str, prompt: str
+) -> None:
+    """Compiled or not, the project modules a routed request calls into are the compiled
+    ones and those ``FROM_SOURCE`` names (a module added to the path must be compiled, or
+    named there with its reason)."""
+    modules: Counter[str] = Counter()
+
+    def count(frame: FrameType, event: str, arg: Any) -> None:
+        module = frame.f_globals.get("__name__", "")
+        if event == "call" and module.partition(".")[0] in ("dataplane", "kvcore", "kvruntime"):
+            modules[module] += 1
+
+    _route_watched(strategy, prompt, count)
+    from_source = set(modules) - set(native.MODULES)
+    assert from_source <= set(FROM_SOURCE), from_source - set(FROM_SOURCE)
+
+
+def _route_watched(strategy: str, prompt: str, hook: Any) -> None:
+    """64 requests routed in memory (after 8 that warm the path up) with ``hook`` as
+    the profile function (``sys.setprofile``) while they run."""
+
     async def route() -> None:
         path = _Path(strategy, debug_headers=False, prompt=prompt, concurrency=4)
         await path.start()
         try:
             await path.many(0, 8)  # connections, metric children, the tokenizer's memo
-            sys.setprofile(count)
+            sys.setprofile(hook)
             try:
                 await path.many(8, 64)
             finally:
@@ -157,4 +198,3 @@ def test_no_init_that_dataclass_generates_runs_for_a_routed_request(
             await path.aclose()
 
     uvloop.run(route())
-    assert generated == Counter()
