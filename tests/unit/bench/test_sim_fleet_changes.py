@@ -36,3 +36,20 @@ def test_a_drain_loses_no_request_and_a_restart_rejoins() -> None:
     )  # fmt: skip
     run = run_fleet(restart, "on", seed=2)
     assert run.lost == 0 and run.share_after[0] > 0.1 and run.warm_requests >= 1
+
+
+def test_the_bound_fills_joiners_at_the_prefill_pace_without_a_request() -> None:
+    """Mode bound, the measure of what any warm-up could win: the same plan lands in the
+    joiners' caches (their catch-up as quick as on's) and no warm-up request takes their
+    steps, so their TTFT is no worse than on's."""
+    scenario = dataclasses.replace(
+        SCENARIOS["scale_out"],
+        changes=(Change(15.0, "add", 4), Change(15.0, "add", 5)),
+        duration_s=45.0,
+        transition=(15.0, 30.0),
+        **SMALL,
+    )
+    on, bound = run_fleet(scenario, "on", seed=1), run_fleet(scenario, "bound", seed=1)
+    assert bound.lost == 0 and bound.warm_requests == 0
+    assert bound.hit_catch_up_s[0] is not None and bound.hit_catch_up_s[0] <= 4.0
+    assert bound.ttft_p90_s <= on.ttft_p90_s
