@@ -206,16 +206,6 @@ class PrefixHeat:
         return len(self._counts)
 
 
-def _pace(ctx: RouteContext, replica: ReplicaState) -> float:
-    """``replica``'s prefill rate over the configured one, at most 1 (1: not known
-    slower, or a strategy that does not rank by rate)."""
-    configured = getattr(ctx.workload, "prefill_tokens_per_s", None)
-    rate = replica.prefill_tokens_per_s
-    if not configured or not rate or rate >= configured:
-        return 1.0
-    return float(rate / configured)
-
-
 def fleet_per_request(state: StateView, fleet: Iterable[ReplicaState]) -> float:
     """How many of the fleet's requests each of this router's stands for: the requests
     the replicas hold (the engines count every router's) over this router's own in
@@ -421,17 +411,21 @@ class KvScoringPolicy:
         for shorter in {n for n in runs.values() if 0 < n < held}:
             heat.share(keys[shorter - 1], now)  # a prefix this prompt shares with others
         hot = heat.share(keys[held - 1], now)
-        pace = _pace(ctx, chosen)
-        if (pace == 1.0 and hot * len(fleet) < HOT_REPLICAS) or chosen.requests <= gap:
-            return None  # not hot even were every replica usable, or no gap to close
+        rate = chosen.prefill_tokens_per_s  # no rate is faster than the configured one
+        fastest: float = getattr(ctx.workload, "prefill_tokens_per_s", None) or rate or 1.0
+        if hot * len(fleet) * (fastest / rate if rate else 1.0) < HOT_REPLICAS:
+            return None  # not hot even were every replica usable and as fast as can be
+        if chosen.requests <= gap:
+            return None  # no gap to close
         if self._heat.lately(ctx.now) * fleet_per_request(state, fleet) < HOT_MIN_REQUESTS:
             return None  # too few requests behind the share to tell it from chance
         least, usable = _least_busy_of(ctx, fleet, self.usable)
         if least is None or chosen.requests - least.requests <= gap:
             return None
-        shares = float(usable)  # fair shares in the fleet: one a usable replica
-        if pace < 1.0:  # or as many as the fleet's speed is ``chosen``'s
-            shares = sum(_pace(ctx, r) for r in fleet if self.usable(r, ctx)) / pace
+        shares = float(usable)  # fair shares in the fleet: one a usable replica, or
+        if rate:  # where rates are known, as many as the fleet's speed is chosen's
+            shares = sum(r.prefill_tokens_per_s or fastest for r in fleet if self.usable(r, ctx))
+            shares /= rate
         if hot * shares < HOT_REPLICAS:
             return None
         target = self.hot_target(ctx, least, fleet, {**runs, HELD: held})

@@ -320,3 +320,22 @@ def test_kv_cost_moves_a_chat_off_a_replica_whose_steps_are_ten_times_longer() -
 
     assert chosen(0.18) == "r1"
     assert chosen(0.0) == "r0"
+
+
+def test_a_replica_slow_in_some_timings_only_is_not_ranked_slower() -> None:
+    """Behind several proxies a timing may wait for another proxy's long prefill: an
+    ordinary replica half of whose timings read ten times the fleet's takes 5.5x as long
+    on the whole, but each of a slower replica's timings is slow, and this one's are
+    not: it keeps the configured rate (ranked by their sum, it drew its prefixes' hot
+    moves and lost bench sim's e2e_shared_prefix 1.5 points of hit rate behind 8)."""
+    ledger = PrefillLedger(prefill_tokens_per_s=10_000)
+    now = 0.0
+    for replica in range(3):
+        for i in range(3):
+            now = serve(ledger, replica, LENGTHS[i % 6], 10_000, now) + 1.0
+    for i in range(16):  # 300 tokens: the fleet's 50 ms, or 0.5 s behind another's prefill
+        ticket = ledger.sent(3, 300, at=now)
+        ledger.first_token(3, ticket, at=now + (0.5 if i % 2 else 0.05))
+        now += 1.0
+    assert ledger.rates.slower(3) == pytest.approx(5.5, rel=0.1)
+    assert ledger.rates.rate(3) == 10_000 and ledger.rates.step_s(3) == 0.0
