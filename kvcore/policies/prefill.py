@@ -13,14 +13,10 @@ last moved. When a first token comes back, the replica has just finished a prefi
 everything still pending starts from there, so that moment *anchors* the queue; between
 anchors the replica works through it at ``rate`` tokens per second::
 
-    queued(r, now) = max(0, pending(r) - rate * (now - anchor(r) - around(r)))
+    queued(r, now) = max(0, pending(r) - rate * (now - anchor(r)))
 
-where ``around(r)`` counts only from a send to an idle replica (nothing pending): the
-request waits there for the step under way and the engine's overhead before its tokens
-(:meth:`PrefillRates.around_s`, the fleet's typical time around a prefill; counted from
-the send, a replica mid-step read idle while its step still ran); from a first token,
-the step has just ended. An idle replica anchors at the next send, and a send never
-inherits more work done than was pending (a replica slower than ``rate``, whose estimate reached
+An idle replica (nothing pending) anchors at the next send, and a send never inherits
+more work done than was pending (a replica slower than ``rate``, whose estimate reached
 zero before its first token, still owes the new request all of it). ``rate`` is only
 used to age the queue between first tokens; an error in it is corrected at the next one.
 
@@ -76,7 +72,6 @@ class _Queue:
     anchor: float = 0.0  # when the replica last started on its pending work
     timed: int = 0  # the ticket sent while nothing was pending, to learn the rate from
     timed_at: float = 0.0  # when it was sent
-    from_idle: bool = False  # anchored by a send to an idle replica, not a first token
 
 
 class PrefillRates:
@@ -242,12 +237,6 @@ class PrefillRates:
         n, tokens, seconds = fit[0], fit[1], fit[2]
         return max((seconds - tokens / self.rate(replica)) / n, 0.0)
 
-    def around_s(self, replica: int) -> float:
-        """Seconds a request waits around its prefill on ``replica`` (as ranked: the
-        fleet's typical replica's :meth:`own_around_s`, plus :meth:`step_s`); 0 before
-        any replica was timed."""
-        return self._around + self._steps.get(replica, 0.0)
-
     def step_s(self, replica: int) -> float:
         """Seconds more than on the fleet's typical replica that a request waits around
         its prefill on ``replica``, for a replica ranked slower than one with no history
@@ -321,7 +310,6 @@ class PrefillLedger:
         ticket = next(self._tickets)
         if not queue.pending:
             queue.anchor = queue.timed_at = at  # idle: the replica starts on it now
-            queue.from_idle = True
             queue.timed = ticket
         else:  # work beyond what it had been sent is no head start on this one
             queue.anchor = max(queue.anchor, at - queue.tokens / self.rates.rate(replica))
@@ -342,7 +330,6 @@ class PrefillLedger:
         if ticket == queue.timed:
             self.rates.observe(replica, tokens, at - queue.timed_at)
         queue.anchor = max(queue.anchor, at)
-        queue.from_idle = False
 
     def prefilled(self, replica: int, ticket: int, at: float) -> None:
         """The request of ``ticket`` was prefilled at some time before ``at`` (its whole
@@ -377,9 +364,7 @@ class PrefillLedger:
         queue = self._queues.get(replica)
         if queue is None or not queue.pending:
             return 0.0
-        rates = self.rates
-        working = now - queue.anchor - (rates.around_s(replica) if queue.from_idle else 0.0)
-        return max(0.0, queue.tokens - rates.rate(replica) * max(0.0, working))
+        return max(0.0, queue.tokens - self.rates.rate(replica) * max(0.0, now - queue.anchor))
 
     def pending(self, replica: int) -> int:
         """This proxy's requests on ``replica`` still waiting for their first token."""
