@@ -25,12 +25,16 @@
  * passed, else the never-used slot the probe ended at (as KeyTable.insert gives it): an
  * engine evicts as many blocks as it stores, so a proxy's table at a steady size reuses
  * some of its evicted keys' slots and is rebuilt less often (1M keys: after ~620,000
- * stored keys instead of ~470,000). rebuild() is that rebuild in one pass: numpy's took
- * a few hundred milliseconds at 1M keys, holding a proxy's event loop.
- * Why: a proxy applies an engine's few dozen stored and evicted blocks between two
- * requests; numpy's dozens of array operations cost ~100 us for 100 keys and left the
- * next decision's code and data out of the caches (its p99 doubled under 200,000 block
- * events/s); here the same change is a few microseconds and touches only its slots.
+ * stored keys instead of ~470,000). Why: a proxy applies an engine's few dozen stored
+ * and evicted blocks between two requests; numpy's dozens of array operations cost ~100
+ * us for 100 keys and left the next decision's code and data out of the caches (its p99
+ * doubled under 200,000 block events/s); here the same change is a few microseconds and
+ * touches only its slots.
+ *
+ * rebuild() moves a slot range of a table into a new one: the index rebuilds a table in
+ * steps, a range per change, and meanwhile leading_runs() and change() read a key absent
+ * from the new table in the old one, from its first slot not moved yet (numpy's rebuild
+ * at once held a proxy's event loop a few hundred milliseconds at 1M keys).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -249,21 +253,62 @@ probe_free(const uint64_t *table, const uint64_t *masks, Py_ssize_t words, uint6
     }
 }
 
+/* The table a resize in steps is moving out of (kvcore/index/compact.py): its slots from
+ * `moved` on still hold their keys' rows; a key found before `moved` was moved to the
+ * new table already, or was a tombstone then. From the arguments old_keys, old_masks,
+ * old_bits, moved (old_keys None: no resize under way); multiplier and words are the new
+ * table's. */
+typedef struct {
+    Table t;
+    int on;
+    uint64_t moved;
+} Old;
+
+static int
+open_old(PyObject *const *args, PyObject *multiplier, PyObject *words, Old *old, int flags)
+{
+    old->on = args[0] != Py_None;
+    if (!old->on)
+        return 0;
+    PyObject *table[5] = {args[0], args[1], args[2], multiplier, words};
+    if (open_table(table, &old->t, flags) < 0)
+        return -1;
+    old->moved = PyLong_AsUnsignedLongLong(args[3]);
+    return old->moved == (uint64_t)-1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* key's row in the old table if it is there from `moved` on, else NULL. */
+static inline uint64_t *
+old_row(const Old *old, uint64_t key)
+{
+    if (!old->on)
+        return NULL;
+    int found;
+    uint64_t home = (key * old->t.multiplier) >> old->t.shift;
+    uint64_t slot = probe(old->t.keys.view.buf, key, home, old->t.wrap, &found);
+    if (!found || slot < old->moved)
+        return NULL;
+    return (uint64_t *)old->t.masks.view.buf + slot * old->t.words;
+}
+
 PyDoc_STRVAR(leading_runs_doc,
-"leading_runs(keys, table_keys, table_masks, bits, multiplier, words, zero, spec, hidden)\n"
+"leading_runs(keys, table_keys, table_masks, bits, multiplier, words, zero, spec, hidden,\n"
+"             old_keys, old_masks, old_bits, moved)\n"
 "\n"
 "Each replica's leading run over keys (a list or tuple of ints in [0, 2**64)), read\n"
 "from a KeyTable's arrays (table_keys: capacity + 1 uint64, table_masks: (capacity + 1)\n"
 "x words uint64, both C-contiguous; capacity = 2**bits). zero: the bitset row of key 0\n"
 "(words uint64); spec: None or a dict of key -> speculative mask (an int) ORed in;\n"
-"hidden: None or a row of replicas to leave out. Runs in the order they end, lowest\n"
-"replica first among those ending together.");
+"hidden: None or a row of replicas to leave out; old_keys .. moved: the table a resize\n"
+"in steps moves out of (keys absent from the first are read there from slot moved on),\n"
+"or old_keys None. Runs in the order they end, lowest replica first among those ending\n"
+"together.");
 
 static PyObject *
 leading_runs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 9) {
-        PyErr_SetString(PyExc_TypeError, "leading_runs takes 9 arguments");
+    if (nargs != 13) {
+        PyErr_SetString(PyExc_TypeError, "leading_runs takes 13 arguments");
         return NULL;
     }
     PyObject *keys = args[0], *spec = args[7];
@@ -279,12 +324,14 @@ leading_runs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     Table t = {0};
+    Old old = {0};
     Buffer zero = {0}, hidden = {0};
     uint64_t *converted = NULL;
     PyObject *runs = NULL;
     if (open_table(args + 1, &t, 0) < 0
         || get_buffer(args[6], &zero, t.words, "zero", 0) < 0
-        || (args[8] != Py_None && get_buffer(args[8], &hidden, t.words, "hidden", 0) < 0))
+        || (args[8] != Py_None && get_buffer(args[8], &hidden, t.words, "hidden", 0) < 0)
+        || open_old(args + 9, args[4], args[5], &old, 0) < 0)
         goto done;
     const uint64_t *table = t.keys.view.buf, *masks = t.masks.view.buf;
     const uint64_t *zero_row = zero.view.buf;
@@ -313,6 +360,9 @@ leading_runs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             int found;
             uint64_t slot = probe(table, key, homes[i], t.wrap, &found);
             held = &masks[(found ? slot : t.capacity) * words]; /* (the absent row: all zero) */
+            const uint64_t *moving = found ? NULL : old_row(&old, key);
+            if (moving != NULL)
+                held = moving;
         }
         memcpy(row, held, words * sizeof(uint64_t));
         /* Speculation matters only for a replica still in the run that lacks the key:
@@ -354,6 +404,7 @@ done:
         Py_CLEAR(runs);
     PyMem_Free(converted);
     close_table(&t);
+    close_table(&old.t);
     release(&zero);
     release(&hidden);
     Py_DECREF(seq);
@@ -361,7 +412,8 @@ done:
 }
 
 PyDoc_STRVAR(change_doc,
-"change(keys, table_keys, table_masks, bits, multiplier, words, replica, added, room, start)\n"
+"change(keys, table_keys, table_masks, bits, multiplier, words, replica, added, room, start,\n"
+"       old_keys, old_masks, old_bits, moved)\n"
 "\n"
 "Add (added true) or remove replica's bit on each key of keys[start:] (a list or tuple\n"
 "of ints in [0, 2**64)) in a KeyTable's arrays (as leading_runs; both written in\n"
@@ -371,16 +423,18 @@ PyDoc_STRVAR(change_doc,
 "done] applied (done < len(keys): the next key needed a slot beyond room), how many\n"
 "bits were set or cleared, the change in rows with any bit, the slots newly used, and\n"
 "whether key 0 was among the keys applied. Nothing is changed if a key is not an int\n"
-"in [0, 2**64).");
+"in [0, 2**64). old_keys .. moved: as leading_runs's (a key absent from the first table\n"
+"and in the old from slot moved on is changed there, in place); then a sixth item: the\n"
+"change in the old table's rows with any bit (included in live).");
 
-/* Add or remove one replica's bit on one key, found or not at slot (when not found and
- * added: a tombstone, reused, or a never-used slot, taken from room); -1: no room. */
+/* Add or remove one replica's bit on one key: found, its row; else (when added) the
+ * row and key cell of a tombstone, reused, or of a never-used slot, taken from room;
+ * -1: no room. */
 static inline int
-apply_key(uint64_t *table, uint64_t *masks, Py_ssize_t words, uint64_t key, uint64_t slot,
-          int found, int reused, Py_ssize_t word, uint64_t bit, int added, Py_ssize_t *room,
+apply_key(uint64_t *cell, uint64_t *row, Py_ssize_t words, uint64_t key, int found,
+          int reused, Py_ssize_t word, uint64_t bit, int added, Py_ssize_t *room,
           Py_ssize_t *changed, Py_ssize_t *live, Py_ssize_t *placed)
 {
-    uint64_t *row = &masks[slot * words];
     if (!found) {
         if (!added)
             return 0;
@@ -389,7 +443,7 @@ apply_key(uint64_t *table, uint64_t *masks, Py_ssize_t words, uint64_t key, uint
                 return -1;
             --*room, ++*placed;
         }
-        table[slot] = key; /* (the row of a tombstone or a never-used slot is all zero) */
+        *cell = key; /* (the row of a tombstone or a never-used slot is all zero) */
         row[word] = bit;
         ++*live, ++*changed;
     } else if (added && !(row[word] & bit)) {
@@ -407,8 +461,8 @@ apply_key(uint64_t *table, uint64_t *masks, Py_ssize_t words, uint64_t key, uint
 static PyObject *
 change(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 10) {
-        PyErr_SetString(PyExc_TypeError, "change takes 10 arguments");
+    if (nargs != 14) {
+        PyErr_SetString(PyExc_TypeError, "change takes 14 arguments");
         return NULL;
     }
     Py_ssize_t replica = PyLong_AsSsize_t(args[6]);
@@ -421,9 +475,11 @@ change(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     Table t = {0};
+    Old old = {0};
     uint64_t *converted = NULL;
     PyObject *result = NULL;
-    if (open_table(args + 1, &t, PyBUF_WRITABLE) < 0)
+    if (open_table(args + 1, &t, PyBUF_WRITABLE) < 0
+        || open_old(args + 10, args[4], args[5], &old, PyBUF_WRITABLE) < 0)
         goto done;
     if (replica < 0 || replica >= 64 * t.words || room < 0 || start < 0 || start > n) {
         PyErr_SetString(PyExc_ValueError,
@@ -441,7 +497,7 @@ change(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (convert_keys(PySequence_Fast_ITEMS(seq) + start, count, t.multiplier, t.shift, table,
                      masks, words, converted, homes) < 0)
         goto done;
-    Py_ssize_t word = replica >> 6, changed = 0, live = 0, placed = 0;
+    Py_ssize_t word = replica >> 6, changed = 0, live = 0, old_live = 0, placed = 0;
     uint64_t bit = (uint64_t)1 << (replica & 63);
     int zero = 0;
     for (; i < count; i++) {
@@ -458,40 +514,53 @@ change(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         uint64_t slot = added ? probe_free(table, masks, words, key, homes[i], t.wrap, &found,
                                            &reused)
                               : probe(table, key, homes[i], t.wrap, &found);
-        if (apply_key(table, masks, words, key, slot, found, reused, word, bit, added, &room,
-                      &changed, &live, &placed) < 0)
+        uint64_t *row = &masks[slot * words], *moving = found ? NULL : old_row(&old, key);
+        if (moving != NULL) /* (not moved yet: changed where it stands) */
+            found = 1, row = moving;
+        if (apply_key(&table[slot], row, words, key, found, reused, word, bit, added, &room,
+                      &changed, moving != NULL ? &old_live : &live, &placed) < 0)
             break;
     }
-    result = Py_BuildValue("(nnnnO)", start + i, changed, live, placed, zero ? Py_True : Py_False);
+    result = Py_BuildValue("(nnnnOn)", start + i, changed, live + old_live, placed,
+                           zero ? Py_True : Py_False, old_live);
 done:
     PyMem_Free(converted);
     close_table(&t);
+    close_table(&old.t);
     Py_DECREF(seq);
     return result;
 }
 
 PyDoc_STRVAR(rebuild_doc,
-"rebuild(table_keys, table_masks, bits, multiplier, words, new_keys, new_masks, new_bits)\n"
+"rebuild(table_keys, table_masks, bits, multiplier, words, new_keys, new_masks, new_bits,\n"
+"        start, stop, room)\n"
 "\n"
-"Place every key of a KeyTable whose row has a bit (tombstones dropped) with its row in\n"
-"an empty KeyTable of the same words and multiplier (new_keys, new_masks: 2**new_bits\n"
-"+ 1 rows, written in place), each in the never-used slot its probe there ends at;\n"
-"the caller makes it big enough. Returns how many were placed.");
+"Place every key of a KeyTable's slots start to stop whose row has a bit (tombstones\n"
+"dropped) with its row in another KeyTable of the same words and multiplier (new_keys,\n"
+"new_masks: 2**new_bits + 1 rows, written in place; none of those keys in it), each in\n"
+"the never-used slot its probe there ends at, at most room of them (ValueError past\n"
+"it: the caller makes the table big enough). Returns how many were placed.");
 
 #define REBUILD_BATCH 32 /* rows whose new homes are asked for before they are placed */
 
 static PyObject *
 rebuild(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "rebuild takes 8 arguments");
+    if (nargs != 11) {
+        PyErr_SetString(PyExc_TypeError, "rebuild takes 11 arguments");
         return NULL;
     }
     PyObject *into[5] = {args[5], args[6], args[7], args[3], args[4]};
     Table from = {0}, to = {0};
     PyObject *result = NULL;
+    uint64_t start = PyLong_AsUnsignedLongLong(args[8]), stop = PyLong_AsUnsignedLongLong(args[9]);
+    Py_ssize_t room = PyLong_AsSsize_t(args[10]);
+    if (PyErr_Occurred())
+        return NULL;
     if (open_table(args, &from, 0) < 0 || open_table(into, &to, PyBUF_WRITABLE) < 0)
         goto done;
+    if (stop > from.capacity)
+        stop = from.capacity;
     if (to.words != from.words || to.multiplier != from.multiplier) {
         PyErr_SetString(PyExc_ValueError, "both tables need the same words and multiplier");
         goto done;
@@ -500,10 +569,10 @@ rebuild(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     uint64_t *new_keys = to.keys.view.buf, *new_masks = to.masks.view.buf;
     Py_ssize_t words = from.words, placed = 0, bytes = words * sizeof(uint64_t);
     uint64_t slots[REBUILD_BATCH], homes[REBUILD_BATCH];
-    uint64_t slot = 0;
-    while (slot < from.capacity) {
+    uint64_t slot = start;
+    while (slot < stop) {
         int batch = 0;
-        for (; slot < from.capacity && batch < REBUILD_BATCH; slot++) {
+        for (; slot < stop && batch < REBUILD_BATCH; slot++) {
             if (row_empty(&masks[slot * words], words))
                 continue;
             slots[batch] = slot;
@@ -513,7 +582,7 @@ rebuild(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             batch++;
         }
         for (int b = 0; b < batch; b++) {
-            if ((uint64_t)placed >= to.capacity * 7 / 8) { /* (a probe must meet a free slot) */
+            if (placed >= room) { /* (a probe must meet a never-used slot) */
                 PyErr_SetString(PyExc_ValueError, "the new table is too small");
                 goto done;
             }

@@ -14,6 +14,10 @@ def leading_runs(
     zero: U64,
     spec: dict[int, int] | None,
     hidden: U64 | None,
+    old_keys: U64 | None,
+    old_masks: U64 | None,
+    old_bits: int,
+    moved: int,
 ) -> dict[int, int]: ...
 def change(
     keys: Sequence[int],
@@ -26,7 +30,11 @@ def change(
     added: bool,
     room: int,
     start: int,
-) -> tuple[int, int, int, int, bool]: ...
+    old_keys: U64 | None,
+    old_masks: U64 | None,
+    old_bits: int,
+    moved: int,
+) -> tuple[int, int, int, int, bool, int]: ...
 def rebuild(
     table_keys: U64,
     table_masks: U64,
@@ -36,4 +44,7 @@ def rebuild(
     new_keys: U64,
     new_masks: U64,
     new_bits: int,
+    start: int,
+    stop: int,
+    room: int,
 ) -> int: ...

@@ -27,7 +27,17 @@ Rules:
   on every request, holds nothing back: ``hold_changes=False``);
 - replicas being cleared step by step are hidden from lookups (their bits are masked
   off) while the steps drop their bits a slot range at a time; a rebuild of the table
-  (it grows) first finishes every such clear.
+  (it grows) first finishes every such clear;
+- where the C is built, a table whose never-used slots ran out during a change is
+  rebuilt in steps: a new table takes new keys while each change moves the next
+  ``migrate_slots`` slots of the old one over (more for a big change: a snapshot's
+  steps; a change finding no room left before the move ends finishes it at once); a key
+  not in the new table is read and changed in the old one from the first slot not moved
+  yet (``_moved``). Anything else that reads or writes the table (snapshots, listings,
+  clears, numpy's paths) finishes the move first. Tombstones, not keys, having filled a
+  table, it is rebuilt at its own size: a proxy's table at a steady count keeps its
+  memory, and its event loop is never held for a whole rebuild (10M keys: 260 ms of CPU
+  at once, before).
 """
 
 from __future__ import annotations
@@ -50,7 +60,7 @@ try:  # the lookup in C, built with the proxy's compiled modules (dataplane/nati
     from kvcore.index import _probe
 
     NATIVE_RUNS: Callable[..., dict[int, int]] | None = _probe.leading_runs
-    NATIVE_CHANGE: Callable[..., tuple[int, int, int, int, bool]] | None = _probe.change
+    NATIVE_CHANGE: Callable[..., tuple[int, int, int, int, bool, int]] | None = _probe.change
     NATIVE_REBUILD: Rebuild | None = _probe.rebuild
 except ImportError:  # a checkout without a C compiler: numpy
     NATIVE_RUNS = NATIVE_CHANGE = NATIVE_REBUILD = None
@@ -58,6 +68,9 @@ except ImportError:  # a checkout without a C compiler: numpy
 _SCALAR_KEYS = 32  # prompts and batches up to this many keys are handled key by key
 _HELD_BATCH = 4_096  # batches up to this many keys are held back (PendingChanges)
 _HELD_KEYS = 65_536  # held keys that make the index apply them without waiting for a read
+_MIGRATE_SLOTS = 4_096  # old slots moved per change while a rebuild is under way, at least
+_MOVED_PER_KEY = 8  # and per key changed, so that a growing table is moved before it fills
+_SAME_SIZE_LOAD = 0.6  # keys (and those coming) up to this load: rebuilt at the same size
 
 
 @dataclass(slots=True)
@@ -85,6 +98,11 @@ class CompactResidencyIndex:
         self.native = NATIVE_RUNS  # (tests set None to check the Python and numpy paths)
         self._pending = PendingChanges()  # small batches, applied in bulk when read
         self.held_keys = _HELD_KEYS if hold_changes else 0
+        self._old: KeyTable | None = None  # the table a rebuild in steps is leaving
+        self._moved = 0  # its slots before this one are in the new table (or were empty)
+        self._unmoved = 0  # keys with a bit set in its slots from there on
+        self.migrate_slots = _MIGRATE_SLOTS  # (tests set a few to step through small tables)
+        self.moved_per_key = _MOVED_PER_KEY
 
     def add(self, replica: int, keys: Iterable[int]) -> None:
         check_replica(replica)
@@ -163,8 +181,12 @@ class CompactResidencyIndex:
             self._counts[replica] -= removed
 
     def _in_c(self, keys: Iterable[int]) -> bool:
-        """Whether a change of ``keys`` goes to C: an array is numpy's already."""
-        return self.native is not None and not isinstance(keys, np.ndarray)
+        """Whether a change of ``keys`` goes to C: an array is numpy's already (which
+        reads one table: a rebuild in steps is finished first)."""
+        if self.native is not None and not isinstance(keys, np.ndarray):
+            return True
+        self._finish_moving()
+        return False
 
     def _change_in_c(self, replica: int, keys: Iterable[int], *, added: bool) -> None:
         """``add`` or ``remove`` in one C pass (:func:`_probe.change`); a table too full
@@ -176,7 +198,7 @@ class CompactResidencyIndex:
         start, changed, zero = 0, 0, False
         while True:
             table = self._table
-            done, count, live, placed, saw_zero = NATIVE_CHANGE(
+            done, count, live, placed, saw_zero, old_live = NATIVE_CHANGE(
                 batch,
                 table.keys,
                 table.masks,
@@ -185,16 +207,19 @@ class CompactResidencyIndex:
                 table.words,
                 replica,
                 added,
-                table.room(),
+                self._room(),
                 start,
+                *self._old_table(),
             )
             table.filled += placed
             self._live += live
+            self._unmoved += old_live
             changed, zero = changed + count, zero or saw_zero
             if done == len(batch):
                 break
-            self._make_room(len(batch) - done)
+            self._make_room(len(batch) - done, in_steps=True)
             start = done
+        self._move(max(self.migrate_slots, self.moved_per_key * len(batch)))
         if zero:
             changed += self._change_zero(replica, added=added)
         if changed:
@@ -276,6 +301,7 @@ class CompactResidencyIndex:
         check_replica(replica)
         self._finish_clearing(replica)
         self._apply_pending()
+        self._finish_moving()  # (a clear steps through one table)
         self._spec.clear_replica(replica)
         self._zero &= ~(1 << replica)
         if not self._counts.pop(replica, 0):
@@ -294,7 +320,7 @@ class CompactResidencyIndex:
         if self._clearing:
             self._finish_clearing(replica)
         if replica >> 6 >= self._table.words:  # a lookup's rows hold the speculative bits too
-            self._table.widen((replica >> 6) + 1)
+            self._column(replica)  # (both tables' rows, a rebuild in steps under way)
         self._spec.add_speculative(replica, keys, expires_at=expires_at)
 
     def expire(self, now: float) -> int:
@@ -302,6 +328,7 @@ class CompactResidencyIndex:
 
     def replicas_of(self, key: int) -> frozenset[int]:
         self._apply_pending()
+        self._finish_moving()
         return frozenset(_bits(self._mask_of(key) & ~self._hidden))
 
     def leading_runs(self, keys: Sequence[int], *, now: float | None = None) -> dict[int, int]:
@@ -327,6 +354,7 @@ class CompactResidencyIndex:
                 row,
                 None if now is None else self._spec.speculative_by_key(now),
                 words_of(self._hidden, words) if self._hidden else None,
+                *self._old_table(),
             )
         speculative = None if now is None else self._spec.speculative_masks(keys, now=now)
         if len(keys) <= self.scalar_keys:
@@ -355,6 +383,7 @@ class CompactResidencyIndex:
         at bit ``r % 64`` of word ``r // 64``), as arrays: a snapshot's contents without
         a Python object per key. Copies; the index may change afterwards."""
         self._apply_pending()
+        self._finish_moving()
         hidden = words_of(self._hidden, self._table.words) if self._hidden else None
         keys, masks = self._table.live_rows(hidden)
         zero = self._zero & ~self._hidden
@@ -368,6 +397,7 @@ class CompactResidencyIndex:
         rows. A rebuild between pieces (the table grew) leaves the rest read from the
         table as it was, whose keys are each in one slot."""
         self._apply_pending()
+        self._finish_moving()
         table = self._table
         zero = self._zero & ~self._hidden
         if zero:
@@ -381,6 +411,7 @@ class CompactResidencyIndex:
     def reserve(self, keys: int) -> None:
         """A rebuild now, to hold ``keys`` in all, instead of one per doubling."""
         self._apply_pending()
+        self._finish_moving()
         if not self._table.has_room(keys - self._live):
             self._make_room(keys - self._live, fill=MAX_LOAD)
 
@@ -388,6 +419,7 @@ class CompactResidencyIndex:
         """Each key's replicas (a row of ``masks``) join those it had; distinct keys,
         as a snapshot's are (a key repeated in one call is counted twice)."""
         self._apply_pending()
+        self._finish_moving()
         for replica in list(self._clearing):
             self._finish_clearing(replica)
         table = self._table
@@ -424,6 +456,7 @@ class CompactResidencyIndex:
 
     def keys_of(self, replica: int) -> list[int]:
         self._apply_pending()
+        self._finish_moving()
         check_replica(replica)
         if self._hidden >> replica & 1 or replica >= 64 * self._table.words:
             return []
@@ -436,6 +469,8 @@ class CompactResidencyIndex:
     def _column(self, replica: int) -> tuple[int, np.uint64]:
         """The word and bit of ``replica`` in a bitset row (widening the rows if needed)."""
         word = replica >> 6
+        if word >= self._table.words:  # (both tables would need the new word)
+            self._finish_moving()
         self._table.widen(word + 1)
         return word, np.uint64(1 << (replica & 63))
 
@@ -475,15 +510,58 @@ class CompactResidencyIndex:
             held &= ~words_of(self._hidden, table.words)
         return held
 
-    def _make_room(self, more: int, fill: float = 0.5) -> bool:
-        """Room for ``more`` keys; whether the table is the one it was."""
+    def _make_room(self, more: int, fill: float = 0.5, *, in_steps: bool = False) -> bool:
+        """Room for ``more`` keys; whether the table is the one it was. ``in_steps``
+        (a change in C): a new table, and the old one's slots moved change by change."""
+        if more <= self._room():
+            return True
+        self._finish_moving()
         if self._table.has_room(more):
             return True
         for replica in list(self._clearing):
             self._finish_clearing(replica)
+        if self._live + more <= _SAME_SIZE_LOAD * self._table.capacity:
+            fill = max(fill, _SAME_SIZE_LOAD)  # tombstones filled it, not keys: its size
+        if in_steps and NATIVE_REBUILD is not None:
+            self._old, self._moved, self._unmoved = self._table, 0, self._live
+            self._table = self._table.resized(self._live + more, fill)
+            self._move(self.migrate_slots)
+            return False
         native = NATIVE_REBUILD if self.native is not None else None
         self._table = self._table.rebuilt(self._live + more, fill, native)
         return False
+
+    def _room(self) -> int:
+        """Never-used slots new keys may take, the keys still to move aside."""
+        return max(0, self._table.room() - self._unmoved)
+
+    def _old_table(self) -> tuple[U64 | None, U64 | None, int, int]:
+        """The table a rebuild in steps is leaving, as the C takes it (old_keys ..
+        moved; old_keys None: none)."""
+        old = self._old
+        if old is None:
+            return None, None, 0, 0
+        return old.keys, old.masks, old.bits, self._moved
+
+    def _move(self, slots: int) -> None:
+        """The next ``slots`` slots of the table being left moved to the new one."""
+        old, table = self._old, self._table
+        if old is None:
+            return
+        assert NATIVE_REBUILD is not None
+        stop = min(self._moved + slots, old.capacity)
+        placed = NATIVE_REBUILD(
+            old.keys, old.masks, old.bits, old.multiplier, old.words,
+            table.keys, table.masks, table.bits, self._moved, stop, table.spare(),
+        )  # fmt: skip
+        table.filled += placed
+        self._moved, self._unmoved = stop, self._unmoved - placed
+        if stop == old.capacity:
+            self._old = None
+
+    def _finish_moving(self) -> None:
+        if self._old is not None:
+            self._move(self._old.capacity)
 
     def _step(self, replica: int, job: _Clearing, budget: int) -> bool:
         """Drop ``replica``'s bit from the next ``budget`` slots; whether slots remain."""

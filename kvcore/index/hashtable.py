@@ -40,8 +40,8 @@ from kvcore.index.base import U64
 
 I64 = npt.NDArray[np.int64]
 # kvcore/index/_probe.c's rebuild: (table_keys, table_masks, bits, multiplier, words,
-# new_keys, new_masks, new_bits) -> keys placed
-Rebuild = Callable[[U64, U64, int, int, int, U64, U64, int], int]
+# new_keys, new_masks, new_bits, start, stop, room) -> keys placed
+Rebuild = Callable[[U64, U64, int, int, int, U64, U64, int, int, int, int], int]
 
 MAX_LOAD = 0.7  # used slots (live and tombstones) / capacity before a rebuild
 _MIN_BITS = 10
@@ -187,20 +187,28 @@ class KeyTable:
         """Never-used slots that new keys may still take before a rebuild."""
         return max(0, int(MAX_LOAD * self.capacity) - self.filled)
 
+    def spare(self) -> int:
+        """Never-used slots a rebuild may fill, past ``room`` (probes must still meet one)."""
+        return max(0, self.capacity * 7 // 8 - self.filled)
+
+    def resized(self, live: int, fill: float = 0.5) -> KeyTable:
+        """An empty table of this one's words and multiplier for ``live`` keys, at most
+        ``fill`` full with them (see :meth:`rebuilt`)."""
+        bits = max(_MIN_BITS, (math.ceil(live / fill) - 1).bit_length())
+        return KeyTable(bits, self.words, self.multiplier)
+
     def rebuilt(self, live: int, fill: float = 0.5, native: Rebuild | None = None) -> KeyTable:
         """A table holding this one's live keys (tombstones dropped), at most ``fill``
         full with ``live`` keys: half, so that it fills a while before its next rebuild,
         or up to ``MAX_LOAD`` when ``live`` is all there will be. ``native``: the same
         in C (kvcore/index/_probe.c ``rebuild``: one pass, several times faster; a
         proxy's event loop waits for it)."""
-        bits = max(_MIN_BITS, (math.ceil(live / fill) - 1).bit_length())
-        table = KeyTable(bits, self.words, self.multiplier)
+        table = self.resized(live, fill)
         if native is not None:
-            placed = native(
+            table.filled = native(
                 self.keys, self.masks, self.bits, self.multiplier, self.words,
-                table.keys, table.masks, bits,
+                table.keys, table.masks, table.bits, 0, self.capacity, table.spare(),
             )  # fmt: skip
-            table.filled = placed
             return table
         used = self.masks[: self.capacity].any(axis=1)
         slots = table.insert(self.keys[: self.capacity][used])

@@ -45,12 +45,22 @@ def proxy_compact() -> CompactResidencyIndex:
     return CompactResidencyIndex(hold_changes=False)
 
 
+def stepwise_compact() -> CompactResidencyIndex:
+    """The proxy's, moving a table it rebuilds three slots a change: reads and changes
+    meet both tables for long, and a growing table's room runs out before its move ends
+    (where the C is built; else as ``numpy_compact``)."""
+    index = proxy_compact()
+    index.migrate_slots, index.moved_per_key = 3, 0
+    return index
+
+
 # (CompactResidencyIndex reads prompts and applies changes in C where it is built: make
 # native, make check)
 FAST: list[Callable[[], Any]] = [
     BitmaskResidencyIndex,
     CompactResidencyIndex,
     proxy_compact,
+    stepwise_compact,
     numpy_compact,
     vectorised_compact,
 ]
@@ -589,10 +599,13 @@ def test_a_change_with_a_key_outside_64_bits_is_refused_whole_in_c() -> None:
     assert (index.key_count(), index.key_count(0), index.key_count(1)) == (2, 2, 0)
 
 
-def test_a_batch_past_the_tables_room_is_applied_across_a_rebuild() -> None:
+@pytest.mark.parametrize("make", [proxy_compact, stepwise_compact], ids=lambda f: f.__name__)
+def test_a_batch_past_the_tables_room_is_applied_across_a_rebuild(
+    make: Callable[[], ResidencyIndex],
+) -> None:
     """A proxy's batch bigger than the room left before a rebuild: the C pass stops at
     the room, the table is rebuilt (tombstones dropped) and the rest applied."""
-    index, oracle = proxy_compact(), ReferenceResidencyIndex()
+    index, oracle = make(), ReferenceResidencyIndex()
     rng = random.Random(9)
     first = [rng.getrandbits(64) for _ in range(600)]
     second = [rng.getrandbits(64) for _ in range(5000)]
@@ -605,13 +618,16 @@ def test_a_batch_past_the_tables_room_is_applied_across_a_rebuild() -> None:
     assert index.leading_runs(second) == oracle.leading_runs(second) == {1: 5000}
 
 
-@pytest.mark.parametrize("make", [proxy_compact, numpy_compact], ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "make", [proxy_compact, stepwise_compact, numpy_compact], ids=lambda f: f.__name__
+)
 def test_keys_coming_and_going_at_a_steady_count_stay_exact_through_slot_reuse_and_rebuilds(
     make: Callable[[], ResidencyIndex],
 ) -> None:
     """Replicas evicting as many keys as they store (an engine at a full cache), a word of
     bitset past 64 too: new keys take removed keys' slots (in C) and the table is rebuilt
-    from time to time, and every key, count and run stays the reference's."""
+    from time to time (in C in steps, reads and changes meeting both tables meanwhile),
+    and every key, count and run stays the reference's, along the way too."""
     index, oracle = make(), ReferenceResidencyIndex()
     rng = random.Random(11)
     held = {replica: [rng.getrandbits(64) for _ in range(400)] for replica in (0, 3, 70)}
@@ -626,6 +642,8 @@ def test_keys_coming_and_going_at_a_steady_count_stay_exact_through_slot_reuse_a
         for impl in (index, oracle):
             impl.add(replica, stored)
             impl.remove(replica, evicted)
+        assert index.leading_runs(held[replica]) == oracle.leading_runs(held[replica])
+        assert index.leading_runs(evicted) == oracle.leading_runs(evicted)
     assert dict(index.holdings()) == dict(oracle.holdings())
     assert [index.key_count(r) for r in (None, 0, 3, 70)] == [
         oracle.key_count(r) for r in (None, 0, 3, 70)
