@@ -15,6 +15,15 @@ requests off a warming replica with :func:`kvcore.warmup.warming_excluded`. Mode
   takes ``new_prefix_share`` of new prefixes, what it holds, and no other request (none
   of the prefixes it is being warmed with until its KV events confirm them, which the
   leader checks every ``CHECK_S``, as the control plane's warmer does).
+- ``transfer``: ``on``'s plan, order, stagger, pace and gate, but each prefix is moved,
+  not computed, as vLLM's KV connectors move it (``source: transfer``): the least loaded
+  replica holding it runs it as a one-token request (a cache hit there: a slot and a step
+  like any request), then the joiner reads its blocks at ``SimConfig.kv_transfer_block_s``
+  a block (the rate :mod:`bench.sim.pd` models), caches them (its KV events then confirm
+  them) and runs its own one-token request, recomputing the last token as vLLM does. A
+  prefix no replica holds is recomputed on the joiner, as ``on``. Up to
+  ``transfer_in_flight`` prefixes move at once (the control plane's
+  :data:`kvcore.warmup.TRANSFERS_IN_FLIGHT`; a move costs the joiner no prefill).
 - ``bound``: not a router but a measure of what any warm-up could win: ``on`` with its
   prefills free. Each planned prefix appears in the joiner's cache at the moment it would
   if the prefixes were prefilled back to back (each its engine prefill time), costing the
@@ -45,6 +54,7 @@ from bench.sim.workloads import Request, SharedPrefix, Workload
 from kvcore.policies import ReplicaState
 from kvcore.policies.board import ReplicaBoard
 from kvcore.warmup import (
+    TRANSFERS_IN_FLIGHT,
     HotPrefix,
     HotPrefixes,
     Pacer,
@@ -56,7 +66,7 @@ from kvcore.warmup import (
 )
 from kvcore.workload import WarmupSettings
 
-Mode = Literal["off", "on", "smg", "bound"]
+Mode = Literal["off", "on", "smg", "bound", "transfer"]
 MODES: tuple[Mode, ...] = ("off", "on", "smg")
 SMG_WARMUP_S = 60.0
 SMG_SHARE = 0.25
@@ -134,6 +144,7 @@ class _Joined:
     warming: Warming | None = None
     pacer: Pacer | None = None
     smg_until: float = -math.inf
+    in_flight: int = 0  # mode transfer: sends not yet answered
 
 
 class ChangingFleet(Simulation):
@@ -150,8 +161,10 @@ class ChangingFleet(Simulation):
         changes: Sequence[Change],
         warmup: WarmupSettings,
         restart_s: float = 5.0,
+        transfer_in_flight: int = TRANSFERS_IN_FLIGHT,
     ) -> None:
         self.mode = mode
+        self.transfer_in_flight = transfer_in_flight
         self.warmup = warmup
         self.share = SMG_SHARE if mode == "smg" else warmup.new_prefix_share
         self.routable: set[int] = set(range(start_replicas))
@@ -159,6 +172,7 @@ class ChangingFleet(Simulation):
         self.left: dict[int, float] = {}  # drained replica -> when it left
         self.restart_s = restart_s
         self.warm_sent = 0
+        self.transfers = 0  # mode transfer: prefixes moved from a holder (the rest recomputed)
         self._warm_rids = iter(range(-2, -(10**9), -1))
         self._now = 0.0
         self._ids: dict[int, int] = {}
@@ -209,7 +223,7 @@ class ChangingFleet(Simulation):
         elif change.kind == "restart":
             self._leave(change.replica, now, then=self._restart)
         else:
-            if self.mode == "on":
+            if self.mode in ("on", "transfer"):
                 self._rehome(change.replica, now)
             self._leave(change.replica, now, then=lambda r, t: self.left.__setitem__(r, t))
 
@@ -239,7 +253,7 @@ class ChangingFleet(Simulation):
         self.joined.append(joined)
         if self.mode == "smg":
             joined.smg_until = now + SMG_WARMUP_S
-        elif self.mode == "on":
+        elif self.mode in ("on", "transfer"):
             joined.warming = self._plan_warmup(replica, now)
             joined.pacer = Pacer(self.warmup.tokens_per_s, now)
             self._push(now, _CONTROL, lambda t: self._warm_next(joined, t))
@@ -320,14 +334,18 @@ class ChangingFleet(Simulation):
         assert warming is not None
         warming.cursor += 1  # landed: no longer in its queue (what stagger reads)
         warming.sent += 1
-        model = self.replicas[joined.replica]
-        pool = model.pool
+        self._land(joined.replica, keys, now)
+
+    def _land(self, replica: int, keys: list[int], now: float) -> None:
+        """``keys``' blocks cached in ``replica``'s pool (free, evictable) and published,
+        as prefilled ones are, without taking any of its steps."""
+        pool = self.replicas[replica].pool
         digests: Any = keys  # the pool treats digests as opaque ids (router keys here)
         hits = pool.longest_cached_prefix(digests)
         blocks = [*hits, *pool.allocate(len(keys) - len(hits))]
         pool.cache_run(blocks[len(hits) :], digests[len(hits) :], None, (), None)
         pool.free(blocks)
-        self._publish(joined.replica, pool.take_events(), now)
+        self._publish(replica, pool.take_events(), now)
 
     def _warm_next(self, joined: _Joined, now: float) -> None:
         """Send the next prefix once the one before is answered (as the leader does: one
@@ -341,6 +359,8 @@ class ChangingFleet(Simulation):
         if now >= warming.deadline():
             warming.end("timeout", now)
             return
+        if self.mode == "transfer" and joined.in_flight >= self.transfer_in_flight:
+            return  # an answer calls again
         while warming.cursor < len(warming.steps):
             step = warming.steps[warming.cursor]
             keys = self._keys(step.prefix)
@@ -366,8 +386,52 @@ class ChangingFleet(Simulation):
         warming.cursor += 1
         warming.sent += 1
         warming.sent_tokens += tokens
-        rid = self._send_warm(joined.replica, keys, now)
-        self._after_warm[rid] = lambda t: self._warm_next(joined, t)
+        if self.mode != "transfer":
+            rid = self._send_warm(joined.replica, keys, now)
+            self._after_warm[rid] = lambda t: self._warm_next(joined, t)
+            return
+        joined.in_flight += 1
+        holder = self._holder(keys, joined.replica)
+        if holder is None:  # no replica holds it: recompute it on the joiner
+            rid = self._send_warm(joined.replica, keys, now)
+            self._after_warm[rid] = lambda t: self._answered(joined, t)
+        else:
+            self.transfers += 1
+            rid = self._send_warm(holder, keys, now)
+            self._after_warm[rid] = lambda t: self._transfer(joined, keys, t)
+        if joined.in_flight < self.transfer_in_flight:
+            self._push(now, _CONTROL, lambda t: self._warm_next(joined, t))
+
+    def _answered(self, joined: _Joined, now: float) -> None:
+        joined.in_flight -= 1
+        self._warm_next(joined, now)
+
+    def _holder(self, keys: list[int], joiner: int) -> int | None:
+        """Mode ``transfer``: the least loaded routable replica whose KV events show it
+        holds all of ``keys`` (the leader reads the residency map), or None."""
+        index = cast_router(self.routers[0]).index
+        runs = index.leading_runs(keys, now=None)
+        holders = [r for r in self.routable - {joiner} if runs.get(r, 0) >= len(keys)]
+        if not holders:
+            return None
+        return min(
+            holders, key=lambda r: (self.replicas[r].running + self.replicas[r].num_waiting, r)
+        )
+
+    def _transfer(self, joined: _Joined, keys: list[int], now: float) -> None:
+        """The holder answered its one-token request: the joiner reads the blocks it
+        lacks, caches them, then runs the prompt as a one-token request (its last token
+        recomputed, the rest hits), and the next prefix follows its answer."""
+        pool = self.replicas[joined.replica].pool
+        held = pool.longest_cached_prefix(cast(Any, keys))
+        read_s = (len(keys) - len(held)) * self.config.kv_transfer_block_s
+
+        def landed(t: float) -> None:
+            self._land(joined.replica, keys, t)
+            rid = self._send_warm(joined.replica, keys, t)
+            self._after_warm[rid] = lambda t2: self._answered(joined, t2)
+
+        self._push(now + read_s, _CONTROL, landed)
 
     def _forget_rates(self, replica: int) -> None:
         """A warm-up's end: the proxies forget the prefill rate they learned of the
@@ -475,6 +539,7 @@ class FleetRun:
     hit_catch_up_s: list[float | None]
     warm_requests: int
     share_after: list[float]  # each replica's share of requests after the last change
+    transfers: int = 0  # mode transfer: prefixes moved from a holder, not recomputed
 
 
 def _workload(scenario: FleetScenario, seed: int) -> Workload:
@@ -498,6 +563,7 @@ def run_fleet(
     seed: int = 1,
     spec: str = "kv_cost",
     warmup: WarmupSettings | None = None,
+    transfer_in_flight: int = TRANSFERS_IN_FLIGHT,
 ) -> FleetRun:
     settings = warmup or settings_of(enabled=True, min_requests=4)
     config = SimConfig(replicas=scenario.total_replicas, shape=shape(), router_instances=1)
@@ -509,6 +575,7 @@ def run_fleet(
         start_replicas=scenario.start_replicas,
         changes=scenario.changes,
         warmup=settings,
+        transfer_in_flight=transfer_in_flight,
     )
     outcome = fleet.run()
     requests = [r for r in outcome.requests if r.replica >= 0]
@@ -530,6 +597,7 @@ def run_fleet(
         hit_catch_up_s=[h for _, h in _catch_ups(fleet, done, scenario)],
         warm_requests=fleet.warm_sent,
         share_after=_shares([r for r in done if r.arrival >= high], scenario.total_replicas),
+        transfers=fleet.transfers,
     )
 
 
@@ -621,10 +689,13 @@ def report(runs: Sequence[FleetRun]) -> str:
         ttft = f"{r.ttft_p50_s:.3f} / {r.ttft_p90_s:.3f} / {r.ttft_p99_s:.3f}"
         after = "" if r.hit_rate_after is None else f"{r.hit_rate_after:.1%}"
         catch = ", ".join(_cell(c) for c in r.catch_up_s) or "-"
+        warm = (
+            f"{r.warm_requests} ({r.transfers} moved)" if r.mode == "transfer" else r.warm_requests
+        )
         hit = ", ".join(_cell(c) for c in r.hit_catch_up_s) or "-"
         lines.append(
             f"| {r.scenario} | {r.seed} | {r.mode} | {catch} | {hit} | {ttft} | "
-            f"{r.hit_rate:.1%} | {after} | {r.lost} | {r.warm_requests} |"
+            f"{r.hit_rate:.1%} | {after} | {r.lost} | {warm} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -640,13 +711,15 @@ def targets(runs: Sequence[FleetRun]) -> str:
     least 30% lower)."""
     lines = [
         "| scenario | seed | 90% hit rate, off / on s | sooner | share at 90% hit, off / on s "
-        "| TTFT p90 off / on s | change | smg model p90 s | bound p90 s (change) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| TTFT p90 off / on s | change | smg model p90 s | bound p90 s (change) "
+        "| transfer: 90% hit s, p90 s (change) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     by = {(r.scenario, r.seed, r.mode): r for r in runs}
     for (scenario, seed, mode), off in by.items():
         on, smg = by.get((scenario, seed, "on")), by.get((scenario, seed, "smg"))
         bound = by.get((scenario, seed, "bound"))
+        moved = by.get((scenario, seed, "transfer"))
         if mode != "off" or on is None or not off.hit_catch_up_s:
             continue
         horizon = SCENARIOS[scenario].duration_s
@@ -661,9 +734,15 @@ def targets(runs: Sequence[FleetRun]) -> str:
             f"| {scenario} | {seed} | {hit_off:.1f} / {hit_on:.1f} | {sooner} | "
             f"{both_off:.1f} / {both_on:.1f} | {off.ttft_p90_s:.3f} / {on.ttft_p90_s:.3f} | "
             f"{change:+.0%} | {'' if smg is None else f'{smg.ttft_p90_s:.3f}'} | "
-            f"{_against(bound, off)} |"
+            f"{_against(bound, off)} | {_transfer_cell(moved, off, horizon)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _transfer_cell(run: FleetRun | None, off: FleetRun, horizon: float) -> str:
+    if run is None:
+        return ""
+    return f"{_seconds(run.hit_catch_up_s, horizon):.1f}, {_against(run, off)}"
 
 
 def _against(run: FleetRun | None, off: FleetRun) -> str:
@@ -689,8 +768,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--modes",
         default=",".join(MODES),
-        help="comma-separated, of off, on, smg, bound (default off,on,smg; bound: on with "
-        "its prefills free, a measure of what any warm-up could win)",
+        help="comma-separated, of off, on, smg, bound, transfer (default off,on,smg; bound: "
+        "on with its prefills free, a measure of what any warm-up could win; transfer: on "
+        "with each prefix read from a replica holding it, as vLLM's KV connectors move it)",
+    )
+    parser.add_argument(
+        "--transfer-in-flight",
+        type=int,
+        default=TRANSFERS_IN_FLIGHT,
+        help="mode transfer: prefixes moved to a joiner at once (default "
+        f"{TRANSFERS_IN_FLIGHT}, the control plane's; 1: one at a time, as on sends them)",
     )
     parser.add_argument("--out", type=Path, default=Path("bench/results/fleet-changes"))
     args = parser.parse_args(argv)
@@ -701,7 +788,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in args.scenario or list(SCENARIOS):
         for seed in (int(s) for s in args.seeds.split(",")):
             for mode in modes:
-                run = run_fleet(SCENARIOS[name], cast(Mode, mode), seed=seed)
+                run = run_fleet(
+                    SCENARIOS[name],
+                    cast(Mode, mode),
+                    seed=seed,
+                    transfer_in_flight=args.transfer_in_flight,
+                )
                 runs.append(run)
                 print(report([run]).splitlines()[-1], flush=True)
     lost = sum(r.lost for r in runs)

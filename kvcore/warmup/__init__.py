@@ -13,6 +13,11 @@ from kvcore.warmup.hot_prefixes import HotPrefix, HotPrefixes, depths
 from kvcore.warmup.plan import Pacer, Step, Warming, plan, stagger
 from kvcore.workload.warmup import WarmupSettings
 
+# A warm-up by transfer (``source: transfer``) keeps this many prefixes moving at once: a
+# move costs the warming replica no prefill, and each waits for a slot on a replica that
+# holds it (one step there), so one at a time would spend the warm-up in their queues
+TRANSFERS_IN_FLIGHT = 8
+
 
 def settings_of(**fields: object) -> WarmupSettings:
     """Warm-up settings from keyword fields, validated (tests, the simulator)."""
@@ -20,6 +25,7 @@ def settings_of(**fields: object) -> WarmupSettings:
 
 
 __all__ = [
+    "TRANSFERS_IN_FLIGHT",
     "HotPrefix",
     "HotPrefixes",
     "Pacer",

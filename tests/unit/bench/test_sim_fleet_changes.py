@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import dataclasses
 
-from bench.sim.fleet_changes import SCENARIOS, Change, run_fleet
+from bench.sim.fleet_changes import SCENARIOS, Change, FleetScenario, run_fleet
 
 SMALL = dict(groups=4, rate=6.0, output_tokens=32, system_tokens=2048, question_tokens=64)
 
 
-def test_warm_up_fills_joining_replicas_before_they_serve_and_nothing_is_lost() -> None:
-    scenario = dataclasses.replace(
+def small_scale_out() -> FleetScenario:
+    """4 -> 6 replicas at 15 s under SMALL's load."""
+    return dataclasses.replace(
         SCENARIOS["scale_out"],
         changes=(Change(15.0, "add", 4), Change(15.0, "add", 5)),
         duration_s=45.0,
         transition=(15.0, 30.0),
         **SMALL,
     )
+
+
+def test_warm_up_fills_joining_replicas_before_they_serve_and_nothing_is_lost() -> None:
+    scenario = small_scale_out()
     on = run_fleet(scenario, "on", seed=1)
     assert on.lost == 0
     assert on.warm_requests >= 2 * SMALL["groups"] - 2  # each joiner, (nearly) every group
@@ -42,14 +47,27 @@ def test_the_bound_fills_joiners_at_the_prefill_pace_without_a_request() -> None
     """Mode bound, the measure of what any warm-up could win: the same plan lands in the
     joiners' caches (their catch-up as quick as on's) and no warm-up request takes their
     steps, so their TTFT is no worse than on's."""
-    scenario = dataclasses.replace(
-        SCENARIOS["scale_out"],
-        changes=(Change(15.0, "add", 4), Change(15.0, "add", 5)),
-        duration_s=45.0,
-        transition=(15.0, 30.0),
-        **SMALL,
-    )
+    scenario = small_scale_out()
     on, bound = run_fleet(scenario, "on", seed=1), run_fleet(scenario, "bound", seed=1)
     assert bound.lost == 0 and bound.warm_requests == 0
     assert bound.hit_catch_up_s[0] is not None and bound.hit_catch_up_s[0] <= 4.0
     assert bound.ttft_p90_s <= on.ttft_p90_s
+
+
+def test_transfer_moves_the_prefixes_from_their_holders_and_recomputes_the_rest() -> None:
+    """Mode transfer: each prefix some replica holds is moved (a one-token request there,
+    then the joiner reads its blocks), so the joiners catch up as on's do; a replica
+    fleet restarted all at once (no replica holds any prefix) recomputes them instead."""
+    scenario = small_scale_out()
+    moved = run_fleet(scenario, "transfer", seed=1)
+    assert moved.lost == 0
+    assert moved.transfers >= 2 * SMALL["groups"] - 2  # each joiner, (nearly) every group
+    assert moved.warm_requests == 2 * moved.transfers  # a pair each, nothing recomputed
+    assert moved.hit_catch_up_s[0] is not None and moved.hit_catch_up_s[0] <= 4.0
+    together = dataclasses.replace(
+        SCENARIOS["rolling_restart"], start_replicas=2, total_replicas=2,
+        changes=(Change(10.0, "restart", 0), Change(10.0, "restart", 1)), duration_s=30.0,
+        transition=(10.0, 25.0), **SMALL,
+    )  # fmt: skip
+    run = run_fleet(together, "transfer", seed=2)
+    assert run.lost == 0 and run.transfers == 0 and run.warm_requests >= 1
