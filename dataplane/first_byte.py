@@ -67,7 +67,7 @@ class FirstByteDeadlines:
     the requests waiting for their first bytes."""
 
     __slots__ = (
-        "_asked", "_asking", "_clock", "_expired", "_heard", "_typical", "_waiting",
+        "_asked", "_asking", "_clock", "_expired", "_heard", "_loop", "_typical", "_waiting",
         "_whole", "ask", "cap_s", "factor", "floor_s", "slowest_tokens_per_s", "tick_s",
     )  # fmt: skip
 
@@ -94,6 +94,7 @@ class FirstByteDeadlines:
         self._asked: dict[str, float] = {}  # replica id -> when its last probe went out
         self._asking: set[asyncio.Task[None]] = set()  # probes out
         self._expired: set[asyncio.Task[Any]] = set()  # cancelled here, not yet told
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one :meth:`run` runs on
 
     def deadline_s(self, replica_id: str, uncached_tokens: int) -> float:
         """Seconds a request sent now to ``replica_id`` may wait for its first bytes
@@ -119,8 +120,7 @@ class FirstByteDeadlines:
     def begin(self, deadline_s: float) -> asyncio.Task[Any]:
         """The running request waits for first bytes from now on, ``deadline_s`` at most;
         past it, :meth:`run` cancels it. Call :meth:`end` once it stops waiting."""
-        task = asyncio.current_task()
-        assert task is not None
+        task = self._current_task()
         self._waiting[task] = self._clock() + deadline_s
         return task
 
@@ -128,9 +128,20 @@ class FirstByteDeadlines:
         """The running request waits for a whole answer from ``endpoint``: :meth:`run`
         cancels it once the replica has been silent for ``deadline_s``. Call
         :meth:`end` once it stops waiting."""
-        task = asyncio.current_task()
-        assert task is not None
+        task = self._current_task()
         self._whole[task] = (endpoint, self._clock(), deadline_s)
+        return task
+
+    def _current_task(self) -> asyncio.Task[Any]:
+        """The running request: the current task of the loop :meth:`run` runs on, asked
+        by that loop (``asyncio.current_task()`` finds the running loop first, which
+        costs a ``getpid()`` call: a few microseconds a request on a virtual machine);
+        else, or when that loop runs nothing now, of the running loop."""
+        loop = self._loop
+        task = None if loop is None else asyncio.current_task(loop)
+        if task is None:
+            task = asyncio.current_task()
+        assert task is not None
         return task
 
     def end(self, task: asyncio.Task[Any]) -> bool:
@@ -146,6 +157,7 @@ class FirstByteDeadlines:
 
     async def run(self) -> None:
         """Cancel every request past its deadline, each ``tick_s``."""
+        self._loop = asyncio.get_running_loop()
         try:
             while True:
                 await asyncio.sleep(self.tick_s)  # the deadlines' resolution
@@ -157,6 +169,7 @@ class FirstByteDeadlines:
                 if self._whole:
                     self._watch_silences(now)
         finally:
+            self._loop = None
             for probe in list(self._asking):
                 probe.cancel()
 

@@ -48,6 +48,14 @@ index keeps one record per replica per tick (``kvcore.index.bitmask``)."""
 _TICKS_PER_S = round(1 / SPECULATION_TICK_S)  # a power of 2: the rounded times are exact
 
 
+def configured_rate(workload: object) -> float | None:
+    """The prefill rate ``workload`` assumes for a replica that reports none (kv_cost's
+    ``prefill_tokens_per_s``), ``None`` for a strategy without one. Not ``getattr`` with
+    a default: on a pydantic model a missing attribute goes through its ``__getattr__``,
+    which raises inside, and that cost kv_aware's proxy several microseconds a request."""
+    return workload.prefill_tokens_per_s if isinstance(workload, KvCostWorkload) else None
+
+
 def queue_load(replica: ReplicaState) -> float:
     """0-1: the replica's requests (running, waiting, sent since its last report) over
     its capacity. KV usage is left out: a busy engine serving long prompts keeps its KV
@@ -291,7 +299,7 @@ class KvScoringPolicy:
         now, placed_blocks, admits = ctx.now, state.placed_blocks, found.admits
         usable: list[ReplicaState] = []
         placed: list[float] = []
-        configured = getattr(ctx.workload, "prefill_tokens_per_s", None)
+        configured = configured_rate(ctx.workload)
         slowest = 1.0  # the slowest usable replica's rate over the configured one
         for replica in found.fleet:
             if admits(replica):
@@ -412,7 +420,7 @@ class KvScoringPolicy:
             heat.share(keys[shorter - 1], now)  # a prefix this prompt shares with others
         hot = heat.share(keys[held - 1], now)
         rate = chosen.prefill_tokens_per_s  # no rate is faster than the configured one
-        fastest: float = getattr(ctx.workload, "prefill_tokens_per_s", None) or rate or 1.0
+        fastest: float = configured_rate(ctx.workload) or rate or 1.0
         if hot * len(fleet) * (fastest / rate if rate else 1.0) < HOT_REPLICAS:
             return None  # not hot even were every replica usable and as fast as can be
         if chosen.requests <= gap:
