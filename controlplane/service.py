@@ -32,7 +32,7 @@ from controlplane.fleet.learned_rates import LearnedRates
 from controlplane.fleet.metrics import FleetCollector
 from controlplane.fleet.routing_server import RoutingStateService, start_server
 from controlplane.fleet.warmup import Warmer, WarmupCollector, workloads_of
-from controlplane.fleet.warmup_client import EngineCompletions
+from controlplane.fleet.warmup_transfer import EngineTransfers
 from controlplane.settings import ControlPlaneSettings
 from kvcore.pb import routing_pb2
 from kvruntime.sockets import bind_tcp
@@ -141,13 +141,14 @@ class ControlPlane:
         )
         self.ingest = Ingest(settings, self.fleet)
         self.leadership = Leadership(settings, self.etcd, self.fleet)
-        self.completions = EngineCompletions()
+        self.completions = EngineTransfers()  # sends warm-up completions, and moves
         self.warmer = Warmer(
             self.fleet,
             lambda: workloads_of(self.records.config.current()),
             self.leadership.is_leader,
             self.completions.send,
             share=self.leadership.share_warmup,
+            move=self.completions.move,
         )
         self.leadership.on_step_down(self.warmer.step_down)
         self.learned = LearnedRates()

@@ -56,18 +56,10 @@ from dataplane.relay import usage_of
 from dataplane.upstream import Opened, Retriable
 from kvcore.decode_choice import DecodeCandidate, choose_decode
 from kvcore.policies import Decision
-from kvcore.roles import Role, sglang_disaggregation
+from kvcore.roles import Role, sglang_disaggregation, vllm_prefill_params
 
 SGLANG_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
 TRANSFER_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
-_VLLM_PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,7 +389,7 @@ def _without_transfer(request: Any) -> dict[str, Any]:
 def _vllm_prefill_body(request: dict[str, Any]) -> dict[str, Any]:
     """vLLM's proxy's prefill request: one token, no stream, ``do_remote_decode``."""
     first = {k: v for k, v in request.items() if k != "stream_options"}
-    first.update(kv_transfer_params=dict(_VLLM_PREFILL_PARAMS), max_tokens=1, stream=False)
+    first.update(kv_transfer_params=vllm_prefill_params(), max_tokens=1, stream=False)
     if "max_completion_tokens" in first:
         first["max_completion_tokens"] = 1
     return first

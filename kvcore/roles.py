@@ -24,6 +24,26 @@ ROLE_NAMES: dict[int, Role] = {
 }
 
 
+# vLLM's KV connectors (NIXL's in ``kv_both`` role) take the role per request, from its
+# ``kv_transfer_params``: a prefill for a decode engine elsewhere carries these (as vLLM's
+# disaggregated-serving proxy sends them); its answer carries the parameters the decode
+# engine is then sent with (``do_remote_prefill`` and the blocks to read). The proxy's
+# P/D and the control plane's warm-up by transfer both send them.
+_VLLM_PREFILL_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def vllm_prefill_params() -> dict[str, Any]:
+    """A fresh copy of the ``kv_transfer_params`` of a vLLM prefill for a remote decode."""
+    return dict(_VLLM_PREFILL_PARAMS)
+
+
 def role_name(value: int) -> Role:
     """The name of a role on the wire; an unknown value (a newer peer's) is ``both``."""
     return ROLE_NAMES.get(value, "both")

@@ -49,8 +49,8 @@ from prometheus_client.registry import Collector
 
 from controlplane.fleet.fleet import Fleet, ReplicaRecord
 from kvcore.keys import chain_keys, root_key
-from kvcore.pb import routing_pb2
-from kvcore.warmup import HotPrefix, Pacer, Step, Warming, plan, stagger
+from kvcore.pb import events_pb2, routing_pb2
+from kvcore.warmup import TRANSFERS_IN_FLIGHT, HotPrefix, Pacer, Step, Warming, plan, stagger
 from kvcore.workload import InvalidWorkload, Workload, parse_workload
 from kvruntime.tasks import BackgroundTasks
 
@@ -72,6 +72,9 @@ class WarmupFailed(RuntimeError):
 # base URL, model, token ids -> None, or raises WarmupRefused / WarmupFailed
 Send = Callable[[str, str, list[int]], Awaitable[None]]
 Share = Callable[[str, str, frozenset[int] | None], None]  # (pool, replica id, pending)
+# source base URL, target base URL, model, token ids -> None, or raises WarmupFailed
+# (warmup_transfer.EngineTransfers.move: the prefix read by the target, not computed)
+Move = Callable[[str, str, str, list[int]], Awaitable[None]]
 
 
 @dataclass
@@ -177,6 +180,8 @@ class WarmupCounters:
     confirmed: int = 0
     failed: int = 0
     rehomed: int = 0
+    moved: int = 0  # source transfer: prefixes read from a replica holding them
+    fell_back: int = 0  # source transfer: recomputed instead (no holder, failed, SGLang)
     outcomes: dict[str, int] = field(default_factory=dict)
 
 
@@ -193,6 +198,7 @@ class Warmer:
         interval_s: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
         share: Share | None = None,
+        move: Move | None = None,
     ) -> None:
         self.fleet = fleet
         self.store = HotPrefixStore()
@@ -203,6 +209,7 @@ class Warmer:
         self._interval_s = interval_s
         self._clock = clock
         self._share = share
+        self._move = move
         self._jobs: dict[str, _Job] = {}  # replica id -> its warm-up, running or last
         self._done: set[str] = set()  # warmed (or found nothing to warm) since last empty
         self._rehomed: set[str] = set()  # drained replicas whose prefixes were sent away
@@ -413,7 +420,10 @@ class Warmer:
         assert announce is not None
         pacer = Pacer(warming.settings.tokens_per_s, self._clock())
         in_a_row = 0
+        moves = self._moves(record, warming)
         for step in warming.steps:
+            if moves is not None:
+                await moves.room()
             if not warming.warming or not self._current(job):
                 return
             warming.cursor += 1
@@ -432,17 +442,19 @@ class Warmer:
                 if not self._current(job):
                     return
             pacer.take(tokens, self._clock())
+            if moves is not None:
+                name = f"warmup-move-{record.replica_id}"
+                moves.add(self._spawn_send(self._move_one(job, warming, step, moves), name))
+                continue
             in_a_row = await self._send_one(announce.base_url, warming, step, in_a_row)
             if in_a_row < 0:
                 return
+        if moves is not None:
+            await moves.drain()
 
     async def _send_one(self, base_url: str, warming: Warming, step: Step, in_a_row: int) -> int:
         """Send one prefix; the failures in a row after it (-1: the warm-up ended)."""
-        tokens = len(step.prefix.tokens)
-        warming.sent += 1
-        warming.sent_tokens += tokens
-        self.counters.sent += 1
-        self.counters.sent_tokens += tokens
+        self._count_sent(warming, step)
         try:
             await self._send(base_url, step.prefix.model, list(step.prefix.tokens))
         except WarmupRefused as exc:
@@ -456,6 +468,78 @@ class Warmer:
                 return -1
             return in_a_row + 1
         return 0
+
+    # -- by transfer (source: transfer) ----------------------------------------------------
+
+    def _moves(self, record: ReplicaRecord, warming: Warming) -> _Moves | None:
+        """The moves in flight of a warm-up by transfer (None: by recompute)."""
+        if warming.settings.source != "transfer" or self._move is None:
+            return None
+        announce = record.announce
+        if announce is not None and announce.engine_kind == events_pb2.ENGINE_KIND_SGLANG:
+            log.info(
+                "warm-up of %s: source transfer needs vLLM engines with a KV connector in "
+                "kv_both role; %s is SGLang: its prefixes are recomputed",
+                record.replica_id,
+                record.replica_id,
+            )
+        return _Moves(TRANSFERS_IN_FLIGHT)
+
+    async def _move_one(self, job: _Job, warming: Warming, step: Step, moves: _Moves) -> None:
+        """Move one prefix to the warming replica from the least loaded replica holding
+        it; recompute it there when none does or the move fails (counted: fell_back)."""
+        record = job.record
+        announce = record.announce
+        assert announce is not None
+        source = self._source(job, step.prefix)
+        if source is not None and source.announce is not None and self._move is not None:
+            tokens = list(step.prefix.tokens)
+            try:
+                await self._move(
+                    source.announce.base_url, announce.base_url, announce.model, tokens
+                )
+            except WarmupFailed as exc:
+                log.warning(
+                    "moving a warm-up prefix from %s to %s failed, recomputing it: %s",
+                    source.replica_id,
+                    record.replica_id,
+                    exc,
+                )
+            else:
+                self._count_sent(warming, step)
+                self.counters.moved += 1
+                moves.in_a_row = 0
+                return
+        self.counters.fell_back += 1
+        if warming.warming and self._current(job):
+            in_a_row = await self._send_one(announce.base_url, warming, step, moves.in_a_row)
+            moves.in_a_row = max(0, in_a_row)
+
+    def _source(self, job: _Job, prefix: HotPrefix) -> ReplicaRecord | None:
+        """The least loaded other replica whose KV events show it holds all of
+        ``prefix``: announced with the warming replica's model, up, not draining, a vLLM
+        engine not in the decode role; None when there is none."""
+        record = job.record
+        if record.announce is None or record.announce.engine_kind == events_pb2.ENGINE_KIND_SGLANG:
+            return None
+        self._held(job, record, prefix)  # fills job.keys
+        runs = self.fleet.index.leading_runs(job.keys[prefix.key])
+        holders = [
+            other
+            for ordinal, run in runs.items()
+            if run >= prefix.blocks
+            and (other := self.fleet.by_ordinal.get(ordinal)) is not None
+            and other is not record
+            and _can_send(other, record.announce.model)
+        ]
+        return min(holders, key=_busy, default=None)
+
+    def _count_sent(self, warming: Warming, step: Step) -> None:
+        tokens = len(step.prefix.tokens)
+        warming.sent += 1
+        warming.sent_tokens += tokens
+        self.counters.sent += 1
+        self.counters.sent_tokens += tokens
 
     def _failed(self, warming: Warming, step: Step, why: str) -> None:
         warming.failed += 1
@@ -506,11 +590,50 @@ class Warmer:
             and not r.down
             and not r.is_draining
         ]
-        return min(
-            candidates,
-            key=lambda r: (r.load.running + r.load.waiting) if r.load else 0,
-            default=None,
-        )
+        return min(candidates, key=_busy, default=None)
+
+
+def _busy(record: ReplicaRecord) -> int:
+    """Requests running and waiting on ``record`` at its last load report."""
+    return (record.load.running + record.load.waiting) if record.load else 0
+
+
+def _can_send(record: ReplicaRecord, model: str) -> bool:
+    """Whether ``record`` may be a warm-up transfer's source for ``model``."""
+    announce = record.announce
+    return (
+        announce is not None
+        and announce.model == model
+        and announce.engine_kind != events_pb2.ENGINE_KIND_SGLANG
+        and announce.role != events_pb2.REPLICA_ROLE_DECODE
+        and not record.down
+        and not record.stale
+        and not record.is_draining
+    )
+
+
+class _Moves:
+    """A warm-up by transfer's moves in flight (at most ``limit``) and its failures in a
+    row (a move that fell back and whose recompute failed too)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.in_a_row = 0
+
+    def add(self, task: asyncio.Task[None]) -> None:
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def room(self) -> None:
+        """Until fewer than ``limit`` moves are in flight."""
+        while len(self.tasks) >= self.limit:
+            await asyncio.wait(set(self.tasks), return_when=asyncio.FIRST_COMPLETED)
+
+    async def drain(self) -> None:
+        """Until every move is answered."""
+        if self.tasks:
+            await asyncio.wait(set(self.tasks))
 
 
 def workloads_of(config: routing_pb2.RoutingConfig) -> list[Workload]:
@@ -546,10 +669,11 @@ class WarmupCollector(Collector):
             "kvroute_controlplane_warmup_prefixes",
             "Warm-up prefixes by what became of them: sent, confirmed (by the replica's KV "
             "events), skipped (held already), failed, rehomed (a drained replica's, sent "
-            "elsewhere)",
+            "elsewhere); with source transfer, moved (read from a replica holding it) and "
+            "fell_back (recomputed instead: no holder, the move failed, or SGLang)",
             labels=["result"],
         )
-        for result in ("sent", "confirmed", "skipped", "failed", "rehomed"):
+        for result in ("sent", "confirmed", "skipped", "failed", "rehomed", "moved", "fell_back"):
             prefixes.add_metric([result], getattr(counters, result))
         yield prefixes
         yield CounterMetricFamily(

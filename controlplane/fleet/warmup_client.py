@@ -8,6 +8,8 @@ a connection failure, a timeout or a 5xx is a failure (counted, not retried).
 
 from __future__ import annotations
 
+from typing import Any
+
 import aiohttp
 
 from controlplane.fleet.warmup import WarmupFailed, WarmupRefused
@@ -21,13 +23,17 @@ class EngineCompletions:
         self._session: aiohttp.ClientSession | None = None
 
     async def send(self, base_url: str, model: str, token_ids: list[int]) -> None:
+        await self.complete(base_url, one_token(model, token_ids))
+
+    async def complete(self, base_url: str, body: dict[str, Any]) -> bytes:
+        """POST ``body`` to the engine's ``/v1/completions``; its answer's body, or
+        :class:`WarmupRefused` (4xx) / :class:`WarmupFailed` (anything else)."""
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=self._timeout)
-        body = {"model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0}
         url = base_url.rstrip("/") + "/v1/completions"
         try:
             async with self._session.post(url, json=body) as response:
-                await response.read()
+                answer = await response.read()
                 status = response.status
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise WarmupFailed(f"{url}: {type(exc).__name__}") from None
@@ -35,8 +41,14 @@ class EngineCompletions:
             raise WarmupRefused(f"{url} answered {status}")
         if status >= 500:
             raise WarmupFailed(f"{url} answered {status}")
+        return answer
 
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def one_token(model: str, token_ids: list[int]) -> dict[str, Any]:
+    """A ``max_tokens`` 1 completion of ``token_ids``, greedy."""
+    return {"model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0}

@@ -11,6 +11,8 @@ those starting with a prefix it is being warmed with. See ``docs/operations.md``
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -69,4 +71,14 @@ class WarmupSettings(BaseModel):
         le=3600,
         description="A warm-up not finished after this long ends (the replica is then "
         "routed to as any other).",
+    )
+    source: Literal["recompute", "transfer"] = Field(
+        "recompute",
+        description="How a warming replica gets each prefix: recompute (sent as a "
+        "one-token completion, the replica prefills it) or transfer (vLLM pools whose "
+        "engines run a KV connector in kv_both role, e.g. NixlConnector: a replica "
+        "holding the prefix runs it as a one-token prefill for a remote decode, a cache "
+        "hit there, and the warming replica reads its KV blocks instead of computing "
+        "them; recompute when no replica holds it, the transfer fails, or either engine "
+        "is SGLang).",
     )

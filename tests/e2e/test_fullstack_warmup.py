@@ -6,7 +6,10 @@ empty, and the control plane's leader warms it with that prefix through the engi
 own API before any client request reaches it, as its KV events confirm; so is an engine
 restarted (stopped, started again empty on the same ports). Then a replica is drained
 under load: no request is lost, its lone hot prefix is sent to the
-other replica first, and the next request there is a hit.
+other replica first, and the next request there is a hit. Last, with the workload's
+warm-up ``source: transfer``, a restarted engine is warmed by KV transfer: the other
+replica, holding the prefix, runs it as a cache hit and the restarted one reads its
+blocks instead of computing them (enginesim's vLLM P/D protocol).
 """
 
 from __future__ import annotations
@@ -124,21 +127,10 @@ def test_a_restarted_engine_is_warmed_before_traffic_reaches_it(
 ) -> None:
     owner = ask(stack, "Who holds it now?")[1]["x-kvroute-replica"]
     index = int(owner.removeprefix("r"))
-    old = stack.engines[index]
-    port = old.url.rsplit(":", 1)[1]
     confirmed = controlplane_metric(
         stack, "kvroute_controlplane_warmup_prefixes_total", result="confirmed"
     )
-    assert old.proc is not None
-    old.proc.terminate()  # the engine stops; the same one starts again, empty
-    old.proc.wait(timeout=30)
-    again = (
-        f"--port={port}",
-        f"--kv-events-endpoint={old.events}",
-        f"--replay-endpoint={old.replay}",
-    )
-    engine = started.enter_context(SimProcess(*SIM_ARGS, *again))
-    stack.engines[index] = engine
+    engine = restart(stack, started, index)
     wait_for(
         lambda: (
             controlplane_metric(
@@ -156,6 +148,23 @@ def test_a_restarted_engine_is_warmed_before_traffic_reaches_it(
     body = {"model": MODEL, "prompt": SYSTEM + "After the restart?", "max_tokens": 2}
     answer = engine.post("/v1/completions", body)
     assert cached_tokens(answer) >= 256
+
+
+def restart(stack: FullStack, started: ExitStack, index: int) -> SimProcess:
+    """Engine ``index`` stops; the same one starts again, empty, on the same ports."""
+    old = stack.engines[index]
+    port = old.url.rsplit(":", 1)[1]
+    assert old.proc is not None
+    old.proc.terminate()
+    old.proc.wait(timeout=30)
+    again = (
+        f"--port={port}",
+        f"--kv-events-endpoint={old.events}",
+        f"--replay-endpoint={old.replay}",
+    )
+    engine = started.enter_context(SimProcess(*SIM_ARGS, *again))
+    stack.engines[index] = engine
+    return engine
 
 
 def test_a_drained_replica_loses_no_request_and_its_hot_prefix_moves_first(
@@ -186,3 +195,58 @@ def test_a_drained_replica_loses_no_request_and_its_hot_prefix_moves_first(
         assert status == 200 and headers["x-kvroute-replica"] == other
         assert cached_tokens(answer) >= 256, headers
     stack.admin("POST", f"/v1/replicas/{owner}/undrain")
+
+
+def test_a_restarted_engine_is_warmed_by_kv_transfer_from_a_replica_holding_the_prefix(
+    stack: FullStack, started: ExitStack
+) -> None:
+    workload = {"strategy": "kv_cost", "warmup": {**WARMUP, "source": "transfer"}}
+    assert stack.admin("PUT", "/v1/workloads/default", workload)[0] == 200
+    asked = [0]
+
+    def hot() -> bool:  # the prefix reported hot (so far in the module, or now)
+        asked[0] += 1
+        ask(stack, f"Transfer question {asked[0]}?")
+        return controlplane_metric(stack, "kvroute_controlplane_hot_prefixes") >= 1
+
+    wait_for(hot, "the proxy's hot prefix to reach the control plane")
+    holder = ask(stack, "Who holds it for the transfer?")[1]["x-kvroute-replica"]
+    source = stack.engines[int(holder.removeprefix("r"))]
+    joiner_id = "r1" if holder == "r0" else "r0"
+    hits, prompts = (
+        source.metric(f"vllm:{n}_total") for n in ("prefix_cache_hits", "prompt_tokens")
+    )
+    moved = controlplane_metric(stack, "kvroute_controlplane_warmup_prefixes_total", result="moved")
+    # it held something before (a replica found empty once is warmed once, until it
+    # has held blocks again): its restart is then a join, empty
+    index = int(joiner_id.removeprefix("r"))
+    stack.engines[index].post("/v1/completions", {"model": MODEL, "prompt": "Hello " * 64})
+    wait_for(lambda: replica(stack, joiner_id)["resident_blocks"] > 0, "the joiner's blocks")
+    joiner = restart(stack, started, index)
+    wait_for(
+        lambda: (
+            controlplane_metric(stack, "kvroute_controlplane_warmup_prefixes_total", result="moved")
+            > moved
+            and (replica(stack, joiner_id).get("warmup") or {}).get("warming") is False
+        ),
+        "the restarted engine's warm-up by transfer to be confirmed by its KV events",
+    )
+    warmup = replica(stack, joiner_id)["warmup"]["workloads"][0]
+    assert warmup["outcome"] == "done" and warmup["confirmed"] == warmup["planned"] >= 1
+    assert replica(stack, joiner_id)["resident_blocks"] >= len(SYSTEM) // 4 // 16 // 2
+    assert served(joiner) == warmup["sent"]  # nothing but the warm-up reached it yet
+    # the holder ran each prefix as a cache hit (one request each, all but its last block
+    # found cached), and handed the blocks over (none held any longer)
+    sent_tokens = source.metric("vllm:prompt_tokens_total") - prompts
+    assert sent_tokens > 0
+    assert source.metric("vllm:prefix_cache_hits_total") - hits >= sent_tokens - 16 * warmup["sent"]
+    assert source.call("GET", "/sim/state")[1]["kv_transfers_held"] == 0
+    # the joiner computed none of its prompt tokens: every one was read from the holder
+    assert joiner.metric("vllm:prompt_tokens_total") == sent_tokens
+    assert joiner.metric("vllm:prefix_cache_hits_total") == sent_tokens
+    assert (
+        controlplane_metric(stack, "kvroute_controlplane_warmup_prefixes_total", result="fell_back")
+        == 0
+    )
+    body = {"model": MODEL, "prompt": SYSTEM + "After the transfer?", "max_tokens": 2}
+    assert cached_tokens(joiner.post("/v1/completions", body)) >= 256
