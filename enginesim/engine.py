@@ -279,7 +279,7 @@ class Engine:
         metrics = self.metrics
         handles = self._handles
         for req in out.admitted:
-            metrics.on_admitted(len(req.prompt), req.num_cached_tokens)
+            metrics.on_admitted(len(req.prompt), req.hit_tokens, req.loaded_tokens)
             handle = handles.get(req)
             if handle is not None:
                 metrics.on_first_token(now - handle.arrival)

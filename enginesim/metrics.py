@@ -3,7 +3,12 @@
 ``vllm`` formats (vLLM V1, ``vllm/v1/metrics/loggers.py``; labels ``model_name``,
 ``engine``): ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 ``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_queries_total``,
-``vllm:prefix_cache_hits_total`` (tokens), ``vllm:prompt_tokens_total``,
+``vllm:prefix_cache_hits_total`` (tokens, the local cache's only),
+``vllm:external_prefix_cache_queries_total`` and ``vllm:external_prefix_cache_hits_total``
+(tokens looked up in and read over the KV connector: the simulator's vLLM engines act as
+started with one in ``kv_both`` role, so, as vLLM's scheduler records its connector stats,
+every request queries what the local cache lacks and a P/D decode's read is its hits),
+``vllm:prompt_tokens_total``,
 ``vllm:generation_tokens_total``, ``vllm:time_to_first_token_seconds``,
 ``vllm:e2e_request_latency_seconds`` and ``vllm:cache_config_info`` (``block_size``,
 ``num_gpu_blocks``, ``prefix_caching_hash_algo``...).
@@ -42,7 +47,10 @@ class LoadSnapshot:
 
 
 class EngineMetrics(Protocol):
-    def on_admitted(self, prompt_tokens: int, cached_tokens: int) -> None: ...
+    def on_admitted(self, prompt_tokens: int, hit_tokens: int, loaded_tokens: int) -> None:
+        """A request admitted: its prompt, the tokens found in the local cache and
+        those read from another engine (P/D, ``pd.py``)."""
+
     def on_first_token(self, ttft_s: float) -> None: ...
     def on_finished(self, e2e_s: float, generated: int) -> None: ...
     def render(self, load: LoadSnapshot) -> bytes: ...
@@ -87,6 +95,16 @@ class VllmMetrics:
         self.usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.")
         self.queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.")
         self.hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.")
+        self.external_queries = counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, "
+            "in terms of number of queried tokens.",
+        )
+        self.external_hits = counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, in "
+            "terms of number of cached tokens.",
+        )
         self.prompt = counter("vllm:prompt_tokens", "Prefill tokens processed.")
         self.generation = counter("vllm:generation_tokens", "Generation tokens processed.")
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.")
@@ -101,9 +119,11 @@ class VllmMetrics:
         Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig.",
               list(info), registry=r).labels(**info).set(1)  # fmt: skip
 
-    def on_admitted(self, prompt_tokens: int, cached_tokens: int) -> None:
+    def on_admitted(self, prompt_tokens: int, hit_tokens: int, loaded_tokens: int) -> None:
         self.queries.inc(prompt_tokens)
-        self.hits.inc(cached_tokens)
+        self.hits.inc(hit_tokens)  # vLLM's prefix cache stats: the local lookup's
+        self.external_queries.inc(prompt_tokens - hit_tokens)  # the connector's lookup
+        self.external_hits.inc(max(0, loaded_tokens - hit_tokens))
         self.prompt.inc(prompt_tokens)
 
     def on_first_token(self, ttft_s: float) -> None:
@@ -139,7 +159,8 @@ class SglangMetrics:
         self.ttft = histogram("sglang:time_to_first_token_seconds", "Time to first token.")
         self.e2e = histogram("sglang:e2e_request_latency_seconds", "End-to-end latency.")
 
-    def on_admitted(self, prompt_tokens: int, cached_tokens: int) -> None:
+    def on_admitted(self, prompt_tokens: int, hit_tokens: int, loaded_tokens: int) -> None:
+        cached_tokens = max(hit_tokens, loaded_tokens)  # what its answer reports cached
         self.prompt.inc(prompt_tokens)
         self.cached.inc(cached_tokens)
         self._queried_tokens += prompt_tokens

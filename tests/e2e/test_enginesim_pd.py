@@ -54,9 +54,14 @@ def test_prefill_names_its_blocks_and_holds_them_until_the_decode_reads_them(
     assert params["remote_num_tokens"] == 803 and params["transfer_mode"] == "pull"
     assert answer["usage"]["completion_tokens"] == 1
     assert prefill.call("GET", "/sim/state")[1]["kv_transfers_held"] == 1
+    counters = ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total")
+    local, external = (decode.metric(name) for name in counters)
     decoded = decode.post("/v1/completions", {**body, "kv_transfer_params": params})
     assert decoded["usage"]["completion_tokens"] == 5
     assert cached_tokens(decoded["usage"]) == 803  # loaded: the whole prompt computed
+    # as vLLM's scheduler records them: read over the connector, not found locally
+    assert decode.metric(counters[0]) == local
+    assert decode.metric(counters[1]) - external == 803
     assert prefill.call("GET", "/sim/state")[1]["kv_transfers_held"] == 0
     # read once: the same parameters again are refused, as NIXL's second read fails
     status, error = decode.call("POST", "/v1/completions", {**body, "kv_transfer_params": params})
