@@ -595,25 +595,58 @@ def test_a_prefix_among_many_is_not_hot_nor_a_router_just_started() -> None:
     """Eight prefixes sharing the traffic evenly are each an eighth of it, half of one
     replica's fair share on four: the holder keeps it (a replica each would cost the
     caches their room for the others); so does a router with too few requests behind it
-    to tell a hot prefix from chance."""
+    to tell a hot prefix from chance: half of its first 11 requests is two fair shares on
+    four replicas, but not less one standard error (55% - 22%), where half of 81 is.
+    Every one of 11 requests is hot whatever chance could do (100% - 30%)."""
     others = [[1000 * p + t for t in range(128)] for p in range(1, 8)]
     assert _hot_choice([PROMPT, *others], warm_up=80, running=30).replica_id == "holder"
-    assert _hot_choice([PROMPT], warm_up=10, running=30).replica_id == "holder"
-    assert _hot_choice([PROMPT], warm_up=20, running=30).replica_id == "idle1"
+    half = [PROMPT, others[0]]
+    assert _hot_choice(half, warm_up=10, running=30).replica_id == "holder"
+    assert _hot_choice(half, warm_up=80, running=30).replica_id == "idle1"
+    assert _hot_choice([PROMPT], warm_up=10, running=30).replica_id == "idle1"
+
+
+def test_kv_cost_spreads_a_prompt_every_request_shares_within_its_first_requests() -> None:
+    """A cold start where every request opens with one 2,048-token system prompt, onto 8
+    idle replicas, each request sent while those before it still prefill: the first goes
+    to one replica, and by the fourth (the first the heat counts the prompt in three of
+    four: hot among 8, less the standard error of four requests) another replica takes
+    it as a hot prefix. A fixed floor of 16 requests before any share counted kept the
+    first 16 on the first holder, queued behind its prefill (bench sim's
+    ``one_system_prompt``: 0.2-0.4 s each, where a miss on an idle replica takes
+    0.22 s)."""
+    workload = KvCostWorkload()
+    policy = create_policy(workload, rng=random.Random(3))
+    sent: Counter[int] = Counter()
+    view = StaticStateView([], residency_known=True)
+    prompt = list(range(100, 2148))  # 0.2 s to prefill; 1,024 tokens assumed per request sent
+    decisions = []
+    for i in range(4):
+        view.set_replicas(ReplicaState(o, f"r{o}", unreported=sent[o]) for o in range(8))
+        decision = policy.select(context(workload, prompt, now=1.0 + i / 100), view)
+        assert decision.ordinal is not None
+        view.apply(decision)  # speculated on the replica that takes it, as a proxy does
+        sent[decision.ordinal] += 1
+        decisions.append(decision)
+    assert len(sent) == 2, sent
+    moved = next(d for d in decisions if d.ordinal != decisions[0].ordinal)
+    assert moved.note.startswith("hot prefix (75% of recent requests)"), moved.note
 
 
 def test_a_router_among_several_counts_the_fleets_requests_behind_a_share() -> None:
-    """Ten requests routed are too few to call a prefix hot for a router that sent all
-    the engines hold, but one whose own requests in flight are 2 of the holder's 30 is
-    one of several behind a balancer: its ten stand for about a hundred of the fleet's,
-    and the hot prefix moves (each router counting only its own, four routers sharing a
-    chat app's system prompt left one replica of four without a request)."""
+    """Half of ten requests routed is too few to call a prefix hot among four replicas
+    for a router that sent all the engines hold (55% of 11, less its standard error, is
+    under two fair shares), but one whose own requests in flight are 2 of the holder's
+    30 is one of several behind a balancer: its ten stand for about a hundred of the
+    fleet's, and the hot prefix moves (each router counting only its own, four routers
+    sharing a chat app's system prompt left one replica of four without a request)."""
     workload = KvAwareWorkload()
     replicas = [ReplicaState(0, "holder", running=30)]
     replicas += [ReplicaState(i, f"idle{i}") for i in (1, 2, 3)]
+    half = [PROMPT, [1000 + t for t in range(128)]]
     for inflight, expected in ((None, "holder"), (30, "holder"), (2, "idle1")):
         policy = create_policy(workload, rng=random.Random(3))
-        _traffic(policy, workload, [PROMPT], 10)
+        _traffic(policy, workload, half, 10)
         view = StaticStateView(replicas, residency_known=True, inflight=inflight)
         view.index.add(0, context(workload, PROMPT).block_keys[:8])
         decision = policy.select(context(workload, PROMPT, now=1.1), view)

@@ -87,8 +87,9 @@ def test_kv_aware_spreads_new_prompts_on_stale_load() -> None:
 def test_kv_aware_still_follows_a_counted_hit() -> None:
     """A holder of a counted hit takes the prompt though it runs 40 requests and the
     others none: the new-prompt turn does not override a hit. With the defaults, the same
-    prompt sent again and again becomes hot past 16 requests, and the hot-prefix rule
-    then moves it to an idle replica (tests/unit/kvcore/test_policy_kv.py)."""
+    prompt sent again and again becomes hot at its 9th request (every request of 9, less
+    one standard error, fills two of three replicas' fair shares), and the hot-prefix
+    rule then moves it to an idle replica (tests/unit/kvcore/test_policy_kv.py)."""
     for gap in (None, 4):
         workload = parse_workload({"strategy": "kv_aware", "hot_prefix_gap": gap})
         policy = create_policy(workload, rng=random.Random(7))
@@ -105,5 +106,5 @@ def test_kv_aware_still_follows_a_counted_hit() -> None:
             chosen.append((decision.ordinal, decision.note.split(" (")[0]))
         if gap is None:
             assert chosen == [(2, "")] * 20
-        else:  # hot once 16 requests were routed: this is the 16th
-            assert chosen == [(2, "")] * 15 + [(0, "hot prefix")] * 5
+        else:  # hot at the 9th request
+            assert chosen == [(2, "")] * 8 + [(0, "hot prefix")] * 12

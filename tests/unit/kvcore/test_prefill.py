@@ -177,9 +177,11 @@ def test_the_learned_prefill_rate_follows_a_replica_whose_speed_changes() -> Non
     assert learned[90] == pytest.approx(4_000, rel=0.05)
     assert learned[-1] == pytest.approx(4_000, rel=0.001)
     assert ranked[0] == 10_000 and ranked[-1] == pytest.approx(4_000, rel=0.01)
-    # and the queue it sees drains at the learned rate
+    # and the queue it sees drains at the learned rate, its step's 20 ms around the
+    # prefill still to run (80 tokens at that rate)
     ledger.sent(0, 8_000, at=now)
-    assert ledger.queued_tokens(0, now=now + 1.0) == pytest.approx(4_000, rel=0.01)
+    assert ledger.rates.around_s(0) == pytest.approx(0.02, rel=0.1)
+    assert ledger.queued_tokens(0, now=now + 1.0) == pytest.approx(4_080, rel=0.01)
 
 
 def test_a_replica_with_no_history_starts_from_the_fleets_median() -> None:
@@ -321,3 +323,38 @@ def test_a_replica_slow_in_some_timings_only_is_not_ranked_slower() -> None:
         now += 1.0
     assert ledger.rates.slower(3) == pytest.approx(5.5, rel=0.1)
     assert ledger.rates.rate(3) == 10_000 and ledger.rates.step_s(3) == 0.0
+
+
+def test_a_replica_reads_busy_until_the_step_prefilling_this_proxys_request_ends() -> None:
+    """The fleet's timings show 20 ms around each prefill (the decode of the running
+    batch in the same step, the engine's overhead). A 128-token hit sent to replica 0
+    takes 12.8 ms at 10,000 tokens/s, but its step runs 20 ms more, and a request sent
+    there meanwhile waits for that step to end: 15 ms after the send the books still owe
+    5 ms of it (50 tokens at the rate), and kv_cost sends the next hit to replica 1,
+    though replica 1 runs more. Drained by its tokens alone, replica 0 read idle from
+    12.8 ms on and drew the request (in bench sim's ``one_system_prompt`` a fifth of the
+    requests went to a replica in the middle of such a step, at 42 ms mean TTFT against
+    35 ms on the others)."""
+    workload = KvCostWorkload(prefill_tokens_per_s=10_000)
+    ledger = PrefillLedger(workload.prefill_tokens_per_s)
+    now = 0.0
+    for replica in (1, 2, 3):
+        for i in range(3):
+            now = serve(ledger, replica, LENGTHS[i], 10_000, now) + 1.0
+    assert ledger.rates.around_s(0) == pytest.approx(0.02)
+    ledger.sent(0, 128, at=now)
+    assert ledger.queued_tokens(0, now=now + 0.015) == pytest.approx(128 - 150 + 200)
+    assert ledger.queued_tokens(0, now=now + 0.033) == 0  # its step is over
+    tokens = list(range(100, 228))
+    ctx = context(workload, tokens, now=now + 0.015)
+    replicas = [
+        ReplicaState(0, "r0", running=2, queued_prefill_tokens=ledger.queued_tokens(0, ctx.now)),
+        ReplicaState(1, "r1", running=3, queued_prefill_tokens=ledger.queued_tokens(1, ctx.now)),
+    ]
+    view = StaticStateView(replicas, residency_known=True)
+    for ordinal in (0, 1):
+        view.index.add(ordinal, ctx.block_keys)
+    decision = create_policy(workload).select(ctx, view)
+    assert decision.replica_id == "r1"
+    rows = {r.replica_id: r for r in decision.reasons}
+    assert rows["r0"].wait_s == pytest.approx(0.0178)
