@@ -443,6 +443,7 @@ class Warmer:
                     return
             pacer.take(tokens, self._clock())
             if moves is not None:
+                self._count_sent(warming, step)  # now: the budget counts moves in flight
                 name = f"warmup-move-{record.replica_id}"
                 moves.add(self._spawn_send(self._move_one(job, warming, step, moves), name))
                 continue
@@ -452,9 +453,13 @@ class Warmer:
         if moves is not None:
             await moves.drain()
 
-    async def _send_one(self, base_url: str, warming: Warming, step: Step, in_a_row: int) -> int:
-        """Send one prefix; the failures in a row after it (-1: the warm-up ended)."""
-        self._count_sent(warming, step)
+    async def _send_one(
+        self, base_url: str, warming: Warming, step: Step, in_a_row: int, counted: bool = False
+    ) -> int:
+        """Send one prefix; the failures in a row after it (-1: the warm-up ended).
+        ``counted``: its tokens are counted sent already (a move falling back)."""
+        if not counted:
+            self._count_sent(warming, step)
         try:
             await self._send(base_url, step.prefix.model, list(step.prefix.tokens))
         except WarmupRefused as exc:
@@ -506,13 +511,14 @@ class Warmer:
                     exc,
                 )
             else:
-                self._count_sent(warming, step)
                 self.counters.moved += 1
                 moves.in_a_row = 0
                 return
         self.counters.fell_back += 1
         if warming.warming and self._current(job):
-            in_a_row = await self._send_one(announce.base_url, warming, step, moves.in_a_row)
+            in_a_row = await self._send_one(
+                announce.base_url, warming, step, moves.in_a_row, counted=True
+            )
             moves.in_a_row = max(0, in_a_row)
 
     def _source(self, job: _Job, prefix: HotPrefix) -> ReplicaRecord | None:
