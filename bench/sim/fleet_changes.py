@@ -9,12 +9,14 @@ plane here plays the leader's part with the real :func:`kvcore.warmup.plan`,
 requests off a warming replica with :func:`kvcore.warmup.warming_excluded`. Modes:
 
 - ``off``: a replica that joins is routed to at once, as any other (the policy alone).
-- ``on``: kvroute's warm-up: each hot prefix sent once, one at a time, as a one-token
-  request within the budget (skipped when the replica holds it already), replicas joining
-  together in staggered orders (:func:`kvcore.warmup.stagger`); meanwhile the replica
-  takes ``new_prefix_share`` of new prefixes, what it holds, and no other request (none
-  of the prefixes it is being warmed with until its KV events confirm them, which the
-  leader checks every ``CHECK_S``, as the control plane's warmer does).
+- ``on``: kvroute's warm-up, planned as the leader plans it at its next check: the hot
+  prefixes whose holders are the most loaded first (:func:`kvcore.warmup.plan`), replicas
+  joining together in staggered orders (:func:`kvcore.warmup.stagger`) and each with its
+  share of them (:func:`kvcore.warmup.share`), each sent once, one at a time, as a
+  one-token request within the budget (skipped when the replica holds it already);
+  meanwhile the replica takes ``new_prefix_share`` of new prefixes, what it holds, and no
+  other request (none of the prefixes it is being warmed with until its KV events confirm
+  them, which the leader checks every ``CHECK_S``, as the control plane's warmer does).
 - ``transfer``: ``on``'s plan, order, stagger, pace and gate, but each prefix is moved,
   not computed, as vLLM's KV connectors move it (``source: transfer``): the least loaded
   replica holding it runs it as a one-token request (a cache hit there: a slot and a step
@@ -61,6 +63,7 @@ from kvcore.warmup import (
     Warming,
     plan,
     settings_of,
+    share,
     stagger,
     warming_excluded,
 )
@@ -178,6 +181,7 @@ class ChangingFleet(Simulation):
         self._ids: dict[int, int] = {}
         self._after_warm: dict[int, Callable[[float], None]] = {}
         self._keys_by_id: list[int] = []
+        self._to_plan: list[_Joined] = []  # joined, their warm-ups not planned yet
         super().__init__(config, workload, lambda fleet, i: ChangeRouter(spec, self, i))
         for change in changes:
             self._push(change.at, _CONTROL, lambda now, c=change: self._change(c, now))
@@ -253,17 +257,28 @@ class ChangingFleet(Simulation):
         self.joined.append(joined)
         if self.mode == "smg":
             joined.smg_until = now + SMG_WARMUP_S
-        elif self.mode in ("on", "transfer"):
-            joined.warming = self._plan_warmup(replica, now)
-            joined.pacer = Pacer(self.warmup.tokens_per_s, now)
-            self._push(now, _CONTROL, lambda t: self._warm_next(joined, t))
-            self._push(now + CHECK_S, _CONTROL, lambda t: self._check(joined, t))
-        elif self.mode == "bound":
-            joined.warming = self._plan_warmup(replica, now)
-            self._fill_free(joined, now)
-            self._push(now + CHECK_S, _CONTROL, lambda t: self._check(joined, t))
+        elif self.mode in ("on", "transfer", "bound"):
+            if not self._to_plan:  # the leader's check finds every replica joined by then
+                self._push(now, _CONTROL, self._start_warmups)
+            self._to_plan.append(joined)
         self.routable.add(replica)
         self._router_views()
+
+    def _start_warmups(self, now: float) -> None:
+        """Plan the warm-ups of the replicas that joined together, each its share."""
+        joining, self._to_plan = self._to_plan, []
+        warming = len(joining) + sum(1 for w in self._running() if w.warming)
+        for joined in joining:
+            joined.warming = self._plan_warmup(joined.replica, now, warming)
+            if self.mode != "bound":
+                joined.pacer = Pacer(self.warmup.tokens_per_s, now)
+                self._push(now, _CONTROL, lambda t, j=joined: self._warm_next(j, t))
+            else:
+                self._fill_free(joined, now)
+            self._push(now + CHECK_S, _CONTROL, lambda t, j=joined: self._check(j, t))
+
+    def _running(self) -> list[Warming]:
+        return [j.warming for j in self.joined if j.warming is not None and j.warming.warming]
 
     # -- the leader's warm-up -------------------------------------------------------
 
@@ -290,16 +305,30 @@ class ChangingFleet(Simulation):
     def _keys(self, prefix: HotPrefix) -> list[int]:
         return [self._keys_by_id[i] for i in prefix.tokens[:: prefix.block_size]]
 
-    def _plan_warmup(self, replica: int, now: float) -> Warming:
+    def _plan_warmup(self, replica: int, now: float, together: int) -> Warming:
+        """As the leader plans (``controlplane.fleet.warmup``): the prefixes whose holders
+        are the most loaded first (by their last load samples), staggered against the
+        warm-ups running, ``replica``'s share of ``together`` replicas warming."""
         index = cast_router(self.routers[0]).index
         warming = Warming(f"replica-{replica}", "default", now, self.warmup)
+        samples = self.readout.samples
 
         def held(prefix: HotPrefix) -> int:
             return index.leading_runs(self._keys(prefix), now=None).get(replica, 0)
 
-        steps = plan(self._hot(now), held, self.warmup.max_tokens)
-        running = [j.warming for j in self.joined if j.warming is not None and j.warming.warming]
-        warming.steps = stagger(steps, [w.queue() for w in running])
+        def pressure(prefix: HotPrefix) -> float:
+            keys = self._keys(prefix)
+            runs = index.leading_runs(keys, now=None)
+            holders = [
+                o for o, run in runs.items() if run >= len(keys) and o in self.routable - {replica}
+            ]
+            return min((samples[o].running + samples[o].waiting for o in holders), default=math.inf)
+
+        steps = plan(self._hot(now), held, self.warmup.max_tokens, pressure)
+        others = [w.queue() for w in self._running()]
+        # moved (mode transfer) a prefix costs the joiner no prefill: each warms them all
+        shared = 1 if self.mode == "transfer" else together
+        warming.steps = share(stagger(steps, others), shared, others)
         warming.pending = {step.prefix.key: step for step in warming.steps}
         return warming
 

@@ -6,10 +6,15 @@ of the proxies' latest reports summed, and forgets a prefix no proxy reported fo
 ``ttl_s``. Every ``interval_s`` the :class:`Warmer`, on the leader only, looks for a
 replica that joined empty: announced, healthy, its residency known exactly (the stream
 is in sync) and holding nothing; new, restarted, or its cache cleared. For each workload
-with ``warmup.enabled`` it plans (:func:`kvcore.warmup.plan`: most valuable first,
-requests per second times uncached tokens, within ``warmup.max_tokens``) and sends each
-prefix once as a ``max_tokens`` 1 completion by token ids to the engine's own API, at
-most ``warmup.tokens_per_s``, one at a time. A prefix the replica holds by then (traffic
+with ``warmup.enabled`` it plans (:func:`kvcore.warmup.plan`: first the prefixes whose
+holders are the most loaded, by the requests running and waiting on the least busy
+holder as last reported, then the most valuable, requests per second times uncached
+tokens, within ``warmup.max_tokens``) and sends each prefix once as a ``max_tokens`` 1
+completion by token ids to the engine's own API, at most ``warmup.tokens_per_s``, one
+at a time. Replicas found empty in the same check (a scale-out) are planned together,
+each in a staggered order (:func:`kvcore.warmup.stagger`) and each with its share of
+the prefixes (:func:`kvcore.warmup.share`: ``1 / n`` of their requests per second with
+``n`` replicas warming), not every hot prefix. A prefix the replica holds by then (traffic
 brought it) is skipped. A failed send is counted and not retried; three in a row, or an
 answer refusing the request (4xx), end the warm-up. It ends too when its prefixes are
 confirmed by the replica's KV events, after ``warmup.max_duration_s``, or when the
@@ -30,7 +35,6 @@ sends are cancelled, its warm-ups end (outcome ``stepped_down``), the replicas' 
 state it published is withdrawn, and what it had warmed or re-homed is forgotten. The
 new leader plans afresh from the fleet as it finds it; so does this instance if it leads
 again, never from a plan (pending prefixes, a budget half spent) made in a past term.
-Replicas joining together are warmed in staggered orders (:func:`kvcore.warmup.stagger`).
 """
 
 from __future__ import annotations
@@ -50,7 +54,16 @@ from prometheus_client.registry import Collector
 from controlplane.fleet.fleet import Fleet, ReplicaRecord
 from kvcore.keys import chain_keys, root_key
 from kvcore.pb import events_pb2, routing_pb2
-from kvcore.warmup import TRANSFERS_IN_FLIGHT, HotPrefix, Pacer, Step, Warming, plan, stagger
+from kvcore.warmup import (
+    TRANSFERS_IN_FLIGHT,
+    HotPrefix,
+    Pacer,
+    Step,
+    Warming,
+    plan,
+    share,
+    stagger,
+)
 from kvcore.workload import InvalidWorkload, Workload, parse_workload
 from kvruntime.tasks import BackgroundTasks
 
@@ -283,12 +296,13 @@ class Warmer:
         """Start warm-ups of replicas found empty, confirm and end running ones, send
         away drained replicas' prefixes."""
         now = self._clock()
+        joining = []
         for record in list(self.fleet.by_id.values()):
             job = self._jobs.get(record.replica_id)
             if job is not None and job.active:
                 self._check(job, now)
             elif self._empty(record) and record.replica_id not in self._done:
-                self._start(record, now)
+                joining.append(record)
             elif self.fleet.index.key_count(record.ordinal) > 0:
                 self._done.discard(record.replica_id)  # empty again later: warm again
             if record.is_draining and record.replica_id not in self._rehomed:
@@ -296,6 +310,9 @@ class Warmer:
                 self.rehome(record)
             elif not record.is_draining:
                 self._rehomed.discard(record.replica_id)
+        together = len(joining) + self.warming_count()
+        for record in joining:
+            self._start(record, now, together)
 
     def _empty(self, record: ReplicaRecord) -> bool:
         return (
@@ -308,7 +325,8 @@ class Warmer:
             and self.fleet.index.key_count(record.ordinal) == 0
         )
 
-    def _start(self, record: ReplicaRecord, now: float) -> None:
+    def _start(self, record: ReplicaRecord, now: float, together: int) -> None:
+        """Plan ``record``'s warm-up, its share of ``together`` replicas warming."""
         self._done.add(record.replica_id)
         announce = record.announce
         assert announce is not None
@@ -320,9 +338,14 @@ class Warmer:
             warming = Warming(record.replica_id, workload.name, now, workload.warmup)
             prefixes = self.store.prefixes(workload.name, announce.model, now)
             steps = plan(
-                prefixes, lambda p: self._held(job, record, p), warming.settings.max_tokens
+                prefixes,
+                lambda p: self._held(job, record, p),
+                warming.settings.max_tokens,
+                lambda p: self._pressure(job, record, p),
             )
-            warming.steps = stagger(steps, running)
+            # moved by transfer a prefix costs the joiner no prefill: each warms all
+            shared = together if warming.settings.source == "recompute" else 1
+            warming.steps = share(stagger(steps, running), shared, running)
             warming.pending = {s.prefix.key: s for s in warming.steps}
             if not warming.steps:
                 warming.end("nothing", now)
@@ -341,11 +364,36 @@ class Warmer:
             )
 
     def _held(self, job: _Job, record: ReplicaRecord, prefix: HotPrefix) -> int:
+        return self.fleet.index.leading_runs(self._keys(job, prefix)).get(record.ordinal, 0)
+
+    def _pressure(self, job: _Job, record: ReplicaRecord, prefix: HotPrefix) -> float:
+        """The requests (running and waiting, as last reported) of the least busy other
+        serving replica holding all of ``prefix``; inf when none does."""
+        holders = self._holders(job, prefix, _serving)
+        return float(min(map(_busy, holders))) if holders else math.inf
+
+    def _holders(
+        self, job: _Job, prefix: HotPrefix, usable: Callable[[ReplicaRecord], bool]
+    ) -> list[ReplicaRecord]:
+        """The ``usable`` replicas other than ``job``'s whose KV events show they hold
+        all of ``prefix``."""
+        runs = self.fleet.index.leading_runs(self._keys(job, prefix))
+        return [
+            other
+            for ordinal, run in runs.items()
+            if run >= prefix.blocks
+            and (other := self.fleet.by_ordinal.get(ordinal)) is not None
+            and other is not job.record
+            and usable(other)
+        ]
+
+    @staticmethod
+    def _keys(job: _Job, prefix: HotPrefix) -> list[int]:
         keys = job.keys.get(prefix.key)
         if keys is None:
             root = root_key(model=prefix.model)
             keys = job.keys[prefix.key] = chain_keys(root, prefix.tokens, prefix.block_size)
-        return self.fleet.index.leading_runs(keys).get(record.ordinal, 0)
+        return keys
 
     def _check(self, job: _Job, now: float) -> None:
         record = job.record
@@ -528,17 +576,10 @@ class Warmer:
         record = job.record
         if record.announce is None or record.announce.engine_kind == events_pb2.ENGINE_KIND_SGLANG:
             return None
-        self._held(job, record, prefix)  # fills job.keys
-        runs = self.fleet.index.leading_runs(job.keys[prefix.key])
-        holders = [
-            other
-            for ordinal, run in runs.items()
-            if run >= prefix.blocks
-            and (other := self.fleet.by_ordinal.get(ordinal)) is not None
-            and other is not record
-            and _can_send(other, record.announce.model)
-        ]
-        return min(holders, key=_busy, default=None)
+        model = record.announce.model
+        return min(
+            self._holders(job, prefix, lambda r: _can_send(r, model)), key=_busy, default=None
+        )
 
     def _count_sent(self, warming: Warming, step: Step) -> None:
         tokens = len(step.prefix.tokens)
@@ -640,6 +681,10 @@ class _Moves:
         """Until every move is answered."""
         if self.tasks:
             await asyncio.wait(set(self.tasks))
+
+
+def _serving(record: ReplicaRecord) -> bool:
+    return not record.down and not record.is_draining and not record.stale
 
 
 def workloads_of(config: routing_pb2.RoutingConfig) -> list[Workload]:

@@ -1,7 +1,7 @@
 """Warm-up of replicas that join empty: hot prefixes, the warm-up plan, the routing gate.
 
 Pure: proxies count hot prefixes (:class:`HotPrefixes`), the control plane's leader
-plans and paces a warm-up (:func:`plan`, :func:`stagger`, :class:`Pacer`,
+plans and paces a warm-up (:func:`plan`, :func:`stagger`, :func:`share`, :class:`Pacer`,
 :class:`Warming`), and routing keeps requests off a replica while it warms
 (:func:`warming_excluded`); the benchmark simulator runs the same code in virtual time.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from kvcore.warmup.gate import warming_excluded
 from kvcore.warmup.hot_prefixes import HotPrefix, HotPrefixes, depths
-from kvcore.warmup.plan import Pacer, Step, Warming, plan, stagger
+from kvcore.warmup.plan import Pacer, Pressure, Step, Warming, plan, share, stagger
 from kvcore.workload.warmup import WarmupSettings
 
 # A warm-up by transfer (``source: transfer``) keeps this many prefixes moving at once: a
@@ -29,11 +29,13 @@ __all__ = [
     "HotPrefix",
     "HotPrefixes",
     "Pacer",
+    "Pressure",
     "Step",
     "Warming",
     "depths",
     "plan",
     "settings_of",
+    "share",
     "stagger",
     "warming_excluded",
 ]

@@ -1,10 +1,15 @@
 """What to warm a replica with, in which order, and how fast: pure planning and pacing.
 
-A replica that joins empty is sent each hot prefix once, as a one-token completion.
-:func:`plan` orders the prefixes by value, requests per second times the tokens the
-replica does not hold yet (a prefix it holds whole is skipped), and keeps to the total
-budget; :func:`stagger` reorders it for a replica joining while others warm, so that
-each starts with the prefixes the others will send last. :class:`Pacer` spaces the
+A replica that joins empty is sent hot prefixes once each, as one-token completions.
+:func:`plan` orders the prefixes by the queue they would unload (``pressure``: the load
+of the least busy replica holding each, so that the prefixes whose holders are the most
+overloaded go first, and one no other replica holds before all), then by value, requests
+per second times the tokens the replica does not hold yet (a prefix it holds whole is
+skipped), and keeps to the total budget; :func:`stagger` reorders it for a replica
+joining while others warm, so that each starts with the prefixes the others will send
+last, and :func:`share` keeps of it the replica's part when several warm together (the
+prefixes the fleet would move to it, not every hot prefix: the rest it takes as any
+other replica once its warm-up ends). :class:`Pacer` spaces the
 sends so that no more than ``tokens_per_s`` prompt tokens a second reach the replica (a
 token bucket holding one second's worth).
 :class:`Warming` is one replica's warm-up as it goes: prefixes sent, confirmed by the
@@ -20,6 +25,8 @@ from kvcore.warmup.hot_prefixes import HotPrefix
 from kvcore.workload.warmup import WarmupSettings
 
 HeldBlocks = Callable[[HotPrefix], int]  # leading blocks of the prefix the replica holds
+# how loaded the least busy other replica holding the prefix is (inf: no other holds it)
+Pressure = Callable[[HotPrefix], float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,20 +35,28 @@ class Step:
 
     prefix: HotPrefix
     uncached: int
+    pressure: float = 0.0
 
     @property
     def value(self) -> float:
         return self.prefix.requests_per_s * self.uncached
 
 
-def plan(prefixes: Sequence[HotPrefix], held: HeldBlocks, max_tokens: int) -> list[Step]:
-    """The prefixes worth sending, most valuable first, within ``max_tokens`` in all."""
+def plan(
+    prefixes: Sequence[HotPrefix],
+    held: HeldBlocks,
+    max_tokens: int,
+    pressure: Pressure | None = None,
+) -> list[Step]:
+    """The prefixes worth sending, those whose holders are the most loaded first
+    (``pressure``; without it all count alike), then the most valuable, within
+    ``max_tokens`` in all."""
     steps = []
     for prefix in prefixes:
         uncached = (prefix.blocks - held(prefix)) * prefix.block_size
         if uncached > 0:
-            steps.append(Step(prefix, uncached))
-    steps.sort(key=lambda s: (s.value, s.uncached), reverse=True)
+            steps.append(Step(prefix, uncached, 0.0 if pressure is None else pressure(prefix)))
+    steps.sort(key=lambda s: (s.pressure, s.value, s.uncached), reverse=True)
     kept, spent = [], 0
     for step in steps:
         cost = len(step.prefix.tokens)  # the engine is sent (and may recompute) all of it
@@ -72,6 +87,32 @@ def stagger(steps: Sequence[Step], others: Sequence[Sequence[int]]) -> list[Step
     late = [step for step in steps if soonest.get(step.prefix.key, -1) >= median]
     soon = [step for step in steps if -1 < soonest.get(step.prefix.key, -1) < median]
     return alone + late + soon
+
+
+def share(steps: Sequence[Step], warming: int, others: Sequence[Sequence[int]] = ()) -> list[Step]:
+    """One replica's part of ``steps`` (in their order) when ``warming`` replicas warm
+    together (itself included; ``others``: the running warm-ups' keys still to send):
+    the prefixes no other is sent, until they carry ``1 / warming`` of the requests per
+    second; only when every prefix goes to another already, that much of the others'.
+
+    Each warms what it would take of the traffic rather than every hot prefix: a
+    prefix's prefill on the joiner holds its running requests and keeps the fleet's
+    overflow off it for as long, and what it was not warmed with it takes, once its
+    warm-up ends, as any other replica would (measured in ``docs/benchmarks.md``,
+    "Fleet changes")."""
+    if warming <= 1:
+        return list(steps)
+    taken = {key for queue in others for key in queue}
+    wanted = sum(step.prefix.requests_per_s for step in steps) / warming
+    alone = [step for step in steps if step.prefix.key not in taken]
+    kept: list[Step] = []
+    got = 0.0
+    for step in alone or steps:
+        if kept and got >= wanted * (1 - 1e-9):
+            break
+        kept.append(step)
+        got += step.prefix.requests_per_s
+    return kept
 
 
 class Pacer:

@@ -14,7 +14,7 @@ from controlplane.fleet.warmup import Warmer, WarmupFailed, WarmupRefused
 from kvcore.keys import chain_keys, root_key
 from kvcore.pb import routing_pb2
 from kvcore.workload import parse_workload
-from tests.unit.controlplane.support import announce, batch
+from tests.unit.controlplane.support import announce, batch, load
 
 BS = 16
 MODEL = "m"
@@ -193,7 +193,30 @@ async def test_replicas_joining_together_are_warmed_in_staggered_orders() -> Non
     sent = {url.rsplit("/", 1)[1]: [] for url, _ in engine.sent}
     for url, token_ids in engine.sent:
         sent[url.rsplit("/", 1)[1]].append(prefixes.index(token_ids))
-    assert sent == {"r1": [0, 1, 2], "r2": [1, 2, 0]}  # not the same first
+    # not the same first, and each its share: r1 the prefix carrying half the requests,
+    # r2 the others; together every prefix once
+    assert sent == {"r1": [0], "r2": [1, 2]}
+    await w.aclose()
+
+
+@pytest.mark.asyncio
+async def test_the_prefixes_whose_holders_queue_most_are_warmed_first() -> None:
+    """A joiner is sent first the prefix whose holder is the most loaded (as its load
+    reports say), before a more valuable one whose holder is idle."""
+    fleet = fleet_with("busy", "idle")
+    busy_prefix, idle_prefix = tokens(8, 21), tokens(8, 22)
+    for replica, prefix in (("busy", busy_prefix), ("idle", idle_prefix)):
+        keys = chain_keys(root_key(model=MODEL), prefix, BS)
+        fleet.on_batch(batch(1, stored=[keys], replica=replica), "default", 0.0)
+    fleet.on_load(load("busy", running=16), "default", 0.0)
+    fleet.on_load(load("idle", running=0), "default", 0.0)
+    engine = Engine(fleet)
+    w = warmer(fleet, engine)
+    w.on_report(report((busy_prefix, 1.0), (idle_prefix, 5.0)))
+    fleet.on_announce(announce("new", model=MODEL), 0.0)
+    fleet.on_batch(batch(0, replica="new"), "default", 0.0)
+    await settle(w)
+    assert [token_ids for _, token_ids in engine.sent] == [busy_prefix, idle_prefix]
     await w.aclose()
 
 

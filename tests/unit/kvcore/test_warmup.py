@@ -12,6 +12,7 @@ from kvcore.warmup import (
     depths,
     plan,
     settings_of,
+    share,
     stagger,
     warming_excluded,
 )
@@ -132,6 +133,34 @@ def test_replicas_joining_together_start_with_different_prefixes() -> None:
     # a prefix no running warm-up will send goes first (one already sent is not queued)
     more = plan([a, b, c, d, e], lambda p: 0, max_tokens=10**6)
     assert [s.prefix.key for s in stagger(more, [[3, 4]])] == [1, 2, 5, 4, 3]
+
+
+def test_plan_sends_first_the_prefixes_whose_holders_are_the_most_loaded() -> None:
+    """The warm-up unloads the longest queues first: a prefix whose least busy holder has
+    20 requests goes before a more valuable one held by an idle replica, and one no other
+    replica holds (inf) before both; at equal pressure, by value."""
+    a, b, c, d = _prefix(10, 1.0, 1), _prefix(10, 9.0, 2), _prefix(10, 5.0, 3), _prefix(10, 2.0, 4)
+    load = {1: 20.0, 2: 0.0, 3: float("inf"), 4: 0.0}
+    steps = plan([a, b, c, d], lambda p: 0, 10**6, lambda p: load[p.key])
+    assert [s.prefix.key for s in steps] == [3, 1, 2, 4]
+
+
+def test_replicas_warming_together_each_take_their_share_of_the_traffic() -> None:
+    """Two joiners: each warms the prefixes carrying half the requests per second, in
+    its staggered order, so together they hold every prefix once; alone, every one."""
+    prefixes = [_prefix(10, rate, key) for key, rate in enumerate((4.0, 3.0, 2.0, 1.0), 1)]
+    steps = plan(prefixes, lambda p: 0, 10**6)
+    assert [s.prefix.key for s in share(steps, 1)] == [1, 2, 3, 4]
+    first = share(stagger(steps, []), 2)
+    assert [s.prefix.key for s in first] == [1, 2]  # 7 of the 10 requests/s: >= half
+    queued = [[s.prefix.key for s in first]]
+    second = share(stagger(steps, queued), 2, queued)
+    assert [s.prefix.key for s in second] == [3, 4]  # the rest, not a third of first's
+    # a third joining while both run: every prefix is sent elsewhere, so its half of theirs
+    queued.append([3, 4])
+    third = share(stagger(steps, queued), 2, queued)
+    assert sum(s.prefix.requests_per_s for s in third) >= 5.0
+    assert share([], 3) == []
 
 
 def test_pacer_keeps_to_tokens_per_second() -> None:
