@@ -83,7 +83,7 @@ class _ReplicaLedger:
         self._trim()
 
     def _ended(self, sent: float, at: float) -> None:
-        at = self.last_end = max(at, self.last_end, sent)
+        at = self.last_end = max(max(at, self.last_end), sent)  # two-argument max: compiled inline
         if at <= self.watermark:
             return  # ended before the report was taken: the report left it out
         ends = self.ends
