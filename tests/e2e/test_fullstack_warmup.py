@@ -241,11 +241,15 @@ def test_a_restarted_engine_is_warmed_by_kv_transfer_from_a_replica_holding_the_
     assert sent_tokens > 0
     assert source.metric("vllm:prefix_cache_hits_total") - hits >= sent_tokens - 16 * warmup["sent"]
     assert source.call("GET", "/sim/state")[1]["kv_transfers_held"] == 0
-    # the joiner computed none of its prompt tokens: every one was read from the holder
-    # (vLLM's connector hits, none from its own cache: it started empty)
+    # the joiner computed none of its prompt tokens: each was read from the holder (vLLM's
+    # connector hits) or, where two warmed prefixes share their beginning and one move
+    # landed before the other was admitted, found in its own cache, which only an earlier
+    # move of this warm-up filled (it started empty and nothing else reached it)
     assert joiner.metric("vllm:prompt_tokens_total") == sent_tokens
-    assert joiner.metric("vllm:external_prefix_cache_hits_total") == sent_tokens
-    assert joiner.metric("vllm:prefix_cache_hits_total") == 0
+    read = joiner.metric("vllm:external_prefix_cache_hits_total")
+    found = joiner.metric("vllm:prefix_cache_hits_total")
+    assert read > 0 and read + found == sent_tokens
+    assert found == 0 or warmup["sent"] > 1
     assert (
         controlplane_metric(stack, "kvroute_controlplane_warmup_prefixes_total", result="fell_back")
         == 0
