@@ -317,11 +317,7 @@ class ChangingFleet(Simulation):
             return index.leading_runs(self._keys(prefix), now=None).get(replica, 0)
 
         def pressure(prefix: HotPrefix) -> float:
-            keys = self._keys(prefix)
-            runs = index.leading_runs(keys, now=None)
-            holders = [
-                o for o, run in runs.items() if run >= len(keys) and o in self.routable - {replica}
-            ]
+            holders = self._holders(self._keys(prefix), replica)
             return min((samples[o].running + samples[o].waiting for o in holders), default=math.inf)
 
         steps = plan(self._hot(now), held, self.warmup.max_tokens, pressure)
@@ -438,14 +434,17 @@ class ChangingFleet(Simulation):
     def _holder(self, keys: list[int], joiner: int) -> int | None:
         """Mode ``transfer``: the least loaded routable replica whose KV events show it
         holds all of ``keys`` (the leader reads the residency map), or None."""
-        index = cast_router(self.routers[0]).index
-        runs = index.leading_runs(keys, now=None)
-        holders = [r for r in self.routable - {joiner} if runs.get(r, 0) >= len(keys)]
-        if not holders:
-            return None
         return min(
-            holders, key=lambda r: (self.replicas[r].running + self.replicas[r].num_waiting, r)
+            self._holders(keys, joiner),
+            key=lambda r: (self.replicas[r].running + self.replicas[r].num_waiting, r),
+            default=None,
         )
+
+    def _holders(self, keys: list[int], joiner: int) -> list[int]:
+        """The routable replicas other than ``joiner`` whose KV events show they hold
+        all of ``keys`` (the residency map the leader reads)."""
+        runs = cast_router(self.routers[0]).index.leading_runs(keys, now=None)
+        return [r for r in self.routable - {joiner} if runs.get(r, 0) >= len(keys)]
 
     def _transfer(self, joined: _Joined, keys: list[int], now: float) -> None:
         """The holder answered its one-token request: the joiner reads the blocks it

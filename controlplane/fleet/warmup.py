@@ -645,17 +645,20 @@ def _busy(record: ReplicaRecord) -> int:
     return (record.load.running + record.load.waiting) if record.load else 0
 
 
+def _serving(record: ReplicaRecord) -> bool:
+    return not record.down and not record.is_draining and not record.stale
+
+
 def _can_send(record: ReplicaRecord, model: str) -> bool:
-    """Whether ``record`` may be a warm-up transfer's source for ``model``."""
+    """Whether ``record`` may be a warm-up transfer's source for ``model``: serving, a
+    vLLM engine of that model not in the decode role."""
     announce = record.announce
     return (
         announce is not None
         and announce.model == model
         and announce.engine_kind != events_pb2.ENGINE_KIND_SGLANG
         and announce.role != events_pb2.REPLICA_ROLE_DECODE
-        and not record.down
-        and not record.stale
-        and not record.is_draining
+        and _serving(record)
     )
 
 
@@ -681,10 +684,6 @@ class _Moves:
         """Until every move is answered."""
         if self.tasks:
             await asyncio.wait(set(self.tasks))
-
-
-def _serving(record: ReplicaRecord) -> bool:
-    return not record.down and not record.is_draining and not record.stale
 
 
 def workloads_of(config: routing_pb2.RoutingConfig) -> list[Workload]:
