@@ -156,9 +156,8 @@ def queue_screened(
 
 HOT_REPLICAS = 2.0  # a prefix is hot when its share of requests would fill this many replicas
 HOT_HALF_LIFE_S = 10.0  # how fast a prefix's share of the requests is forgotten
-HOT_MIN_REQUESTS = (
-    16.0  # routed lately (decayed) before a share counts as it is (see believed_share)
-)
+# routed lately (decayed) before a share counts as it is (see believed_share)
+HOT_MIN_REQUESTS = 16.0
 HELD = -1  # in the runs a hot target is given: the hot prefix's length, in blocks
 Runs = dict[int, int]  # replica ordinal -> its leading run of the prompt, in blocks
 HOT_KEYS = 4096  # prefixes remembered at most; the more requested half is kept beyond it
