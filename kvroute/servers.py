@@ -32,6 +32,7 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Container
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
@@ -51,9 +52,10 @@ _PORT_TRIES = 64
 _random = random.SystemRandom()  # unseeded: forked processes do not draw the same ports
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing uses right now, below the kernel's ephemeral
-    range when it leaves room for that.
+def free_port(avoid: Container[int] = ()) -> int:
+    """A TCP port on 127.0.0.1 that nothing uses right now and not in ``avoid`` (ports
+    promised to a server not started yet), below the kernel's ephemeral range when it
+    leaves room for that.
 
     A port the kernel hands out for ``bind(0)`` is in the ephemeral range, which every
     outgoing connection also draws its local port from: between this call and the
@@ -63,15 +65,20 @@ def free_port() -> int:
     low = _ephemeral_low()
     for _ in range(_PORT_TRIES if low - _PORT_FLOOR >= 1024 else 0):
         port = _random.randrange(_PORT_FLOOR, low)
+        if port in avoid:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    while True:  # the kernel's choice: an ephemeral port, free as it hands it out
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in avoid:
+            return port
 
 
 def _ephemeral_low() -> int:

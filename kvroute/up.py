@@ -159,8 +159,12 @@ class LocalFleet:
         """What can be checked before starting anything."""
         for tool in ("kvroute-sim", "kvroute-sidecar", "kvroute-controlplane", "kvroute-proxy"):
             venv_tool_or_fail(tool)
-        for offset in range(self.options.proxies):
-            check_port_free(self.options.port + offset)
+        for port in self._proxy_ports():
+            check_port_free(port)
+
+    def _proxy_ports(self) -> range:
+        """The proxies' ports (``--port`` on): no other process of the fleet is given one."""
+        return range(self.options.port, self.options.port + self.options.proxies)
 
     async def start(self) -> Fleet:
         self.preflight()
@@ -175,7 +179,8 @@ class LocalFleet:
         return self.fleet
 
     async def _start_infrastructure(self) -> None:
-        nats_port, etcd_port, peer_port = free_port(), free_port(), free_port()
+        avoid = self._proxy_ports()
+        nats_port, etcd_port, peer_port = free_port(avoid), free_port(avoid), free_port(avoid)
         nats = ChildSpec("nats", nats_command(nats_port), ready_line="Server is ready")
         data = self.fleet.run_dir / "etcd"
         etcd = ChildSpec(
@@ -258,7 +263,7 @@ class LocalFleet:
     async def _start_sidecars(self) -> None:
         sims = list(self._sim_lines)
         for index, url in enumerate(self.fleet.engines):
-            port = free_port()
+            port = free_port(self._proxy_ports())
             argv = [
                 venv_tool_or_fail("kvroute-sidecar"),
                 "--engine-url", url,

@@ -36,3 +36,14 @@ def test_a_port_in_use_is_never_handed_out() -> None:
     finally:
         for sock in held:
             sock.close()
+
+
+def test_a_port_promised_to_another_server_is_never_handed_out() -> None:
+    # kvroute up promises --port, --port+1, ... to its proxies, started last: the ports it
+    # picks for NATS, etcd and the sidecars before them must not be among those
+    low, _ = _ephemeral_range()
+    promised = range(10_000, (10_000 + low) // 2)
+    ports = [free_port(promised) for _ in range(100)]
+    assert not [port for port in ports if port in promised], sorted(ports)
+    assert all(port < low for port in ports)  # still below the ephemeral range
+    assert free_port(range(1, low)) >= low  # nothing below it left: the kernel's choice
