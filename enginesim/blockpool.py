@@ -258,9 +258,7 @@ class VllmKVCacheManager:
 
     def admit(self, req: SimRequest) -> bool:
         """``get_computed_blocks`` then ``allocate_slots`` for all of ``req``'s tokens."""
-        num_tokens = req.num_tokens
-        max_hit = (num_tokens - 1) // self.block_size
-        hits = self.pool.longest_cached_prefix(req.digests[:max_hit])
+        hits = self._hits(req)
         n_new = self._blocks_for(self._admission_tokens(req)) - len(hits)
         if not self.pool.can_allocate(hits, n_new):
             return False
@@ -270,6 +268,17 @@ class VllmKVCacheManager:
         req.hit_tokens = len(hits) * self.block_size
         self._cache_full_blocks(req, held)
         return True
+
+    def cached_prefix_tokens(self, req: SimRequest) -> int:
+        """The hit ``get_computed_blocks`` finds for ``req`` now, in tokens, changing
+        nothing (a P/D decode's connector reads the rest of its prompt)."""
+        return len(self._hits(req)) * self.block_size
+
+    def _hits(self, req: SimRequest) -> list[KVBlock]:
+        """The cached blocks of ``req``'s longest leading run, capped so that at least its
+        last token is computed."""
+        max_hit = (req.num_tokens - 1) // self.block_size
+        return self.pool.longest_cached_prefix(req.digests[:max_hit])
 
     def grow(self, req: SimRequest) -> bool:
         """``allocate_slots`` for one decode token."""

@@ -23,10 +23,10 @@ from enginesim.faults import FaultInjector, FaultUpdate
 from enginesim.kv_manager import KVCacheManager
 from enginesim.lora import WarmAdapters
 from enginesim.metrics import CacheConfig, EngineMetrics, LoadSnapshot, make_metrics
-from enginesim.pd import KvTransfers
+from enginesim.pd import KvTransfers, RemotePrefill
 from enginesim.publisher import EventPublisher, PublisherConfig
 from enginesim.radix_cache import SglangRadixCache
-from enginesim.request import LoraTag, SimRequest
+from enginesim.request import LoadedKV, LoraTag, SimRequest
 from enginesim.scheduler import CoreLimits, EngineCore, StepOutput
 from enginesim.settings import SimSettings
 from enginesim.wire import make_format
@@ -136,14 +136,20 @@ class Engine:
         block hashes are computed in a thread so that the loop keeps serving."""
         arrival = time.perf_counter()
         self.core.check(len(req.prompt), req.max_tokens)
-        digests = None
-        if len(req.prompt) > THREAD_HASH_TOKENS:
-            digests = await asyncio.to_thread(self.core.prompt_digests, req)
+        digests = req.digests or None  # a P/D decode's, hashed for its read
+        if digests is None and len(req.prompt) > THREAD_HASH_TOKENS:
+            digests = await self._digests(req)
         handle = RequestHandle(req, stream, arrival)
         self.core.add(req, digests)
         self._handles[req] = handle
         self._wake.set()
         return handle
+
+    async def _digests(self, req: SimRequest) -> list[bytes]:
+        """``req``'s prompt block hashes; a long prompt's in a thread."""
+        if len(req.prompt) > THREAD_HASH_TOKENS:
+            return await asyncio.to_thread(self.core.prompt_digests, req)
+        return self.core.prompt_digests(req)
 
     async def submit_all(self, reqs: list[SimRequest], *, stream: bool) -> list[RequestHandle]:
         """Queue ``reqs`` back to back, so that they are admitted in this order; all or
@@ -160,12 +166,8 @@ class Engine:
         hashed: dict[tuple[int, str | None, LoraTag | None], list[bytes]] = {}
         for req in reqs:
             key = (id(req.prompt), req.salt, req.lora)
-            if key in hashed:
-                continue
-            if len(req.prompt) > THREAD_HASH_TOKENS:
-                hashed[key] = await asyncio.to_thread(self.core.prompt_digests, req)
-            else:
-                hashed[key] = self.core.prompt_digests(req)
+            if key not in hashed:
+                hashed[key] = req.digests or await self._digests(req)
         progress = asyncio.Event()
         handles = []
         for req in reqs:
@@ -183,19 +185,34 @@ class Engine:
 
     # -- KV transfer (pd.py) ------------------------------------------------------------
 
-    async def release_transfer(self, body: dict[str, Any]) -> bool:
-        """A decode engine reads held blocks: free them; ``False`` when refused. An
-        SGLang read names a bootstrap room, and waits for its prefill to finish."""
+    async def release_transfer(self, body: dict[str, Any]) -> SimRequest | None:
+        """A decode engine reads held blocks: free them; the prefill request they were
+        held for, ``None`` when the read is refused. An SGLang read names a bootstrap
+        room, and waits for its prefill to finish."""
         room = body.get("bootstrap_room")
         if isinstance(room, int):
             req = await self.transfers.read_room(room)
         else:
             req = self.transfers.release(body)
         if req is None:
-            return False
+            return None
         self.core.release(req)
         self._flush_events()
-        return True
+        return req
+
+    async def read_prefill(self, remote: RemotePrefill, req: SimRequest) -> LoadedKV:
+        """A vLLM decode's read of ``req``'s prompt (``pd.py``), as the NIXL connector
+        does it: the tokens beyond the leading blocks this engine's cache holds
+        (``get_num_new_matched_tokens``), read into the blocks it allocates for them
+        (``update_state_after_alloc``: its unhashed ones, the prefill's last as many);
+        ``KvLoadFailed`` when the prefill engine refuses."""
+        kv, bs = self.core.kv, self.settings.block_size
+        assert isinstance(kv, VllmKVCacheManager)  # the vLLM formats' manager
+        if not req.digests:  # kept for ``submit``
+            req.digests = await self._digests(req)
+        held = kv.cached_prefix_tokens(req)
+        await self.transfers.pull(remote, -(-len(req.prompt) // bs) - held // bs)
+        return LoadedKV(len(req.prompt) - held, last_recomputed=True)
 
     async def _expire_transfers(self) -> None:
         """Frees the blocks of held prefills whose lease ran out, checked once a second
@@ -279,7 +296,8 @@ class Engine:
         metrics = self.metrics
         handles = self._handles
         for req in out.admitted:
-            metrics.on_admitted(len(req.prompt), req.hit_tokens, req.loaded_tokens)
+            read = 0 if req.loaded is None else req.loaded.tokens
+            metrics.on_admitted(len(req.prompt), req.hit_tokens, read, req.num_cached_tokens)
             handle = handles.get(req)
             if handle is not None:
                 metrics.on_first_token(now - handle.arrival)

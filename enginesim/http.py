@@ -392,7 +392,7 @@ class SimApp:
                 p.check_token_ids(prompt, self.tokenizer.max_token_id)
         if self.engine.faults.should_fail():
             raise p.InjectedFailure("Injected failure (kvroute-sim fault).")
-        hold, loaded = await self._transfer(body.kv_transfer_params)
+        hold, remote = _transfer_role(body.kv_transfer_params)
         chat = isinstance(body, p.ChatRequest)
         reqs = []
         for i, prompt in enumerate(prompts):
@@ -402,25 +402,16 @@ class SimApp:
                 req = SimRequest(
                     req_id, prompt, max_tokens, body.cache_salt, hold_kv=hold, lora=lora
                 )
-                req.loaded_tokens = len(prompt) if loaded else 0
                 reqs.append(req)
+        if remote is not None:  # a decode: its prompt read before it is queued
+            loaded = await self.engine.read_prefill(remote, reqs[0])
+            for req in reqs:
+                req.loaded = loaded
         try:
             handles = await self.engine.submit_all(reqs, stream=body.stream)
         except RequestRejected as exc:
             raise p.BadRequest(str(exc)) from exc
         return Choices(rid, handles, n, reports_cached=not self.settings.no_cache_report)
-
-    async def _transfer(self, params: dict[str, Any] | None) -> tuple[bool, bool]:
-        """What a request's ``kv_transfer_params`` make of it (``pd.py``): whether it is a
-        prefill whose blocks are held for a decode engine, and whether it is a decode
-        whose prompt was read from a prefill engine (read here; ``KvLoadFailed``)."""
-        if not params:
-            return False, False
-        if params.get("do_remote_prefill"):
-            remote = RemotePrefill.parse(params)
-            await self.engine.transfers.pull(remote, remote.num_blocks)
-            return False, True
-        return bool(params.get("do_remote_decode")), False
 
     async def _completion_chunks(
         self, choices: Choices, usage: p.UsageAsked
@@ -717,9 +708,13 @@ class SimApp:
         """The side channel of ``pd.py``: a decode engine reads the blocks it names
         (vLLM: by request; SGLang: by bootstrap room, once its prefill is done)."""
         body = p.decode_body(request.body or b"{}", dict[str, Any])
-        if not await self.engine.release_transfer(body):
+        held = await self.engine.release_transfer(body)
+        if held is None:
             raise p.NotFound("No KV blocks are held for this transfer.")
-        return json_response({"released": True})
+        answer: dict[str, Any] = {"released": True}
+        if "bootstrap_room" in body:  # SGLang's metadata buffer: the prefill's cache hit
+            answer["cached_tokens"] = held.num_cached_tokens
+        return json_response(answer)
 
     async def state(self, request: Request) -> Result:
         self._admin_only(request)
@@ -735,6 +730,7 @@ class SimApp:
                 "running": load.running,
                 "waiting": load.waiting,
                 "kv_transfers_held": self.engine.transfers.num_held,
+                "kv_blocks_read": self.engine.transfers.blocks_read,
                 "event_endpoint": self.engine.publisher.endpoint,
                 "replay_endpoint": self.engine.publisher.replay_endpoint,
             }
@@ -798,6 +794,17 @@ def _answer_id(prefix: str, request: Request, body: p._Sampling) -> str:
     """The ``id`` of every answer and chunk to ``request``: ``cmpl-`` or ``chatcmpl-``,
     then :func:`protocol.base_request_id` (from ``X-Request-Id`` or the body)."""
     return f"{prefix}-{p.base_request_id(request.header(b'x-request-id'), body.request_id)}"
+
+
+def _transfer_role(params: dict[str, Any] | None) -> tuple[bool, RemotePrefill | None]:
+    """What a request's ``kv_transfer_params`` make of it (``pd.py``): whether it is a
+    prefill whose blocks are held for a decode engine, and, for a decode, the blocks to
+    read (``KvLoadFailed`` when they are not named)."""
+    if not params:
+        return False, None
+    if params.get("do_remote_prefill"):
+        return False, RemotePrefill.parse(params)
+    return bool(params.get("do_remote_decode")), None
 
 
 def _engine_request_id(external: str, unique: int, sample: int, n: int) -> str:

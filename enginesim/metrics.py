@@ -47,9 +47,12 @@ class LoadSnapshot:
 
 
 class EngineMetrics(Protocol):
-    def on_admitted(self, prompt_tokens: int, hit_tokens: int, loaded_tokens: int) -> None:
-        """A request admitted: its prompt, the tokens found in the local cache and
-        those read from another engine (P/D, ``pd.py``)."""
+    def on_admitted(
+        self, prompt_tokens: int, hit_tokens: int, read_tokens: int, cached_tokens: int
+    ) -> None:
+        """A request admitted: its prompt, the tokens found in the local cache, those
+        read from another engine (P/D, ``pd.py``) and the cached tokens its answer
+        reports."""
 
     def on_first_token(self, ttft_s: float) -> None: ...
     def on_finished(self, e2e_s: float, generated: int) -> None: ...
@@ -119,11 +122,13 @@ class VllmMetrics:
         Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig.",
               list(info), registry=r).labels(**info).set(1)  # fmt: skip
 
-    def on_admitted(self, prompt_tokens: int, hit_tokens: int, loaded_tokens: int) -> None:
+    def on_admitted(
+        self, prompt_tokens: int, hit_tokens: int, read_tokens: int, cached_tokens: int
+    ) -> None:
         self.queries.inc(prompt_tokens)
         self.hits.inc(hit_tokens)  # vLLM's prefix cache stats: the local lookup's
         self.external_queries.inc(prompt_tokens - hit_tokens)  # the connector's lookup
-        self.external_hits.inc(max(0, loaded_tokens - hit_tokens))
+        self.external_hits.inc(min(read_tokens, prompt_tokens - hit_tokens))
         self.prompt.inc(prompt_tokens)
 
     def on_first_token(self, ttft_s: float) -> None:
@@ -159,8 +164,10 @@ class SglangMetrics:
         self.ttft = histogram("sglang:time_to_first_token_seconds", "Time to first token.")
         self.e2e = histogram("sglang:e2e_request_latency_seconds", "End-to-end latency.")
 
-    def on_admitted(self, prompt_tokens: int, hit_tokens: int, loaded_tokens: int) -> None:
-        cached_tokens = max(hit_tokens, loaded_tokens)  # what its answer reports cached
+    def on_admitted(
+        self, prompt_tokens: int, hit_tokens: int, read_tokens: int, cached_tokens: int
+    ) -> None:
+        # what its answer reports cached, as SGLang counts each finished request's
         self.prompt.inc(prompt_tokens)
         self.cached.inc(cached_tokens)
         self._queried_tokens += prompt_tokens

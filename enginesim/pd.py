@@ -16,13 +16,20 @@ vLLM: the roles are per request, set by the router in ``kv_transfer_params``:
   out.
 - ``do_remote_prefill``: this engine is the decode side. Before the request is queued
   the engine reads the blocks from the engine named (``POST /sim/kv_pull`` on
-  ``remote_host:remote_port``, the simulator's stand-in for NIXL's side channel), waits
-  the modelled transfer time (``--kv-transfer-block-ms`` a block), and the request is
-  admitted with its whole prompt computed: its cached tokens are the prompt, as vLLM
-  counts loaded tokens. A read that is refused (an unknown or expired request, another
-  engine's id, a block list that is not the one held) fails the request as vLLM's
-  default ``kv_load_failure_policy`` "fail" does: finish reason error, which its server
-  answers 500 ``Internal server error`` (``GenerationError``).
+  ``remote_host:remote_port``, the simulator's stand-in for NIXL's side channel) and
+  waits the modelled transfer time (``--kv-transfer-block-ms`` a block). As NIXL's
+  connector, it reads only the prompt beyond the leading blocks its own cache holds
+  (``get_num_new_matched_tokens`` counts the prompt less the local hit; the worker reads
+  the prefill's last blocks into the ones allocated for them), and the request is
+  admitted with every prompt token but the last computed: vLLM's scheduler sets
+  ``num_computed_tokens`` to the prompt less one when every token was loaded
+  (``_update_waiting_for_remote_kv``: the last one is computed again for its logits), so
+  its ``cached_tokens`` are the prompt less one; the metrics count the read as the
+  connector's hits and the local hit as the prefix cache's. A read that is refused (an
+  unknown or expired request, another engine's id, a block list that is not the one
+  held) fails the request as vLLM's default ``kv_load_failure_policy`` "fail" does:
+  finish reason error, which its server answers 500 ``Internal server error``
+  (``GenerationError``).
 
 SGLang: the role is the server's (``--disaggregation-mode prefill|decode``, told in
 ``/server_info``), and the router adds ``bootstrap_host``, ``bootstrap_port`` (the prefill
@@ -31,7 +38,13 @@ random 63-bit id pairing the two halves) to the body and sends it to both server
 once. The prefill server computes the prompt (one token), holds the blocks in the room
 and answers once the decode server has read them (or fails after the waiting timeout);
 the decode server reads the room (``POST /sim/kv_pull`` with ``bootstrap_room``, waiting
-for the prefill to arrive up to the bootstrap timeout) and decodes. A read that fails
+for the prefill to arrive up to the bootstrap timeout) and decodes. It reads every
+prompt block (SGLang's decode keeps no radix cache unless started with
+``--disaggregation-decode-enable-radix-cache``) and answers the ``cached_tokens`` its
+prefill server found, which SGLang's metadata buffer carries with the first token
+(``_commit_transfer_to_req``); the read's answer carries them here. Not modelled: the
+simulator's decode server still caches the prompts it decodes in its radix tree (and
+publishes them), where SGLang's default decode runs a chunk cache. A read that fails
 aborts the decode request as SGLang does: 500 ``Decode handshake failed ...``.
 """
 
@@ -149,6 +162,7 @@ class KvTransfers:
         self.lease_s = lease_s
         self.block_seconds = block_seconds  # wall seconds to read one block
         self.pulled = self.expired = self.refused = 0
+        self.blocks_read = 0  # decode side: blocks read from prefill engines
         self._held: dict[str, _Held] = {}
         self._rooms: dict[int, _Room] = {}
         self._session: aiohttp.ClientSession | None = None
@@ -265,18 +279,24 @@ class KvTransfers:
 
     # -- decode side ---------------------------------------------------------------------
 
-    async def pull(self, remote: RemotePrefill | Bootstrap, num_blocks: int) -> None:
-        """Read ``remote``'s blocks from the prefill engine, taking the modelled transfer
-        time; ``KvLoadFailed`` when the prefill engine refuses or cannot be reached."""
+    async def pull(self, remote: RemotePrefill | Bootstrap, num_blocks: int) -> int:
+        """Read ``num_blocks`` of ``remote``'s blocks from the prefill engine, taking the
+        modelled transfer time; the cached tokens the prefill found (SGLang's metadata
+        buffer carries them; 0 for vLLM, whose connector does not). ``KvLoadFailed`` when
+        the prefill engine refuses or cannot be reached."""
         url = f"http://{remote.host}:{remote.port}{PULL_PATH}"
         try:
             async with self._client().post(url, json=remote.pull_body()) as resp:
                 if resp.status != 200:
                     raise KvLoadFailed(f"the prefill engine refused the read ({resp.status})")
-        except (aiohttp.ClientError, TimeoutError) as exc:
+                answer = await resp.json()
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise KvLoadFailed(f"the prefill engine cannot be reached: {exc}") from exc
+        self.blocks_read += num_blocks
         if self.block_seconds:
             await asyncio.sleep(self.block_seconds * num_blocks)
+        cached = answer.get("cached_tokens") if isinstance(answer, dict) else None
+        return cached if isinstance(cached, int) else 0
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:

@@ -21,6 +21,19 @@ class LoraTag:
     path: str
 
 
+@dataclass(frozen=True, slots=True)
+class LoadedKV:
+    """A decode's prompt KV read from its prefill engine (``pd.py``), as its engine counts
+    it: vLLM's NIXL connector reads the prompt beyond the leading blocks the decode's cache
+    holds and computes the last prompt token again for its logits
+    (``_update_waiting_for_remote_kv``); SGLang's decode reads every token, computes none
+    and answers the cached tokens its prefill server found (the metadata buffer's)."""
+
+    tokens: int  # prompt tokens read (vLLM's connector hits)
+    last_recomputed: bool  # vLLM: the last prompt token is computed again
+    reported: int | None = None  # SGLang: the prefill's cached_tokens, which its answer gives
+
+
 @dataclass(eq=False)
 class SimRequest:
     request_id: str
@@ -33,7 +46,7 @@ class SimRequest:
     num_cached_tokens: int = 0  # ``hit_tokens`` of the first admission: what clients see
     num_preemptions: int = 0
     hold_kv: bool = False  # a prefill for another engine: keep the blocks when done (pd.py)
-    loaded_tokens: int = 0  # prompt tokens read from a prefill engine (pd.py)
+    loaded: LoadedKV | None = None  # a P/D decode's prompt read from its prefill engine
     bootstrap_room: int | None = None  # SGLang's P/D: the room its prefill's KV is held in
     output: list[int] = field(default_factory=list)
     finished: bool = False

@@ -214,7 +214,7 @@ class EngineCore:
             if req.num_preemptions:
                 out.resumed.append(req)
             else:
-                req.num_cached_tokens = max(req.hit_tokens, req.loaded_tokens)
+                req.num_cached_tokens = reported_cached(req)
         self.waiting.extendleft(reversed(skipped))
         return admitted
 
@@ -238,7 +238,7 @@ class EngineCore:
             self._sample(req, out)
         if not req.num_preemptions:
             out.admitted.append(req)
-        return computed, max(req.hit_tokens, req.loaded_tokens)
+        return computed, found_tokens(req)
 
     def _sample(self, req: SimRequest, out: StepOutput) -> None:
         filler = self.filler
@@ -279,3 +279,26 @@ class EngineCore:
         dropped = self.abort_all()
         self.kv.reset()
         return dropped
+
+
+def found_tokens(req: SimRequest) -> int:
+    """The prompt tokens ``req``'s admission does not compute: its cache hit and, on its
+    first admission, what a P/D decode read from its prefill engine (``LoadedKV``); vLLM
+    computes the last prompt token again when every one is there (``num_computed_tokens``
+    is the prompt less one after ``_update_waiting_for_remote_kv``). A preempted decode
+    recomputes what its cache no longer holds, as any request."""
+    loaded = req.loaded
+    if loaded is None or req.num_preemptions:
+        return req.hit_tokens
+    found = min(len(req.prompt), req.hit_tokens + loaded.tokens)
+    return found - 1 if loaded.last_recomputed and found == len(req.prompt) else found
+
+
+def reported_cached(req: SimRequest) -> int:
+    """``req``'s ``num_cached_tokens`` (its answer's ``cached_tokens``), set at its first
+    admission: vLLM's scheduler takes the tokens computed before its first step; SGLang's
+    decode the count its prefill server sent."""
+    loaded = req.loaded
+    if loaded is not None and loaded.reported is not None:
+        return loaded.reported
+    return found_tokens(req)

@@ -21,7 +21,7 @@ from enginesim.choices import Choices
 from enginesim.engine import Engine
 from enginesim.errors import RequestRejected
 from enginesim.pd import Bootstrap, KvLoadFailed
-from enginesim.request import LoraTag, SimRequest
+from enginesim.request import LoadedKV, LoraTag, SimRequest
 from enginesim.settings import SimSettings
 from enginesim.tokens import PromptTokenizer
 
@@ -180,8 +180,9 @@ class SglangServing:
         if engine.faults.should_fail():
             raise p.InjectedFailure("Injected failure (kvroute-sim fault).")
         salt, mode = ask.salt, app.settings.disaggregation_mode
+        prefill_cached = 0
         if mode == "decode" and ask.bootstrap is not None:
-            await self._read_prefill(ask.bootstrap, prompts)
+            prefill_cached = await self._read_prefill(ask.bootstrap, prompts)
         if n > 1:
             for prompt in prompts:  # ``_handle_batch_request``: cache the common prefix
                 warm = SimRequest(sg.request_id(), prompt, 0, salt, lora=lora)
@@ -196,7 +197,7 @@ class SglangServing:
             for _ in range(max(n, 1))
         ]
         if ask.bootstrap is not None and mode != "null":
-            _pair(reqs, ask.bootstrap.room, mode)
+            _pair(reqs, ask.bootstrap.room, mode, prefill_cached)
         handles = await engine.submit_all(reqs, stream=ask.stream)
         names = rids.names
         reports = not app.settings.no_cache_report
@@ -205,26 +206,29 @@ class SglangServing:
         self.rids.hold(rids.held, handles)
         return Choices(names[0], handles, max(n, 1), names, reports_cached=reports)
 
-    async def _read_prefill(self, bootstrap: Bootstrap, prompts: list[list[int]]) -> None:
-        """The decode server's handshake and transfer; fails as SGLang aborts it."""
+    async def _read_prefill(self, bootstrap: Bootstrap, prompts: list[list[int]]) -> int:
+        """The decode server's handshake and transfer of every prompt block (its radix
+        cache is off by default: ``--disaggregation-decode-enable-radix-cache``); the
+        cached tokens the prefill server reported. Fails as SGLang aborts it."""
         blocks = sum(-(-len(prompt) // self.app.settings.block_size) for prompt in prompts)
         try:
-            await self.app.engine.transfers.pull(bootstrap, blocks)
+            return await self.app.engine.transfers.pull(bootstrap, blocks)
         except KvLoadFailed as exc:
             raise p.ApiError(
                 f"Decode handshake failed for request bootstrap_room={bootstrap.room}: {exc.reason}"
             ) from exc
 
 
-def _pair(reqs: list[SimRequest], room: int, mode: str) -> None:
+def _pair(reqs: list[SimRequest], room: int, mode: str, prefill_cached: int) -> None:
     """P/D: a prefill computes one token and keeps its blocks in ``room``; a decode has
-    its prompt loaded."""
+    its prompt loaded and answers the cached tokens its prefill reported
+    (``_commit_transfer_to_req``: ``cached_tokens`` from the metadata buffer)."""
     for req in reqs:
         req.bootstrap_room = room
         if mode == "prefill":
             req.max_tokens, req.hold_kv = 1, True
         else:
-            req.loaded_tokens = len(req.prompt)
+            req.loaded = LoadedKV(len(req.prompt), last_recomputed=False, reported=prefill_cached)
 
 
 def _model(body: p._Sampling) -> str:

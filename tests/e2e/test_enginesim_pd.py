@@ -1,7 +1,9 @@
 """Two kvroute-sim processes in vLLM's disaggregated prefill/decode, driven by hand as
 vLLM's reference proxy does: the prefill answers with the transfer parameters naming its
 blocks, the decode engine reads them once and decodes; a read of parameters that are
-unknown, already read or expired fails as vLLM's NIXL connector fails."""
+unknown, already read or expired fails as vLLM's NIXL connector fails. What a decode
+reads and reports is checked against a model of vLLM's rule (``vllm_decode``); SGLang's
+pair the same way, with SGLang's (the decode answers its prefill's cached tokens)."""
 
 from __future__ import annotations
 
@@ -43,6 +45,50 @@ def path_of(body: dict[str, Any]) -> str:
     return "/v1/chat/completions" if "messages" in body else "/v1/completions"
 
 
+def vllm_decode(prompt_len: int, held_blocks: int, bs: int = 16) -> dict[str, int]:
+    """What vLLM 0.33 does with a P/D decode request whose cache holds the first
+    ``held_blocks`` full blocks of its prompt, written from its source (a model of the
+    rule, independent of the simulator's code):
+
+    - ``get_computed_blocks`` finds the held run, capped at ``prompt - 1`` tokens;
+    - NIXL's ``get_num_new_matched_tokens`` (pull scheduler) counts the rest of the prompt
+      as the connector's tokens; ``allocate_slots`` gives them new blocks, and the worker's
+      ``_read_blocks`` reads that many of the prefill's blocks, its last ones;
+    - ``_update_waiting_for_remote_kv`` sets ``num_computed_tokens`` to the blocks' tokens
+      bounded by the prompt, less one when that is the whole prompt (the last token is
+      computed again); the first scheduling makes it ``num_cached_tokens``."""
+    local_blocks = min(held_blocks, (prompt_len - 1) // bs)
+    blocks = -(-prompt_len // bs)
+    computed = min(blocks * bs, prompt_len)
+    return {
+        "blocks_read": blocks - local_blocks,
+        "cached_tokens": computed - 1 if computed == prompt_len else computed,
+        "local_hits": local_blocks * bs,
+        "external_hits": prompt_len - local_blocks * bs,
+    }
+
+
+COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total")
+
+
+def decode_counts(decode: SimProcess) -> dict[str, int]:
+    """The decode engine's blocks read so far and its two cache-hit counters."""
+    local, external = (int(decode.metric(name)) for name in COUNTERS)
+    read = decode.call("GET", "/sim/state")[1]["kv_blocks_read"]
+    return {"blocks_read": read, "local_hits": local, "external_hits": external}
+
+
+def decode_with(
+    decode: SimProcess, body: dict[str, Any], params: dict[str, Any]
+) -> tuple[Any, dict[str, int]]:
+    """The decode half by hand: its answer, and what it read, counted and reported."""
+    before = decode_counts(decode)
+    answer = decode.post(path_of(body), {**body, "kv_transfer_params": params})
+    after = decode_counts(decode)
+    seen = {key: after[key] - before[key] for key in after}
+    return answer, {**seen, "cached_tokens": cached_tokens(answer["usage"])}
+
+
 def test_prefill_names_its_blocks_and_holds_them_until_the_decode_reads_them(
     prefill: SimProcess, decode: SimProcess
 ) -> None:
@@ -54,18 +100,30 @@ def test_prefill_names_its_blocks_and_holds_them_until_the_decode_reads_them(
     assert params["remote_num_tokens"] == 803 and params["transfer_mode"] == "pull"
     assert answer["usage"]["completion_tokens"] == 1
     assert prefill.call("GET", "/sim/state")[1]["kv_transfers_held"] == 1
-    counters = ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total")
-    local, external = (decode.metric(name) for name in counters)
-    decoded = decode.post("/v1/completions", {**body, "kv_transfer_params": params})
-    assert decoded["usage"]["completion_tokens"] == 5
-    assert cached_tokens(decoded["usage"]) == 803  # loaded: the whole prompt computed
-    # as vLLM's scheduler records them: read over the connector, not found locally
-    assert decode.metric(counters[0]) == local
-    assert decode.metric(counters[1]) - external == 803
+    answer, seen = decode_with(decode, body, params)
+    assert answer["usage"]["completion_tokens"] == 5
+    # an empty decode: every block read, the last prompt token computed again (802)
+    assert seen == vllm_decode(803, held_blocks=0)
+    assert seen["cached_tokens"] == 802 and seen["blocks_read"] == 51
     assert prefill.call("GET", "/sim/state")[1]["kv_transfers_held"] == 0
     # read once: the same parameters again are refused, as NIXL's second read fails
     status, error = decode.call("POST", "/v1/completions", {**body, "kv_transfer_params": params})
     assert status == 500 and error["error"]["message"] == "Internal server error"
+
+
+@pytest.mark.parametrize("held_blocks", [20, 30])
+def test_a_decode_holding_the_beginning_reads_only_the_rest(
+    prefill: SimProcess, decode: SimProcess, held_blocks: int
+) -> None:
+    start = 12_000 + 500 * held_blocks  # a prompt no other test sends
+    prompt = list(range(start, start + 30 * 16 + 5))  # 485 tokens: 30 full blocks and 5
+    warm = {"model": MODEL, "prompt": [*prompt[: held_blocks * 16], 1, 2], "max_tokens": 1}
+    decode.post("/v1/completions", warm)  # the decode now holds the first held_blocks
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 3}
+    answer, seen = decode_with(decode, body, prefill_params(prefill, body)[0])
+    assert answer["usage"]["completion_tokens"] == 3
+    assert seen == vllm_decode(485, held_blocks)
+    assert seen["blocks_read"] == 31 - held_blocks and seen["cached_tokens"] == 484
 
 
 def test_streamed_chat_decode_and_the_prefill_cache_hit(
@@ -166,12 +224,17 @@ def test_sglang_pair_decodes_what_the_prefill_computed(
     assert (p_status, d_status) == (200, 200), (p_answer, d_answer)
     assert p_answer["usage"]["completion_tokens"] == 1
     assert d_answer["usage"]["completion_tokens"] == 6
-    assert cached_tokens(d_answer["usage"]) == 802
+    # the decode answers the cached tokens its prefill found (none: a cold prefill)
+    assert d_answer["usage"]["prompt_tokens_details"] is None
     # the second request's prefill finds the shared prefix in the prefill server's cache
     again = {**body, "prompt": [*PREFIX, 6, 7, 8], **bootstrap_of(prefill, 8)}
+    read = decode.call("GET", "/sim/state")[1]["kv_blocks_read"]
     (_, p_again), (_, d_again) = both(prefill, decode, "/v1/completions", again)
     assert cached_tokens(p_again["usage"]) == 800
     assert d_again["usage"]["completion_tokens"] == 6
+    assert cached_tokens(d_again["usage"]) == 800  # the prefill's, as SGLang's decode answers
+    # every block read, although the decode decoded the same prefix before
+    assert decode.call("GET", "/sim/state")[1]["kv_blocks_read"] - read == 51
 
 
 def test_sglang_pair_streams_a_chat_from_decode(

@@ -10,7 +10,7 @@ from enginesim.blockpool import BlockPool, VllmKVCacheManager
 from enginesim.errors import PoolExhausted, RequestRejected
 from enginesim.hashing import VllmSha256CborHasher, prompt_digests
 from enginesim.kv_manager import AllCleared, BlockEvicted, BlocksStored
-from enginesim.request import SimRequest
+from enginesim.request import LoadedKV, SimRequest
 from enginesim.scheduler import CoreLimits, EngineCore
 from enginesim.timing import TimingModel
 
@@ -215,6 +215,27 @@ def test_prefill_time_shrinks_with_cache_hits() -> None:
     core.add(req("b", [*prefix, 2]))
     warm = core.step().duration
     assert cold - warm == pytest.approx(2000 / TimingModel().prefill_rate)
+
+
+@pytest.mark.parametrize(
+    ("loaded", "cached", "computed"),
+    [
+        # vLLM: every prompt token read, the last computed again; its answer reports 802
+        (LoadedKV(803, last_recomputed=True), 802, 1),
+        # SGLang: every token read, none computed; its answer reports its prefill's hit
+        (LoadedKV(803, last_recomputed=False, reported=160), 160, 0),
+    ],
+)
+def test_a_decode_whose_prompt_was_read_computes_and_reports_as_its_engine(
+    loaded: LoadedKV, cached: int, computed: int
+) -> None:
+    core = make_core()
+    decode = req("d", list(range(803)))
+    decode.loaded = loaded
+    core.add(decode)
+    step = core.step()
+    assert decode.num_cached_tokens == cached
+    assert step.duration == pytest.approx(TimingModel().prefill_seconds(803, 803 - computed))
 
 
 def test_restart_drops_requests_and_cache() -> None:
