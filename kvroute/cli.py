@@ -232,3 +232,7 @@ def run_up(args: argparse.Namespace) -> int:
         )
 
     return asyncio.run(run(options, demo))
+
+
+if __name__ == "__main__":  # ``python -m kvroute.cli``, as the ``kvroute`` script
+    sys.exit(main())
