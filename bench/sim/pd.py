@@ -52,11 +52,14 @@ from bench.sim.peers import CacheAwareDefaults, CacheAwareRouter
 from bench.sim.routers import KvrouteRouter, is_kvroute, parse_spec
 from bench.sim.simulator import (
     ARRIVAL,
+    WAKE,
     FleetReadout,
+    RunClock,
     RunOutcome,
     SimConfig,
     drain,
     residency_batches,
+    shared_event,
     too_large,
 )
 from bench.sim.workloads import Request, Workload
@@ -220,7 +223,7 @@ class DecodeReplica(ReplicaModel):
         return admitted
 
 
-_WAKE, _RESIDENCY, _DECODE = 1, 2, 3  # and simulator.ARRIVAL, 0
+_RESIDENCY, _DECODE = 2, 3  # and simulator's ARRIVAL (0) and WAKE (1)
 
 
 @dataclass(slots=True)
@@ -280,7 +283,7 @@ class PdSimulation:
         heapq.heappush(self._heap, (at, next(self._seq), kind, payload))
 
     def _schedule(self, at: float, replica: ReplicaModel, step: int, version: int) -> None:
-        self._push(at, _WAKE, (replica, step, version))
+        self._push(at, WAKE, (replica, step, version))
 
     def _publisher(self, pool: str) -> Publish:
         def publish(replica: int, events: list[PoolEvent], at: float) -> None:
@@ -336,31 +339,20 @@ class PdSimulation:
             self._push(follow.arrival, ARRIVAL, follow)
 
     def run(self) -> RunOutcome:
-        started, cpu = time.perf_counter(), time.process_time()
+        started = RunClock.start()
         arrivals = self.workload.arrivals()
         end = drain(arrivals, self._heap, self.config.load_period_s, self._sample, self._dispatch)
-        return RunOutcome.of(
-            [*self.prefills, *self.decodes],
-            self.requests,
-            self.rejected,
-            self._decide_s,
-            time.perf_counter() - started,
-            time.process_time() - cpu,
-            end,
-        )
+        replicas = [*self.prefills, *self.decodes]
+        return RunOutcome.of(replicas, self.requests, self.rejected, self._decide_s, started, end)
 
     def _sample(self, now: float) -> None:
         for readout in self.readouts:
             readout.sample(now)
 
     def _dispatch(self, kind: int, payload: object, now: float) -> None:
-        if kind == _WAKE:
-            replica, step, version = cast(tuple[ReplicaModel, int, int], payload)
-            if version == replica.version:
-                replica.wake(now, step)
-        elif kind == ARRIVAL:
-            self._arrive(cast(Request, payload), now)
-        elif kind == _DECODE:
+        if shared_event(kind, payload, now, self._arrive):
+            return
+        if kind == _DECODE:
             second = cast(Request, payload)
             self.decodes[second.replica].arrive(second, now)
         elif kind == _RESIDENCY:

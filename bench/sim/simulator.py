@@ -31,7 +31,7 @@ from bench.sim.engine import EngineShape, ReplicaModel, slowed
 from bench.sim.workloads import Request, Workload
 from enginesim.kv_manager import BlockEvicted, BlocksStored, PoolEvent
 
-ARRIVAL, _WAKE, _RESIDENCY, _LOAD, _FIRST_TOKEN = 0, 1, 2, 3, 4
+ARRIVAL, WAKE, _RESIDENCY, _LOAD, _FIRST_TOKEN = 0, 1, 2, 3, 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,11 +124,10 @@ class RunOutcome:
         requests: list[Request],
         rejected: int,
         decide_s: float,
-        wall_s: float,
-        cpu_s: float,
+        started: RunClock,
         end: float,
     ) -> RunOutcome:
-        """What a run on ``replicas`` produced."""
+        """What a run on ``replicas``, begun at ``started``, produced."""
         return cls(
             requests=requests,
             rejected=rejected,
@@ -137,10 +136,22 @@ class RunOutcome:
             served=[r.served for r in replicas],
             routed=len(requests) - rejected,
             decide_s=decide_s,
-            wall_s=wall_s,
-            cpu_s=cpu_s,
+            wall_s=time.perf_counter() - started.wall,
+            cpu_s=time.process_time() - started.cpu,
             end=end,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class RunClock:
+    """When a run began, on the wall clock and on this process's CPU clock."""
+
+    wall: float
+    cpu: float
+
+    @classmethod
+    def start(cls) -> RunClock:
+        return cls(time.perf_counter(), time.process_time())
 
 
 def residency_batches(events: list[PoolEvent]) -> Iterator[tuple[list[int], list[int]]]:
@@ -165,6 +176,23 @@ def too_large(req: Request, shape: EngineShape) -> bool:
 
 
 Dispatch = Callable[[int, object, float], None]  # (kind, payload, time)
+
+
+def shared_event(
+    kind: int, payload: object, now: float, arrive: Callable[[Request, float], None]
+) -> bool:
+    """Handle the kinds of event every simulation has: a replica's step (``WAKE``, with
+    ``(replica, step, version)``: it steps unless it changed since, by its version) and
+    an arrival (to ``arrive``); ``False`` for any other kind, the caller's own."""
+    if kind == WAKE:
+        replica, step, version = cast(tuple[ReplicaModel, int, int], payload)
+        if version == replica.version:
+            replica.wake(now, step)
+        return True
+    if kind == ARRIVAL:
+        arrive(cast(Request, payload), now)
+        return True
+    return False
 
 
 def drain(
@@ -227,7 +255,7 @@ class Simulation:
         heapq.heappush(self._heap, (at, next(self._seq), kind, payload))
 
     def _schedule_wake(self, at: float, replica: ReplicaModel, step: int, version: int) -> None:
-        self._push(at, _WAKE, (replica, step, version))
+        self._push(at, WAKE, (replica, step, version))
 
     def _publish(self, replica: int, events: list[PoolEvent], at: float) -> None:
         if not self._feeds:
@@ -275,28 +303,18 @@ class Simulation:
         self.replicas[ordinal].arrive(req, now)
 
     def run(self) -> RunOutcome:
-        started, cpu = time.perf_counter(), time.process_time()
+        started = RunClock.start()
         period = min([self.config.load_period_s, *(r.load_period_s for r in self.routers)])
         arrivals = self.workload.arrivals()
         end = drain(arrivals, self._heap, period, self.readout.sample, self._dispatch)
         return RunOutcome.of(
-            self.replicas,
-            self.requests,
-            self.rejected,
-            self._decide_s,
-            time.perf_counter() - started,
-            time.process_time() - cpu,
-            end,
+            self.replicas, self.requests, self.rejected, self._decide_s, started, end
         )
 
     def _dispatch(self, kind: int, payload: object, now: float) -> None:
-        if kind == _WAKE:
-            replica, step, version = cast(tuple[ReplicaModel, int, int], payload)
-            if version == replica.version:
-                replica.wake(now, step)
-        elif kind == ARRIVAL:
-            self._arrive(cast(Request, payload), now)
-        elif kind == _FIRST_TOKEN:
+        if shared_event(kind, payload, now, self._arrive):
+            return
+        if kind == _FIRST_TOKEN:
             req = cast(Request, payload)
             owner = self._owner.get(req.rid)  # None: it already finished (one output token)
             if owner is not None:
