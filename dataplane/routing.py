@@ -135,6 +135,11 @@ class _ModelRoute:
     block_size: int
     lora: str = ""  # the LoRA adapter the name is ("" for a model name)
 
+    def for_adapter(self, lora: str, *, name: str, generation: int) -> _ModelRoute:
+        """The route of LoRA adapter ``lora`` over this base model's: keyed, tokenized
+        and sized as the base, routed by ``name`` as of ``generation``."""
+        return _ModelRoute(generation, name, self.key_model, self.spec, self.block_size, lora)
+
 
 _NOBODY = _ModelRoute(-1, "", None, "", 0)
 
@@ -208,10 +213,7 @@ class Router:
         generation = catalogue.generation  # read first: a change after it is seen next time
         base = catalogue.adapter_base(name)
         if base is not None:  # a LoRA adapter: keyed under it, routed to its holders
-            route = self._resolve(base)
-            return _ModelRoute(
-                generation, name, route.key_model, route.spec, route.block_size, name
-            )
+            return self._resolve(base).for_adapter(name, name=name, generation=generation)
         adapter = self._adapter_after_colon(name)
         if adapter is not None:  # SGLang's "base:adapter": the adapter's route
             return self._resolve(adapter)
@@ -301,9 +303,7 @@ class Router:
         endpoint = self.fleet.replicas.endpoint(ordinal)
         base = endpoint.model if endpoint is not None else ""
         route = self._model(base)
-        return _ModelRoute(
-            route.generation, route.name, route.key_model, route.spec, route.block_size, name
-        )
+        return route.for_adapter(name, name=route.name, generation=route.generation)
 
     def key(self, prepared: Prepared, request: InferenceRequest) -> None:
         """Tokens and keys of a request :meth:`prepare` left unkeyed (400 if the prompt
