@@ -178,14 +178,20 @@ class Router:
     """Prepares requests and chooses replicas; one per worker process."""
 
     def __init__(
-        self, fleet: FleetState, defaults: Defaults, rng: random.Random | None = None
+        self,
+        fleet: FleetState,
+        defaults: Defaults,
+        rng: random.Random | None = None,
+        place: int | None = None,
     ) -> None:
+        """``place``: this proxy's index behind its balancer (``--proxy-index``)."""
         self.fleet = fleet
         self.catalogue = fleet.catalogue  # what names stand for
         self.views = fleet.views  # what policies read
         self.defaults = defaults
         self.tokenizers = TokenizerPool()
         self._rng = rng or random.Random()
+        self._place = place
         self.hot: HotPrefixBook | None = None  # set when a control plane takes reports
         self._config: RoutingConfig | None = None
         self._policies: dict[str, Policy] = {}
@@ -464,7 +470,8 @@ class Router:
             self._config, self._policies = config, {}
         policy = self._policies.get(workload.name)
         if policy is None:
-            policy = self._policies[workload.name] = create_policy(workload, rng=self._rng)
+            policy = create_policy(workload, rng=self._rng, place=self._place)
+            self._policies[workload.name] = policy
         return policy
 
     def _tenant(

@@ -78,6 +78,7 @@ class ProxyService:
             self.fleet,
             Defaults(settings.tokenizer, settings.block_size, settings.tenant_header),
             random.Random(),
+            place=settings.proxy_index,
         )
         self.replica_tls = settings.replica_ssl_context()  # for https:// replicas
         self.probe = TokenizerProbe(

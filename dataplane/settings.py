@@ -55,6 +55,16 @@ class ProxySettings(BaseSettings):
         description="Processes serving the one port (SO_REUSEPORT), each with its own "
         "state stream.",
     )
+    proxy_index: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="This proxy's place (0, 1, 2...) among the proxies behind one "
+        "balancer: kv_aware/kv_cost start their turn for new prompts spread round the "
+        "fleet by it, so proxies taking turns in step do not send new prompts to the same "
+        "replica at once (unset: a random start; kvroute up numbers its proxies; with "
+        "--workers N, worker k is index * N + k).",
+    )
     proxy_id: str = Field(
         default="",
         max_length=125,
@@ -357,7 +367,11 @@ class ProxySettings(BaseSettings):
         """The settings worker ``index`` of ``--workers`` runs with: a ``proxy_id`` of
         its own (``ID/index``), so that the reports stored by the control plane say which
         worker counted them (rows are unique by proxy id and report time: two workers'
-        reports stamped alike under one id would be stored as one)."""
-        if not self.proxy_id:
-            return self  # host name and process id differ already
-        return self.model_copy(update={"proxy_id": f"{self.proxy_id}/{index}"})
+        reports stamped alike under one id would be stored as one), and a place of its
+        own among the routers (``proxy_index``)."""
+        update: dict[str, object] = {}
+        if self.proxy_id:  # else host name and process id differ already
+            update["proxy_id"] = f"{self.proxy_id}/{index}"
+        # the workers are routers behind the kernel's balancer: each a place of its own
+        update["proxy_index"] = (self.proxy_index or 0) * self.workers + index
+        return self.model_copy(update=update)

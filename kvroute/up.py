@@ -293,6 +293,7 @@ class LocalFleet:
         argv = [
             venv_tool_or_fail("kvroute-proxy"),
             "--port", str(self.options.port + index),
+            "--proxy-index", str(index),  # behind one balancer: turns spread (kv_cost)
             "--controlplane", ",".join(self.fleet.grpc_addresses),
             "--tokenizer", self.options.tokenizer,
             "--no-auth",  # local use: open, on 127.0.0.1 only (usage_text says so)

@@ -40,7 +40,8 @@ def router_factory(
         parse_spec(spec)
 
         def kvroute(fleet: FleetReadout, i: int) -> SimRouter:
-            return KvrouteRouter(spec, fleet, shape, seed + i, load_period_s)
+            place = i if fleet.routers > 1 else None  # as `--proxy-index` tells a proxy
+            return KvrouteRouter(spec, fleet, shape, seed + i, load_period_s, place)
 
         return kvroute
     return _peer_factory(spec, shape, seed)

@@ -98,12 +98,19 @@ class KvrouteRouter:
     wants_residency = True
 
     def __init__(
-        self, spec: str, fleet: FleetReadout, shape: EngineShape, seed: int, load_period_s: float
+        self,
+        spec: str,
+        fleet: FleetReadout,
+        shape: EngineShape,
+        seed: int,
+        load_period_s: float,
+        place: int | None = None,
     ) -> None:
+        """``place``: this router's index behind the balancer (``None``: a lone router)."""
         name, fields = parse_spec(spec)
         self.name = spec
         self.workload: Workload = parse_workload({"strategy": name, **fields})
-        self.policy = create_policy(self.workload, rng=random.Random(seed))
+        self.policy = create_policy(self.workload, rng=random.Random(seed), place=place)
         self.fleet = fleet
         self.shape = shape
         self.load_period_s = load_period_s

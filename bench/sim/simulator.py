@@ -46,8 +46,9 @@ class LoadSample:
 class FleetReadout:
     """The routers' window on the fleet: load samples and the engines' truth."""
 
-    def __init__(self, replicas: Sequence[ReplicaModel]) -> None:
+    def __init__(self, replicas: Sequence[ReplicaModel], routers: int = 1) -> None:
         self.replicas = replicas
+        self.routers = routers  # router instances behind the balancer, as each is told
         self.samples: list[LoadSample] = [LoadSample(0, 0, 0.0) for _ in replicas]
         self.sampled_at = 0.0
         self.epoch = 0  # bumps at every sample
@@ -241,7 +242,7 @@ class Simulation:
         for replica in self.replicas:
             replica.finished_callback = self._finished
             replica.first_token_callback = self._first_token
-        self.readout = FleetReadout(self.replicas)
+        self.readout = FleetReadout(self.replicas, config.router_instances)
         self.routers = [router(self.readout, i) for i in range(config.router_instances)]
         self._owner: dict[int, SimRouter] = {}
         self._feeds = [r for r in self.routers if r.wants_residency]

@@ -19,7 +19,7 @@ from kvcore.policies import (
 )
 from kvcore.policies.kv_aware import KvAwarePolicy
 from kvcore.policies.kv_cost import KvCostPolicy
-from kvcore.policies.kv_scoring import SPECULATION_TICK_S, PrefixHeat
+from kvcore.policies.kv_scoring import SPECULATION_TICK_S, PrefixHeat, spread
 from kvcore.workload import KvAwareWorkload, KvCostWorkload, Workload
 from tests.unit.kvcore.policy_helpers import context, fleet
 from tests.unit.kvcore.test_preselect import WholeFleetView
@@ -257,6 +257,32 @@ def test_kv_aware_places_new_prompts_in_turn_not_by_stale_load_on_a_cold_start()
         assert decision.note.startswith("no residency data: fallback kv_aware's new-prompt")
         chosen.append(decision.replica_id)
     assert Counter(chosen) == {"a": 2, "b": 2}, chosen
+
+
+def test_routers_placed_behind_a_balancer_start_their_turns_spread_round_the_fleet() -> None:
+    """Four routers behind a round-robin balancer, each seeing only its own sends, each
+    taking every fourth new prompt: their turns advance in step, so with random starts
+    two of them sent each new prompt to the same replica at the same moment in most
+    fleets (bench sim's shared_prefix_4_routers, seed 1). Placed 0-3 they start at
+    replicas 0, 4, 2 and 6 and together take the fleet's replicas in turn, whatever
+    their random generators."""
+    assert [spread(i) for i in range(8)] == [0, 0.5, 0.25, 0.75, 0.125, 0.625, 0.375, 0.875]
+    for strategy in (KvCostWorkload(), KvAwareWorkload()):
+        for seed in range(20):
+            routers = [
+                (create_policy(strategy, rng=random.Random(seed * 4 + i), place=i),
+                 StaticStateView(fleet(8), residency_known=True))
+                for i in range(4)
+            ]  # fmt: skip
+            chosen = []
+            for group in range(16):
+                policy, view = routers[group % 4]
+                tokens = [group * 1000 + t for t in range(128)]
+                decision = policy.select(context(strategy, tokens, now=1.0), view)
+                view.apply(decision)
+                chosen.append(decision.ordinal)
+            assert chosen[:4] == [0, 4, 2, 6]
+            assert sorted(chosen[:8]) == list(range(8)) and sorted(chosen[8:]) == list(range(8))
 
 
 def test_kv_aware_prefix_hash_fallback_keeps_locality_on_a_cold_start() -> None:
