@@ -23,8 +23,10 @@ requests off a warming replica with :func:`kvcore.warmup.warming_excluded`. Mode
   like any request), then the joiner reads its blocks at ``SimConfig.kv_transfer_block_s``
   a block (the rate :mod:`bench.sim.pd` models), caches them (its KV events then confirm
   them) and runs its own one-token request, recomputing the last token as vLLM does. A
-  prefix no replica holds is recomputed on the joiner, as ``on``. Up to
-  ``transfer_in_flight`` prefixes move at once (the control plane's
+  prefix no replica holds, or whose holders all have requests waiting while the joiner
+  runs nothing (:func:`kvcore.warmup.moves_it`: the move would wait seconds there for a
+  slot), is computed on the joiner, one at a time, as ``on``. Up to
+  ``transfer_in_flight`` prefixes are sent at once (the control plane's
   :data:`kvcore.warmup.TRANSFERS_IN_FLIGHT`; a move costs the joiner no prefill).
 - ``bound``: not a router but a measure of what any warm-up could win: ``on`` with its
   prefills free. Each planned prefix appears in the joiner's cache at the moment it would
@@ -45,7 +47,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, cast, get_args
 
 from bench.sim.engine import EngineShape, ReplicaModel
@@ -61,6 +63,7 @@ from kvcore.warmup import (
     HotPrefixes,
     Pacer,
     Warming,
+    moves_it,
     plan,
     settings_of,
     share,
@@ -148,6 +151,8 @@ class _Joined:
     pacer: Pacer | None = None
     smg_until: float = -math.inf
     in_flight: int = 0  # mode transfer: sends not yet answered
+    # mode transfer: prefixes to compute on the joiner, one at a time (the first running)
+    computing: list[list[int]] = field(default_factory=list)
 
 
 class ChangingFleet(Simulation):
@@ -312,15 +317,15 @@ class ChangingFleet(Simulation):
         index = cast_router(self.routers[0]).index
         warming = Warming(f"replica-{replica}", "default", now, self.warmup)
         samples = self.readout.samples
-
-        def held(prefix: HotPrefix) -> int:
-            return index.leading_runs(self._keys(prefix), now=None).get(replica, 0)
+        hot = self._hot(now)
+        # each prefix's leading runs read once, for what it holds and its holders' load
+        runs = {p.key: index.leading_runs(self._keys(p), now=None) for p in hot}
 
         def pressure(prefix: HotPrefix) -> float:
-            holders = self._holders(self._keys(prefix), replica)
+            holders = self._holders(self._keys(prefix), replica, runs[prefix.key])
             return min((samples[o].running + samples[o].waiting for o in holders), default=math.inf)
 
-        steps = plan(self._hot(now), held, self.warmup.max_tokens, pressure)
+        steps = plan(hot, lambda p: runs[p.key].get(replica, 0), self.warmup.max_tokens, pressure)
         others = [w.queue() for w in self._running()]
         # moved (mode transfer) a prefix costs the joiner no prefill: each warms them all
         shared = 1 if self.mode == "transfer" else together
@@ -417,9 +422,13 @@ class ChangingFleet(Simulation):
             return
         joined.in_flight += 1
         holder = self._holder(keys, joined.replica)
-        if holder is None:  # no replica holds it: recompute it on the joiner
-            rid = self._send_warm(joined.replica, keys, now)
-            self._after_warm[rid] = lambda t: self._answered(joined, t)
+        waiting = None if holder is None else self.replicas[holder].num_waiting
+        joiner = self.replicas[joined.replica]
+        busy = bool(joined.computing) or joiner.running + joiner.num_waiting > 0
+        if holder is None or not moves_it(waiting, busy):
+            joined.computing.append(keys)  # computed on the joiner, one at a time
+            if len(joined.computing) == 1:
+                self._compute(joined, now)
         else:
             self.transfers += 1
             rid = self._send_warm(holder, keys, now)
@@ -431,6 +440,18 @@ class ChangingFleet(Simulation):
         joined.in_flight -= 1
         self._warm_next(joined, now)
 
+    def _compute(self, joined: _Joined, now: float) -> None:
+        """Mode transfer: the first prefix queued to compute on the joiner, sent; the
+        next follows its answer."""
+        rid = self._send_warm(joined.replica, joined.computing[0], now)
+        self._after_warm[rid] = lambda t: self._computed(joined, t)
+
+    def _computed(self, joined: _Joined, now: float) -> None:
+        joined.computing.pop(0)
+        if joined.computing:
+            self._compute(joined, now)
+        self._answered(joined, now)
+
     def _holder(self, keys: list[int], joiner: int) -> int | None:
         """Mode ``transfer``: the least loaded routable replica whose KV events show it
         holds all of ``keys`` (the leader reads the residency map), or None."""
@@ -440,10 +461,13 @@ class ChangingFleet(Simulation):
             default=None,
         )
 
-    def _holders(self, keys: list[int], joiner: int) -> list[int]:
+    def _holders(
+        self, keys: list[int], joiner: int, runs: dict[int, int] | None = None
+    ) -> list[int]:
         """The routable replicas other than ``joiner`` whose KV events show they hold
-        all of ``keys`` (the residency map the leader reads)."""
-        runs = cast_router(self.routers[0]).index.leading_runs(keys, now=None)
+        all of ``keys`` (the residency map the leader reads; ``runs``: read already)."""
+        if runs is None:
+            runs = cast_router(self.routers[0]).index.leading_runs(keys, now=None)
         return [r for r in self.routable - {joiner} if runs.get(r, 0) >= len(keys)]
 
     def _transfer(self, joined: _Joined, keys: list[int], now: float) -> None:

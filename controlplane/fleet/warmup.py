@@ -60,6 +60,7 @@ from kvcore.warmup import (
     Pacer,
     Step,
     Warming,
+    moves_it,
     plan,
     share,
     stagger,
@@ -104,6 +105,7 @@ class HotPrefixStore:
         self.ttl_s = ttl_s
         self._stored: dict[tuple[str, int], _Stored] = {}
         self.rejected = 0
+        self.version = 0  # bumped when a prefix not kept is added
 
     def add(self, report: routing_pb2.ProxyReport, now: float) -> None:
         for hot in report.hot_prefixes:
@@ -119,6 +121,7 @@ class HotPrefixStore:
                 tokens = array("I", hot.token_ids)
                 prefix = HotPrefix(hot.model, hot.key, tokens, hot.block_size, 0.0)
                 stored = self._stored[key] = _Stored(prefix, hot.workload)
+                self.version += 1
             stored.rates[report.proxy_id] = (hot.requests_per_s, now)
 
     def expire(self, now: float, keep: int | None = None) -> None:
@@ -194,7 +197,9 @@ class WarmupCounters:
     failed: int = 0
     rehomed: int = 0
     moved: int = 0  # source transfer: prefixes read from a replica holding them
-    fell_back: int = 0  # source transfer: recomputed instead (no holder, failed, SGLang)
+    # source transfer: computed by the warming replica instead (no holder, the holders
+    # queued while it was idle, the move failed, SGLang)
+    fell_back: int = 0
     outcomes: dict[str, int] = field(default_factory=dict)
 
 
@@ -224,7 +229,10 @@ class Warmer:
         self._share = share
         self._move = move
         self._jobs: dict[str, _Job] = {}  # replica id -> its warm-up, running or last
-        self._done: set[str] = set()  # warmed (or found nothing to warm) since last empty
+        self._done: set[str] = set()  # warm-up planned since it was last empty
+        # empty replicas found with nothing to warm -> the store's version then: planned
+        # again, while they stay empty, once a prefix is added (becomes hot)
+        self._nothing: dict[str, int] = {}
         self._rehomed: set[str] = set()  # drained replicas whose prefixes were sent away
         self._term = 0  # bumped when this instance stops leading: older plans are void
         self._tasks = BackgroundTasks()
@@ -273,6 +281,7 @@ class Warmer:
                 self.fleet.changes.replica(record.ordinal)
         self._jobs.clear()
         self._done.clear()
+        self._nothing.clear()
         self._rehomed.clear()
 
     # -- what /v1/replicas and the metrics read -------------------------------------------
@@ -302,9 +311,11 @@ class Warmer:
             if job is not None and job.active:
                 self._check(job, now)
             elif self._empty(record) and record.replica_id not in self._done:
-                joining.append(record)
+                if self._nothing.get(record.replica_id) != self.store.version:
+                    joining.append(record)
             elif self.fleet.index.key_count(record.ordinal) > 0:
                 self._done.discard(record.replica_id)  # empty again later: warm again
+                self._nothing.pop(record.replica_id, None)
             if record.is_draining and record.replica_id not in self._rehomed:
                 self._rehomed.add(record.replica_id)
                 self.rehome(record)
@@ -327,7 +338,6 @@ class Warmer:
 
     def _start(self, record: ReplicaRecord, now: float, together: int) -> None:
         """Plan ``record``'s warm-up, its share of ``together`` replicas warming."""
-        self._done.add(record.replica_id)
         announce = record.announce
         assert announce is not None
         job = _Job(record, [], self._term)
@@ -337,12 +347,7 @@ class Warmer:
                 continue
             warming = Warming(record.replica_id, workload.name, now, workload.warmup)
             prefixes = self.store.prefixes(workload.name, announce.model, now)
-            steps = plan(
-                prefixes,
-                lambda p: self._held(job, record, p),
-                warming.settings.max_tokens,
-                lambda p: self._pressure(job, record, p),
-            )
+            steps = self._plan(job, prefixes, warming.settings.max_tokens)
             # moved by transfer a prefix costs the joiner no prefill: each warms all
             shared = together if warming.settings.source == "recompute" else 1
             warming.steps = share(stagger(steps, running), shared, running)
@@ -350,34 +355,64 @@ class Warmer:
             if not warming.steps:
                 warming.end("nothing", now)
             job.warmings.append(warming)
-        if not job.warmings:
+        if not job.active:
+            # nothing to send (nothing hot yet, or no workload warms): planned again,
+            # while it stays empty, once a prefix becomes hot
+            self._nothing[record.replica_id] = self.store.version
+            if job.warmings:
+                self._jobs[record.replica_id] = job
+                for warming in job.warmings:
+                    self._count_outcome(warming)
             return
+        self._done.add(record.replica_id)
+        self._nothing.pop(record.replica_id, None)
         self._jobs[record.replica_id] = job
         self.counters.started += 1
         self._publish(job)
-        if job.active:
-            job.task = self._spawn_send(self._warm(job), f"warmup-{record.replica_id}")
-            log.info(
-                "warming replica %s: %d prefixes",
-                record.replica_id,
-                sum(len(w.steps) for w in job.warmings),
-            )
+        job.task = self._spawn_send(self._warm(job), f"warmup-{record.replica_id}")
+        log.info(
+            "warming replica %s: %d prefixes",
+            record.replica_id,
+            sum(len(w.steps) for w in job.warmings),
+        )
+
+    def _plan(self, job: _Job, prefixes: list[HotPrefix], max_tokens: int) -> list[Step]:
+        """:func:`kvcore.warmup.plan` for ``job``'s replica, each prefix's leading runs
+        read once (what the replica holds and its holders' load)."""
+        runs = {p.key: self._runs(job, p) for p in prefixes}
+        ordinal = job.record.ordinal
+        return plan(
+            prefixes,
+            lambda p: runs[p.key].get(ordinal, 0),
+            max_tokens,
+            lambda p: self._pressure(job, p, runs[p.key]),
+        )
+
+    def _runs(self, job: _Job, prefix: HotPrefix) -> dict[int, int]:
+        """Each replica's leading blocks of ``prefix`` (ordinal -> blocks)."""
+        return self.fleet.index.leading_runs(self._keys(job, prefix))
 
     def _held(self, job: _Job, record: ReplicaRecord, prefix: HotPrefix) -> int:
-        return self.fleet.index.leading_runs(self._keys(job, prefix)).get(record.ordinal, 0)
+        return self._runs(job, prefix).get(record.ordinal, 0)
 
-    def _pressure(self, job: _Job, record: ReplicaRecord, prefix: HotPrefix) -> float:
+    def _pressure(self, job: _Job, prefix: HotPrefix, runs: dict[int, int]) -> float:
         """The requests (running and waiting, as last reported) of the least busy other
-        serving replica holding all of ``prefix``; inf when none does."""
-        holders = self._holders(job, prefix, _serving)
+        serving replica holding all of ``prefix`` (``runs``: its leading runs); inf when
+        none does."""
+        holders = self._holders(job, prefix, _serving, runs)
         return float(min(map(_busy, holders))) if holders else math.inf
 
     def _holders(
-        self, job: _Job, prefix: HotPrefix, usable: Callable[[ReplicaRecord], bool]
+        self,
+        job: _Job,
+        prefix: HotPrefix,
+        usable: Callable[[ReplicaRecord], bool],
+        runs: dict[int, int] | None = None,
     ) -> list[ReplicaRecord]:
         """The ``usable`` replicas other than ``job``'s whose KV events show they hold
-        all of ``prefix``."""
-        runs = self.fleet.index.leading_runs(self._keys(job, prefix))
+        all of ``prefix`` (``runs``: its leading runs, read now if not given)."""
+        if runs is None:
+            runs = self._runs(job, prefix)
         return [
             other
             for ordinal, run in runs.items()
@@ -495,6 +530,8 @@ class Warmer:
                 name = f"warmup-move-{record.replica_id}"
                 moves.add(self._spawn_send(self._move_one(job, warming, step, moves), name))
                 continue
+            if warming.settings.source == "transfer":
+                self.counters.fell_back += 1  # an SGLang replica: recomputed
             in_a_row = await self._send_one(announce.base_url, warming, step, in_a_row)
             if in_a_row < 0:
                 return
@@ -525,7 +562,9 @@ class Warmer:
     # -- by transfer (source: transfer) ----------------------------------------------------
 
     def _moves(self, record: ReplicaRecord, warming: Warming) -> _Moves | None:
-        """The moves in flight of a warm-up by transfer (None: by recompute)."""
+        """The moves in flight of a warm-up by transfer (None: by recompute, also for an
+        SGLang replica, which cannot read a transfer: the recompute path whole, one
+        prefix at a time, each counted fell_back)."""
         if warming.settings.source != "transfer" or self._move is None:
             return None
         announce = record.announce
@@ -536,16 +575,26 @@ class Warmer:
                 record.replica_id,
                 record.replica_id,
             )
+            return None
         return _Moves(TRANSFERS_IN_FLIGHT)
 
     async def _move_one(self, job: _Job, warming: Warming, step: Step, moves: _Moves) -> None:
         """Move one prefix to the warming replica from the least loaded replica holding
-        it; recompute it there when none does or the move fails (counted: fell_back)."""
+        it, or compute it there (counted fell_back): when none holds it, when every
+        holder has requests waiting and the warming replica is idle
+        (:func:`kvcore.warmup.moves_it`), or when the move fails. The warming replica
+        computes one prefix at a time."""
         record = job.record
         announce = record.announce
         assert announce is not None
         source = self._source(job, step.prefix)
-        if source is not None and source.announce is not None and self._move is not None:
+        waiting = None if source is None else _waiting(source)
+        if (
+            source is not None
+            and source.announce is not None
+            and self._move is not None
+            and moves_it(waiting, moves.computing > 0 or _busy(record) > 0)
+        ):
             tokens = list(step.prefix.tokens)
             try:
                 await self._move(
@@ -563,11 +612,16 @@ class Warmer:
                 moves.in_a_row = 0
                 return
         self.counters.fell_back += 1
-        if warming.warming and self._current(job):
-            in_a_row = await self._send_one(
-                announce.base_url, warming, step, moves.in_a_row, counted=True
-            )
-            moves.in_a_row = max(0, in_a_row)
+        moves.computing += 1
+        try:
+            async with moves.lane:
+                if warming.warming and self._current(job):
+                    in_a_row = await self._send_one(
+                        announce.base_url, warming, step, moves.in_a_row, counted=True
+                    )
+                    moves.in_a_row = max(0, in_a_row)
+        finally:
+            moves.computing -= 1
 
     def _source(self, job: _Job, prefix: HotPrefix) -> ReplicaRecord | None:
         """The least loaded other replica whose KV events show it holds all of
@@ -645,6 +699,11 @@ def _busy(record: ReplicaRecord) -> int:
     return (record.load.running + record.load.waiting) if record.load else 0
 
 
+def _waiting(record: ReplicaRecord) -> int:
+    """Requests waiting on ``record`` at its last load report."""
+    return record.load.waiting if record.load else 0
+
+
 def _serving(record: ReplicaRecord) -> bool:
     return not record.down and not record.is_draining and not record.stale
 
@@ -663,13 +722,16 @@ def _can_send(record: ReplicaRecord, model: str) -> bool:
 
 
 class _Moves:
-    """A warm-up by transfer's moves in flight (at most ``limit``) and its failures in a
-    row (a move that fell back and whose recompute failed too)."""
+    """A warm-up by transfer's moves in flight (at most ``limit``), its prefixes computed
+    by the warming replica (one at a time: ``lane``; ``computing``: running or queued)
+    and its failures in a row (a move that fell back and whose recompute failed too)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.tasks: set[asyncio.Task[None]] = set()
         self.in_a_row = 0
+        self.lane = asyncio.Lock()
+        self.computing = 0
 
     def add(self, task: asyncio.Task[None]) -> None:
         self.tasks.add(task)
@@ -720,7 +782,8 @@ class WarmupCollector(Collector):
             "Warm-up prefixes by what became of them: sent, confirmed (by the replica's KV "
             "events), skipped (held already), failed, rehomed (a drained replica's, sent "
             "elsewhere); with source transfer, moved (read from a replica holding it) and "
-            "fell_back (recomputed instead: no holder, the move failed, or SGLang)",
+            "fell_back (recomputed instead: no holder, every holder had requests waiting "
+            "while the warming replica was idle, the move failed, or SGLang)",
             labels=["result"],
         )
         for result in ("sent", "confirmed", "skipped", "failed", "rehomed", "moved", "fell_back"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from kvcore.warmup.gate import warming_excluded
 from kvcore.warmup.hot_prefixes import HotPrefix, HotPrefixes, depths
-from kvcore.warmup.plan import Pacer, Pressure, Step, Warming, plan, share, stagger
+from kvcore.warmup.plan import Pacer, Pressure, Step, Warming, moves_it, plan, share, stagger
 from kvcore.workload.warmup import WarmupSettings
 
 # A warm-up by transfer (``source: transfer``) keeps this many prefixes moving at once: a
@@ -33,6 +33,7 @@ __all__ = [
     "Step",
     "Warming",
     "depths",
+    "moves_it",
     "plan",
     "settings_of",
     "share",

@@ -115,6 +115,24 @@ def share(steps: Sequence[Step], warming: int, others: Sequence[Sequence[int]] =
     return kept
 
 
+def moves_it(source_waiting: int | None, busy: bool) -> bool:
+    """A warm-up by transfer: whether the next prefix is moved (True) or computed by the
+    warming replica (False). ``source_waiting``: the requests waiting on the least busy
+    other replica holding it (None: none holds it); ``busy``: whether the warming replica
+    runs or queues anything (another warm-up prefix, or requests it serves).
+
+    A move is a one-token request on its source, which waits there for a free slot: on a
+    saturated replica (requests waiting) that takes seconds (a slot frees as one of its
+    running requests ends), while the warming replica, idle, computes the prefix in one
+    step and no request waits behind it. So a prefix whose holders all have requests
+    waiting is computed by the warming replica while it is idle, the others moved
+    meanwhile; a prefix no other replica holds is computed in any case (one at a time:
+    the caller queues it behind the one computing). Without it a scale-out of a
+    saturated fleet had no prefix on its new replicas for its first 2.3 s (measured in
+    ``docs/benchmarks.md``, "Fleet changes")."""
+    return source_waiting is not None and (source_waiting <= 0 or busy)
+
+
 class Pacer:
     """A token bucket: at most ``tokens_per_s`` a second, bursts up to one second's."""
 

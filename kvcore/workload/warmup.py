@@ -79,6 +79,7 @@ class WarmupSettings(BaseModel):
         "engines run a KV connector in kv_both role, e.g. NixlConnector: a replica "
         "holding the prefix runs it as a one-token prefill for a remote decode, a cache "
         "hit there, and the warming replica reads its KV blocks instead of computing "
-        "them; recompute when no replica holds it, the transfer fails, or either engine "
-        "is SGLang).",
+        "them; recomputed, one at a time, when no replica holds it, when every holder has "
+        "requests waiting while the warming replica is idle, when the transfer fails, or "
+        "when either engine is SGLang).",
     )

@@ -74,3 +74,14 @@ def test_transfer_moves_the_prefixes_from_their_holders_and_recomputes_the_rest(
     )  # fmt: skip
     run = run_fleet(together, "transfer", seed=2)
     assert run.lost == 0 and run.transfers == 0 and run.warm_requests >= 1
+
+
+def test_transfer_onto_a_saturated_fleet_serves_hits_on_the_joiners_at_once() -> None:
+    """A scale-out of a saturated fleet (every holder has requests waiting, so a move
+    waits seconds there for a slot): warmed by transfer, the joiners compute a prefix
+    while idle and serve at the fleet's hit rate from their first 2-s window (3 windows
+    from the scale-out; without it: none in 6 s at this seed)."""
+    scenario = dataclasses.replace(SCENARIOS["scale_out"], duration_s=46.0, transition=(40.0, 46.0))
+    run = run_fleet(scenario, "transfer", seed=3)
+    assert run.lost == 0 and run.hit_catch_up_s == [0.0]
+    assert run.warm_requests > 2 * run.transfers  # some computed by the joiners

@@ -87,7 +87,14 @@ def announce(
     )
 
 
-def load(replica: str = "r1", *, pool: str = "default", running: int = 1) -> events_pb2.LoadReport:
+def load(
+    replica: str = "r1", *, pool: str = "default", running: int = 1, waiting: int = 2
+) -> events_pb2.LoadReport:
     return events_pb2.LoadReport(
-        replica_id=replica, pool=pool, running=running, waiting=2, kv_usage=0.25, engine_up=True
+        replica_id=replica,
+        pool=pool,
+        running=running,
+        waiting=waiting,
+        kv_usage=0.25,
+        engine_up=True,
     )

@@ -221,6 +221,50 @@ async def test_the_prefixes_whose_holders_queue_most_are_warmed_first() -> None:
 
 
 @pytest.mark.asyncio
+async def test_the_plan_reads_each_prefixs_residency_once() -> None:
+    """Planning a joiner reads each hot prefix's leading runs once (what the joiner
+    holds and its holders' load come from the same read)."""
+    fleet = fleet_with("old")
+    prefixes = [tokens(8, 60 + i) for i in range(5)]
+    for i, prefix in enumerate(prefixes):
+        keys = chain_keys(root_key(model=MODEL), prefix, BS)
+        fleet.on_batch(batch(1 + i, stored=[keys], replica="old"), "default", 0.0)
+    w = warmer(fleet, Engine(fleet))
+    w.on_report(report(*((p, 1.0) for p in prefixes)))
+    fleet.on_announce(announce("new", model=MODEL), 0.0)
+    fleet.on_batch(batch(0, replica="new"), "default", 0.0)
+    reads = 0
+    leading_runs = fleet.index.leading_runs
+
+    def counted(keys: list[int], **kwargs: object) -> dict[int, int]:
+        nonlocal reads
+        reads += 1
+        return leading_runs(keys, **kwargs)  # type: ignore[arg-type]
+
+    fleet.index.leading_runs = counted  # type: ignore[method-assign]
+    w.tick()  # plans the warm-up; its sends start after
+    assert reads == len(prefixes)
+    assert w.state_of("new")["workloads"][0]["planned"] == len(prefixes)  # type: ignore[index]
+    await w.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_replica_that_joined_while_nothing_was_hot_is_warmed_once_something_is() -> None:
+    fleet = fleet_with("r1")
+    engine = Engine(fleet)
+    w = warmer(fleet, engine)
+    await settle(w)  # found empty, nothing hot yet: nothing to send
+    assert engine.sent == [] and w.state_of("r1")["workloads"][0]["outcome"] == "nothing"  # type: ignore[index]
+    assert w.counters.outcomes == {"nothing": 1}  # counted once, not at every check
+    prefix = tokens(8, 70)
+    w.on_report(report((prefix, 1.0)))  # it stays empty and a prefix becomes hot
+    await settle(w)
+    assert [sent for _, sent in engine.sent] == [prefix]
+    assert w.state_of("r1")["workloads"][0]["outcome"] == "done"  # type: ignore[index]
+    await w.aclose()
+
+
+@pytest.mark.asyncio
 async def test_stepping_down_ends_the_warm_ups_and_forgets_them() -> None:
     fleet = fleet_with("r1")
     wedged = asyncio.Event()

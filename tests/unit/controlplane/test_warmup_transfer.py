@@ -48,8 +48,9 @@ def _name(url: str) -> str:
     return url.rsplit("/", 1)[1]
 
 
-def fleet_of(joiner_kind: int = events_pb2.ENGINE_KIND_VLLM) -> Fleet:
-    """r1 joins empty; r2 and r3 are up (holding a block: not warmed), r2 the busier."""
+def fleet_of(joiner_kind: int = events_pb2.ENGINE_KIND_VLLM, waiting: int = 0) -> Fleet:
+    """r1 joins empty; r2 and r3 are up (holding a block: not warmed), r2 the busier,
+    each with ``waiting`` requests waiting."""
     fleet = Fleet(heartbeat_timeout_s=5.0)
     for replica in ("r1", "r2", "r3"):
         msg = announce(replica, model=MODEL)
@@ -59,8 +60,8 @@ def fleet_of(joiner_kind: int = events_pb2.ENGINE_KIND_VLLM) -> Fleet:
         fleet.on_batch(batch(0, replica=replica), "default", 0.0)
     fleet.on_batch(batch(1, stored=[[7]], replica="r2"), "default", 0.0)
     fleet.on_batch(batch(1, stored=[[8]], replica="r3"), "default", 0.0)
-    fleet.on_load(load("r2", running=12), "default", 0.0)
-    fleet.on_load(load("r3", running=1), "default", 0.0)
+    fleet.on_load(load("r2", running=12, waiting=waiting), "default", 0.0)
+    fleet.on_load(load("r3", running=1, waiting=waiting), "default", 0.0)
     return fleet
 
 
@@ -69,11 +70,11 @@ def hold(fleet: Fleet, replica: str, token_ids: list[int], seq: int = 2) -> None
     fleet.on_batch(batch(seq, stored=[keys], replica=replica), "default", 0.0)
 
 
-def held_by_both(fleet: Fleet, seed: int) -> list[int]:
-    """A prefix r2 and r3 hold."""
+def held_by_both(fleet: Fleet, seed: int, seq: int = 2) -> list[int]:
+    """A prefix r2 and r3 hold (``seq``: their event batches' number)."""
     prefix = tokens(8, seed)
-    hold(fleet, "r2", prefix)
-    hold(fleet, "r3", prefix)
+    hold(fleet, "r2", prefix, seq)
+    hold(fleet, "r3", prefix, seq)
     return prefix
 
 
@@ -91,7 +92,7 @@ async def test_a_prefix_is_moved_from_the_least_loaded_replica_holding_it() -> N
     w = warmer(fleet, engine, mover)
     w.on_report(report((prefix, 1.0)))
     await settle(w)
-    assert mover.moved == [("r3", "r1", prefix)]  # r3: 1 running + 2 waiting, r2: 14
+    assert mover.moved == [("r3", "r1", prefix)]  # r3: 1 running, r2: 12
     assert engine.sent == []  # nothing recomputed
     assert (w.counters.moved, w.counters.fell_back, w.counters.sent) == (1, 0, 1)
     state = w.state_of("r1")
@@ -115,6 +116,78 @@ async def test_a_prefix_nobody_holds_or_whose_move_fails_is_recomputed_and_count
     assert {_name(url) for url, _ in engine.sent} == {"r1"}
     assert (w.counters.moved, w.counters.fell_back, w.counters.failed) == (0, 2, 0)
     assert w.state_of("r1")["workloads"][0]["outcome"] == "done"  # type: ignore[index]
+    await w.aclose()
+
+
+@pytest.mark.asyncio
+async def test_an_idle_joiner_computes_one_prefix_whose_holders_queue_the_rest_move() -> None:
+    fleet = fleet_of(waiting=3)  # a saturated fleet: a move waits there for a free slot
+    prefixes = [held_by_both(fleet, 40 + i, seq=2 + i) for i in range(4)]
+    engine, mover = Engine(fleet), Mover(fleet)
+    gate = mover.gate = asyncio.Event()
+
+    async def computing(base_url: str, model: str, token_ids: list[int]) -> None:
+        await gate.wait()  # the joiner's prefill takes a while
+        await engine.send(base_url, model, token_ids)
+
+    settings = {"enabled": True, "tokens_per_s": 1e9, "source": "transfer"}
+    workload = parse_workload({"strategy": "kv_cost", "warmup": settings})
+    w = Warmer(fleet, lambda: [workload], lambda: True, computing, move=mover.move)
+    w.on_report(report(*((p, 1.0) for p in prefixes)))
+    await settle(w)
+    # one computed by the idle joiner, the others moved meanwhile, none both
+    moved = [t for _, _, t in mover.moved]
+    assert len(moved) == 3
+    gate.set()
+    await settle(w)
+    computed = [t for _, t in engine.sent]
+    assert len(computed) == 1 and sorted(computed + moved) == sorted(prefixes)
+    assert (w.counters.moved, w.counters.fell_back) == (3, 1)
+    assert w.state_of("r1")["workloads"][0]["confirmed"] == 4  # type: ignore[index]
+    await w.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_joiner_serving_requests_moves_what_it_can() -> None:
+    fleet = fleet_of(waiting=3)
+    fleet.on_load(load("r1", running=2, waiting=0), "default", 0.0)  # busy: no compute
+    prefix = held_by_both(fleet, 45)
+    engine, mover = Engine(fleet), Mover(fleet)
+    w = warmer(fleet, engine, mover)
+    w.on_report(report((prefix, 1.0)))
+    await settle(w)
+    assert [t for _, _, t in mover.moved] == [prefix] and engine.sent == []
+    await w.aclose()
+
+
+@pytest.mark.asyncio
+async def test_an_sglang_joiner_is_warmed_by_recompute_one_prefix_at_a_time() -> None:
+    fleet = fleet_of(events_pb2.ENGINE_KIND_SGLANG)
+    prefixes = [held_by_both(fleet, 50 + i, seq=2 + i) for i in range(4)]
+    gate = asyncio.Event()
+    in_flight = most = 0
+    sent: list[list[int]] = []
+
+    async def send(base_url: str, model: str, token_ids: list[int]) -> None:
+        nonlocal in_flight, most
+        in_flight += 1
+        most = max(most, in_flight)
+        sent.append(token_ids)
+        await gate.wait()
+        in_flight -= 1
+        hold(fleet, "r1", token_ids, seq=10 + len(sent))
+
+    settings = {"enabled": True, "tokens_per_s": 1e9, "source": "transfer"}
+    workload = parse_workload({"strategy": "kv_cost", "warmup": settings})
+    mover = Mover(fleet)
+    w = Warmer(fleet, lambda: [workload], lambda: True, send, move=mover.move)
+    w.on_report(report(*((p, 1.0) for p in prefixes)))
+    await settle(w)
+    assert in_flight == 1  # the recompute path's one at a time, not the moves' 8
+    gate.set()
+    await settle(w)
+    assert most == 1 and len(sent) == 4 and mover.moved == []
+    assert w.counters.fell_back == 4
     await w.aclose()
 
 

@@ -10,6 +10,7 @@ from kvcore.warmup import (
     HotPrefixes,
     Pacer,
     depths,
+    moves_it,
     plan,
     settings_of,
     share,
@@ -187,3 +188,10 @@ def test_gate_keeps_a_warming_replica_to_its_share_of_new_prefixes() -> None:
     # what its events confirmed it holds: a candidate as any other
     assert warming_excluded(pending, keys, {3: 2, 0: 2}, share=0.0, draw=0.9) == frozenset()
     assert warming_excluded({}, keys, {}, share=0.0, draw=0.9) == frozenset()
+
+
+def test_a_transfer_moves_unless_its_holders_queue_while_the_warming_replica_is_idle() -> None:
+    assert moves_it(0, busy=False) and moves_it(0, busy=True)  # a free slot there: move
+    assert not moves_it(3, busy=False)  # every holder queues, the joiner idle: compute
+    assert moves_it(3, busy=True)  # the joiner computes or serves already: move anyway
+    assert not moves_it(None, busy=True)  # nobody holds it: compute (queued)
