@@ -30,6 +30,7 @@ from controlplane.fleet.ingest import Ingest
 from controlplane.fleet.leadership import Leadership
 from controlplane.fleet.learned_rates import LearnedRates
 from controlplane.fleet.metrics import FleetCollector
+from controlplane.fleet.proxy_places import ProxyPlaces
 from controlplane.fleet.routing_server import RoutingStateService, start_server
 from controlplane.fleet.warmup import Warmer, WarmupCollector, workloads_of
 from controlplane.fleet.warmup_transfer import EngineTransfers
@@ -163,6 +164,7 @@ class ControlPlane:
         self.records = records(settings, self.etcd, self.view, self.registry)
         self.broadcaster: Broadcaster | None = None
         self.routing: RoutingStateService | None = None
+        self.places: ProxyPlaces | None = None
         self.grpc_port = 0
         self.admin_port = 0
         self._grpc: grpc.aio.Server | None = None
@@ -210,7 +212,8 @@ class ControlPlane:
         )
         self._tasks.spawn(self.broadcaster.run(), name="broadcast")
         reports = WarmupTee(self.records.reports, self._on_report)
-        self.routing = RoutingStateService(self.broadcaster, reports, s.served_pools())
+        self.places = ProxyPlaces(self.etcd, self.leadership.keys, s.shard, s.lease_ttl_s)
+        self.routing = RoutingStateService(self.broadcaster, reports, s.served_pools(), self.places)
         try:
             self._grpc, self.grpc_port = await start_server(self.routing, s)
         except RuntimeError as exc:
@@ -264,6 +267,8 @@ class ControlPlane:
         if self._grpc is not None:
             await self._grpc.stop(grace=0.5)
         await self._tasks.aclose()
+        if self.places is not None:
+            await self.places.aclose()
         await self.warmer.aclose()
         await self.completions.aclose()
         if self._uvicorn is not None and self._uvicorn.started:

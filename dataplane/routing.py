@@ -37,6 +37,7 @@ from dataplane.openai_request import InferenceRequest
 from kvcore.keys import root_key
 from kvcore.pb import routing_pb2
 from kvcore.policies import Decision, Policy, ReplicaState, RouteContext, create_policy
+from kvcore.policies.kv_scoring import KvScoringPolicy
 from kvcore.request import InvalidRequest, keyed, later_prompts, prompt_keys, session_id
 from kvcore.tenancy import cache_namespace
 from kvcore.tokenize import Encoded, PrefixTokenCache, Tokenizer, TokenizerError, load_tokenizer
@@ -463,6 +464,15 @@ class Router:
             root = root_key(model=model, lora_name=lora, namespace=namespace)
             self._roots[model, namespace, lora] = root
         return root
+
+    def take_place(self, place: int) -> None:
+        """This proxy's place among the routers watching the control plane, which numbers
+        them when ``--proxy-index`` is not given: kv_aware's and kv_cost's turns for new
+        prompts start there (:meth:`KvScoringPolicy.take_place`)."""
+        self._place = place
+        for policy in self._policies.values():
+            if isinstance(policy, KvScoringPolicy):
+                policy.take_place(place)
 
     def _policy(self, workload: Workload) -> Policy:
         config = self.catalogue.routing_config()

@@ -62,8 +62,9 @@ class ProxySettings(BaseSettings):
         description="This proxy's place (0, 1, 2...) among the proxies behind one "
         "balancer: kv_aware/kv_cost start their turn for new prompts spread round the "
         "fleet by it, so proxies taking turns in step do not send new prompts to the same "
-        "replica at once (unset: a random start; kvroute up numbers its proxies; with "
-        "--workers N, worker k is index * N + k).",
+        "replica at once (unset: the control plane numbers the proxies watching it, "
+        "else a random start; kvroute up numbers its proxies; with --workers N, worker k "
+        "is index * N + k).",
     )
     proxy_id: str = Field(
         default="",
@@ -368,10 +369,16 @@ class ProxySettings(BaseSettings):
         its own (``ID/index``), so that the reports stored by the control plane say which
         worker counted them (rows are unique by proxy id and report time: two workers'
         reports stamped alike under one id would be stored as one), and a place of its
-        own among the routers (``proxy_index``)."""
+        own among the routers (``proxy_index``): the workers are routers behind the
+        kernel's balancer. Without ``--proxy-index`` the control plane numbers each
+        worker's watch (the proxies of a Deployment are all alike: numbered here, every
+        pod's worker k would start where the others' do); a static proxy's workers are
+        the only routers, places 0..N-1."""
         update: dict[str, object] = {}
         if self.proxy_id:  # else host name and process id differ already
             update["proxy_id"] = f"{self.proxy_id}/{index}"
-        # the workers are routers behind the kernel's balancer: each a place of its own
-        update["proxy_index"] = (self.proxy_index or 0) * self.workers + index
+        if self.proxy_index is not None:
+            update["proxy_index"] = self.proxy_index * self.workers + index
+        elif self.static:
+            update["proxy_index"] = index
         return self.model_copy(update=update)

@@ -11,7 +11,9 @@ gives up and never blocks routing:
   snapshot at once, while the old state keeps serving;
 - a stream silent for ``idle_timeout_s`` (no delta, not even a heartbeat) is treated as
   dead: a hung control plane looks like a connected one;
-- updates are applied in steps, yielding to the event loop between them.
+- updates are applied in steps, yielding to the event loop between them;
+- the watch's initial metadata may carry this proxy's place among the proxies watching
+  the shard (:data:`~kvcore.subjects.PROXY_PLACE_METADATA`), handed to ``on_place``.
 
 The RPC is bound by its full method name (no generated stubs: see docs/architecture.md).
 """
@@ -31,6 +33,7 @@ from dataplane.errors import SnapshotNeeded
 from dataplane.fleet.state import FleetState
 from dataplane.settings import ProxySettings
 from kvcore.pb import routing_pb2
+from kvcore.subjects import PROXY_PLACE_METADATA
 from kvruntime.tasks import BackgroundTasks
 
 log = logging.getLogger("dataplane.state")
@@ -79,7 +82,10 @@ class StateClient:
         idle_timeout_s: float = 10.0,
         rng: random.Random | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        on_place: Callable[[int], None] | None = None,
     ) -> None:
+        """``on_place``: called with the place the control plane numbers this watch with,
+        at every (re)connection that carries one."""
         if not settings.controlplane:
             raise ValueError("StateClient needs --controlplane addresses")
         self.state = state
@@ -90,6 +96,8 @@ class StateClient:
         self._backoff = backoff or Backoff()
         self._idle_timeout_s = idle_timeout_s
         self._rng = rng or random.Random()
+        self._on_place = on_place
+        self.place: int | None = None
         self._next = self._rng.randrange(len(self._addresses))
         self._tasks = BackgroundTasks()
         self._applied = asyncio.Condition()
@@ -127,6 +135,7 @@ class StateClient:
         epoch, version = self.state.position()
         return {
             "controlplane": self.connected_to,
+            "place": self.place,
             "epoch": epoch,
             "version": version,
             "age_s": round(self.state.replicas.age_s(), 3),
@@ -192,6 +201,8 @@ class StateClient:
         call = watch(request)
         received = False
         try:
+            if self._on_place is not None:
+                await self._take_place(call)
             while True:
                 async with asyncio.timeout(self._idle_timeout_s):
                     update = await call.read()
@@ -204,6 +215,14 @@ class StateClient:
         finally:
             call.cancel()
 
+    async def _take_place(self, call: Any) -> None:
+        async with asyncio.timeout(self._idle_timeout_s):
+            metadata = await call.initial_metadata()
+        place = place_in(metadata)
+        if place is not None and self._on_place is not None:
+            self.place = place
+            self._on_place(place)
+
     async def _apply(self, update: routing_pb2.StateUpdate) -> None:
         for _ in self.state.apply_steps(update):
             await asyncio.sleep(0)  # let requests be routed between large steps
@@ -212,6 +231,18 @@ class StateClient:
             self._ready.set()
         async with self._applied:
             self._applied.notify_all()
+
+
+def place_in(metadata: Any) -> int | None:
+    """The place a watch's initial metadata gives this proxy (``None``: none, or not a
+    number 0-65535)."""
+    value = None if metadata is None else metadata.get(PROXY_PLACE_METADATA)
+    if isinstance(value, bytes):
+        value = value.decode("ascii", "replace")
+    if not isinstance(value, str) or not value.isascii() or not value.isdigit():
+        return None
+    place = int(value)
+    return place if place <= 65535 else None
 
 
 def _describe(exc: BaseException, address: str) -> str:

@@ -21,6 +21,8 @@ etcd keys, below a configurable prefix (default ``/kvroute/v1/``)::
     pools/<pool>/replicas/<replica>       membership, on the leader's lease
     pools/<pool>/shard                    which shard serves the pool
     shards/<shard>/leader                 leader election
+    shards/<shard>/proxies/<n>            a watching proxy's place (its id), on its
+                                          control plane's lease
     draining/<pool>/<replica>             an operator drained the replica (no lease)
 """
 
@@ -33,6 +35,9 @@ from enum import StrEnum
 SUBJECT_ROOT = "kvroute.v1"
 DEFAULT_ETCD_PREFIX = "/kvroute/v1/"
 MAX_NAME_LENGTH = 128
+PROXY_PLACE_METADATA = "kvroute-proxy-place"
+"""gRPC initial metadata of a ``RoutingState.Watch`` stream: the watching proxy's place
+(``0``, ``1``, ...) among the proxies of the shard, when the control plane could give one."""
 _NAME = re.compile(r"[A-Za-z0-9_-]+\Z")
 
 
@@ -158,6 +163,9 @@ class EtcdKeys:
 
     def shard_leader(self, shard: str) -> str:
         return f"{self.prefix}shards/{check_name('shard', shard)}/leader"
+
+    def proxy_places_prefix(self, shard: str) -> str:
+        return f"{self.prefix}shards/{check_name('shard', shard)}/proxies/"
 
     def drains_prefix(self) -> str:
         return f"{self.prefix}draining/"

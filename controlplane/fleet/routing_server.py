@@ -9,8 +9,9 @@ instead of ending the proxy's stream.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -18,8 +19,10 @@ from google.protobuf.message import DecodeError
 
 from controlplane.contracts import ReportSink
 from controlplane.fleet.broadcast import Broadcaster
+from controlplane.fleet.proxy_places import ProxyPlaces
 from controlplane.settings import ControlPlaneSettings
 from kvcore.pb import routing_pb2
+from kvcore.subjects import PROXY_PLACE_METADATA
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +46,13 @@ class RoutingStateService:
         broadcaster: Broadcaster,
         reports: ReportSink,
         served_pools: tuple[str, ...] | None,
+        places: ProxyPlaces | None = None,
     ) -> None:
+        """``places``: numbers each watching proxy (its place in the watch's initial
+        metadata, :data:`~kvcore.subjects.PROXY_PLACE_METADATA`); ``None``: no places."""
         self.broadcaster = broadcaster
         self.reports = reports
+        self.places = places
         self.served = None if served_pools is None else frozenset(served_pools)
         self.report_stats = ReportStats()
 
@@ -64,6 +71,24 @@ class RoutingStateService:
         self, request: routing_pb2.WatchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
         pools = await self._pools(request, context)
+        places = self.places
+        place = None if places is None else await places.take(request.proxy_id)
+        try:
+            if place is not None:
+                await context.send_initial_metadata(((PROXY_PLACE_METADATA, str(place)),))
+            async with contextlib.aclosing(self._updates(request, pools, context)) as updates:
+                async for update in updates:
+                    yield update
+        finally:
+            if places is not None and place is not None:
+                places.give_back(place)
+
+    async def _updates(
+        self,
+        request: routing_pb2.WatchRequest,
+        pools: frozenset[str] | None,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncGenerator[bytes, None]:
         watcher, first = self.broadcaster.watch(
             pools,
             request.have_epoch,

@@ -93,11 +93,15 @@ def test_each_worker_reports_under_an_id_of_its_own() -> None:
 def test_each_worker_takes_a_place_of_its_own_among_the_routers() -> None:
     """A worker is one more router behind a balancer (the kernel's): worker k of proxy
     index i with N workers starts its turn for new prompts at place i * N + k; without
-    --proxy-index a lone proxy's workers are places 0..N-1 and the proxy itself none."""
+    --proxy-index a static proxy's workers are places 0..N-1 and the proxy itself none,
+    and with a control plane none (it numbers every worker's watch: numbered alike in
+    each pod of a Deployment, worker k of every pod would start at the same replica)."""
     placed = load_settings(["--proxy-index", "3", "--workers", "2", *STATIC])
     assert [placed.for_worker(k).proxy_index for k in range(2)] == [6, 7]
     unplaced = load_settings(["--workers", "2", *STATIC])
     assert unplaced.proxy_index is None
     assert [unplaced.for_worker(k).proxy_index for k in range(2)] == [0, 1]
+    watching = load_settings(["--workers", "2", "--controlplane", "cp:50051"])
+    assert [watching.for_worker(k).proxy_index for k in range(2)] == [None, None]
     with pytest.raises(SettingsRefused, match=r"--proxy-index"):
         load_settings(["--proxy-index", "-1", *STATIC])
