@@ -111,3 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+if __name__ == "__main__":  # ``python -m enginesim.main``, as the ``kvroute-sim`` script
+    sys.exit(main())
