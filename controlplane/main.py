@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from collections.abc import Sequence
 from typing import get_args
 
@@ -93,3 +94,7 @@ async def serve(settings: ControlPlaneSettings) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     return main_of(PROG, lambda: load_settings(argv), SettingsError, serve, {ServiceError: 1})
+
+
+if __name__ == "__main__":  # ``python -m controlplane.main``: kvroute-controlplane
+    sys.exit(main())

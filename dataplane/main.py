@@ -156,3 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with contextlib.suppress(KeyboardInterrupt):
         run_worker(settings, sock, lambda: print(line, flush=True))
     return 0
+
+
+if __name__ == "__main__":  # ``python -m dataplane.main``, as the ``kvroute-proxy`` script
+    sys.exit(main())

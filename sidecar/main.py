@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from collections.abc import Sequence
 
 from aiohttp import web
@@ -69,3 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Exit 2 on bad settings, 1 when the sidecar fails or cannot bind its port."""
     failures = {SidecarError: 1, OSError: 1}
     return main_of("kvroute-sidecar", lambda: _settings(argv), SettingsRefused, serve, failures)
+
+
+if __name__ == "__main__":  # ``python -m sidecar.main``, as the ``kvroute-sidecar`` script
+    sys.exit(main())

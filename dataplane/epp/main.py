@@ -10,6 +10,7 @@ SIGINT turns readiness off, lets the streams in progress go on for
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
 from pydantic import ValidationError
@@ -67,3 +68,7 @@ async def serve(settings: EppSettings) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     return main_of(PROG, lambda: load_settings(argv), SettingsRefused, serve, {OSError: 2})
+
+
+if __name__ == "__main__":  # ``python -m dataplane.epp.main``, as the ``kvroute-epp`` script
+    sys.exit(main())
