@@ -81,7 +81,11 @@ class Engine:
             settings.model_len,
             settings.max_loras if settings.enable_lora else 0,
         )
-        kv = _KV_MANAGERS[settings.event_format](settings.num_blocks, settings.block_size)
+        kv: KVCacheManager = (
+            SglangRadixCache(settings.num_blocks, settings.block_size, disable=True)
+            if settings.disable_radix_cache
+            else _KV_MANAGERS[settings.event_format](settings.num_blocks, settings.block_size)
+        )
         self.core = EngineCore(limits, self.format.hasher, settings.timing(), kv, filler)
         if settings.enable_lora and settings.event_format != "sglang":
             self.core.warm = WarmAdapters(settings.max_cpu_loras or settings.max_loras)

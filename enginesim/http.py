@@ -845,6 +845,10 @@ def _server_info(settings: SimSettings, engine: Engine) -> dict[str, Any]:
         "kv_events": kv_events,
         "disaggregation_mode": settings.disaggregation_mode,
         "disaggregation_bootstrap_port": engine.transfers.port,  # the simulator's: HTTP's
+        "disaggregation_decode_enable_radix_cache": (
+            settings.disaggregation_decode_enable_radix_cache
+        ),
+        "disable_radix_cache": settings.disable_radix_cache,  # resolved, as SGLang reports it
         "version": VERSION,
     }
 

@@ -38,13 +38,15 @@ random 63-bit id pairing the two halves) to the body and sends it to both server
 once. The prefill server computes the prompt (one token), holds the blocks in the room
 and answers once the decode server has read them (or fails after the waiting timeout);
 the decode server reads the room (``POST /sim/kv_pull`` with ``bootstrap_room``, waiting
-for the prefill to arrive up to the bootstrap timeout) and decodes. It reads every
-prompt block (SGLang's decode keeps no radix cache unless started with
-``--disaggregation-decode-enable-radix-cache``) and answers the ``cached_tokens`` its
-prefill server found, which SGLang's metadata buffer carries with the first token
-(``_commit_transfer_to_req``); the read's answer carries them here. Not modelled: the
-simulator's decode server still caches the prompts it decodes in its radix tree (and
-publishes them), where SGLang's default decode runs a chunk cache. A read that fails
+for the prefill to arrive up to the bootstrap timeout) and decodes. By default it reads
+every prompt block: SGLang resolves ``disable_radix_cache`` for a decode server
+(``handle_pd_disaggregation``), so its tree (``radix_cache.py``, ``disable``) matches,
+keeps and publishes nothing. Started with ``--disaggregation-decode-enable-radix-cache``
+it keeps a radix cache (published like any), reads only the pages beyond its match
+(SGLang's ``decode_prefix_len``) and adds its own hit beyond the prefill's to the
+count (``prepare_for_prebuilt``). Either way it answers the ``cached_tokens`` its prefill
+server found, which SGLang's metadata buffer carries with the first token
+(``_commit_transfer_to_req``); the read's answer carries them here. A read that fails
 aborts the decode request as SGLang does: 500 ``Decode handshake failed ...``.
 """
 

@@ -62,6 +62,14 @@ page (same salt) extends it, which this cache reproduces, and consecutive remova
 which ``wire.py`` does when it encodes a step's batch (this cache records a removal per
 page): the published events are the same.
 
+**Disabled** (``disable``): SGLang's tree with ``disable_radix_cache``, which a P/D decode
+server runs unless started with ``--disaggregation-decode-enable-radix-cache``
+(``handle_pd_disaggregation`` resolves ``disable_radix_cache`` true; the factory builds
+the tree with ``disable`` set, what older versions called the chunk cache): every lookup
+matches nothing, nothing is inserted, nothing is evicted, no KV event is recorded
+(``enable_kv_cache_events`` is forced off) and a request's pages are its own until it
+ends.
+
 Not reproduced: SGLang picks the request to retract by fewest output tokens (the engine
 core picks its own), it refreshes the waiting requests' prefixes in LRU order every 32
 scheduling passes, and its first event batch after start carries an ``AllBlocksCleared``
@@ -197,11 +205,12 @@ def _remaining_output(req: CacheRequest) -> int:
 class SglangRadixCache:
     """SGLang 0.5.23's radix cache and request lifecycle (see the module docstring)."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, disable: bool = False) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.disable = disable  # holds nothing, publishes nothing (see the module docstring)
         self._events: list[PoolEvent] = []
         self._fresh_tree()
 
@@ -241,6 +250,26 @@ class SglangRadixCache:
             found.update(node.digests)
             stack.extend(node.children.values())
         return found
+
+    def cached_prefix_tokens(self, req: CacheRequest) -> int:
+        """The leading tokens of ``req`` the tree holds now, as its admission would
+        match them (page-aligned, the last token left out), with nothing stamped or
+        split: what a decode server with a radix cache does not read from its prefill
+        (SGLang's decode matches the whole prompt: one page more for a prompt of whole
+        pages, not reproduced)."""
+        tokens = req.tokens
+        key, scope = tokens[: self._aligned(len(tokens) - 1)], _scope(req)
+        node, pos = self.root, 0
+        while pos < len(key):
+            child = node.children.get(self._child_key(key, scope, pos))
+            if child is None:
+                break
+            n = self._common(child.tokens, key, pos)
+            pos += n
+            if n < len(child.tokens):
+                break
+            node = child
+        return pos
 
     def take_events(self) -> list[PoolEvent]:
         events, self._events = self._events, []
@@ -309,7 +338,8 @@ class SglangRadixCache:
         if self._rows:
             return False
         self._fresh_tree()
-        self._events.append(AllCleared())
+        if not self.disable:
+            self._events.append(AllCleared())
         return True
 
     def reset(self) -> None:
@@ -331,7 +361,10 @@ class SglangRadixCache:
 
     def _checkpoint(self, req: CacheRequest, row: _Row) -> None:
         """Insert what ``req`` computed, free the pages the tree already had, move the
-        lock to the new last node (``RadixCache.checkpoint``)."""
+        lock to the new last node (``RadixCache.checkpoint``). A disabled tree keeps
+        nothing: the pages stay the request's own."""
+        if self.disable:
+            return
         tokens = req.tokens
         key_len = self._aligned(row.committed)
         pages = key_len // self.block_size
@@ -409,7 +442,7 @@ class SglangRadixCache:
 
     def _match(self, key: Sequence[int], scope: Scope) -> tuple[int, RadixNode]:
         """The longest cached prefix of ``key`` (page-aligned): its length and last node."""
-        return self._walk(key, scope) if key else (0, self.root)
+        return self._walk(key, scope) if key and not self.disable else (0, self.root)
 
     def _insert(
         self, key: Sequence[int], digests: Sequence[bytes], scope: Scope

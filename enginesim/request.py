@@ -26,8 +26,9 @@ class LoadedKV:
     """A decode's prompt KV read from its prefill engine (``pd.py``), as its engine counts
     it: vLLM's NIXL connector reads the prompt beyond the leading blocks the decode's cache
     holds and computes the last prompt token again for its logits
-    (``_update_waiting_for_remote_kv``); SGLang's decode reads every token, computes none
-    and answers the cached tokens its prefill server found (the metadata buffer's)."""
+    (``_update_waiting_for_remote_kv``); SGLang's decode reads every token (or, with its
+    radix cache enabled, those beyond its match), computes none and answers the cached
+    tokens its prefill server found (the metadata buffer's)."""
 
     tokens: int  # prompt tokens read (vLLM's connector hits)
     last_recomputed: bool  # vLLM: the last prompt token is computed again

@@ -297,8 +297,10 @@ def found_tokens(req: SimRequest) -> int:
 def reported_cached(req: SimRequest) -> int:
     """``req``'s ``num_cached_tokens`` (its answer's ``cached_tokens``), set at its first
     admission: vLLM's scheduler takes the tokens computed before its first step; SGLang's
-    decode the count its prefill server sent."""
+    decode the count its prefill server sent, plus what its own radix hit adds beyond it
+    (``prepare_for_prebuilt``: ``max(0, pre_len - already_computed)``; no hit with the
+    decode's default disabled tree)."""
     loaded = req.loaded
     if loaded is not None and loaded.reported is not None:
-        return loaded.reported
+        return max(loaded.reported, req.hit_tokens)
     return found_tokens(req)

@@ -63,6 +63,12 @@ class SimSettings(BaseSettings):
         description="SGLang mode: this server's half of a P/D pair, as SGLang's flag "
         "(the bootstrap server is the HTTP port)",
     )
+    disaggregation_decode_enable_radix_cache: bool = Field(
+        False,
+        description="SGLang mode: a decode server keeps a radix cache (shares prefixes, "
+        "reads only what it lacks, publishes KV events), as SGLang's flag; without it a "
+        "decode server's cache holds nothing and publishes nothing (SGLang's default)",
+    )
     log_level: str = Field("warning", description="log level of the server")
     no_cache_report: bool = Field(
         False,
@@ -156,7 +162,22 @@ class SimSettings(BaseSettings):
             raise ValueError("request_header_overrides is SGLang's: it needs event_format sglang")
         if self.disaggregation_mode != "null" and self.event_format != "sglang":
             raise ValueError("disaggregation_mode is SGLang's: it needs event_format sglang")
+        if self.disaggregation_decode_enable_radix_cache and self.event_format != "sglang":
+            raise ValueError(
+                "disaggregation_decode_enable_radix_cache is SGLang's: it needs event_format "
+                "sglang"
+            )
         return self
+
+    @property
+    def disable_radix_cache(self) -> bool:
+        """SGLang's resolved ``disable_radix_cache``: a decode server's unless it was
+        started with ``--disaggregation-decode-enable-radix-cache``
+        (``handle_pd_disaggregation``)."""
+        return (
+            self.disaggregation_mode == "decode"
+            and not self.disaggregation_decode_enable_radix_cache
+        )
 
     @property
     def pool_tokens(self) -> int:

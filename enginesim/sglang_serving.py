@@ -21,6 +21,7 @@ from enginesim.choices import Choices
 from enginesim.engine import Engine
 from enginesim.errors import RequestRejected
 from enginesim.pd import Bootstrap, KvLoadFailed
+from enginesim.radix_cache import SglangRadixCache
 from enginesim.request import LoadedKV, LoraTag, SimRequest
 from enginesim.settings import SimSettings
 from enginesim.tokens import PromptTokenizer
@@ -180,9 +181,10 @@ class SglangServing:
         if engine.faults.should_fail():
             raise p.InjectedFailure("Injected failure (kvroute-sim fault).")
         salt, mode = ask.salt, app.settings.disaggregation_mode
-        prefill_cached = 0
+        prefill_cached, held = 0, [0] * len(prompts)
         if mode == "decode" and ask.bootstrap is not None:
-            prefill_cached = await self._read_prefill(ask.bootstrap, prompts)
+            held = [self._held(prompt, salt, lora) for prompt in prompts]
+            prefill_cached = await self._read_prefill(ask.bootstrap, prompts, held)
         if n > 1:
             for prompt in prompts:  # ``_handle_batch_request``: cache the common prefix
                 warm = SimRequest(sg.request_id(), prompt, 0, salt, lora=lora)
@@ -197,7 +199,8 @@ class SglangServing:
             for _ in range(max(n, 1))
         ]
         if ask.bootstrap is not None and mode != "null":
-            _pair(reqs, ask.bootstrap.room, mode, prefill_cached)
+            held_each = [h for h in held for _ in range(max(n, 1))]
+            _pair(reqs, ask.bootstrap.room, mode, prefill_cached, held_each)
         handles = await engine.submit_all(reqs, stream=ask.stream)
         names = rids.names
         reports = not app.settings.no_cache_report
@@ -206,11 +209,25 @@ class SglangServing:
         self.rids.hold(rids.held, handles)
         return Choices(names[0], handles, max(n, 1), names, reports_cached=reports)
 
-    async def _read_prefill(self, bootstrap: Bootstrap, prompts: list[list[int]]) -> int:
-        """The decode server's handshake and transfer of every prompt block (its radix
-        cache is off by default: ``--disaggregation-decode-enable-radix-cache``); the
-        cached tokens the prefill server reported. Fails as SGLang aborts it."""
-        blocks = sum(-(-len(prompt) // self.app.settings.block_size) for prompt in prompts)
+    def _held(self, prompt: list[int], salt: str | None, lora: LoraTag | None) -> int:
+        """The prompt's leading tokens this decode server's cache holds: none by default
+        (its tree is disabled); with ``--disaggregation-decode-enable-radix-cache`` its
+        radix match, which SGLang sends the prefill as ``decode_prefix_len`` so that only
+        the rest is transferred."""
+        kv = self.app.engine.core.kv
+        assert isinstance(kv, SglangRadixCache)  # SGLang mode's manager
+        return kv.cached_prefix_tokens(SimRequest("", prompt, 0, salt, lora=lora))
+
+    async def _read_prefill(
+        self, bootstrap: Bootstrap, prompts: list[list[int]], held: list[int]
+    ) -> int:
+        """The decode server's handshake and transfer of the prompt blocks it does not
+        hold (all of them by default: its radix cache is off unless started with
+        ``--disaggregation-decode-enable-radix-cache``); the cached tokens the prefill
+        server reported. Fails as SGLang aborts it."""
+        bs = self.app.settings.block_size
+        pairs = zip(prompts, held, strict=True)
+        blocks = sum(-(-len(prompt) // bs) - h // bs for prompt, h in pairs)
         try:
             return await self.app.engine.transfers.pull(bootstrap, blocks)
         except KvLoadFailed as exc:
@@ -219,16 +236,21 @@ class SglangServing:
             ) from exc
 
 
-def _pair(reqs: list[SimRequest], room: int, mode: str, prefill_cached: int) -> None:
+def _pair(
+    reqs: list[SimRequest], room: int, mode: str, prefill_cached: int, held: list[int]
+) -> None:
     """P/D: a prefill computes one token and keeps its blocks in ``room``; a decode has
-    its prompt loaded and answers the cached tokens its prefill reported
-    (``_commit_transfer_to_req``: ``cached_tokens`` from the metadata buffer)."""
-    for req in reqs:
+    the prompt it does not hold (``held``, each request's) loaded and answers the cached
+    tokens its prefill reported (``_commit_transfer_to_req``: ``cached_tokens`` from the
+    metadata buffer), or its own radix hit where that is longer
+    (``scheduler.reported_cached``)."""
+    for req, h in zip(reqs, held, strict=True):
         req.bootstrap_room = room
         if mode == "prefill":
             req.max_tokens, req.hold_kv = 1, True
         else:
-            req.loaded = LoadedKV(len(req.prompt), last_recomputed=False, reported=prefill_cached)
+            tokens = len(req.prompt) - h
+            req.loaded = LoadedKV(tokens, last_recomputed=False, reported=prefill_cached)
 
 
 def _model(body: p._Sampling) -> str:

@@ -13,7 +13,10 @@ all of them as ``both``. One request goes, as vLLM's disaggregated serving runs 
    blocks it reads are cached there and published like any) and generates every output
    token. The client's first token is the decode replica's first.
 
-What is not modelled: the prefill's blocks held until they are read (the transfer is
+That decode is vLLM's, or SGLang's started with ``--disaggregation-decode-enable-radix-cache``;
+SGLang's default decode server (no prefix cache: it reads every block and publishes
+nothing, ``enginesim/pd.py``) is not modelled here. What is not modelled either: the
+prefill's blocks held until they are read (the transfer is
 milliseconds), SGLang's decode side reserving its KV while the prefill runs, and the
 interference of prefill with decode that disaggregation removes on real GPUs (the step
 model of :mod:`bench.sim.engine` already charges a colocated replica's decode batch for

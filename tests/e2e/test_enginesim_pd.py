@@ -3,7 +3,9 @@ vLLM's reference proxy does: the prefill answers with the transfer parameters na
 blocks, the decode engine reads them once and decodes; a read of parameters that are
 unknown, already read or expired fails as vLLM's NIXL connector fails. What a decode
 reads and reports is checked against a model of vLLM's rule (``vllm_decode``); SGLang's
-pair the same way, with SGLang's (the decode answers its prefill's cached tokens)."""
+pair the same way, with SGLang's (``sglang_decode``: the decode answers its prefill's
+cached tokens; its cache holds and publishes nothing unless started with
+``--disaggregation-decode-enable-radix-cache``)."""
 
 from __future__ import annotations
 
@@ -195,6 +197,52 @@ def sglang_pair() -> Iterator[tuple[SimProcess, SimProcess]]:
         yield prefill, decode
 
 
+@pytest.fixture(scope="module")
+def radix_decode() -> Iterator[SimProcess]:
+    """An SGLang decode server started with its radix cache on."""
+    args = ("--instant", f"--model={MODEL}", "--event-format=sglang", "--kv-lease-s=2")
+    flags = ("--disaggregation-mode=decode", "--disaggregation-decode-enable-radix-cache")
+    with SimProcess(*args, *flags) as proc:
+        yield proc
+
+
+def sglang_decode(
+    prompt_len: int, prefill_cached: int, held: int, *, radix: bool, bs: int = 16
+) -> dict[str, Any]:
+    """What SGLang 0.5.23's decode server does with a P/D request whose prompt's first
+    ``held`` tokens (page-aligned) it decoded before. By default
+    (``handle_pd_disaggregation`` resolves ``disable_radix_cache``: its tree matches,
+    keeps and publishes nothing) it reads every prompt page and answers its prefill's
+    cached tokens (``_commit_transfer_to_req``). With
+    ``--disaggregation-decode-enable-radix-cache`` it matches its tree, asks the prefill
+    only for the pages beyond (``decode_prefix_len``), answers the prefill's count plus
+    what its own hit adds beyond it (``max(0, pre_len - already_computed)``) and keeps
+    the prompt, which its KV events publish."""
+    held = held if radix else 0
+    return {
+        "blocks_read": -(-prompt_len // bs) - held // bs,
+        "cached_tokens": prefill_cached + max(0, held - prefill_cached),
+        "keeps_blocks": radix,
+    }
+
+
+def decode_seen(
+    prefill: SimProcess, decode: SimProcess, body: dict[str, Any], room: int
+) -> tuple[int, dict[str, Any]]:
+    """One pair's request: the prefill's cached tokens and what the decode did."""
+    read = decode.call("GET", "/sim/state")[1]["kv_blocks_read"]
+    (p_status, p_answer), (d_status, d_answer) = both(
+        prefill, decode, "/v1/completions", {**body, **bootstrap_of(prefill, room)}
+    )
+    assert (p_status, d_status) == (200, 200), (p_answer, d_answer)
+    state = decode.call("GET", "/sim/state")[1]
+    return cached_tokens(p_answer["usage"]), {
+        "blocks_read": state["kv_blocks_read"] - read,
+        "cached_tokens": cached_tokens(d_answer["usage"]),
+        "keeps_blocks": bool(state["cached_block_hashes"]),
+    }
+
+
 def bootstrap_of(prefill: SimProcess, room: int) -> dict[str, Any]:
     """The fields SGLang's router adds, from the prefill server's /server_info."""
     info = prefill.call("GET", "/server_info")[1]
@@ -263,3 +311,25 @@ def test_sglang_decode_without_its_prefill_fails_after_the_wait(
     assert status == 500 and "Decode handshake failed" in answer["message"]
     status, answer = prefill.call("POST", "/v1/completions", {**body, "bootstrap_room": 100})
     assert status == 500 and "transfer failed" in answer["message"]  # no decode came
+
+
+@pytest.mark.parametrize("radix", [False, True], ids=["default", "decode-radix-cache"])
+def test_sglang_decode_cache_follows_sglangs_rule_with_and_without_its_radix_cache(
+    sglang_pair: tuple[SimProcess, SimProcess], radix_decode: SimProcess, radix: bool
+) -> None:
+    prefill, default_decode = sglang_pair
+    decode = radix_decode if radix else default_decode
+    info = decode.call("GET", "/server_info")[1]
+    assert info["disaggregation_decode_enable_radix_cache"] is radix
+    assert info["disable_radix_cache"] is not radix  # SGLang's resolved value
+    assert prefill.call("POST", "/flush_cache")[0] == 200
+    assert decode.call("POST", "/flush_cache")[0] == 200
+    prompt = [*PREFIX, 31, 32]  # 802 tokens: 50 whole pages and 2 tokens
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4}
+    cached, seen = decode_seen(prefill, decode, body, 21)
+    assert seen == sglang_decode(802, cached, 0, radix=radix)
+    # the same prefix again, the prefill's cache flushed: only a radix decode holds it
+    assert prefill.call("POST", "/flush_cache")[0] == 200
+    cached, seen = decode_seen(prefill, decode, {**body, "prompt": [*PREFIX, 33, 34, 35]}, 22)
+    assert cached == 0
+    assert seen == sglang_decode(803, cached, 800, radix=radix)

@@ -37,10 +37,17 @@ COUNTERS = {
 }
 
 
-def sim_args(kind: str, role: str) -> tuple[str, ...]:
+# the engines in order, kvroute up naming them r0..r3; the SGLang fleet's second decode
+# server keeps a radix cache (the other runs SGLang's default: none)
+ROLES = ("prefill", "prefill", "decode", "decode")
+RADIX_DECODE = "r3"
+
+
+def sim_args(kind: str, role: str, radix: bool = False) -> tuple[str, ...]:
     if kind == "vllm":
         return SIM_ARGS  # vLLM's role is per request (kv_transfer_params)
-    return (*SIM_ARGS, "--event-format=sglang", f"--disaggregation-mode={role}")
+    flags = ("--disaggregation-decode-enable-radix-cache",) if radix else ()
+    return (*SIM_ARGS, "--event-format=sglang", f"--disaggregation-mode={role}", *flags)
 
 
 @pytest.fixture(scope="module", params=["vllm", "sglang"])
@@ -50,8 +57,8 @@ def stack(
     kind = request.param
     with ExitStack() as started:
         sims = [
-            started.enter_context(SimProcess(*sim_args(kind, role)))
-            for role in ("prefill", "prefill", "decode", "decode")
+            started.enter_context(SimProcess(*sim_args(kind, role, f"r{i}" == RADIX_DECODE)))
+            for i, role in enumerate(ROLES)
         ]
         run_dir = tmp_path_factory.mktemp("fleet")
         fleet = started.enter_context(FullStack(sims, run_dir, ENV, kind, pd=(2, 2)))
@@ -87,6 +94,65 @@ def test_the_prefill_replicas_cache_what_the_proxy_predicted(stack: FullStack) -
     assert abs(predicted - measured) <= 0.02 * measured
     counted = [a - b for a, b in zip(fidelity(stack), counted_before, strict=True)]
     assert counted == [predicted, measured]  # the proxy counts the prefill side's report
+
+
+def replicas(stack: FullStack) -> list[dict[str, Any]]:
+    status, body = stack.admin("GET", "/v1/replicas")
+    assert status == 200
+    return list(body["replicas"])
+
+
+def test_decode_replicas_report_residency_only_where_their_engine_publishes_it(
+    stack: FullStack,
+) -> None:
+    """vLLM's decode caches what it read and publishes it. SGLang's decode at its
+    defaults keeps no radix cache and publishes nothing (picked by load alone, kept up by
+    its sidecar's load reports); one started with
+    ``--disaggregation-decode-enable-radix-cache`` publishes what it decoded, and the
+    proxy then prefers it for a prompt it holds."""
+    for i in range(4):
+        assert ask(stack, f"Decode question {i}?")[0] == 200
+
+    def decodes() -> dict[str, dict[str, Any]]:
+        return {r["replica_id"]: r for r in replicas(stack) if r["role"] == "decode"}
+
+    if stack.options.engine_kind == "vllm":
+        wait_for(lambda: any(r["resident_blocks"] > 0 for r in decodes().values()), "residency")
+    else:
+        decode_by_hand(stack, "Warm the radix decode server?")
+        wait_for(lambda: decodes()[RADIX_DECODE]["resident_blocks"] > 0, "its residency")
+        before = {name: r["last_seen"] for name, r in decodes().items()}
+        wait_for(
+            lambda: all(r["last_seen"] > before[name] for name, r in decodes().items()),
+            "a load report from each decode replica",
+        )
+        assert {n: r["resident_blocks"] == 0 for n, r in decodes().items()} == {
+            "r2": True,
+            RADIX_DECODE: False,
+        }
+        status, headers, _ = ask(stack, "Which decode server holds the system prompt?")
+        assert status == 200 and headers["x-kvroute-replica"] == RADIX_DECODE
+    assert [r["status"] for r in decodes().values()] == ["healthy", "healthy"]
+    assert stack.readyz().get("roles") == {"prefill": 2, "decode": 2}
+
+
+def decode_by_hand(stack: FullStack, question: str) -> None:
+    """One SGLang P/D request sent to r0 and the radix decode server directly, as
+    SGLang's router pairs them."""
+    prefill, decode = stack.engines[0], stack.engines[int(RADIX_DECODE[1:])]
+    port = prefill.call("GET", "/server_info")[1]["disaggregation_bootstrap_port"]
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": 2,
+        **{"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 5},
+    }
+    with ThreadPoolExecutor(2) as pool:
+        halves = [
+            pool.submit(s.call, "POST", "/v1/chat/completions", body) for s in (prefill, decode)
+        ]
+        assert [half.result()[0] for half in halves] == [200, 200]
 
 
 def complete(stack: FullStack, i: int, stream: bool) -> tuple[bool, int]:

@@ -490,3 +490,35 @@ async def test_the_role_flag_names_a_vllm_decode_replica(
     async with running_sidecar(settings_for(sim, nats_server.url, watcher, role="decode")):
         await wait_until(lambda: bool(watcher.announces))
         assert watcher.announces[-1].role == events_pb2.REPLICA_ROLE_DECODE
+
+
+@pytest.mark.parametrize(
+    "sim",
+    [("sglang", 1, 4096, ("--disaggregation-mode", "decode"))],
+    indirect=True,
+    ids=["sglang-decode"],
+)
+async def test_an_sglang_decode_server_that_publishes_nothing_stays_up_on_its_load_reports(
+    nats_server: NatsServer, watcher: Watcher, sim: SimProcess
+) -> None:
+    """SGLang's decode server keeps no radix cache by default, so it publishes no KV
+    event, ever: the sidecar still announces it as a decode replica, stays ready, keeps
+    one epoch (its idle probes of the replay socket find no restart) and reports its
+    load, which is what the proxy picks a decode replica by."""
+    settings = settings_for(sim, nats_server.url, watcher, restart_probe_s=0.2)
+    async with running_sidecar(settings) as service:
+        await wait_until(lambda: any(a.role for a in watcher.announces))
+        assert watcher.announces[-1].role == events_pb2.REPLICA_ROLE_DECODE
+        epoch = service.epoch
+        await sim.fault(hold_steps=True)
+        request = asyncio.create_task(sim.complete(list(range(100, 400))))
+        # the request is queued behind the held steps: the load report counts it
+        await wait_until(lambda: bool(watcher.loads) and watcher.loads[-1].waiting == 1)
+        await sim.fault(hold_steps=False)
+        await request
+        seen = len(watcher.loads)
+        await wait_until(lambda: len(watcher.loads) >= seen + 5)  # > 2 idle probe periods
+        assert watcher.loads[-1].engine_up and watcher.loads[-1].running == 0
+        assert service.ready and service.epoch == epoch
+        assert {load.epoch for load in watcher.loads[seen:]} == {epoch}
+        assert watcher.mirror.gpu_keys() == set() and await sim.cached_hashes() == set()

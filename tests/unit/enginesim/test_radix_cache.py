@@ -177,3 +177,30 @@ def test_whole_node_eviction_keeps_less_of_a_shared_prefix_workload_than_vllms_p
     assert vllm_held >= 62  # vLLM's pool stays full of cached blocks (63 usable)
     assert sglang_held <= vllm_held - 6  # SGLang's tree leaves pages free after evicting
     assert sglang_hit <= vllm_hit - 0.05
+
+
+def test_a_disabled_tree_shares_nothing_publishes_nothing_and_frees_every_page():
+    """SGLang's P/D decode default (``disable_radix_cache`` resolved true): the same
+    prompt twice hits nothing, no KV event is recorded, a request's pages go back when
+    it ends, and a flush publishes no ``AllBlocksCleared``; the enabled tree, beside it,
+    hits and publishes."""
+    limits = CoreLimits(4, 64, 8, max_model_len=1 << 16)
+    off = EngineCore(
+        limits, SglangSha256Hasher(), TimingModel(), SglangRadixCache(64, 4, disable=True)
+    )
+    on = make_core(num_pages=64, page_size=4)
+    prompt = list(range(200, 230))
+    for core in (off, on):
+        for name in ("a", "b"):
+            core.add(SimRequest(name, prompt, 3))
+            drain(core)
+    second_off, second_on = SimRequest("c", prompt, 1), SimRequest("c", prompt, 1)
+    assert off.kv.cached_prefix_tokens(second_off) == 0
+    assert on.kv.cached_prefix_tokens(second_on) == 28  # 7 whole pages of 29 tokens
+    for core, req in ((off, second_off), (on, second_on)):
+        core.add(req)
+        drain(core)
+    assert (second_off.num_cached_tokens, second_on.num_cached_tokens) == (0, 28)
+    assert off.kv.take_events() == [] and stored_tokens(on)
+    assert off.kv.num_free == 64 and off.kv.usage == 0.0 and off.kv.cached_digests() == set()
+    assert off.kv.clear() and off.kv.take_events() == []

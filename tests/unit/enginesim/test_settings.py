@@ -49,6 +49,7 @@ def test_model_len_defaults_to_what_the_pool_holds() -> None:
         (["--block-size", "0"], "block_size"),
         (["--time-scale", "-1"], "time_scale"),
         (["--request-header-overrides"], "needs event_format sglang"),
+        (["--disaggregation-decode-enable-radix-cache"], "is SGLang.s: it needs event_format"),
         (["--ssl-certfile", __file__], "ssl_keyfile and ssl_certfile go together"),
         (["--ssl-keyfile", "/no/such/key.pem", "--ssl-certfile", __file__], "ssl_keyfile"),
     ],

@@ -40,3 +40,16 @@ def test_a_busy_holder_loses_to_an_idle_replica() -> None:
     holder = DecodeCandidate(0, 0.10 + 2 * LOAD_SLACK, 0.5, resident_blocks=64)
     idle = DecodeCandidate(1, 0.10, 0.1)
     assert choose_decode([holder, idle]) == 1
+
+
+def test_a_fleet_reporting_no_residency_is_picked_by_load_and_headroom_alone() -> None:
+    """SGLang's decode servers at their defaults publish nothing: each pick goes to the
+    least loaded, and as picks load it, the next to the other (no replica preferred)."""
+    loads = {0: 0.0, 1: 0.0, 2: 0.0}
+    picks = []
+    for _ in range(6):
+        ordinal = choose_decode([DecodeCandidate(o, load, 0.1) for o, load in loads.items()])
+        assert ordinal is not None
+        picks.append(ordinal)
+        loads[ordinal] += 0.25  # a seat of four taken
+    assert picks == [0, 1, 2, 0, 1, 2]
