@@ -214,24 +214,17 @@ class PrefillRates:
         return expected if expected > 0 else None
 
     def rate(self, replica: int) -> float:
-        """Tokens per second ``replica`` prefills, as routing ranks it: the fleet's
-        typical rate (:meth:`typical_rate`) unless the replica's own is ``LEARN_APART``
-        times slower than that (then its own); for a replica without a line of its own,
-        the typical rate over :meth:`slower` when that is ``LEARN_APART`` or more, else
-        the typical rate.
-
-        Slower than the fleet's typical replica, not than the configured rate: behind
-        several routers a timed request waits behind the other routers' prefills,
-        which this router's books do not hold, so on a busy fleet every replica's
-        timings read slow, each by its own chance. Compared with the configured rate,
-        each replica was then ranked at its own (2.5-4x slower, at random) and a
-        replica whose line had not yet crossed ranked several times faster than the
-        rest and drew their requests: bench sim's RAG behind 4 routers tipped into
-        overload (13.3 s mean TTFT at seed 1, one router 0.50 s, llm-d's model 1.18 s)."""
-        typical = self.typical_rate()
+        """Tokens per second ``replica`` prefills, as routing ranks it: the configured
+        rate unless the replica's own is ``LEARN_APART`` times slower (then its own);
+        for a replica without a line of its own, the fleet's typical rate over
+        :meth:`slower` when that is ``LEARN_APART`` or more, else as one with no
+        history: the fleet's median when that is ``LEARN_APART`` times slower than
+        configured, else the configured rate."""
+        slow = self.default / LEARN_APART
         own = self.learned(replica)
         if own is not None:
-            return _rounded(own) if own < typical / LEARN_APART else typical
+            return _rounded(own) if own < slow else self.default
+        typical = self.typical_rate()
         slower = self.slower(replica)
         if slower is not None and slower >= LEARN_APART and self._apart(replica, LEARN_MIN_SAMPLES):
             return _rounded(typical / slower)

@@ -186,36 +186,14 @@ def test_the_learned_prefill_rate_follows_a_replica_whose_speed_changes() -> Non
 
 def test_a_replica_with_no_history_starts_from_the_fleets_median() -> None:
     """Configured at 20,000 tokens/s, the fleet's replicas prefill at 6,000 and 8,000:
-    a replica never timed is ranked at their median, 7,000, and so are the two, within
-    2x of it (equal replicas rank as equal); a third at 2,000, 3.5x slower than the
-    median, at its own."""
+    a replica never timed is ranked at their median, 7,000."""
     ledger = PrefillLedger(prefill_tokens_per_s=20_000)
     now = 0.0
-    for replica, speed in ((0, 6_000), (1, 8_000), (2, 6_000), (3, 8_000), (4, 2_000)):
+    for replica, speed in ((0, 6_000), (1, 8_000)):
         for i in range(30):
             now = serve(ledger, replica, LENGTHS[i % 6], speed, now) + 1.0
-    assert ledger.rates.rate(7) == pytest.approx(
-        6_000, rel=0.01
-    )  # the median of 2,000, 6,000, 6,000, 8,000, 8,000
-    assert ledger.rates.rate(0) == ledger.rates.rate(1) == ledger.rates.rate(7)
-    assert ledger.rates.rate(4) == pytest.approx(2_000, rel=0.01)
-
-
-def test_a_fleet_timed_slow_behind_other_routers_is_ranked_as_one_speed() -> None:
-    """Behind several routers a timed request waits behind the other routers' prefills,
-    which this router's books do not hold: on a busy fleet of equal replicas every
-    replica's timings read 2.5-4x slower than configured, each by its own chance, and
-    one not timed enough for a line of its own yet. Each was ranked at its own line, the
-    untimed one at the configured rate, 3-4x faster than the rest, and it drew their
-    requests (bench sim's RAG behind 4 routers went from 0.50 s to 13.3 s mean TTFT).
-    Now slowness is read against the fleet's typical replica: all rank alike."""
-    ledger = PrefillLedger(prefill_tokens_per_s=10_000)
-    now = 0.0
-    for replica, speed in ((0, 2_500), (1, 3_000), (2, 3_500), (3, 4_000)):
-        for i in range(30):
-            now = serve(ledger, replica, LENGTHS[i % 6], speed, now) + 1.0
-    ranked = {ledger.rates.rate(replica) for replica in range(5)}  # 4: never timed
-    assert len(ranked) == 1, ranked
+    assert ledger.rates.rate(0) == pytest.approx(6_000, rel=0.01)
+    assert ledger.rates.rate(7) == pytest.approx(7_000, rel=0.01)
 
 
 def test_only_a_request_sent_to_an_idle_replica_is_timed() -> None:
