@@ -71,6 +71,18 @@ def events(raw: bytes) -> list[Any]:
     return [e.decode() if e == b"[DONE]" else json.loads(e) for e in found]
 
 
+def streamed_chat_usage(proxy: ProxyProcess, user: str) -> dict[str, Any]:
+    """A streamed chat through the proxy, checked whole (200, its 5 tokens, ``[DONE]``
+    last): the usage its stream ended with."""
+    status, _, raw = proxy.request("/v1/chat/completions", chat(True, user))
+    assert status == 200
+    streamed = events(raw)
+    assert streamed[-1] == "[DONE]"
+    usage: dict[str, Any] = streamed[-2]["usage"]
+    assert usage["completion_tokens"] == 5
+    return usage
+
+
 def test_vllm_whole_and_streamed_answers_come_from_decode_with_prefill_cache_hits(
     vllm_pool: Any,
 ) -> None:
@@ -81,12 +93,7 @@ def test_vllm_whole_and_streamed_answers_come_from_decode_with_prefill_cache_hit
     assert answer["usage"]["completion_tokens"] == 5
     # the same prefix again: prefix_hash sends it to the same prefill replica, which hits
     hits = sum(p.metric("vllm:prefix_cache_hits_total") for p in prefills)
-    status, _, raw = proxy.request("/v1/chat/completions", chat(True, "two"))
-    assert status == 200
-    streamed = events(raw)
-    assert streamed[-1] == "[DONE]"
-    usage = streamed[-2]["usage"]
-    assert usage["completion_tokens"] == 5
+    usage = streamed_chat_usage(proxy, "two")
     # the decode's: every token read, the last computed again (vLLM's scheduler)
     assert cached_tokens(usage) == usage["prompt_tokens"] - 1
     prefill_hit = sum(p.metric("vllm:prefix_cache_hits_total") for p in prefills) - hits
@@ -160,12 +167,7 @@ def test_sglang_pool_whole_and_streamed(sglang_pool: Any) -> None:
     assert status == 200, body
     assert json.loads(body)["usage"]["completion_tokens"] == 5
     cached = prefill.metric("sglang:cached_tokens_total")
-    status, _, raw = proxy.request("/v1/chat/completions", chat(True, "two"))
-    assert status == 200
-    streamed = events(raw)
-    assert streamed[-1] == "[DONE]"
-    usage = streamed[-2]["usage"]
-    assert usage["completion_tokens"] == 5
+    usage = streamed_chat_usage(proxy, "two")
     prefill_hit = prefill.metric("sglang:cached_tokens_total") - cached
     assert usage["prompt_tokens"] - 32 <= prefill_hit < usage["prompt_tokens"]
     assert cached_tokens(usage) == prefill_hit  # the decode answers what its prefill found
