@@ -243,6 +243,16 @@ def decode_seen(
     }
 
 
+def flush(sim: SimProcess) -> None:
+    """SGLang's /flush_cache, once no prefill holds blocks for a decode that never came
+    (an earlier test leaves one held until its lease ends)."""
+    deadline = time.monotonic() + 10
+    while sim.call("GET", "/sim/state")[1]["kv_transfers_held"]:
+        assert time.monotonic() < deadline, "a held prefill outlived its lease"
+        time.sleep(0.05)  # polling the lease's end, bounded by the deadline
+    assert sim.call("POST", "/flush_cache")[0] == 200
+
+
 def bootstrap_of(prefill: SimProcess, room: int) -> dict[str, Any]:
     """The fields SGLang's router adds, from the prefill server's /server_info."""
     info = prefill.call("GET", "/server_info")[1]
@@ -322,14 +332,14 @@ def test_sglang_decode_cache_follows_sglangs_rule_with_and_without_its_radix_cac
     info = decode.call("GET", "/server_info")[1]
     assert info["disaggregation_decode_enable_radix_cache"] is radix
     assert info["disable_radix_cache"] is not radix  # SGLang's resolved value
-    assert prefill.call("POST", "/flush_cache")[0] == 200
-    assert decode.call("POST", "/flush_cache")[0] == 200
+    flush(prefill)
+    flush(decode)
     prompt = [*PREFIX, 31, 32]  # 802 tokens: 50 whole pages and 2 tokens
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 4}
     cached, seen = decode_seen(prefill, decode, body, 21)
     assert seen == sglang_decode(802, cached, 0, radix=radix)
     # the same prefix again, the prefill's cache flushed: only a radix decode holds it
-    assert prefill.call("POST", "/flush_cache")[0] == 200
+    flush(prefill)
     cached, seen = decode_seen(prefill, decode, {**body, "prompt": [*PREFIX, 33, 34, 35]}, 22)
     assert cached == 0
     assert seen == sglang_decode(803, cached, 800, radix=radix)
