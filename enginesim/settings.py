@@ -164,8 +164,7 @@ class SimSettings(BaseSettings):
             raise ValueError("disaggregation_mode is SGLang's: it needs event_format sglang")
         if self.disaggregation_decode_enable_radix_cache and self.event_format != "sglang":
             raise ValueError(
-                "disaggregation_decode_enable_radix_cache is SGLang's: it needs event_format "
-                "sglang"
+                "disaggregation_decode_enable_radix_cache is SGLang's: it needs event_format sglang"
             )
         return self
 
