@@ -333,6 +333,28 @@ def test_kv_cost_weighs_a_recomputed_second_more_as_the_fleet_queues() -> None:
     assert [row.prefill_weight for row in decision.reasons] == [pytest.approx(4.0)] * 2
 
 
+def test_kv_cost_weighs_the_queues_of_the_replicas_it_may_choose_not_the_excluded() -> None:
+    """A P/D prefill is chosen among the prefill replicas, the decode ones excluded; their
+    requests waiting (a decode's wait for its KV to arrive) are no queue a recomputed
+    prefill would lengthen. As above, the warm replica holds the prompt with 0.52 s
+    queued and the cold one would recompute it (0.128 s): with the prefill replicas
+    reporting nothing waiting the cold one costs less, whatever three excluded decode
+    replicas report (counted, their 4 waiting each made the median 4 and the warm one
+    win)."""
+    rates = {"prefill_tokens_per_s": 1000}
+    replicas = [
+        ReplicaState(0, "warm", queued_prefill_tokens=520),
+        ReplicaState(1, "cold"),
+        *(ReplicaState(i, f"decode-{i}", waiting=4) for i in (2, 3, 4)),
+    ]
+    decision = _select(
+        KvCostWorkload(**rates), _view(replicas, {0: 8}), exclude=frozenset({2, 3, 4})
+    )
+    assert decision.replica_id == "cold"
+    rows = [row for row in decision.reasons if row.replica_id in ("warm", "cold")]
+    assert [row.prefill_weight for row in rows] == [pytest.approx(0.8)] * 2
+
+
 def test_kv_cost_weighs_a_recomputed_second_against_queued_ones_by_alpha() -> None:
     """Replica 0 holds the prompt but has 0.3 s of prefill queued; replica 1 is idle and
     would recompute it all (0.128 s). By the plain prediction (alpha 0.5) the idle one is
