@@ -71,19 +71,19 @@ class ProxyService:
                 prefill_step_s=settings.prefill_step_ms / 1000,
                 index=read_always_index(settings.residency_index),
             )
-        # without --proxy-index, the place the control plane numbers this proxy's watch with
-        numbered = self._take_place if settings.proxy_index is None else None
-        self.state_client = (
-            None if settings.static else StateClient(settings, self.fleet, on_place=numbered)
-        )
-        self.metrics = ProxyMetrics()
-        self.siblings = None if group is None else Siblings(group, self.metrics.registry)
         self.router = Router(
             self.fleet,
             Defaults(settings.tokenizer, settings.block_size, settings.tenant_header),
             random.Random(),
             place=settings.proxy_index,
         )
+        # without --proxy-index, the place the control plane numbers this proxy's watch with
+        numbered = self.router.take_place if settings.proxy_index is None else None
+        self.state_client = (
+            None if settings.static else StateClient(settings, self.fleet, on_place=numbered)
+        )
+        self.metrics = ProxyMetrics()
+        self.siblings = None if group is None else Siblings(group, self.metrics.registry)
         self.replica_tls = settings.replica_ssl_context()  # for https:// replicas
         self.probe = TokenizerProbe(
             self.fleet,
@@ -214,9 +214,6 @@ class ProxyService:
                         endpoint.bootstrap_port,
                     ):
                         self.fleet.set_role(endpoint.ordinal, role, port)
-
-    def _take_place(self, place: int) -> None:
-        self.router.take_place(place)
 
     def _lora_placement(self) -> LoraPlacement:
         lora = LoraPlacement(self.fleet, self.upstream)

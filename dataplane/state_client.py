@@ -202,7 +202,7 @@ class StateClient:
         received = False
         try:
             if self._on_place is not None:
-                await self._take_place(call)
+                await self._take_place(call, self._on_place)
             while True:
                 async with asyncio.timeout(self._idle_timeout_s):
                     update = await call.read()
@@ -215,13 +215,13 @@ class StateClient:
         finally:
             call.cancel()
 
-    async def _take_place(self, call: Any) -> None:
+    async def _take_place(self, call: Any, on_place: Callable[[int], None]) -> None:
         async with asyncio.timeout(self._idle_timeout_s):
             metadata = await call.initial_metadata()
         place = place_in(metadata)
-        if place is not None and self._on_place is not None:
+        if place is not None:
             self.place = place
-            self._on_place(place)
+            on_place(place)
 
     async def _apply(self, update: routing_pb2.StateUpdate) -> None:
         for _ in self.state.apply_steps(update):
@@ -237,8 +237,6 @@ def place_in(metadata: Any) -> int | None:
     """The place a watch's initial metadata gives this proxy (``None``: none, or not a
     number 0-65535)."""
     value = None if metadata is None else metadata.get(PROXY_PLACE_METADATA)
-    if isinstance(value, bytes):
-        value = value.decode("ascii", "replace")
     if not isinstance(value, str) or not value.isascii() or not value.isdigit():
         return None
     place = int(value)
