@@ -22,7 +22,13 @@ from enginesim.errors import EngineRestarted
 from enginesim.faults import FaultInjector, FaultUpdate
 from enginesim.kv_manager import KVCacheManager
 from enginesim.lora import WarmAdapters
-from enginesim.metrics import CacheConfig, EngineMetrics, LoadSnapshot, make_metrics
+from enginesim.metrics import (
+    CacheConfig,
+    EngineMetrics,
+    LoadSnapshot,
+    RequestTiming,
+    make_metrics,
+)
 from enginesim.pd import KvTransfers, RemotePrefill
 from enginesim.publisher import EventPublisher, PublisherConfig
 from enginesim.radix_cache import SglangRadixCache
@@ -54,6 +60,7 @@ class RequestHandle:
     arrival: float
     error: str | None = None
     progress: asyncio.Event = field(default_factory=asyncio.Event)  # may be shared
+    timing: RequestTiming | None = None  # its queueing and prefill, once admitted
 
     @property
     def done(self) -> bool:
@@ -103,6 +110,7 @@ class Engine:
             settings.block_size,
             settings.num_blocks,
             _HASH_ALGO[settings.event_format],
+            settings.model_len,
         )
         self.metrics: EngineMetrics = make_metrics(
             settings.event_format,
@@ -283,11 +291,12 @@ class Engine:
             if not self._released.is_set():
                 await self._released.wait()
                 deadline = loop.time()
+            started = time.perf_counter()  # the step's SCHEDULED time
             out = self.core.step()
             deadline = max(deadline, loop.time() - MAX_CATCH_UP_S)
             deadline += self._wall_seconds(out.duration)
             await asyncio.sleep(max(0.0, deadline - loop.time()))
-            self._deliver(out)
+            self._deliver(out, started)
             self._flush_events()
 
     def _wall_seconds(self, modelled: float) -> float:
@@ -295,7 +304,10 @@ class Engine:
         scale = 0.0 if self.settings.instant else self.settings.time_scale
         return modelled * scale * state.slowdown + state.delay_ms / 1000
 
-    def _deliver(self, out: StepOutput) -> None:
+    def _deliver(self, out: StepOutput, started: float) -> None:
+        """The tokens of a step that started at ``started`` and ends now: a first admission
+        queued from its arrival to ``started`` and prefilled from ``started`` to now, as
+        every request of the step did (``metrics.RequestTiming``)."""
         now = time.perf_counter()
         metrics = self.metrics
         handles = self._handles
@@ -304,7 +316,11 @@ class Engine:
             metrics.on_admitted(len(req.prompt), req.hit_tokens, read, req.num_cached_tokens)
             handle = handles.get(req)
             if handle is not None:
-                metrics.on_first_token(now - handle.arrival)
+                computed = max(len(req.prompt) - req.num_cached_tokens, 0)
+                handle.timing = RequestTiming(
+                    max(started - handle.arrival, 0.0), now - started, computed
+                )
+                metrics.on_first_token(now - handle.arrival, handle.timing)
         for req in out.sampled:
             handle = handles.get(req)
             if handle is not None and handle.stream:
@@ -314,7 +330,7 @@ class Engine:
                 self._hold(req)
             handle = handles.pop(req, None)
             if handle is not None:
-                metrics.on_finished(now - handle.arrival, len(req.output))
+                metrics.on_finished(now - handle.arrival, len(req.output), handle.timing)
                 handle.notify()
 
     def _hold(self, req: SimRequest) -> None:

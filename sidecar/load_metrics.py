@@ -17,7 +17,27 @@ kv_usage           vllm:kv_cache_usage_perc, gpu_cache_usage_perc  sglang:token_
 queries (tokens)   vllm:prefix_cache_queries_total (+ old names)   sglang:prompt_tokens_total
 hits (tokens)      vllm:prefix_cache_hits_total (+ old names)      sglang:cached_tokens_total
 capacity, size     vllm:cache_config_info{num_gpu_blocks,block_size}  --
+prefill_requests   vllm:request_prefill_time_seconds_count         TTFT's _count (*)
+prefill_seconds    vllm:request_prefill_time_seconds_sum           TTFT's _sum less queue
+prefill_computed   vllm:request_prefill_kv_computed_tokens_sum     prompt less cached tokens
+queue_seconds      vllm:request_queue_time_seconds_sum             sglang:queue_time_seconds
 =================  ==============================================  ========================
+
+(*) ``sglang:time_to_first_token_seconds``.
+
+The prefill figures are the engine's own timing of its requests (their exact definitions
+are in ``enginesim/metrics.py``, which emits them as the engines do): how many requests it
+timed, the seconds from the step that first admitted each to its first token (vLLM's
+*prefill* phase; requests admitted together each count the whole step) and the prompt
+tokens they computed. They are cumulative, so a reader takes differences between two
+reports (``kvcore.policies.engine_rates``). Where the engine lacks a series:
+
+- vLLM before 0.11 has no computed-tokens histogram: its prefix-cache queries less hits
+  stand in (counted when requests are scheduled, not when they finish: the same tokens,
+  some seconds apart);
+- SGLang times no prefill of its own: its time to first token less its queueing stands in
+  (tokenization and its processes' hops included), and only where it reports its
+  queueing (``sglang:queue_time_seconds``); without that the prefill figures stay 0.
 """
 
 from __future__ import annotations
@@ -44,8 +64,32 @@ HITS = (
     "sglang:cached_tokens_total",
 )
 CACHE_INFO = "vllm:cache_config_info"
-_WANTED = frozenset((*RUNNING, *WAITING, *USAGE, *QUERIES, *HITS, CACHE_INFO))
+VLLM_PREFILL = "vllm:request_prefill_time_seconds"
+VLLM_QUEUE = "vllm:request_queue_time_seconds"
+VLLM_COMPUTED = "vllm:request_prefill_kv_computed_tokens_sum"
+SGLANG_TTFT = "sglang:time_to_first_token_seconds"
+SGLANG_QUEUE = "sglang:queue_time_seconds_sum"
+_PHASES = (
+    f"{VLLM_PREFILL}_count",
+    f"{VLLM_PREFILL}_sum",
+    f"{VLLM_QUEUE}_sum",
+    VLLM_COMPUTED,
+    f"{SGLANG_TTFT}_count",
+    f"{SGLANG_TTFT}_sum",
+    SGLANG_QUEUE,
+)
+_WANTED = frozenset((*RUNNING, *WAITING, *USAGE, *QUERIES, *HITS, CACHE_INFO, *_PHASES))
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillTotals:
+    """The engine's timing of its requests' prefills, cumulative (module docstring)."""
+
+    requests: int = 0
+    seconds: float = 0.0
+    computed_tokens: int = 0
+    queue_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +104,7 @@ class EngineLoad:
     engine_block_size: int = 0
     role: str = ""  # the engine's P/D role where it tells it (SGLang): prefill/decode/both
     bootstrap_port: int = 0  # an SGLang prefill server's bootstrap server
+    prefill: PrefillTotals | None = None  # the engine's own prefill timing, where it has one
 
 
 def _sample(line: str) -> tuple[str, str, float] | None:
@@ -107,20 +152,50 @@ def _int_label(labels: dict[str, str], name: str) -> int:
         return 0
 
 
+def _total(series: dict[str, list[float]], name: str) -> float | None:
+    values = series.get(name)
+    return None if values is None else sum(values)
+
+
+def _prefill(series: dict[str, list[float]], queries: int, hits: int) -> PrefillTotals | None:
+    """The engine's prefill timing (see the module docstring), ``None`` without one."""
+    count = _total(series, f"{VLLM_PREFILL}_count")
+    if count is not None:  # vLLM
+        computed = _total(series, VLLM_COMPUTED)
+        return PrefillTotals(
+            requests=max(0, round(count)),
+            seconds=max(0.0, _total(series, f"{VLLM_PREFILL}_sum") or 0.0),
+            computed_tokens=max(0, round(computed if computed is not None else queries - hits)),
+            queue_seconds=max(0.0, _total(series, f"{VLLM_QUEUE}_sum") or 0.0),
+        )
+    count, queued = _total(series, f"{SGLANG_TTFT}_count"), _total(series, SGLANG_QUEUE)
+    if count is None or queued is None:
+        return None
+    ttft = _total(series, f"{SGLANG_TTFT}_sum") or 0.0
+    return PrefillTotals(
+        requests=max(0, round(count)),
+        seconds=max(0.0, ttft - queued),
+        computed_tokens=max(0, queries - hits),
+        queue_seconds=max(0.0, queued),
+    )
+
+
 def parse_engine_load(text: str) -> EngineLoad:
     """The load figures in one ``/metrics`` exposition (vLLM or SGLang names)."""
     series, cache_info = _collect(text)
     usage = _first(series, USAGE)
     queries = _first(series, QUERIES)
+    queried, hits = max(0, round(sum(queries))), max(0, round(sum(_first(series, HITS))))
     return EngineLoad(
         running=max(0, round(sum(_first(series, RUNNING)))),
         waiting=max(0, round(sum(_first(series, WAITING)))),
         kv_usage=min(1.0, max(0.0, sum(usage) / len(usage))) if usage else 0.0,
-        prefix_cache_queries=max(0, round(sum(queries))),
-        prefix_cache_hits=max(0, round(sum(_first(series, HITS)))),
+        prefix_cache_queries=queried,
+        prefix_cache_hits=hits,
         queries_reported=bool(queries),
         capacity_blocks=_int_label(cache_info, "num_gpu_blocks"),
         engine_block_size=_int_label(cache_info, "block_size"),
+        prefill=_prefill(series, queried, hits),
     )
 
 

@@ -35,7 +35,7 @@ from kvcore.roles import ROLE_PB
 from sidecar.adapters import adapter_for
 from sidecar.engine_http import EngineHttp, EventEndpoints, configured_endpoints
 from sidecar.errors import EngineUnavailable
-from sidecar.load_metrics import EngineLoad, restarted_between
+from sidecar.load_metrics import EngineLoad, PrefillTotals, restarted_between
 from sidecar.nats_link import NatsLink, Respond
 from sidecar.outbox import Outbox, OutboxConfig, OutgoingBatch
 from sidecar.pipeline import Pipeline
@@ -419,6 +419,7 @@ class SidecarService:
 
     def load_report(self) -> events_pb2.LoadReport:
         load = self.engine_status.load or EngineLoad()
+        prefill = load.prefill or PrefillTotals()
         return events_pb2.LoadReport(
             replica_id=self.settings.replica_id,
             pool=self.settings.pool,
@@ -430,4 +431,8 @@ class SidecarService:
             prefix_cache_hits=load.prefix_cache_hits,
             engine_up=self.engine_status.up,
             ts=time.time(),
+            prefill_requests=prefill.requests,
+            prefill_seconds=prefill.seconds,
+            prefill_computed_tokens=prefill.computed_tokens,
+            queue_seconds=prefill.queue_seconds,
         )

@@ -143,7 +143,7 @@ class KvEventBatch(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., pool: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., snapshot: _Optional[bool] = ..., snapshot_done: _Optional[bool] = ..., snapshot_id: _Optional[int] = ..., ts: _Optional[float] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("replica_id", "pool", "epoch", "running", "waiting", "kv_usage", "prefix_cache_queries", "prefix_cache_hits", "engine_up", "ts")
+    __slots__ = ("replica_id", "pool", "epoch", "running", "waiting", "kv_usage", "prefix_cache_queries", "prefix_cache_hits", "engine_up", "ts", "prefill_requests", "prefill_seconds", "prefill_computed_tokens", "queue_seconds")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,10 @@ class LoadReport(_message.Message):
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_UP_FIELD_NUMBER: _ClassVar[int]
     TS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     pool: str
     epoch: int
@@ -164,7 +168,11 @@ class LoadReport(_message.Message):
     prefix_cache_hits: int
     engine_up: bool
     ts: float
-    def __init__(self, replica_id: _Optional[str] = ..., pool: _Optional[str] = ..., epoch: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., engine_up: _Optional[bool] = ..., ts: _Optional[float] = ...) -> None: ...
+    prefill_requests: int
+    prefill_seconds: float
+    prefill_computed_tokens: int
+    queue_seconds: float
+    def __init__(self, replica_id: _Optional[str] = ..., pool: _Optional[str] = ..., epoch: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., engine_up: _Optional[bool] = ..., ts: _Optional[float] = ..., prefill_requests: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., prefill_computed_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
 
 class ResyncRequest(_message.Message):
     __slots__ = ("requester", "reason", "snapshot_id")

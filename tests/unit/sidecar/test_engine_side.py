@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from enginesim.metrics import CacheConfig, LoadSnapshot, RequestTiming, make_metrics
 from sidecar.engine_http import (
     EventEndpoints,
     configured_endpoints,
@@ -15,7 +16,12 @@ from sidecar.engine_http import (
     vllm_endpoints,
 )
 from sidecar.errors import EngineUnavailable
-from sidecar.load_metrics import EngineLoad, parse_engine_load, restarted_between
+from sidecar.load_metrics import (
+    EngineLoad,
+    PrefillTotals,
+    parse_engine_load,
+    restarted_between,
+)
 from sidecar.main import load_settings, main
 
 VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -234,3 +240,31 @@ def test_the_engine_is_announced_at_the_advertised_host(
 def test_an_advertised_host_that_is_no_host_is_refused() -> None:
     with pytest.raises(ValidationError, match="advertise_host"):
         load_settings(["--replica-id", "r", "--model", "m", "--advertise-host", "a/b"])
+
+
+@pytest.mark.parametrize("event_format", ["vllm", "sglang"])
+def test_the_engines_own_prefill_timing_is_read_from_enginesims_exposition(
+    event_format: str,
+) -> None:
+    """Two requests, each 0.5 s in prefill (one step), queued 1.0 and 0.8 s, 1,488 and
+    1,000 tokens computed: the cumulative totals a LoadReport carries."""
+    metrics = make_metrics(event_format, CacheConfig("m", 16, 1024, "sha256", 8192))
+    timings = [RequestTiming(1.0, 0.5, 1488), RequestTiming(0.8, 0.5, 1000)]
+    for (prompt, cached), timing in zip([(2000, 512), (1000, 0)], timings, strict=True):
+        metrics.on_admitted(prompt, cached, 0, cached)
+        metrics.on_first_token(timing.queue_s + timing.prefill_s, timing)
+        metrics.on_finished(3.0, 2, timing)
+    load = parse_engine_load(metrics.render(LoadSnapshot(0, 0, 0.0, 0)).decode())
+    assert load.prefill is not None
+    assert load.prefill.requests == 2 and load.prefill.computed_tokens == 2488
+    assert load.prefill.seconds == pytest.approx(1.0)
+    assert load.prefill.queue_seconds == pytest.approx(1.8)
+
+
+def test_an_exposition_without_prefill_timing_reports_none() -> None:
+    assert parse_engine_load(VLLM).prefill is None
+    assert parse_engine_load(SGLANG).prefill is None  # no queueing series: no prefill
+    old_vllm = VLLM + 'vllm:request_prefill_time_seconds_count{engine="0"} 4.0\n'
+    old_vllm += 'vllm:request_prefill_time_seconds_sum{engine="0"} 2.0\n'
+    prefill = parse_engine_load(old_vllm).prefill
+    assert prefill == PrefillTotals(requests=4, seconds=2.0, computed_tokens=900)
