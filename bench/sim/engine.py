@@ -52,6 +52,20 @@ class _Job:
     req: Request
     blocks: list[KVBlock]
     finish_step: int
+    started: float  # the start of the step that admitted it (vLLM's SCHEDULED)
+
+
+@dataclass(slots=True)
+class PrefillTotals:
+    """The engine's own timing of its requests, as vLLM's metrics count it when each
+    finishes (``enginesim/metrics.py``): requests, their seconds from the step that
+    admitted each to its first token (the whole step for every request of it), their
+    computed prompt tokens, their seconds waiting before that step."""
+
+    requests: int = 0
+    seconds: float = 0.0
+    computed_tokens: int = 0
+    queue_seconds: float = 0.0
 
 
 def slowed(shape: EngineShape, factor: float) -> EngineShape:
@@ -92,6 +106,7 @@ class ReplicaModel:
         self.busy_s = 0.0
         self.prefill_s = 0.0  # of busy_s, the part spent in prefills
         self.served = 0
+        self.prefill_totals = PrefillTotals()
         self.finished_callback: Callable[[Request, float], None] = lambda req, now: None
         self.first_token_callback: Callable[[Request, float], None] = lambda req, now: None
 
@@ -132,7 +147,7 @@ class ReplicaModel:
     def _run_step(self, now: float) -> None:
         batch = self.running
         timing = self.shape.timing
-        admitted = self._admit() if self.waiting else []
+        admitted = self._admit(now) if self.waiting else []
         if admitted:
             prefill = sum(
                 timing.prefill_seconds(r.prompt_tokens, r.cached_tokens) for r in admitted
@@ -154,7 +169,7 @@ class ReplicaModel:
             return
         self._go_idle(now)
 
-    def _admit(self) -> list[Request]:
+    def _admit(self, now: float) -> list[Request]:
         admitted: list[Request] = []
         pool, bs = self.pool, self.shape.block_size
         while self.waiting and self.running < self.shape.max_num_seqs:
@@ -171,7 +186,7 @@ class ReplicaModel:
             pool.cache_run(blocks[len(hits) : full], digests[len(hits) : full], None, (), None)
             req.cached_tokens = len(hits) * bs
             self.running += 1
-            job = _Job(req, blocks, self.step + req.output_tokens - 1)
+            job = _Job(req, blocks, self.step + req.output_tokens - 1, now)
             heapq.heappush(self._finishing, (job.finish_step, next(self._seq), job))
             admitted.append(req)
         return admitted
@@ -183,12 +198,18 @@ class ReplicaModel:
             done.append(heapq.heappop(finishing)[2])
         if not done:
             return
+        totals = self.prefill_totals
         for job in done:
             self._cache_answer(job)
             self.pool.free(job.blocks)
             self.running -= 1
             self.served += 1
-            job.req.finished_at = now
+            req = job.req
+            req.finished_at = now
+            totals.requests += 1
+            totals.seconds += req.first_token_at - job.started
+            totals.computed_tokens += req.prompt_tokens - req.cached_tokens
+            totals.queue_seconds += job.started - req.arrival
         self._publish_events(now)
         for job in done:
             self.finished_callback(job.req, now)

@@ -219,8 +219,8 @@ class DecodeReplica(ReplicaModel):
         timing = replace(shape.timing, prefill_overhead_s=0.0)
         super().__init__(ordinal, replace(shape, timing=timing), schedule, publish)
 
-    def _admit(self) -> list[Request]:
-        admitted = super()._admit()
+    def _admit(self, now: float) -> list[Request]:
+        admitted = super()._admit(now)
         for req in admitted:
             req.cached_tokens = req.prompt_tokens  # all of it read, none computed here
         return admitted

@@ -150,7 +150,9 @@ class KvrouteRouter:
         """Prefill books for the strategy that reads them (kv_cost); the others skip the
         extra residency lookup per request."""
         if isinstance(workload, KvCostWorkload):
-            return PrefillLedger(workload.prefill_tokens_per_s)
+            return PrefillLedger(
+                workload.prefill_tokens_per_s, engine_rates=workload.engine_prefill_rates
+            )
         return None
 
     def _prefill_rate(self, ordinal: int) -> float | None:
@@ -172,6 +174,16 @@ class KvrouteRouter:
             and fleet.sampled_at - self._taken_at >= self.load_period_s - 1e-9
         ):
             self._epoch, self._taken_at = fleet.epoch, fleet.sampled_at
+            if self._prefill is not None:  # the engines' prefill timing, as reported
+                rates = self._prefill.rates
+                for i, sample in enumerate(fleet.samples):
+                    rates.engine_report(
+                        i,
+                        sample.prefill_requests,
+                        sample.prefill_seconds,
+                        sample.prefill_computed_tokens,
+                        fleet.sampled_at,
+                    )
             self.board = ReplicaBoard(self._state(i) for i in range(len(self.board)))
 
     def route(self, req: Request, now: float, exclude: frozenset[int] = frozenset()) -> int:

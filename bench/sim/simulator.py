@@ -36,11 +36,16 @@ ARRIVAL, WAKE, _RESIDENCY, _LOAD, _FIRST_TOKEN = 0, 1, 2, 3, 4
 
 @dataclass(frozen=True, slots=True)
 class LoadSample:
-    """What an engine reports about its load (the sidecar's ``LoadReport``)."""
+    """What an engine reports about its load (the sidecar's ``LoadReport``), with its
+    running totals of the prefills it timed (``LoadReport.prefill_requests``,
+    ``prefill_seconds``, ``prefill_computed_tokens``)."""
 
     running: int
     waiting: int
     kv_usage: float
+    prefill_requests: int = 0
+    prefill_seconds: float = 0.0
+    prefill_computed_tokens: int = 0
 
 
 class FleetReadout:
@@ -54,7 +59,17 @@ class FleetReadout:
         self.epoch = 0  # bumps at every sample
 
     def sample(self, now: float) -> None:
-        self.samples = [LoadSample(r.running, r.num_waiting, r.kv_usage) for r in self.replicas]
+        self.samples = [
+            LoadSample(
+                r.running,
+                r.num_waiting,
+                r.kv_usage,
+                r.prefill_totals.requests,
+                r.prefill_totals.seconds,
+                r.prefill_totals.computed_tokens,
+            )
+            for r in self.replicas
+        ]
         self.sampled_at = now
         self.epoch += 1
 

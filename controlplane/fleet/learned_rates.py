@@ -62,6 +62,9 @@ class LearnedRates:
             "line_tokens_per_s": _median(r.line_tokens_per_s for r in rows if r.line_tokens_per_s),
             "line_fixed_s": _median(r.line_fixed_s for r in rows if r.line_tokens_per_s),
             "slowness": _median(r.slowness for r in rows if r.slowness),
+            "engine_tokens_per_s": _median(
+                r.engine_tokens_per_s for r in rows if r.engine_tokens_per_s
+            ),
             "proxies": len(rows),
         }
 

@@ -142,10 +142,12 @@ class Inflight:
             learned = self._books.learned(record.ledger_key)
             if learned is None:
                 continue
-            rate, line, slower = learned
+            rate, line, slower, engine = learned
             row = routing_pb2.LearnedRate(
                 replica_id=record.info.replica_id, prefill_tokens_per_s=rate
             )
+            if engine is not None:
+                row.engine_tokens_per_s = engine
             if line is not None:
                 row.line_fixed_s, row.line_tokens_per_s = line
             if slower is not None:

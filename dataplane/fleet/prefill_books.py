@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from kvcore.pb.events_pb2 import LoadReport
 from kvcore.policies import PrefillLedger
 from kvcore.workload import KvCostWorkload, RoutingConfig
 
@@ -63,13 +64,27 @@ class PrefillBooks:
     def configure(self, routing: RoutingConfig) -> None:
         """Keep books while ``routing`` has a kv_cost workload; call before rebuilding
         every state (which refills :attr:`draining`)."""
-        rates = [w.prefill_tokens_per_s for w in routing.workloads if isinstance(w, KvCostWorkload)]
+        costed = [w for w in routing.workloads if isinstance(w, KvCostWorkload)]
+        rates = [w.prefill_tokens_per_s for w in costed]
         self.on = bool(rates)
         if rates:
+            engine = any(w.engine_prefill_rates for w in costed)
             if self._ledger is None:
-                self._ledger = PrefillLedger(min(rates))
+                self._ledger = PrefillLedger(min(rates), engine_rates=engine)
             self._ledger.rate = min(rates)
+            self._ledger.engine_rates(on=engine)
         self.draining.clear()
+
+    def reported(self, key: int, load: LoadReport) -> None:
+        """The replica's engine reported its load: the totals of its own prefill timing
+        (``LoadReport.prefill_*``) tell how fast it prefills at least
+        (:class:`kvcore.policies.engine_rates.EngineRates`)."""
+        ledger = self._ledger
+        if self.on and ledger is not None and load.prefill_requests:
+            ledger.rates.engine_report(
+                key, load.prefill_requests, load.prefill_seconds,
+                load.prefill_computed_tokens, load.ts,
+            )  # fmt: skip
 
     def sent(self, key: int, uncached_tokens: int) -> int:
         """Book a request sent now; its ticket (0: not booked)."""
@@ -124,18 +139,21 @@ class PrefillBooks:
         ledger = self._ledger
         return ledger.rates.step_s(key) if self.on and ledger is not None else 0.0
 
-    def learned(self, key: int) -> tuple[float, tuple[float, float] | None, float | None] | None:
+    def learned(
+        self, key: int
+    ) -> tuple[float, tuple[float, float] | None, float | None, float | None] | None:
         """What the replica's timings have taught: (the rate routing ranks it at, its own
         line (fixed seconds, tokens per second) or ``None``, its slowness against the
-        fleet's typical replica or ``None``); ``None`` while neither is known."""
+        fleet's typical replica or ``None``, the rate its engine's own timing shows it
+        prefills at least or ``None``); ``None`` while none is known."""
         if not self.on:
             return None
         assert self._ledger is not None
         rates = self._ledger.rates
-        line, slower = rates.line(key), rates.slower(key)
-        if line is None and slower is None:
+        line, slower, engine = rates.line(key), rates.slower(key), rates.engine_rate(key)
+        if line is None and slower is None and engine is None:
             return None
-        return rates.rate(key), line, slower
+        return rates.rate(key), line, slower, engine
 
     def due(self) -> bool:
         """Whether the draining replicas' states are a step old (if so, a new step

@@ -353,6 +353,7 @@ class FleetState:
             return
         record.info.load.CopyFrom(load)
         record.report_ts = load.ts if load.ts > 0 else -math.inf
+        self._books.reported(record.ledger_key, load)
         self.views.refresh(ordinal, reloaded=True)
 
     def _valid_ordinal(self, ordinal: int) -> bool:

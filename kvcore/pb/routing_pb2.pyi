@@ -300,18 +300,20 @@ class ProxyReport(_message.Message):
     def __init__(self, proxy_id: _Optional[str] = ..., ts: _Optional[float] = ..., interval_s: _Optional[float] = ..., rows: _Optional[_Iterable[_Union[ReportRow, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelHealth, _Mapping]]] = ..., hot_prefixes: _Optional[_Iterable[_Union[HotPrefix, _Mapping]]] = ..., learned_rates: _Optional[_Iterable[_Union[LearnedRate, _Mapping]]] = ...) -> None: ...
 
 class LearnedRate(_message.Message):
-    __slots__ = ("replica_id", "prefill_tokens_per_s", "line_tokens_per_s", "line_fixed_s", "slowness")
+    __slots__ = ("replica_id", "prefill_tokens_per_s", "line_tokens_per_s", "line_fixed_s", "slowness", "engine_tokens_per_s")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     LINE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     LINE_FIXED_S_FIELD_NUMBER: _ClassVar[int]
     SLOWNESS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     prefill_tokens_per_s: float
     line_tokens_per_s: float
     line_fixed_s: float
     slowness: float
-    def __init__(self, replica_id: _Optional[str] = ..., prefill_tokens_per_s: _Optional[float] = ..., line_tokens_per_s: _Optional[float] = ..., line_fixed_s: _Optional[float] = ..., slowness: _Optional[float] = ...) -> None: ...
+    engine_tokens_per_s: float
+    def __init__(self, replica_id: _Optional[str] = ..., prefill_tokens_per_s: _Optional[float] = ..., line_tokens_per_s: _Optional[float] = ..., line_fixed_s: _Optional[float] = ..., slowness: _Optional[float] = ..., engine_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class HotPrefix(_message.Message):
     __slots__ = ("workload", "model", "token_ids", "key", "requests_per_s", "block_size")

@@ -56,6 +56,8 @@ from dataclasses import dataclass, field
 from itertools import count
 from math import log2
 
+from kvcore.policies.engine_rates import EngineRates
+
 LEARN_HALF_LIFE = 32.0
 """A replica's learned rate weighs its recent requests: a timing's weight halves with
 every this many timed after it."""
@@ -103,14 +105,28 @@ class PrefillRates:
     turns, prompts of one length) still show a replica much slower than the rest: its
     timings against what the fleet's typical replica would take for the same prompts
     (:meth:`slower`), the typical line the median of the replicas' own lines, or without
-    any, the median seconds per token."""
+    any, the median seconds per token.
+
+    **The engine's own timing** (:attr:`engine`, an
+    :class:`~kvcore.policies.engine_rates.EngineRates` fed by :meth:`engine_report` from
+    the replicas' load reports, when the router keeps one) shows how fast each replica
+    prefills at least, the same for every router and with no queue in it: a replica is
+    never ranked slower than that (:meth:`rate`), and one it shows no ``LEARN_APART``
+    times slower than configured is ranked at the configured rate, whatever this router's
+    clock read (which also waits for the other routers' work queued there). A replica
+    that is slower shows no bound above its speed, so its timings still rank it. The
+    router's own timings still give what only it sees: the time around a prefill
+    (:meth:`around_s`, :meth:`step_s`), which ages its books."""
 
     __slots__ = (
-        "_around", "_fits", "_least", "_median", "_per_token", "_steps", "_typical", "default",
+        "_around", "_engine_told", "_fits", "_least", "_median", "_per_token", "_steps",
+        "_typical", "default", "engine",
     )  # fmt: skip
 
-    def __init__(self, default: float) -> None:
+    def __init__(self, default: float, engine: EngineRates | None = None) -> None:
         self.default = default
+        self.engine = engine
+        self._engine_told: dict[int, float] = {}  # replica -> rate it prefills at least
         self._fits: dict[int, list[float]] = {}  # replica -> decayed n, Sx, Sy, Sxx, Sxy
         self._median: float | None = None
         self._typical: tuple[float, float] | None = None  # median fixed s, median rate
@@ -213,13 +229,46 @@ class PrefillRates:
             return None
         return expected if expected > 0 else None
 
+    def engine_report(
+        self, replica: int, requests: float, seconds: float, tokens: float, at: float
+    ) -> None:
+        """``replica``'s load report carried these totals of its engine's prefill timing
+        (see :class:`~kvcore.policies.engine_rates.EngineRates`); ignored without
+        :attr:`engine`."""
+        engine = self.engine
+        if engine is None or not engine.report(replica, requests, seconds, tokens, at):
+            return
+        bound = engine.at_least(replica)
+        if bound is None:
+            self._engine_told.pop(replica, None)
+        else:
+            self._engine_told[replica] = bound
+        self._steps = self._slow_steps()
+
+    def engine_rate(self, replica: int) -> float | None:
+        """Tokens per second ``replica`` prefills at least, as its engine's own timing
+        shows (``None``: it does not tell yet, or no engine figures are kept)."""
+        return self._engine_told.get(replica)
+
     def rate(self, replica: int) -> float:
-        """Tokens per second ``replica`` prefills, as routing ranks it: the configured
-        rate unless the replica's own is ``LEARN_APART`` times slower (then its own);
-        for a replica without a line of its own, the fleet's typical rate over
-        :meth:`slower` when that is ``LEARN_APART`` or more, else as one with no
-        history: the fleet's median when that is ``LEARN_APART`` times slower than
-        configured, else the configured rate."""
+        """Tokens per second ``replica`` prefills, as routing ranks it: by this router's
+        timings, the configured rate unless the replica's own is ``LEARN_APART`` times
+        slower (then its own); for a replica without a line of its own, the fleet's
+        typical rate over :meth:`slower` when that is ``LEARN_APART`` or more, else as
+        one with no history: the fleet's median when that is ``LEARN_APART`` times
+        slower than configured, else the configured rate. Never below what the engine's
+        own timing shows it prefills at least (:meth:`engine_rate`): where that bound
+        is above the timings' rate, the bound, or the configured rate once the bound is
+        no longer ``LEARN_APART`` times slower than it."""
+        clocked = self._clocked_rate(replica)
+        if self._engine_told:
+            bound = self._engine_told.get(replica)
+            if bound is not None and bound > clocked:
+                return self.default if bound >= self.default / LEARN_APART else _rounded(bound)
+        return clocked
+
+    def _clocked_rate(self, replica: int) -> float:
+        """:meth:`rate` by this router's timings alone."""
         slow = self.default / LEARN_APART
         own = self.learned(replica)
         if own is not None:
@@ -274,10 +323,18 @@ class PrefillRates:
             return {}
         return {o: around[o] - fixed for o in slow if around[o] > fixed}
 
+    def forget_engine(self) -> None:
+        """Drop every bound the engines' timing gave (no engine figures kept now)."""
+        self._engine_told.clear()
+        self._steps = self._slow_steps()
+
     def forget(self, replica: int) -> None:
         self._fits.pop(replica, None)
         self._steps.pop(replica, None)
         self._least.pop(replica, None)
+        self._engine_told.pop(replica, None)
+        if self.engine is not None:
+            self.engine.forget(replica)
 
 
 _KEEP = 0.5 ** (1 / LEARN_HALF_LIFE)
@@ -303,10 +360,13 @@ class PrefillLedger:
 
     __slots__ = ("_queues", "_tickets", "rates")
 
-    def __init__(self, prefill_tokens_per_s: float) -> None:
+    def __init__(self, prefill_tokens_per_s: float, *, engine_rates: bool = False) -> None:
+        """``engine_rates``: rank replicas by their engines' own prefill timing where it
+        tells (:meth:`PrefillRates.engine_report`)."""
         if prefill_tokens_per_s <= 0:
             raise ValueError("prefill_tokens_per_s must be positive")
-        self.rates = PrefillRates(prefill_tokens_per_s)
+        engine = EngineRates() if engine_rates else None
+        self.rates = PrefillRates(prefill_tokens_per_s, engine)
         self._queues: dict[int, _Queue] = {}
         self._tickets = count(1)
 
@@ -318,6 +378,16 @@ class PrefillLedger:
     @rate.setter
     def rate(self, value: float) -> None:
         self.rates.default = value
+
+    def engine_rates(self, *, on: bool) -> None:
+        """Keep (or stop keeping) the engines' own prefill timing
+        (:meth:`PrefillRates.engine_report`)."""
+        rates = self.rates
+        if on and rates.engine is None:
+            rates.engine = EngineRates()
+        elif not on and rates.engine is not None:
+            rates.engine = None
+            rates.forget_engine()
 
     def sent(self, replica: int, uncached_tokens: float, at: float) -> int:
         """A request with ``uncached_tokens`` to prefill went to ``replica`` at ``at``;

@@ -247,6 +247,13 @@ class KvCostWorkload(_KvSettings):
         description="Prompt tokens assumed per queued request when a replica reports "
         "only how many requests wait, not how many tokens.",
     )
+    engine_prefill_rates: bool = Field(
+        True,
+        description="Rank a replica's prefill speed by its engine's own timing of its "
+        "requests (the prefill totals of its load reports) where that tells, rather "
+        "than by this router's first-token timings, which behind several routers also "
+        "wait for the other routers' prefills queued there.",
+    )
 
 
 Workload = Annotated[

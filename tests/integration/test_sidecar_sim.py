@@ -533,3 +533,25 @@ async def test_an_sglang_decode_server_that_publishes_nothing_stays_up_on_its_lo
         assert service.ready and service.epoch == epoch
         assert {load.epoch for load in watcher.loads[seen:]} == {epoch}
         assert watcher.mirror.gpu_keys() == set() and await sim.cached_hashes() == set()
+
+
+@pytest.mark.parametrize(
+    "sim", [("vllm", 16, 4096), ("sglang", 1, 4096)], indirect=True, ids=["vllm", "sglang"]
+)
+async def test_load_reports_carry_the_engines_own_prefill_timing(
+    sim: SimProcess, nats_server: NatsServer, watcher: Watcher
+) -> None:
+    """Three 67-token prompts, the second sharing the first's 48 leading tokens: the
+    engine times three prefills (vLLM when each finishes, SGLang at its first token),
+    computing 67 + 19 + 67 tokens (the 48 cached excluded), and its load reports
+    carry the running totals for the proxies to difference."""
+    book = PromptBook(sim.event_format, sim.block_size)
+    rng = random.Random(21)
+    first = prompt(rng, [], 4)
+    async with running_sidecar(settings_for(sim, nats_server.url, watcher)):
+        for tokens in (first, [*first[:48], *prompt(rng, [], 1)], prompt(rng, [], 4)):
+            await sim.complete(book.add(tokens))
+        await wait_until(lambda: bool(watcher.loads) and watcher.loads[-1].prefill_requests == 3)
+        last = watcher.loads[-1]
+        assert last.prefill_computed_tokens == 67 + 19 + 67
+        assert last.prefill_seconds >= 0 and last.queue_seconds >= 0

@@ -20,7 +20,7 @@ def report(proxy: str, ts: float, *rates: routing_pb2.LearnedRate) -> routing_pb
 
 
 def rate(
-    replica: str, ranked: float, line: float = 0.0, slowness: float = 0.0
+    replica: str, ranked: float, line: float = 0.0, slowness: float = 0.0, engine: float = 0.0
 ) -> routing_pb2.LearnedRate:
     fixed = 0.02 if line else 0.0
     return routing_pb2.LearnedRate(
@@ -29,19 +29,21 @@ def rate(
         line_tokens_per_s=line,
         line_fixed_s=fixed,
         slowness=slowness,
+        engine_tokens_per_s=engine,
     )
 
 
 def test_the_median_over_the_proxies_and_how_many() -> None:
     learned = LearnedRates(clock=Clock())
     learned.on_report(report("p1", 1.0, rate("r0", 2000, 2000, 1.0), rate("r1", 500, 0, 4.0)))
-    learned.on_report(report("p2", 1.0, rate("r0", 3000, 3000, 1.1)))
-    learned.on_report(report("p3", 1.0, rate("r0", 2500, 0, 0.9)))
+    learned.on_report(report("p2", 1.0, rate("r0", 3000, 3000, 1.1, 7000)))
+    learned.on_report(report("p3", 1.0, rate("r0", 2500, 0, 0.9, 7200)))
     assert learned.state_of("r0") == {
         "prefill_tokens_per_s": 2500.0,
         "line_tokens_per_s": 2500.0,  # the two proxies with a line of their own
         "line_fixed_s": 0.02,
         "slowness": 1.0,
+        "engine_tokens_per_s": 7100.0,  # the two keeping the engines' figures
         "proxies": 3,
     }
     assert learned.state_of("r1") == {
@@ -49,6 +51,7 @@ def test_the_median_over_the_proxies_and_how_many() -> None:
         "line_tokens_per_s": None,
         "line_fixed_s": None,
         "slowness": 4.0,
+        "engine_tokens_per_s": None,
         "proxies": 1,
     }
     assert learned.state_of("r9") is None  # nothing learned: null
@@ -70,6 +73,7 @@ def test_a_proxys_latest_report_replaces_its_figures_and_quiet_ones_age_out() ->
         "line_tokens_per_s": 1000.0,
         "line_fixed_s": 0.02,
         "slowness": None,
+        "engine_tokens_per_s": None,
         "proxies": 1,
     }
     clock.now += 61  # neither proxy has reported for a minute

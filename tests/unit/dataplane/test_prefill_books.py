@@ -15,6 +15,7 @@ from dataplane.main import SettingsRefused, load_settings
 from dataplane.metrics import ProxyMetrics
 from dataplane.service import ProxyService
 from kvcore.keys import block_keys
+from kvcore.pb import events_pb2, routing_pb2
 from kvcore.policies import Decision, RouteContext, create_policy
 from kvcore.workload import KvCostWorkload
 from tests.unit.dataplane.state_messages import (
@@ -331,3 +332,41 @@ def test_what_the_proxy_learned_goes_in_its_reports() -> None:
     assert r1.slowness == pytest.approx(1.0, rel=0.01)  # the only line: the typical one
     kv_aware = fleet(clock, [{"name": "default", "strategy": "kv_aware"}])
     assert kv_aware.inflight.learned_rates() == []
+
+
+def engine_reports(state: FleetState, ordinal: int, speed: float, count: int) -> None:
+    """``count`` load reports of replica ``ordinal``'s engine, 0.5 s apart, busy with
+    1,000-token prefills at ``speed`` tokens/s (20 ms around each), as its sidecar sends
+    them: running totals (versions from 2)."""
+    per_request = 0.02 + 1_000 / speed
+    served = 0.5 / per_request
+    for k in range(1, count + 1):
+        load = events_pb2.LoadReport(
+            ts=1_000.0 + 0.5 * k,
+            prefill_requests=round(served * k),
+            prefill_seconds=round(served * k) * per_request,
+            prefill_computed_tokens=round(served * k) * 1_000,
+        )
+        state.apply(delta(1, k + 1, loads=[routing_pb2.LoadUpdate(ordinal=ordinal, load=load)]))
+
+
+def test_an_engines_own_timing_ranks_a_replica_its_proxys_timings_read_slow() -> None:
+    """r1's first tokens came at 2,000 tokens/s (this proxy's clock, which behind several
+    proxies also waits for theirs): alone they rank it there. Its engine's load reports
+    show it prefilling at 8,000 tokens/s at least: ranked at the configured 10,000, the
+    bound in the proxy's report for ``/v1/replicas``. With ``engine_prefill_rates`` off
+    the reports are not read."""
+    clock = Clock()
+    state = fleet(clock)
+    time_r1_at_2000(state, clock)
+    assert state.inflight.prefill_rates()["r1"] == pytest.approx(2_000, rel=0.01)
+    engine_reports(state, 1, 10_000, 20)
+    assert state.inflight.prefill_rates()["r1"] == RATE
+    assert state.views.view(MODEL).replicas()[1].prefill_tokens_per_s == RATE
+    [r1] = state.inflight.learned_rates()
+    assert r1.engine_tokens_per_s == pytest.approx(1_000 / 0.12, rel=0.02)
+    off = fleet(clock, [{**KV_COST, "engine_prefill_rates": False}])
+    time_r1_at_2000(off, clock)
+    engine_reports(off, 1, 10_000, 20)
+    assert off.inflight.prefill_rates()["r1"] == pytest.approx(2_000, rel=0.01)
+    assert off.inflight.learned_rates()[0].engine_tokens_per_s == 0
