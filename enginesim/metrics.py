@@ -39,7 +39,7 @@ reads them, ``sidecar/load_metrics.py``):
     during the prefill included. Requests admitted in one step each record the whole
     step: two prompts prefilled together both record the step's length (both prefills,
     and the decode of the running batch the step also ran), not each its own share;
-  - ``vllm:request_prefill_kv_computed_tokens`` (histogram, vLLM 0.11 and later): the
+  - ``vllm:request_prefill_kv_computed_tokens`` (histogram, newer vLLM only): the
     prompt tokens whose KV the request computed, its prompt less its cached tokens (local
     and connector hits) at its first scheduling;
   - buckets: vLLM's ``request_latency_buckets`` for the two times (0.3 s to 7,680 s), the

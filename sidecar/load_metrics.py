@@ -32,7 +32,7 @@ timed, the seconds from the step that first admitted each to its first token (vL
 tokens they computed. They are cumulative, so a reader takes differences between two
 reports (``kvcore.policies.engine_rates``). Where the engine lacks a series:
 
-- vLLM before 0.11 has no computed-tokens histogram: its prefix-cache queries less hits
+- a vLLM without the computed-tokens histogram (older releases): its prefix-cache queries less hits
   stand in (counted when requests are scheduled, not when they finish: the same tokens,
   some seconds apart);
 - SGLang times no prefill of its own: its time to first token less its queueing stands in
