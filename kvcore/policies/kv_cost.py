@@ -52,12 +52,15 @@ counting what its cache saves and what the request waits for.
 
 Around the cost, what every level-3 strategy keeps (:mod:`kvcore.policies.kv_scoring`):
 a prompt no replica holds goes to the next replica in turn (new prefixes spread evenly,
-as no stale load can); a hot prefix (one system prompt before every request) is counted
-as held by every usable replica once its holder runs ``hot_prefix_gap`` requests ahead
-of the least busy one, so it replicates where the wait is shortest; ``max_imbalance``
-requests ahead, the least busy replica takes the request whatever the cost. Decisions
-carry ``score = -cost`` in seconds, and the explain endpoint each replica's wait,
-prefill and rate.
+as no stale load can), and so does one every usable replica is equally cheap for (a
+system prompt all of them hold, under a new conversation:
+:meth:`~kvcore.policies.kv_scoring.KvScoringPolicy.tied_in_turn`; ties among some
+replicas only go to the lower load, then at random); a hot prefix (one system prompt
+before every request) is counted as held by every usable replica once its holder runs
+``hot_prefix_gap`` requests ahead of the least busy one, so it replicates where the wait
+is shortest; ``max_imbalance`` requests ahead, the least busy replica takes the request
+whatever the cost. Decisions carry ``score = -cost`` in seconds, and the explain
+endpoint each replica's wait, prefill and rate.
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ from kvcore.policies.kv_scoring import (
     request_usable,
 )
 from kvcore.policies.preselect import Pool, cheapest_queues, usable_pool
-from kvcore.policies.screening import best
+from kvcore.policies.screening import TIE, best
 from kvcore.workload import KvCostWorkload
 
 
@@ -85,6 +88,7 @@ class KvCostPolicy(KvScoringPolicy):
     """Lowest weighted time: prefill saved by the cache against the wait."""
 
     name: ClassVar[str] = "kv_cost"
+    ties_take_turn: ClassVar[bool] = True
 
     def __init__(self, workload: KvCostWorkload, rng: random.Random) -> None:
         super().__init__(workload, rng)
@@ -138,11 +142,21 @@ class KvCostPolicy(KvScoringPolicy):
         return cheapest_queues(board, pool, runs, floor, lambda r: self.nonholder_score(ctx, r))
 
     def hot_target(
-        self, ctx: RouteContext, least: ReplicaState, fleet: Sequence[ReplicaState], runs: Runs
+        self,
+        ctx: RouteContext,
+        chosen: ReplicaState,
+        least: ReplicaState,
+        fleet: Sequence[ReplicaState],
+        runs: Runs,
     ) -> ReplicaState:
         """The cheapest usable replica with the hot prefix (``runs[HELD]`` blocks)
-        counted as held by each: it is, one prefill after it is sent there. On a board,
-        only the replicas holding more and the least queued of the rest are scored."""
+        counted as held by each: it is, one prefill after it is sent there. Ties go to
+        the lower load, then at random; but where every candidate holds the prefix
+        already, ``chosen`` keeps it when it is as cheap as any (the scores are those it
+        was chosen by, among equals by this router's turn: moved to the lower load, a
+        report old, a new conversation under a chat's system prompt went where every
+        router's went). On a board, only ``chosen``, the replicas holding more and the least
+        queued of the rest are scored."""
         held = runs[HELD]
         if type(fleet) is ReplicaBoard:  # not isinstance: see ReplicaBoard
             pool = usable_pool(ctx, fleet, request_saturation)
@@ -150,10 +164,18 @@ class KvCostPolicy(KvScoringPolicy):
             rest = [] if pool is None else self._cheapest_at(ctx, fleet, pool, longer, held)
             usable = [r for o in longer if (r := fleet.at(o)) and request_usable(r, ctx)]
             usable += rest
+            if request_usable(chosen, ctx) and all(r.ordinal != chosen.ordinal for r in usable):
+                usable.append(chosen)  # it holds the prefix: it keeps it if as cheap
         else:
             usable = [r for r in fleet if request_usable(r, ctx)]
         hot = {r.ordinal: max(runs.get(r.ordinal, 0), held) for r in usable}
-        return best(usable, self.scores(ctx, usable, hot), self._rng) if usable else least
+        if not usable:
+            return least
+        scores = self.scores(ctx, usable, hot)
+        top = best(usable, scores, self._rng)
+        if any(runs.get(r.ordinal, 0) < held for r in usable):
+            return top  # the prefix counted where it is not: new rivals, the load decides
+        return chosen if scores.get(chosen.ordinal, -inf) >= scores[top.ordinal] - TIE else top
 
     def _cheapest_at(
         self, ctx: RouteContext, board: ReplicaBoard, pool: Pool, longer: Runs, held: int

@@ -140,13 +140,18 @@ def best_of(
     candidates: Sequence[ReplicaState], values: Sequence[float], rng: random.Random
 ) -> ReplicaState:
     """:func:`best` with the candidates' scores in their order."""
-    top = max(values) - TIE
-    tied = [r for r, value in zip(candidates, values, strict=True) if value >= top]
+    tied = best_tied(candidates, values)
     if len(tied) == 1:  # the usual case: no tie to break
         return tied[0]
     lowest = min(r.load for r in tied)
     tied = [r for r in tied if r.load <= lowest + TIE]
     return tied[0] if len(tied) == 1 else rng.choice(tied)
+
+
+def best_tied(candidates: Sequence[ReplicaState], values: Sequence[float]) -> list[ReplicaState]:
+    """The candidates whose score (``values``, in their order) is the highest, within 1e-9."""
+    top = max(values) - TIE
+    return [r for r, value in zip(candidates, values, strict=True) if value >= top]
 
 
 def decide(

@@ -812,3 +812,41 @@ def test_kv_cost_spreads_a_hot_prefix_to_the_cheapest_replica() -> None:
     assert _hot_choice([PROMPT], 40, 30, KvCostWorkload(hot_prefix_gap=None)).replica_id == (
         "holder"
     )
+
+
+def test_proxies_behind_a_balancer_spread_conversations_under_a_shared_system_prompt() -> None:
+    """Issue #39's many proxies: 48 conversations whose first turns all start with one
+    system prompt every replica holds, through 8 kv_cost routers (places 0-7) taking
+    turns behind a round-robin balancer, onto 4 equal replicas. Each replica would
+    prefill the same tokens at the same rate after no queue a router knows of, so the
+    costs are equal; ties went to the lower load, each replica's last report (the same
+    for every router until the next, which here comes every 8 requests), and a report
+    period's first turns all went to one replica. Each of the four must take its share
+    within 1.25x, as kv_aware's routers place them, whatever the loads reported (and
+    the hot system prompt's move, past a request beyond the least busy replica, keeps
+    the turn's choice where it is as cheap as any)."""
+    system = list(range(1000, 1208))  # 13 blocks, a quarter of each first turn
+    for seed in range(10):
+        rng = random.Random(seed)
+        routers = [
+            create_policy(KvCostWorkload(), rng=random.Random(seed * 8 + i), place=i)
+            for i in range(8)
+        ]
+        keys = context(KvCostWorkload(), system).block_keys
+        sent: Counter[int] = Counter()
+        for conversation in range(48):
+            if conversation % 8 == 0:  # a load report: the engines' figures at its time
+                usage = [rng.uniform(0.0, 0.3) for _ in range(4)]
+                running = [rng.randrange(3) for _ in range(4)]
+            replicas = [
+                ReplicaState(i, f"r{i}", running=running[i], kv_usage=usage[i]) for i in range(4)
+            ]
+            view = StaticStateView(replicas, residency_known=True)
+            for ordinal in range(4):
+                view.index.add(ordinal, keys)
+            first_turn = system + [100_000 + conversation * 1000 + t for t in range(608)]
+            decision = routers[conversation % 8].select(context(KvCostWorkload(), first_turn), view)
+            assert decision.reasons[0].hit_blocks == 13  # a hit everywhere, not a new prompt
+            assert decision.ordinal is not None
+            sent[decision.ordinal] += 1
+        assert max(sent.values()) <= 1.25 * 48 / 4, (seed, sent)
