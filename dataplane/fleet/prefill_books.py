@@ -72,7 +72,7 @@ class PrefillBooks:
             if self._ledger is None:
                 self._ledger = PrefillLedger(min(rates), engine_rates=engine)
             self._ledger.rate = min(rates)
-            self._ledger.engine_rates(on=engine)
+            self._ledger.rates.keep_engine(on=engine)
         self.draining.clear()
 
     def reported(self, key: int, load: LoadReport) -> None:

@@ -56,16 +56,18 @@ _KEEP = 0.5 ** (1 / ENGINE_HALF_LIFE)
 class _Replica:
     last: tuple[float, float, float, float] | None = None  # requests, seconds, tokens, at
     sums: list[float] = field(default_factory=lambda: [0.0] * 4)  # decayed n, s, x, wall
-    at_least: float | None = None
 
 
 class EngineRates:
     """What the engines' own timing shows of each replica's prefill speed, by key."""
 
-    __slots__ = ("_replicas",)
+    __slots__ = ("_replicas", "bounds")
 
     def __init__(self) -> None:
         self._replicas: dict[int, _Replica] = {}
+        self.bounds: dict[int, float] = {}
+        """Replica -> tokens per second it prefills at least (:meth:`at_least`), for
+        those whose engine tells it."""
 
     def report(
         self, replica: int, requests: float, seconds: float, tokens: float, at: float
@@ -90,16 +92,20 @@ class EngineRates:
         sums, keep = state.sums, _KEEP
         for i, value in enumerate((n, s, x, wall)):
             sums[i] = sums[i] * keep + value
-        before = state.at_least
+        bounds = self.bounds
+        before = bounds.get(replica)
         n, s, x, wall = sums
-        state.at_least = x / min(s, wall) if n >= ENGINE_MIN_REQUESTS else None
-        return state.at_least != before
+        if n >= ENGINE_MIN_REQUESTS:
+            bounds[replica] = x / min(s, wall)
+        else:
+            bounds.pop(replica, None)
+        return bounds.get(replica) != before
 
     def at_least(self, replica: int) -> float | None:
         """Tokens per second ``replica`` prefills at least, by its engine's timing;
         ``None`` before ``ENGINE_MIN_REQUESTS`` timed requests."""
-        state = self._replicas.get(replica)
-        return None if state is None else state.at_least
+        return self.bounds.get(replica)
 
     def forget(self, replica: int) -> None:
         self._replicas.pop(replica, None)
+        self.bounds.pop(replica, None)

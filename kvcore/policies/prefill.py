@@ -119,14 +119,13 @@ class PrefillRates:
     (:meth:`around_s`, :meth:`step_s`), which ages its books."""
 
     __slots__ = (
-        "_around", "_engine_told", "_fits", "_least", "_median", "_per_token", "_steps",
-        "_typical", "default", "engine",
+        "_around", "_fits", "_least", "_median", "_per_token", "_steps", "_typical",
+        "default", "engine",
     )  # fmt: skip
 
     def __init__(self, default: float, engine: EngineRates | None = None) -> None:
         self.default = default
         self.engine = engine
-        self._engine_told: dict[int, float] = {}  # replica -> rate it prefills at least
         self._fits: dict[int, list[float]] = {}  # replica -> decayed n, Sx, Sy, Sxx, Sxy
         self._median: float | None = None
         self._typical: tuple[float, float] | None = None  # median fixed s, median rate
@@ -236,19 +235,14 @@ class PrefillRates:
         (see :class:`~kvcore.policies.engine_rates.EngineRates`); ignored without
         :attr:`engine`."""
         engine = self.engine
-        if engine is None or not engine.report(replica, requests, seconds, tokens, at):
-            return
-        bound = engine.at_least(replica)
-        if bound is None:
-            self._engine_told.pop(replica, None)
-        else:
-            self._engine_told[replica] = bound
-        self._steps = self._slow_steps()
+        if engine is not None and engine.report(replica, requests, seconds, tokens, at):
+            self._steps = self._slow_steps()
 
     def engine_rate(self, replica: int) -> float | None:
         """Tokens per second ``replica`` prefills at least, as its engine's own timing
         shows (``None``: it does not tell yet, or no engine figures are kept)."""
-        return self._engine_told.get(replica)
+        engine = self.engine
+        return None if engine is None else engine.bounds.get(replica)
 
     def rate(self, replica: int) -> float:
         """Tokens per second ``replica`` prefills, as routing ranks it: by this router's
@@ -261,8 +255,9 @@ class PrefillRates:
         is above the timings' rate, the bound, or the configured rate once the bound is
         no longer ``LEARN_APART`` times slower than it."""
         clocked = self._clocked_rate(replica)
-        if self._engine_told:
-            bound = self._engine_told.get(replica)
+        engine = self.engine
+        if engine is not None and engine.bounds:
+            bound = engine.bounds.get(replica)
             if bound is not None and bound > clocked:
                 return self.default if bound >= self.default / LEARN_APART else _rounded(bound)
         return clocked
@@ -323,16 +318,19 @@ class PrefillRates:
             return {}
         return {o: around[o] - fixed for o in slow if around[o] > fixed}
 
-    def forget_engine(self) -> None:
-        """Drop every bound the engines' timing gave (no engine figures kept now)."""
-        self._engine_told.clear()
-        self._steps = self._slow_steps()
+    def keep_engine(self, *, on: bool) -> None:
+        """Keep (or stop keeping, dropping every bound they gave) the engines' own
+        prefill timing (:meth:`engine_report`)."""
+        if on and self.engine is None:
+            self.engine = EngineRates()
+        elif not on and self.engine is not None:
+            self.engine = None
+            self._steps = self._slow_steps()
 
     def forget(self, replica: int) -> None:
         self._fits.pop(replica, None)
         self._steps.pop(replica, None)
         self._least.pop(replica, None)
-        self._engine_told.pop(replica, None)
         if self.engine is not None:
             self.engine.forget(replica)
 
@@ -378,16 +376,6 @@ class PrefillLedger:
     @rate.setter
     def rate(self, value: float) -> None:
         self.rates.default = value
-
-    def engine_rates(self, *, on: bool) -> None:
-        """Keep (or stop keeping) the engines' own prefill timing
-        (:meth:`PrefillRates.engine_report`)."""
-        rates = self.rates
-        if on and rates.engine is None:
-            rates.engine = EngineRates()
-        elif not on and rates.engine is not None:
-            rates.engine = None
-            rates.forget_engine()
 
     def sent(self, replica: int, uncached_tokens: float, at: float) -> int:
         """A request with ``uncached_tokens`` to prefill went to ``replica`` at ``at``;
