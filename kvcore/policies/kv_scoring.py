@@ -13,7 +13,7 @@ speculatively resident on the chosen replica for ``speculative_ttl_s`` (rounded 
   round the fleet (:meth:`KvScoringPolicy.take_place`), so their turns do not coincide;
   ``kv_cost`` sends a prompt every usable replica scores the same for (a prefix all of
   them hold, no queue this router knows of) the same way
-  (:meth:`KvScoringPolicy.tied_in_turn`);
+  (:meth:`~kvcore.policies.kv_cost.KvCostPolicy.best`);
 - a hot prefix leaves a holder ``hot_prefix_gap`` requests ahead of the least busy
   replica, and any choice ``max_imbalance`` requests ahead goes to that replica
   (:meth:`KvScoringPolicy.rebalance`);
@@ -29,7 +29,6 @@ import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from math import ceil, exp, inf, log, sqrt
-from operator import attrgetter
 from typing import ClassVar
 
 from kvcore.policies.base import (
@@ -48,7 +47,6 @@ from kvcore.policies.screening import (
     TIE,
     Saturation,
     best,
-    best_tied,
     hard_exclusion,
 )
 from kvcore.workload import KvAwareWorkload, KvCostWorkload
@@ -173,7 +171,6 @@ HOT_MIN_REQUESTS = 16.0
 HELD = -1  # in the runs a hot target is given: the hot prefix's length, in blocks
 Runs = dict[int, int]  # replica ordinal -> its leading run of the prompt, in blocks
 Scores = dict[int, float]  # replica ordinal -> its score, higher is better
-by_ordinal = attrgetter("ordinal")
 HOT_KEYS = 4096  # prefixes remembered at most; the more requested half is kept beyond it
 
 
@@ -287,7 +284,6 @@ class KvScoringPolicy:
     name: ClassVar[str] = "kv"
     reads_keys = True
     places_cold_prompts = False  # True: without_hit, not the fallback, before residency data
-    ties_take_turn: ClassVar[bool] = False  # True: equal scores go to the turn (best)
 
     def __init__(self, workload: KvAwareWorkload | KvCostWorkload, rng: random.Random) -> None:
         self.workload = workload
@@ -418,47 +414,10 @@ class KvScoringPolicy:
         scores: Scores,
     ) -> ReplicaState:
         """The best-scored of ``usable`` (of ``fleet``): ties to the lower load, then at
-        random (:func:`~kvcore.policies.screening.best`), or where :attr:`ties_take_turn`,
-        as :meth:`tied_in_turn` breaks them."""
-        if not self.ties_take_turn:
-            return best(usable, scores, self._rng)
-        return self.tied_in_turn(ctx, fleet, usable, scores)
-
-    def tied_in_turn(
-        self,
-        ctx: RouteContext,
-        fleet: Sequence[ReplicaState],
-        usable: Sequence[ReplicaState],
-        scores: Scores,
-    ) -> ReplicaState:
-        """The best-scored of ``usable``. When every usable replica of ``fleet`` scores
-        the same, the next in this router's turn, as a prompt no replica holds goes
-        (:meth:`without_hit`, from the router's place: :meth:`take_place`); when only
-        some do, the lower load, then at random.
-
-        Every replica scores the same where each holds the same leading run of the
-        prompt and this router knows of no work queued on any (a chat's system prompt,
-        held everywhere, under each conversation's first turn): to this router the
-        request is then a new prompt. The lower load, each engine's last report (up to
-        a report period old, and the same for every router until the next), told them
-        apart instead, and eight proxies behind a round-robin balancer onto four
-        replicas sent the busiest 1.17-1.58x the mean share of a 48-conversation chat
-        in real processes (each router saw only its own sends between reports; kv_aware,
-        whose ``min_hit`` makes those first turns new prompts, spread them 1.00x). Among
-        some replicas only (those holding a prefix the others lack), the load stays: the
-        turn there spread each prefix over all its holders, which cost bench sim's
-        ``e2e_shared_prefix`` behind 8 routers 1.4 and 1.2 points of hit rate at seeds 2
-        and 3 (mean TTFT 0.062 -> 0.085 s, 0.056 -> 0.069 s)."""
-        tied = best_tied(usable, [scores[r.ordinal] for r in usable])
-        if len(tied) == 1:
-            return tied[0]
-        everyone = sum(1 for r in fleet if self.usable(r, ctx))
-        if len(tied) < everyone or not everyone:  # some, or all saturated: the load
-            return best(tied, scores, self._rng)
-        tied.sort(key=by_ordinal)
-        chosen = self._next_in_turn(fleet, tied)
-        assert chosen is not None
-        return chosen
+        random (:func:`~kvcore.policies.screening.best`; ``kv_cost`` gives a tie of every
+        usable replica to the turn: :meth:`~kvcore.policies.kv_cost.KvCostPolicy.best`)."""
+        del ctx, fleet
+        return best(usable, scores, self._rng)
 
     def take_place(self, index: int) -> None:
         """This router is ``index`` (0, 1, 2, ...) of several routers behind one balancer:
